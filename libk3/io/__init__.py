@@ -1,0 +1,1 @@
+"""I/O layer: config, safetensors shards, checkpoint index, tokenizer. Never imports model."""

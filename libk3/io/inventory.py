@@ -1,0 +1,145 @@
+"""What tensors a K3 checkpoint must hold, with their shapes and allowed dtypes.
+
+Owns: the expected inventory derived from a config (spec K3-MODEL.md sections 3.4 and
+4.1): every model-level, trunk and routed-expert tensor, its shape and the dtypes k3
+accepts. Does not own: reading headers (``libk3.io.safetensors``) or choosing dtypes
+for synthetic files (``libk3.synth``).
+
+Large matrices must be BF16 (verified for the release). Small vectors' dtypes are
+unverified (spec 3.4), so any of BF16/F16/F32 is accepted and widened on load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .. import names
+from ..config import MXFP4_GROUP, K3Config
+
+MATRIX = ("BF16",)
+VECTOR = ("BF16", "F16", "F32")
+PACKED = ("U8",)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple
+    dtypes: tuple      # accepted dtypes
+
+
+def a_log_width(cfg: K3Config) -> int:
+    """A_log is stored per head, zero-padded (real: 96 heads in a [128] vector). We accept
+    any width >= num_heads; synth pads to max(num_heads, head_dim) like the release."""
+    return max(cfg.num_heads, cfg.head_dim)
+
+
+def model_level(cfg: K3Config) -> list:
+    E, V = cfg.hidden_size, cfg.vocab_size
+    return [
+        TensorSpec(names.EMBED, (V, E), MATRIX),
+        TensorSpec(names.LM_HEAD, (V, E), MATRIX),
+        TensorSpec(names.NORM, (E,), VECTOR),
+        TensorSpec(names.OUTPUT_ATTN_RES_NORM, (E,), VECTOR),
+        TensorSpec(names.OUTPUT_ATTN_RES_PROJ, (1, E), VECTOR),
+    ]
+
+
+def _suffix_shapes(cfg: K3Config, L: int) -> dict:
+    """suffix -> (shape, dtypes) for every trunk tensor of layer L."""
+    E = cfg.hidden_size
+    out = {
+        "input_layernorm.weight": ((E,), VECTOR),
+        "post_attention_layernorm.weight": ((E,), VECTOR),
+        "self_attention_res_norm.weight": ((E,), VECTOR),
+        "mlp_res_norm.weight": ((E,), VECTOR),
+        "self_attention_res_proj.weight": ((1, E), VECTOR),
+        "mlp_res_proj.weight": ((1, E), VECTOR),
+    }
+    if cfg.is_mla(L):
+        H, qk, r_q, r_kv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
+        out.update({
+            "self_attn.q_a_proj.weight": ((r_q, E), MATRIX),
+            "self_attn.q_a_layernorm.weight": ((r_q,), VECTOR),
+            "self_attn.q_b_proj.weight": ((H * qk, r_q), MATRIX),
+            "self_attn.kv_a_proj_with_mqa.weight": ((r_kv + cfg.qk_rope_head_dim, E), MATRIX),
+            "self_attn.kv_a_layernorm.weight": ((r_kv,), VECTOR),
+            "self_attn.kv_b_proj.weight": ((H * (cfg.qk_nope_head_dim + cfg.v_head_dim), r_kv), MATRIX),
+            "self_attn.g_proj.weight": ((H * cfg.v_head_dim, E), MATRIX),
+            "self_attn.o_proj.weight": ((E, H * cfg.v_head_dim), MATRIX),
+        })
+    else:
+        P, H, D, K = cfg.kda_dim, cfg.num_heads, cfg.head_dim, cfg.short_conv_kernel_size
+        out.update({
+            "self_attn.q_proj.weight": ((P, E), MATRIX),
+            "self_attn.k_proj.weight": ((P, E), MATRIX),
+            "self_attn.v_proj.weight": ((P, E), MATRIX),
+            "self_attn.q_conv1d.weight": ((P, 1, K), VECTOR),
+            "self_attn.k_conv1d.weight": ((P, 1, K), VECTOR),
+            "self_attn.v_conv1d.weight": ((P, 1, K), VECTOR),
+            "self_attn.f_a_proj.weight": ((D, E), MATRIX),
+            "self_attn.f_b_proj.weight": ((P, D), MATRIX),
+            "self_attn.A_log": (None, VECTOR),   # (n,) with n >= num_heads, see a_log_width
+            "self_attn.dt_bias": ((P,), VECTOR),
+            "self_attn.b_proj.weight": ((H, E), MATRIX),
+            "self_attn.g_proj.weight": ((P, E), MATRIX),
+            "self_attn.o_norm.weight": ((D,), VECTOR),
+            "self_attn.o_proj.weight": ((E, P), MATRIX),
+        })
+    if cfg.is_dense(L):
+        I = cfg.intermediate_size
+        out.update({
+            "mlp.gate_proj.weight": ((I, E), MATRIX),
+            "mlp.up_proj.weight": ((I, E), MATRIX),
+            "mlp.down_proj.weight": ((E, I), MATRIX),
+        })
+    else:
+        N, lat, S = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.shared_width
+        out.update({
+            "block_sparse_moe.gate.weight": ((N, E), MATRIX),
+            "block_sparse_moe.gate.e_score_correction_bias": ((N,), VECTOR),
+            "block_sparse_moe.routed_expert_down_proj.weight": ((lat, E), MATRIX),
+            "block_sparse_moe.routed_expert_norm.weight": ((lat,), VECTOR),
+            "block_sparse_moe.routed_expert_up_proj.weight": ((E, lat), MATRIX),
+        })
+        if cfg.num_shared_experts > 0:
+            out.update({
+                "block_sparse_moe.shared_experts.gate_proj.weight": ((S, E), MATRIX),
+                "block_sparse_moe.shared_experts.up_proj.weight": ((S, E), MATRIX),
+                "block_sparse_moe.shared_experts.down_proj.weight": ((E, S), MATRIX),
+            })
+    return out
+
+
+def layer_trunk(cfg: K3Config, L: int) -> list:
+    """TensorSpecs of layer L's non-expert tensors. A_log's shape is None: any (n,) with
+    n >= num_heads is legal (checked with its zero padding by the reader)."""
+    return [TensorSpec(names.layer(L, sfx), shape, dtypes)
+            for sfx, (shape, dtypes) in _suffix_shapes(cfg, L).items()]
+
+
+def expert_shapes(cfg: K3Config) -> dict:
+    """(w, part) -> logical packed shape of one routed expert's tensors (spec 4.1)."""
+    lat, inter, g = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, MXFP4_GROUP
+    return {
+        ("w1", "weight_packed"): (inter, lat // 2), ("w1", "weight_scale"): (inter, lat // g),
+        ("w2", "weight_packed"): (lat, inter // 2), ("w2", "weight_scale"): (lat, inter // g),
+        ("w3", "weight_packed"): (inter, lat // 2), ("w3", "weight_scale"): (inter, lat // g),
+    }
+
+
+def experts_mxfp4_ok(cfg: K3Config) -> list:
+    """Problems that make MXFP4 experts impossible for this config (group 32 must divide
+    both expert widths)."""
+    errs = []
+    for key in ("routed_expert_hidden_size", "moe_intermediate_size"):
+        v = getattr(cfg, key)
+        if v % MXFP4_GROUP:
+            errs.append(f"{key}={v} is not a multiple of the MXFP4 group {MXFP4_GROUP}")
+    return errs
+
+
+def expert_specs(cfg: K3Config, L: int, e: int) -> list:
+    shapes = expert_shapes(cfg)
+    return [TensorSpec(names.expert(L, e, w, p), shapes[(w, p)], PACKED)
+            for w, p in names.EXPERT_PARTS]

@@ -1,0 +1,1 @@
+"""k3-doctor front end (click)."""

@@ -1,0 +1,1 @@
+"""k3-pack front end (click)."""

@@ -1,0 +1,1 @@
+"""k3-trace front end (click)."""
