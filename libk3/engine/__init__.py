@@ -1,0 +1,1 @@
+"""Engine: generation loops, sampling, run reports; composes model, weights and state."""

@@ -1,0 +1,185 @@
+"""The engine's K3 forward pass: spec K3-MODEL.md section 5 composed from numba kernels.
+
+Owns: the order of operations of one forward call over T new tokens (prefill T > 1,
+decode T = 1) against a weight provider and a State. Does not own: where weights come
+from (resident, streamed, cached: ``libk3.model.weights`` and ``libk3.stream``), the math
+inside each op (``libk3.kernels``), or sampling.
+
+Same answer everywhere: every op computes each token's values with the same accumulation
+order whether it runs for one token or a block, so prefill, chunked prefill, incremental
+decode and full re-forward give bit-identical logits; and nothing here depends on the
+budget or the thread count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels as K
+from .. import names
+from ..config import K3Config, L2NORM_EPS, MLA_LATENT_NORM_EPS
+from .state import State
+
+
+class Forward:
+    """``Forward(cfg, weights)(ids, state)`` -> float32 logits for the fed positions.
+
+    ``weights`` provides ``model()`` (dict of model-level arrays), ``layer(L)`` (mapping
+    suffix -> array: BF16 matrices as uint16 bits, vectors as float32), ``release(L)``,
+    and ``experts(L, ids)`` (expert id -> tuple of six uint8 arrays in EXPERT_PARTS order).
+    ``on_route(L, positions, ids)`` if given is called with each MoE layer's routing.
+    """
+
+    def __init__(self, cfg: K3Config, weights, on_route=None):
+        self.cfg = cfg
+        self.weights = weights
+        self.on_route = on_route
+        m = weights.model()
+        self.embed = m["embed"]
+        self.lm_head = m["lm_head"]
+        self.norm = m["norm"]
+        self.out_fold = K.fold_attn_res(m["output_attn_res_norm"], m["output_attn_res_proj"])
+
+    def __call__(self, ids, state: State, all_logits: bool = True, phase: str = "prefill"):
+        cfg = self.cfg
+        ids = np.asarray(ids, dtype=np.int64)
+        T = ids.shape[0]
+        if T == 0:
+            return np.zeros((0, cfg.vocab_size), np.float32)
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            raise ValueError(f"token id outside 0..{cfg.vocab_size - 1}")
+        state.reserve(T)
+        positions = np.arange(state.pos, state.pos + T, dtype=np.int64)
+        prefix = K.embed_rows(self.embed, ids)                       # (T, E) f32
+        blocks: list = []
+        for L in range(cfg.num_hidden_layers):
+            lw = self.weights.layer(L)
+            try:
+                prefix = self._layer(L, lw, prefix, blocks, state, positions, phase)
+            finally:
+                self.weights.release(L)
+        h = K.attn_res(blocks + [prefix], self.out_fold, cfg.rms_norm_eps)
+        if not all_logits:
+            h = h[-1:]
+        x = K.rmsnorm(h, self.norm, cfg.rms_norm_eps)
+        logits = K.bf16_matmul(self.lm_head, x)                      # (T or 1, V)
+        state.pos += T
+        state.ids.extend(int(i) for i in ids)
+        return logits
+
+    # ---- one decoder layer (spec 5.3) ------------------------------------------------
+    def _layer(self, L, lw, prefix, blocks, state, positions, phase):
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        p = prefix
+        if blocks:
+            x_a = K.attn_res(blocks + [p], K.fold_attn_res(lw["self_attention_res_norm.weight"],
+                             lw["self_attention_res_proj.weight"]), eps)
+        else:
+            x_a = p
+        empty = False
+        if cfg.is_boundary(L):
+            blocks.append(p)
+            empty = True
+        h = K.rmsnorm(x_a, lw["input_layernorm.weight"], eps)
+        if cfg.is_mla(L):
+            a = self._mla(L, lw, h, state, positions)
+        else:
+            a = self._kda(L, lw, h, state)
+        prefix = a if empty else p + a
+        x_m = K.attn_res(blocks + [prefix], K.fold_attn_res(lw["mlp_res_norm.weight"],
+                         lw["mlp_res_proj.weight"]), eps)
+        h = K.rmsnorm(x_m, lw["post_attention_layernorm.weight"], eps)
+        if cfg.is_dense(L):
+            m = self._dense(lw, h)
+        else:
+            m = self._moe(L, lw, h, positions, phase)
+        return prefix + m
+
+    # ---- KDA (spec 5.5) --------------------------------------------------------------
+    def _kda(self, L, lw, x, state):
+        cfg = self.cfg
+        T = x.shape[0]
+        H, D = cfg.num_heads, cfg.head_dim
+        q_hat = K.bf16_matmul(lw["self_attn.q_proj.weight"], x)          # (T, P)
+        k_hat = K.bf16_matmul(lw["self_attn.k_proj.weight"], x)
+        v_hat = K.bf16_matmul(lw["self_attn.v_proj.weight"], x)
+        beta = K.sigmoid(K.bf16_matmul(lw["self_attn.b_proj.weight"], x))  # (T, H)
+        z = K.bf16_matmul(lw["self_attn.f_b_proj.weight"],
+                          K.bf16_matmul(lw["self_attn.f_a_proj.weight"], x))  # (T, P)
+        conv = state.kda_conv[L]
+        q = K.short_conv(q_hat, lw["self_attn.q_conv1d.weight"], conv[0])
+        k = K.short_conv(k_hat, lw["self_attn.k_conv1d.weight"], conv[1])
+        v = K.short_conv(v_hat, lw["self_attn.v_conv1d.weight"], conv[2])
+        q = K.l2norm(q.reshape(T * H, D), L2NORM_EPS).reshape(T, H, D)
+        k = K.l2norm(k.reshape(T * H, D), L2NORM_EPS).reshape(T, H, D)
+        v = v.reshape(T, H, D)
+        alpha = K.kda_decay(z, lw["self_attn.A_log"][:H], lw["self_attn.dt_bias"],
+                            cfg.gate_lower_bound).reshape(T, H, D)
+        q = q * np.float32(D ** -0.5)
+        o = K.kda_recurrence(q, k, v, alpha, beta, state.kda_S[L])      # (T, H, D); S updated
+        o = K.rmsnorm(o.reshape(T * H, D), lw["self_attn.o_norm.weight"], cfg.rms_norm_eps)
+        gate = K.sigmoid(K.bf16_matmul(lw["self_attn.g_proj.weight"], x))
+        return K.bf16_matmul(lw["self_attn.o_proj.weight"], o.reshape(T, H * D) * gate)
+
+    # ---- gated MLA, latent form (spec 5.6) -----------------------------------------
+    def _mla(self, L, lw, x, state, positions):
+        cfg = self.cfg
+        T = x.shape[0]
+        H, nope, rope, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
+                            cfg.qk_rope_head_dim, cfg.kv_lora_rank)
+        cq = K.rmsnorm(K.bf16_matmul(lw["self_attn.q_a_proj.weight"], x),
+                       lw["self_attn.q_a_layernorm.weight"], MLA_LATENT_NORM_EPS)
+        q = K.bf16_matmul(lw["self_attn.q_b_proj.weight"], cq).reshape(T, H, nope + rope)
+        c = K.bf16_matmul(lw["self_attn.kv_a_proj_with_mqa.weight"], x)  # (T, r + rope)
+        latent = K.rmsnorm(np.ascontiguousarray(c[:, :r]), lw["self_attn.kv_a_layernorm.weight"],
+                           MLA_LATENT_NORM_EPS)
+        p0 = int(positions[0])
+        state.mla_latent[L][p0:p0 + T] = latent
+        state.mla_rope[L][p0:p0 + T] = c[:, r:]
+        out = K.mla_attention(np.ascontiguousarray(q), lw["self_attn.kv_b_proj.weight"],
+                              state.mla_latent[L], state.mla_rope[L], positions, nope,
+                              cfg.v_head_dim)                            # (T, H * v)
+        gate = K.sigmoid(K.bf16_matmul(lw["self_attn.g_proj.weight"], x))
+        return K.bf16_matmul(lw["self_attn.o_proj.weight"], out * gate)
+
+    # ---- MLPs (spec 5.7, 5.8) -------------------------------------------------------
+    def _situ(self, g, u):
+        return K.situ(g, u, self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
+
+    def _dense(self, lw, x):
+        h = self._situ(K.bf16_matmul(lw["mlp.gate_proj.weight"], x),
+                       K.bf16_matmul(lw["mlp.up_proj.weight"], x))
+        return K.bf16_matmul(lw["mlp.down_proj.weight"], h)
+
+    def _moe(self, L, lw, x, positions, phase):
+        cfg = self.cfg
+        T = x.shape[0]
+        logits = K.bf16_matmul(lw["block_sparse_moe.gate.weight"], x)        # (T, N)
+        ids, w = K.route(logits, lw["block_sparse_moe.gate.e_score_correction_bias"],
+                         cfg.num_experts_per_token, cfg.moe_renormalize,
+                         cfg.routed_scaling_factor)                          # (T, k)
+        if self.on_route is not None:
+            self.on_route(L, positions, ids, phase)
+        z = K.bf16_matmul(lw["block_sparse_moe.routed_expert_down_proj.weight"], x)  # (T, lat)
+        # Each distinct expert is fetched once for the whole block of tokens and applied
+        # to the tokens that chose it; outputs are kept per (token, slot) and summed in
+        # selection order, so the result is bit-identical to token-by-token evaluation.
+        distinct = np.unique(ids)
+        tensors = self.weights.experts(L, distinct)
+        outs = np.zeros((T, ids.shape[1], z.shape[1]), np.float32)
+        for e in distinct:
+            tok, slot = np.nonzero(ids == e)
+            w1p, w1s, w2p, w2s, w3p, w3s = tensors[int(e)]
+            zs = np.ascontiguousarray(z[tok])
+            hmid = self._situ(K.mxfp4_matmul(w1p, w1s, zs), K.mxfp4_matmul(w3p, w3s, zs))
+            outs[tok, slot] = K.mxfp4_matmul(w2p, w2s, hmid)
+        u = K.weighted_sum(outs, w)                                         # (T, lat)
+        if cfg.latent_moe_use_norm:
+            u = K.rmsnorm(u, lw["block_sparse_moe.routed_expert_norm.weight"], cfg.rms_norm_eps)
+        y = K.bf16_matmul(lw["block_sparse_moe.routed_expert_up_proj.weight"], u)
+        if cfg.num_shared_experts > 0:
+            hs = self._situ(K.bf16_matmul(lw["block_sparse_moe.shared_experts.gate_proj.weight"], x),
+                            K.bf16_matmul(lw["block_sparse_moe.shared_experts.up_proj.weight"], x))
+            y = y + K.bf16_matmul(lw["block_sparse_moe.shared_experts.down_proj.weight"], hs)
+        return y
