@@ -41,3 +41,75 @@ def synth(out, preset, seed, json_out, quiet):
         click.echo(f"wrote {info['shards']} shards, {info['tensors']} tensors, "
                    f"{info['apparent_bytes'] / 1e9:.3f} GB apparent, "
                    f"{info['disk_bytes'] / 1e9:.3f} GB on disk to {path}")
+
+
+@main.command("pack")
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--dry-run", is_flag=True, help="Print the plan (sizes, disk needed, free) only.")
+@click.option("--throttle-mbps", type=click.FloatRange(min=0, min_open=True),
+              help="Cap the copy rate (MB/s) to leave the disk to other work.")
+@click.option("--json", "json_out", is_flag=True, help="Print the summary as JSON.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@handle_errors
+def pack_cmd(checkpoint, out, dry_run, throttle_mbps, json_out, quiet):
+    """Pack CHECKPOINT into OUT (trunk.bin, trunk.json, experts.idx). Resumable."""
+    import shutil
+    from pathlib import Path
+
+    from libk3.io.checkpoint import Checkpoint
+    from libk3.pack import disk_needed, pack, pack_state, plan_pack
+
+    with Checkpoint.open(checkpoint) as ckpt:
+        if dry_run:
+            plans = plan_pack(ckpt)
+            probe = Path(out)
+            while not probe.exists():
+                probe = probe.parent
+            info = {"checkpoint": checkpoint, "out": out, "layers": len(plans),
+                    "trunk_bytes": disk_needed(plans), "disk_free": shutil.disk_usage(probe).free,
+                    "state": pack_state(out, ckpt)}
+            if json_out:
+                print_json(info)
+            else:
+                click.echo(f"{info['layers']} layers, trunk {info['trunk_bytes'] / 1e9:.3f} GB "
+                           f"needed, {info['disk_free'] / 1e9:.1f} GB free at {probe}; "
+                           f"pack is {info['state']}")
+            return
+        res = pack(ckpt, out, progress=not quiet, throttle_mbps=throttle_mbps)
+    info = {"out": res.out, "layers": res.layers_total, "packed": res.layers_packed,
+            "resumed": res.layers_resumed, "bytes_written": res.bytes_written,
+            "seconds": round(res.seconds, 3), "mb_per_s": round(res.mb_per_s, 1),
+            "already_complete": res.already_complete}
+    if json_out:
+        print_json(info)
+    elif res.already_complete:
+        click.echo(f"{out}: pack already complete for this checkpoint; nothing to do")
+    else:
+        click.echo(f"packed {res.layers_packed} layers ({res.layers_resumed} verified from an "
+                   f"earlier run), {res.bytes_written / 1e6:.1f} MB in {res.seconds:.2f} s "
+                   f"= {res.mb_per_s:.0f} MB/s")
+
+
+@main.command("verify")
+@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.option("--against", type=click.Path(exists=True, file_okay=False),
+              help="Also compare every byte with this checkpoint.")
+@click.option("--json", "json_out", is_flag=True)
+@click.option("--quiet", is_flag=True)
+@handle_errors
+def verify_cmd(out, against, json_out, quiet):
+    """Re-check a pack's checksums (and, with --against, its bytes against the source)."""
+    from libk3.io.checkpoint import Checkpoint
+    from libk3.pack import verify
+
+    if against:
+        with Checkpoint.open(against) as ckpt:
+            info = verify(out, ckpt, progress=not quiet)
+    else:
+        info = verify(out, None, progress=not quiet)
+    if json_out:
+        print_json(info)
+    else:
+        click.echo(f"{out}: ok ({info['layers']} layers, {info['experts']} experts"
+                   + (", bytes match the checkpoint)" if against else ")"))

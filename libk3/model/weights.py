@@ -1,0 +1,82 @@
+"""Weight providers: where the forward pass gets its tensors from.
+
+Owns: the provider interface the forward pass is written against, and the simplest
+provider, ``ResidentWeights``, which reads every tensor once from a checkpoint into RAM.
+Does not own: streaming, pinning or caching (``libk3.stream``), which implement the same
+interface so the math never changes with the budget.
+
+Interface: ``model()`` -> dict(embed, lm_head: uint16 BF16 bits [V, E]; norm,
+output_attn_res_norm, output_attn_res_proj: float32); ``layer(L)`` -> mapping suffix ->
+array (BF16 matrices stay uint16 bits, widened on the fly by the kernels; small vectors
+are float32); ``release(L)`` when the forward is done with layer L; ``experts(L, ids)`` ->
+{id: (w1_packed, w1_scale, w2_packed, w2_scale, w3_packed, w3_scale)} uint8 arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import names
+from ..config import K3Config
+from ..io import inventory
+
+
+def load_layer(ckpt, cfg: K3Config, L: int) -> dict:
+    """Read layer L's trunk tensors: matrices as BF16 bits, vectors widened to f32."""
+    out = {}
+    prefix = names.layer_prefix(L)
+    for spec in inventory.layer_trunk(cfg, L):
+        suffix = spec.name[len(prefix):]
+        if spec.dtypes == inventory.MATRIX:
+            out[suffix] = ckpt.read_bf16(spec.name)
+        else:
+            out[suffix] = np.ascontiguousarray(ckpt.read(spec.name), dtype=np.float32)
+    return out
+
+
+def split_expert_run(run, raw: np.ndarray) -> tuple:
+    """Slice one expert's run bytes into its six shaped uint8 tensors (EXPERT_PARTS order)."""
+    out = []
+    for key in names.EXPERT_PARTS:
+        sub, nbytes, shape = run.parts[key]
+        out.append(raw[sub:sub + nbytes].reshape(shape))
+    return tuple(out)
+
+
+def load_model_level(ckpt) -> dict:
+    return {
+        "embed": ckpt.read_bf16(names.EMBED),
+        "lm_head": ckpt.read_bf16(names.LM_HEAD),
+        "norm": ckpt.read(names.NORM).astype(np.float32),
+        "output_attn_res_norm": ckpt.read(names.OUTPUT_ATTN_RES_NORM).astype(np.float32),
+        "output_attn_res_proj": ckpt.read(names.OUTPUT_ATTN_RES_PROJ).astype(np.float32).reshape(-1),
+    }
+
+
+class ResidentWeights:
+    """Everything in RAM, read once at construction (for small models and tests)."""
+
+    def __init__(self, ckpt):
+        self.cfg = ckpt.config
+        cfg = self.cfg
+        self._model = load_model_level(ckpt)
+        self._layers = [load_layer(ckpt, cfg, L) for L in range(cfg.num_hidden_layers)]
+        self._experts = {}
+        for L in cfg.moe_layers:
+            for e in range(cfg.num_experts):
+                run = ckpt.expert_run(L, e)
+                raw = np.empty(run.nbytes, np.uint8)
+                ckpt.read_span(run.path, run.offset, run.nbytes, raw)
+                self._experts[(L, e)] = split_expert_run(run, raw)
+
+    def model(self) -> dict:
+        return self._model
+
+    def layer(self, L: int) -> dict:
+        return self._layers[L]
+
+    def release(self, L: int) -> None:
+        pass
+
+    def experts(self, L: int, ids) -> dict:
+        return {int(e): self._experts[(L, int(e))] for e in ids}

@@ -1,0 +1,445 @@
+"""Packing a checkpoint for streaming: trunk.bin, trunk.json and experts.idx (formats/pack.md).
+
+Owns: copying every layer's trunk run verbatim into one page-aligned file, the manifest,
+the compact expert index, resuming after an interruption, and verification. Does not own:
+reading safetensors (``libk3.io``) or streaming at run time (``libk3.stream``).
+
+Why this shape: one positioned read (O_DIRECT-capable: 4096-aligned offset and length)
+loads one whole layer; the experts stay in the shards and are located through a
+fixed-width binary index (48 bytes per expert, ~4 MB for the real 82,432) that loads with
+one ``numpy.frombuffer``. Completion is marked by ``trunk.json`` appearing last, so a
+directory without it is never mistaken for a finished pack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import shutil
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from . import names
+from .errors import CheckpointError, FormatError, K3IOError, BudgetError
+
+PACK_FORMAT = "k3-pack"
+PACK_VERSION = 1
+ALIGN = 4096
+COPY_BLOCK = 8 << 20                 # 8 MiB reads and writes
+TRUNK_FILE, MANIFEST_FILE, EXPERT_INDEX_FILE = "trunk.bin", "trunk.json", "experts.idx"
+PARTIAL_FILE, JOURNAL_FILE = "trunk.bin.partial", "pack.journal"
+EXPERT_INDEX_MAGIC = b"K3EXPIDX"
+EXPERT_RECORD = np.dtype([("shard", "<u2"), ("layer", "<u2"), ("expert", "<u4"),
+                          ("offset", "<u8"), ("nbytes", "<u8"), ("sub", "<u4", (6,))])
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclasses.dataclass
+class LayerPlan:
+    layer: int
+    shard: str             # file name inside the checkpoint directory
+    run_start: int         # absolute offset of the run in the shard
+    nbytes: int            # run length (unpadded)
+    file_off: int          # offset in trunk.bin (multiple of ALIGN)
+    tensors: dict          # suffix -> {off, nbytes, dtype, shape}
+
+
+def plan_pack(ckpt) -> list:
+    """Layer runs and their places in trunk.bin; refuses non-contiguous runs."""
+    plans, off = [], 0
+    for L in range(ckpt.config.num_hidden_layers):
+        path, start, nbytes, tensors = ckpt.layer_trunk_run(L)
+        prefix = names.layer_prefix(L)
+        tmap = {name[len(prefix):]: {"off": sub, "nbytes": nb, "dtype": dt, "shape": list(sh)}
+                for name, (sub, nb, dt, sh) in tensors.items()}
+        plans.append(LayerPlan(L, Path(path).name, start, nbytes, off, tmap))
+        off += align_up(nbytes)
+    return plans
+
+
+def _source_identity(ckpt) -> dict:
+    ident = ckpt.identity()
+    return {"config_fingerprint": ident["config_fingerprint"],
+            "shards": [[name, size] for name, size in ident["shards"]]}
+
+
+def pack_state(out_dir, ckpt=None) -> str:
+    """'missing', 'partial', 'complete', or 'stale' (complete but for another checkpoint)."""
+    d = Path(out_dir)
+    if (d / MANIFEST_FILE).is_file():
+        if ckpt is None:
+            return "complete"
+        try:
+            man = json.loads((d / MANIFEST_FILE).read_text())
+        except (OSError, json.JSONDecodeError):
+            return "partial"
+        return "complete" if man.get("source") == _source_identity(ckpt) else "stale"
+    if (d / PARTIAL_FILE).exists() or (d / JOURNAL_FILE).exists():
+        return "partial"
+    return "missing"
+
+
+def _journal_read(d: Path, ident: dict) -> dict:
+    """Finished layers {L: crc} from a journal written for this same source, else {}."""
+    p = d / JOURNAL_FILE
+    if not p.is_file() or not (d / PARTIAL_FILE).is_file():
+        return {}
+    done, header_ok = {}, False
+    for i, line in enumerate(p.read_text().splitlines()):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            break                       # a torn last line: ignore it and what follows
+        if i == 0:
+            header_ok = rec.get("source") == ident and rec.get("version") == PACK_VERSION
+            if not header_ok:
+                return {}
+            continue
+        done[int(rec["layer"])] = int(rec["crc32"])
+    return done
+
+
+def _journal_append(d: Path, rec: dict) -> None:
+    with open(d / JOURNAL_FILE, "a", encoding="utf-8") as f:
+        f.write(json.dumps(rec, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _crc_of_file_range(fd: int, off: int, n: int) -> int:
+    crc, buf = 0, bytearray(COPY_BLOCK)
+    mv = memoryview(buf)
+    while n > 0:
+        k = os.preadv(fd, [mv[:min(n, COPY_BLOCK)]], off)
+        if k <= 0:
+            raise FormatError("pack file ends early", tensor=None)
+        crc = zlib.crc32(mv[:k], crc)
+        off += k
+        n -= k
+    return crc
+
+
+@dataclasses.dataclass
+class PackResult:
+    out: str
+    layers_total: int
+    layers_packed: int
+    layers_resumed: int
+    bytes_written: int
+    seconds: float
+    already_complete: bool = False
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_written / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+
+def disk_needed(plans) -> int:
+    return sum(align_up(p.nbytes) for p in plans)
+
+
+def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = None) -> PackResult:
+    """Pack ``ckpt`` into ``out_dir``: resumable, never rewrites a finished pack."""
+    from tqdm import tqdm
+
+    d = Path(out_dir)
+    ident = _source_identity(ckpt)
+    state = pack_state(d, ckpt)
+    plans = plan_pack(ckpt)
+    if state == "complete":
+        return PackResult(str(d), len(plans), 0, len(plans), 0, 0.0, already_complete=True)
+    if state == "stale":
+        raise FormatError("this directory holds a finished pack of a different checkpoint",
+                          path=d, hint="choose another OUT directory")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise K3IOError(f"cannot create the pack directory: {e.strerror}", path=d) from None
+    if not os.access(d, os.W_OK):
+        raise K3IOError("the pack directory is not writable (read-only disk?)", path=d)
+    total = disk_needed(plans)
+    done = _journal_read(d, ident)
+    have = (d / PARTIAL_FILE).stat().st_size if (d / PARTIAL_FILE).exists() else 0
+    free = shutil.disk_usage(d).free
+    if total - have > free:
+        raise BudgetError("not enough free disk for the pack", path=d,
+                          expected=f"{total - have} bytes", found=f"{free} bytes free")
+    if not done:
+        _start_fresh(d, ident)
+    t0 = time.perf_counter()
+    fd_out = os.open(d / PARTIAL_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    resumed, written = 0, 0
+    try:
+        os.ftruncate(fd_out, total) if os.fstat(fd_out).st_size < total else None
+        # verify what the journal claims, then copy the rest
+        todo = []
+        for p in plans:
+            if p.layer in done and _crc_of_file_range(fd_out, p.file_off, p.nbytes) == done[p.layer]:
+                resumed += 1
+            else:
+                todo.append(p)
+        bar = tqdm(total=sum(p.nbytes for p in todo), unit="B", unit_scale=True,
+                   desc="k3-pack", disable=not progress)
+        for p, crc in _copy_layers(ckpt.dir, todo, fd_out, bar, throttle_mbps):
+            _journal_append(d, {"layer": p.layer, "crc32": crc})
+            written += p.nbytes
+        bar.close()
+        os.fsync(fd_out)
+    finally:
+        os.close(fd_out)
+    crcs = _journal_read(d, ident)
+    _write_expert_index(ckpt, d)
+    os.replace(d / PARTIAL_FILE, d / TRUNK_FILE)
+    _write_manifest(ckpt, d, plans, crcs, ident)
+    (d / JOURNAL_FILE).unlink(missing_ok=True)
+    _fsync_dir(d)
+    return PackResult(str(d), len(plans), len(todo), resumed, written, time.perf_counter() - t0)
+
+
+def _start_fresh(d: Path, ident: dict) -> None:
+    (d / PARTIAL_FILE).unlink(missing_ok=True)
+    with open(d / JOURNAL_FILE, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"version": PACK_VERSION, "source": ident}, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
+    """Yield (plan, crc32) per layer once its bytes are written. A reader thread reads
+    ahead (bounded queue of 8 MiB blocks) while this thread writes: I/O overlaps."""
+    q: queue.Queue = queue.Queue(maxsize=4)
+    err: list = []
+
+    def reader():
+        fds = {}
+        try:
+            for p in plans:
+                fd = fds.get(p.shard)
+                if fd is None:
+                    fd = fds[p.shard] = os.open(Path(src_dir) / p.shard, os.O_RDONLY)
+                off, left = p.run_start, p.nbytes
+                while left > 0:
+                    buf = bytearray(min(left, COPY_BLOCK))
+                    k = os.preadv(fd, [buf], off)
+                    if k != len(buf):
+                        raise CheckpointError("shard ends inside a layer's trunk run "
+                                              "(truncated download?)", path=Path(src_dir) / p.shard,
+                                              tensor=f"layer {p.layer}")
+                    q.put((p, buf))
+                    off += k
+                    left -= k
+                q.put((p, None))
+        except BaseException as e:          # handed to the writer thread, re-raised there
+            err.append(e)
+            q.put(None)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    th = threading.Thread(target=reader, daemon=True)
+    th.start()
+    t0 = time.perf_counter()
+    sent = 0
+    pos = {}
+    crc = {}
+    while True:
+        item = q.get()
+        if item is None:
+            raise err[0]
+        p, buf = item
+        if buf is None:
+            pad = align_up(p.nbytes) - p.nbytes
+            if pad:
+                os.pwrite(fd_out, bytes(pad), p.file_off + p.nbytes)
+            yield p, crc.pop(p.layer, 0)
+            if p is plans[-1]:
+                break
+            continue
+        off = p.file_off + pos.get(p.layer, 0)
+        try:
+            n = os.pwrite(fd_out, buf, off)
+        except OSError as e:
+            raise K3IOError(f"cannot write the pack: {e.strerror}", path=None) from None
+        if n != len(buf):
+            raise K3IOError("short write to the pack (disk full?)")
+        pos[p.layer] = pos.get(p.layer, 0) + n
+        crc[p.layer] = zlib.crc32(buf, crc.get(p.layer, 0))
+        sent += n
+        bar.update(n)
+        if throttle_mbps:
+            ahead = sent / (throttle_mbps * 1e6) - (time.perf_counter() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
+    th.join()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_expert_index(ckpt, d: Path) -> None:
+    cfg = ckpt.config
+    shards = sorted({Path(s).name for s, _ in ckpt.identity()["shards"]})
+    shard_idx = {s: i for i, s in enumerate(shards)}
+    moe = list(cfg.moe_layers)
+    rec = np.zeros(len(moe) * cfg.num_experts, EXPERT_RECORD)
+    parts = None
+    i = 0
+    for L in moe:
+        for e in range(cfg.num_experts):
+            run = ckpt.expert_run(L, e)
+            rec[i]["shard"] = shard_idx[Path(run.path).name]
+            rec[i]["layer"], rec[i]["expert"] = L, e
+            rec[i]["offset"], rec[i]["nbytes"] = run.offset, run.nbytes
+            rec[i]["sub"] = [run.parts[k][0] for k in names.EXPERT_PARTS]
+            if parts is None:
+                parts = [[w, p, list(run.parts[(w, p)][2]), run.parts[(w, p)][1]]
+                         for w, p in names.EXPERT_PARTS]
+            i += 1
+    head = json.dumps({"version": PACK_VERSION, "shards": shards, "n_layers": cfg.num_hidden_layers,
+                       "n_experts": cfg.num_experts, "moe_layers": moe, "parts": parts,
+                       "records": int(rec.size), "record_bytes": EXPERT_RECORD.itemsize},
+                      sort_keys=True).encode()
+    blob = EXPERT_INDEX_MAGIC + len(head).to_bytes(4, "little") + head + rec.tobytes()
+    _write_atomic(d / EXPERT_INDEX_FILE, blob)
+
+
+def _write_manifest(ckpt, d: Path, plans, crcs: dict, ident: dict) -> None:
+    model_level = {}
+    for name in names.MODEL_LEVEL:
+        e = ckpt.entries[name]
+        model_level[name] = {"shard": Path(e.path).name, "offset": e.offset, "nbytes": e.nbytes,
+                             "dtype": e.dtype, "shape": list(e.shape)}
+    doc = {"format": PACK_FORMAT, "version": PACK_VERSION, "align": ALIGN, "source": ident,
+           "trunk_file": TRUNK_FILE, "trunk_bytes": disk_needed(plans),
+           "expert_index": EXPERT_INDEX_FILE, "model_level": model_level,
+           "layers": [{"layer": p.layer, "shard": p.shard, "run_start": p.run_start,
+                       "nbytes": p.nbytes, "padded": align_up(p.nbytes), "file_off": p.file_off,
+                       "crc32": crcs[p.layer], "tensors": p.tensors} for p in plans]}
+    _write_atomic(d / MANIFEST_FILE, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+
+
+# ---- reading and verifying a pack --------------------------------------------------
+
+def load_manifest(out_dir) -> dict:
+    """trunk.json, checked for format, version, alignment and layer layout."""
+    p = Path(out_dir) / MANIFEST_FILE
+    if not p.is_file():
+        raise FormatError("no trunk.json: not a finished pack", path=Path(out_dir),
+                          hint="run `k3-pack CHECKPOINT OUT` (it resumes an interrupted pack)")
+    try:
+        man = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(f"unreadable manifest: {e}", path=p) from None
+    if man.get("format") != PACK_FORMAT or man.get("version") != PACK_VERSION:
+        raise FormatError("unsupported pack format or version", path=p,
+                          expected=f"{PACK_FORMAT} v{PACK_VERSION}",
+                          found=f"{man.get('format')} v{man.get('version')}")
+    if man.get("align") != ALIGN:
+        raise FormatError("pack alignment is not 4096", path=p, found=man.get("align"))
+    end = 0
+    for i, lay in enumerate(man["layers"]):
+        if lay["layer"] != i or lay["file_off"] % ALIGN or lay["file_off"] < end:
+            raise FormatError("layer table is out of order or misaligned", path=p,
+                              tensor=f"layer {i}")
+        end = lay["file_off"] + lay["padded"]
+    size = (Path(out_dir) / TRUNK_FILE).stat().st_size if (Path(out_dir) / TRUNK_FILE).exists() else -1
+    if size != man["trunk_bytes"] or end != size:
+        raise FormatError("trunk.bin size does not match the manifest", path=Path(out_dir) / TRUNK_FILE,
+                          expected=man["trunk_bytes"], found=size)
+    return man
+
+
+def load_expert_index(out_dir):
+    """(header dict, records ndarray of EXPERT_RECORD) from experts.idx."""
+    p = Path(out_dir) / EXPERT_INDEX_FILE
+    try:
+        blob = p.read_bytes()
+    except OSError as e:
+        raise FormatError(f"cannot read the expert index: {e.strerror}", path=p) from None
+    if blob[:8] != EXPERT_INDEX_MAGIC or len(blob) < 12:
+        raise FormatError("not a k3 expert index (bad magic)", path=p)
+    hlen = int.from_bytes(blob[8:12], "little")
+    try:
+        head = json.loads(blob[12:12 + hlen])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise FormatError("expert index header is not valid JSON", path=p) from None
+    body = blob[12 + hlen:]
+    if head.get("version") != PACK_VERSION or head.get("record_bytes") != EXPERT_RECORD.itemsize \
+            or len(body) != head.get("records", -1) * EXPERT_RECORD.itemsize:
+        raise FormatError("expert index version or size does not match its header", path=p)
+    return head, np.frombuffer(body, dtype=EXPERT_RECORD)
+
+
+def check_pack_matches(out_dir, ckpt) -> dict:
+    """The manifest, after refusing a pack built from a different checkpoint."""
+    man = load_manifest(out_dir)
+    if man["source"] != _source_identity(ckpt):
+        raise FormatError("this pack was built from a different checkpoint", path=out_dir,
+                          hint="re-run k3-pack for this checkpoint")
+    return man
+
+
+def verify(out_dir, ckpt=None, progress: bool = True) -> dict:
+    """Re-check every layer's checksum; with ``ckpt``, also every byte against its source
+    and the expert index against the shard headers. Raises FormatError naming the first
+    bad layer; returns a summary."""
+    from tqdm import tqdm
+
+    d = Path(out_dir)
+    man = check_pack_matches(d, ckpt) if ckpt is not None else load_manifest(d)
+    fd = os.open(d / TRUNK_FILE, os.O_RDONLY)
+    src_fds = {}
+    try:
+        bar = tqdm(total=sum(l["nbytes"] for l in man["layers"]), unit="B", unit_scale=True,
+                   desc="verify", disable=not progress)
+        for lay in man["layers"]:
+            if _crc_of_file_range(fd, lay["file_off"], lay["nbytes"]) != lay["crc32"]:
+                raise FormatError("checksum mismatch", path=d / TRUNK_FILE,
+                                  tensor=f"layer {lay['layer']}")
+            if ckpt is not None:
+                sfd = src_fds.get(lay["shard"])
+                if sfd is None:
+                    sfd = src_fds[lay["shard"]] = os.open(ckpt.dir / lay["shard"], os.O_RDONLY)
+                if _crc_of_file_range(sfd, lay["run_start"], lay["nbytes"]) != lay["crc32"]:
+                    raise FormatError("bytes differ from the source checkpoint",
+                                      path=d / TRUNK_FILE, tensor=f"layer {lay['layer']}")
+            bar.update(lay["nbytes"])
+        bar.close()
+    finally:
+        os.close(fd)
+        for sfd in src_fds.values():
+            os.close(sfd)
+    head, rec = load_expert_index(d)
+    if ckpt is not None:
+        for r in rec:
+            run = ckpt.expert_run(int(r["layer"]), int(r["expert"]))
+            if (Path(run.path).name != head["shards"][r["shard"]] or run.offset != r["offset"]
+                    or run.nbytes != r["nbytes"]):
+                raise FormatError("expert index disagrees with the shard headers",
+                                  path=d / EXPERT_INDEX_FILE,
+                                  tensor=f"layer {r['layer']} expert {r['expert']}")
+    return {"pack": str(d), "layers": len(man["layers"]), "experts": int(rec.size),
+            "trunk_bytes": man["trunk_bytes"], "against_checkpoint": ckpt is not None, "ok": True}
