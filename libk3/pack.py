@@ -189,7 +189,7 @@ def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = 
                 todo.append(p)
         bar = tqdm(total=sum(p.nbytes for p in todo), unit="B", unit_scale=True,
                    desc="k3-pack", disable=not progress)
-        for p, crc in _copy_layers(ckpt.dir, todo, fd_out, bar, throttle_mbps):
+        for p, crc in _copy_layers(ckpt.model_dir, todo, fd_out, bar, throttle_mbps):
             _journal_append(d, {"layer": p.layer, "crc32": crc})
             written += p.nbytes
         bar.close()
@@ -329,7 +329,7 @@ def _write_expert_index(ckpt, d: Path) -> None:
 def _write_manifest(ckpt, d: Path, plans, crcs: dict, ident: dict) -> None:
     model_level = {}
     for name in names.MODEL_LEVEL:
-        e = ckpt.entries[name]
+        e = ckpt.entry(name)
         model_level[name] = {"shard": Path(e.path).name, "offset": e.offset, "nbytes": e.nbytes,
                              "dtype": e.dtype, "shape": list(e.shape)}
     doc = {"format": PACK_FORMAT, "version": PACK_VERSION, "align": ALIGN, "source": ident,
@@ -422,7 +422,7 @@ def verify(out_dir, ckpt=None, progress: bool = True) -> dict:
             if ckpt is not None:
                 sfd = src_fds.get(lay["shard"])
                 if sfd is None:
-                    sfd = src_fds[lay["shard"]] = os.open(ckpt.dir / lay["shard"], os.O_RDONLY)
+                    sfd = src_fds[lay["shard"]] = os.open(ckpt.model_dir / lay["shard"], os.O_RDONLY)
                 if _crc_of_file_range(sfd, lay["run_start"], lay["nbytes"]) != lay["crc32"]:
                     raise FormatError("bytes differ from the source checkpoint",
                                       path=d / TRUNK_FILE, tensor=f"layer {lay['layer']}")
