@@ -1,0 +1,560 @@
+"""The K3 tokenizer: tiktoken-style byte-level BPE read from a model directory.
+
+Owns: strict reading of the three tokenizer files (``tiktoken.model``,
+``tokenizer_config.json``, ``tokenization_kimi.py``; byte layout and numbered invariants in
+``formats/tokenizer.md``), the GPT-2 byte<->unicode map, rank-BPE (spec K3-MODEL.md 8.2),
+building the equivalent ``tokenizers.Tokenizer`` (spec 8.5), encoding, byte-exact decoding
+and streaming detokenization. Does not own: chat formatting, stop-token policy (engine) or
+writing tokenizer files for synthetic checkpoints (``libk3.synth.bpe``).
+
+Why these choices:
+* Encoding runs in HF ``tokenizers`` (a runtime dependency, Rust speed); ``tiktoken`` is
+  only the test oracle. Spec 8.5 says how to make the two agree: merges are derived per
+  token by rank-BPE on its own bytes restricted to lower ranks, and ``ignore_merges`` lets a
+  pre-token that is itself a token come out whole, as tiktoken does.
+* Injection safety: user text must never turn ``<|end_of_msg|>`` typed by a user into the
+  special id. Two ``Tokenizer`` objects share ONE BPE model (sharing costs no memory or
+  time, measured): ``hf`` carries the special tokens as added tokens (spec 8.5 step 5),
+  ``_plain`` has none, so ``encode(..., allow_special=False)`` cannot match them. (Toggling
+  ``encode_special_tokens`` on one object would be hidden mutable state.)
+* No cache of the derived merges: building from the real 163,584 ranks takes 1.8 s
+  (read 0.3 s, rank-BPE merge derivation 1.1 s, HF construction 0.4 s; measured on the
+  synthetic real-size vocabulary, tests/test_tokenizer.py), far below model load time.
+* Decoding does not use HF: its ByteLevel decoder returns ``str`` and loses the bytes of a
+  token that ends mid UTF-8 character. We keep every id's raw bytes and join them.
+* ``pat_str`` is read from ``tokenization_kimi.py`` by parsing it with ``ast`` and
+  evaluating only string literals, ``+`` and ``"sep".join([...])``; the file is never
+  executed (it is code from the checkpoint directory).
+* The split regex needs character-class intersection (``&&``, spec 8.3). HF's Oniguruma
+  and tiktoken's fancy-regex implement it; Python's ``re`` does not, and ``regex`` only in
+  V1 mode, so no Python regex engine is used for splitting anywhere in k3.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import binascii
+import codecs
+import json
+import operator
+import re
+from pathlib import Path
+
+from ..errors import CheckpointError, K3Error
+
+TIKTOKEN_FILE = "tiktoken.model"
+CONFIG_FILE = "tokenizer_config.json"
+KIMI_FILE = "tokenization_kimi.py"
+
+# The K3 split regex as spec 8.3 lists it (eight alternatives, in this order). Used only
+# when a model directory has no tokenization_kimi.py; the released literal is unverified.
+K3_PAT_STR = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+
+# Stack-safety cuts of tokenization_kimi.py (spec 8.2, unverified, from copies of the
+# file): text is encoded in chunks of at most this many characters ...
+MAX_ENCODE_CHARS = 400_000
+# ... and no piece holds a run of more than this many consecutive whitespace (or
+# non-whitespace) characters, whitespace as Python's str.isspace decides.
+MAX_RUN_CHARS = 25_000
+
+
+# ---- byte-level alphabet (spec 8.5 step 1) ------------------------------------------
+
+def gpt2_byte_order() -> list:
+    """The 256 byte values in GPT-2 byte-level order: the 188 printable bytes (0x21..0x7E,
+    0xA1..0xAC, 0xAE..0xFF) first, then the other 68 in byte order. K3's lowest ranks are
+    the single bytes in this order, so rank k = byte 0x21 + k for k < 94 (spec 8.5)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    rest = [b for b in range(256) if b not in set(printable)]
+    return printable + rest
+
+
+def byte_to_unicode() -> list:
+    """list[256] of one-character strings: printable bytes map to themselves, the n-th
+    other byte (in byte order) to chr(0x100 + n). The alphabet of HF byte-level vocab."""
+    order = gpt2_byte_order()
+    table = [""] * 256
+    for n, b in enumerate(order[188:]):
+        table[b] = chr(0x100 + n)
+    for b in order[:188]:
+        table[b] = chr(b)
+    return table
+
+
+# ---- rank-BPE (spec 8.2 step 3) -----------------------------------------------------
+
+def bpe_parts(piece: bytes, ranks: dict, limit=None) -> list:
+    """Split ``piece`` by rank-BPE: start from single bytes, repeatedly merge the leftmost
+    adjacent pair whose CONCATENATION has the lowest rank (< ``limit`` when given), stop
+    when no adjacent pair is a token. Returns the parts (bytes).
+
+    Not "merge the most frequent pair" and not a merges-list lookup: tiktoken has no merges
+    file, any adjacent pair whose concatenation is a token may merge."""
+    parts = [piece[i:i + 1] for i in range(len(piece))]
+    bound = float("inf") if limit is None else limit
+    while len(parts) > 1:
+        best_rank, best_i = bound, -1
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and rank < best_rank:
+                best_rank, best_i = rank, i
+        if best_i < 0:
+            break
+        parts[best_i:best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+    return parts
+
+
+# ---- tiktoken.model -----------------------------------------------------------------
+
+def read_tiktoken_model(path) -> list:
+    """Ranks of ``tiktoken.model`` as a list: element k is the raw bytes of rank k.
+
+    Strict (formats/tokenizer.md T1-T6): one ``<base64> <rank>`` per line with one space,
+    ``\\n`` or ``\\r\\n`` endings, empty lines skipped, canonical padded base64 of at least
+    one byte, canonical decimal ranks, ranks dense 0..n-1, no rank or byte string twice.
+    Every violation names the file and line."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError("tokenizer file missing", path=path,
+                              hint="a K3 model directory needs tiktoken.model "
+                                   "(spec 8.1)") from None
+    by_rank = {}          # rank -> (bytes, line)
+    line_of_bytes = {}    # bytes -> line
+    for lineno, raw_line in enumerate(data.split(b"\n"), start=1):
+        line = raw_line[:-1] if raw_line.endswith(b"\r") else raw_line
+        if not line:
+            continue
+        fields = line.split(b" ")
+        if len(fields) != 2:
+            raise CheckpointError(f"line {lineno}: expected '<base64> <rank>' with one space",
+                                  path=path, found=_show(line))
+        b64, rank_text = fields
+        try:
+            token = base64.b64decode(b64, validate=True)
+        except (binascii.Error, ValueError):
+            token = None
+        if not token or base64.b64encode(token) != b64:
+            raise CheckpointError(f"line {lineno}: not canonical padded standard base64 of a "
+                                  "non-empty token", path=path, found=_show(b64))
+        if not rank_text.isdigit() or (len(rank_text) > 1 and rank_text[:1] == b"0"):
+            raise CheckpointError(f"line {lineno}: rank is not a decimal integer", path=path,
+                                  found=_show(rank_text))
+        rank = int(rank_text)
+        if rank in by_rank:
+            raise CheckpointError(f"line {lineno}: duplicate rank {rank} (first at line "
+                                  f"{by_rank[rank][1]})", path=path)
+        if token in line_of_bytes:
+            raise CheckpointError(f"line {lineno}: duplicate token bytes (first at line "
+                                  f"{line_of_bytes[token]})", path=path, found=_show(b64))
+        by_rank[rank] = (token, lineno)
+        line_of_bytes[token] = lineno
+    n = len(by_rank)
+    if n == 0:
+        raise CheckpointError("no ranks in file", path=path)
+    for rank, (_, lineno) in sorted(by_rank.items(), key=lambda kv: kv[1][1]):
+        if rank >= n:
+            raise CheckpointError(f"line {lineno}: ranks are not dense: rank {rank} in a file "
+                                  f"of {n} ranks", path=path, expected=f"ranks 0..{n - 1}",
+                                  found=rank)
+    return [by_rank[k][0] for k in range(n)]
+
+
+def _show(raw: bytes, limit: int = 60) -> str:
+    text = raw.decode("utf-8", "backslashreplace")
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+# ---- tokenizer_config.json ----------------------------------------------------------
+
+class _PairsDict(dict):
+    """A JSON object that remembers keys it saw twice (json keeps the last silently)."""
+    duplicates: tuple = ()
+
+
+def _pairs_hook(pairs):
+    out = _PairsDict(pairs)
+    if len(out) != len(pairs):
+        seen, dups = set(), []
+        for key, _ in pairs:
+            if key in seen:
+                dups.append(key)
+            seen.add(key)
+        out.duplicates = tuple(dups)
+    return out
+
+
+def reserved_name(token_id: int) -> str:
+    """Content of a special slot the config leaves unnamed (spec 8.1, unverified)."""
+    return f"<|reserved_token_{token_id}|>"
+
+
+def read_added_tokens(path, n_ranks: int, vocab_size=None) -> dict:
+    """``added_tokens_decoder`` of ``tokenizer_config.json`` as {id: content}.
+
+    Strict (formats/tokenizer.md C1-C5; K3Tokenizer applies C6): valid JSON, an object
+    ``added_tokens_decoder`` whose keys are canonical decimal ids, no id twice, each value
+    an object with a non-empty string ``content``, every id >= n_ranks (no collision with
+    a BPE rank) and < vocab_size when given, no content twice. Errors name the file and
+    the line of the offending key."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError("tokenizer file missing", path=path,
+                              hint="a K3 model directory needs tokenizer_config.json "
+                                   "(spec 8.1)") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"not UTF-8 ({e.reason} at byte {e.start})", path=path) from None
+    try:
+        doc = json.loads(text, object_pairs_hook=_pairs_hook)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"line {e.lineno}: invalid JSON: {e.msg}", path=path) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("added_tokens_decoder"), dict):
+        raise CheckpointError("no 'added_tokens_decoder' object", path=path,
+                              hint="the special-token table is built from it (spec 8.4)")
+    table = doc["added_tokens_decoder"]
+    anchor = text.find('"added_tokens_decoder"')
+
+    def line_of(key: str) -> int:
+        m = re.compile(r'"' + re.escape(key) + r'"\s*:').search(text, max(anchor, 0))
+        return text.count("\n", 0, m.start()) + 1 if m else 0
+
+    def fail(key, message, **kw):
+        raise CheckpointError(f"line {line_of(key)}: added_tokens_decoder[{key!r}]: {message}",
+                              path=path, **kw)
+
+    for key in getattr(table, "duplicates", ()):
+        fail(key, "id appears twice")
+    specials, owner = {}, {}
+    for key, entry in table.items():
+        if not (key.isascii() and key.isdigit()) or (len(key) > 1 and key[0] == "0"):
+            fail(key, "key is not a decimal token id")
+        token_id = int(key)
+        if not isinstance(entry, dict) or not isinstance(entry.get("content"), str) \
+                or not entry["content"]:
+            fail(key, "entry needs a non-empty string 'content'")
+        if token_id < n_ranks:
+            fail(key, f"special id collides with BPE rank {token_id}",
+                 expected=f"id >= {n_ranks} (tiktoken.model has ranks 0..{n_ranks - 1})",
+                 found=token_id)
+        if vocab_size is not None and token_id >= vocab_size:
+            fail(key, "special id outside the vocabulary", expected=f"id < {vocab_size}",
+                 found=token_id)
+        content = entry["content"]
+        if content in owner:
+            fail(key, f"content {content!r} already names id {owner[content]}")
+        specials[token_id] = content
+        owner[content] = token_id
+    return specials
+
+
+# ---- tokenization_kimi.py: pat_str without executing the file ----------------------
+
+class _NotLiteral(Exception):
+    pass
+
+
+def _eval_str(node, env: dict) -> str:
+    """Value of a string expression built only from literals, names bound earlier to such
+    expressions, ``+`` and ``<literal>.join([...])``. Anything else is refused."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in env:
+        return env[node.id]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _eval_str(node.left, env) + _eval_str(node.right, env)
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "join" and len(node.args) == 1 and not node.keywords
+            and isinstance(node.args[0], (ast.List, ast.Tuple))):
+        sep = _eval_str(node.func.value, env)
+        return sep.join(_eval_str(e, env) for e in node.args[0].elts)
+    raise _NotLiteral()
+
+
+def _scan_scope(body, env: dict, found: list, path) -> None:
+    """Bind string names of one scope in source order; record every ``pat_str = ...``."""
+    for stmt in body:
+        if isinstance(stmt, ast.Assign):
+            targets, value = stmt.targets, stmt.value
+        elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+            targets, value = [stmt.target], stmt.value
+        elif isinstance(stmt, ast.ClassDef):
+            _scan_scope(stmt.body, dict(env), found, path)
+            continue
+        elif isinstance(stmt, ast.AugAssign) and getattr(stmt.target, "id", None) == "pat_str":
+            raise CheckpointError(f"line {stmt.lineno}: pat_str is modified in place; k3 "
+                                  "reads only plain assignments", path=path)
+        else:
+            continue
+        names = [t.id for t in targets if isinstance(t, ast.Name)]
+        try:
+            text = _eval_str(value, env)
+        except _NotLiteral:
+            if "pat_str" in names:
+                raise CheckpointError(
+                    f"line {stmt.lineno}: pat_str is not a string expression k3 can read "
+                    "without executing the file", path=path,
+                    hint="k3 accepts literals, '+' and \"|\".join([...]) of literals") from None
+            for name in names:
+                env.pop(name, None)
+            continue
+        for name in names:
+            env[name] = text
+            if name == "pat_str":
+                found.append((stmt.lineno, text))
+
+
+def read_pat_str(path) -> str:
+    """The split regex assigned to ``pat_str`` in ``tokenization_kimi.py`` (module or class
+    level), found by parsing, never by executing (formats/tokenizer.md K1-K3)."""
+    path = Path(path)
+    source = path.read_bytes()
+    try:
+        tree = ast.parse(source, filename=str(path))
+    except SyntaxError as e:
+        raise CheckpointError(f"line {e.lineno}: not valid Python: {e.msg}",
+                              path=path) from None
+    except ValueError as e:       # e.g. NUL bytes
+        raise CheckpointError(f"not valid Python: {e}", path=path) from None
+    found = []
+    _scan_scope(tree.body, {}, found, path)
+    if not found:
+        raise CheckpointError("no module- or class-level 'pat_str = ...' assignment", path=path,
+                              hint="the split regex is read from it (spec 8.1); delete the "
+                                   "file to use k3's built-in K3 pattern")
+    values = {text for _, text in found}
+    if len(values) > 1:
+        lines = ", ".join(str(line) for line, _ in found)
+        raise CheckpointError(f"pat_str is assigned different strings (lines {lines})",
+                              path=path)
+    return found[0][1]
+
+
+# ---- the equivalent tokenizers.Tokenizer (spec 8.5) ----------------------------------
+
+def derive_merges(ranks: list) -> tuple:
+    """HF merges for ``ranks`` (list of bytes, index = rank), ordered by the merged token's
+    rank: each multi-byte token's pair is what rank-BPE leaves of its own bytes when only
+    lower ranks may merge. Returns (merges as (left bytes, right bytes), count of
+    multi-byte tokens that rank-BPE cannot build from two parts; those are reachable only
+    as a whole pre-token, which ``ignore_merges`` handles exactly as tiktoken)."""
+    rank_of = {token: r for r, token in enumerate(ranks)}
+    merges, whole_only = [], 0
+    for r, token in enumerate(ranks):
+        if len(token) < 2:
+            continue
+        parts = bpe_parts(token, rank_of, limit=r)
+        if len(parts) == 2:
+            merges.append((parts[0], parts[1]))
+        else:
+            whole_only += 1
+    return merges, whole_only
+
+
+def split_pre_tokenizer(pat_str: str, path=None):
+    """HF pre-tokenizer cutting text by the split regex (spec 8.3), keeping every
+    character: matches and the unmatched spans between them each become a piece."""
+    from tokenizers import Regex, pre_tokenizers
+    try:
+        return pre_tokenizers.Split(Regex(pat_str), behavior="isolated", invert=False)
+    except Exception as e:      # tokenizers raises a bare Exception for a bad pattern
+        raise CheckpointError(f"split regex does not compile: {e}", path=path) from None
+
+
+def build_hf_tokenizer(ranks: list, specials: dict, pat_str: str, path=None):
+    """(tokenizer with specials, tokenizer without, whole-only count) per spec 8.5.
+
+    ``specials`` maps id -> content and must fill ids n_ranks.. densely: HF gives added
+    tokens the next free ids, so they are added in id order and then checked."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    to_uni = byte_to_unicode()
+
+    def uni(token: bytes) -> str:
+        return "".join([to_uni[b] for b in token])
+
+    vocab = {uni(token): r for r, token in enumerate(ranks)}
+    merges, whole_only = derive_merges(ranks)
+    model = models.BPE(vocab=vocab, merges=[(uni(a), uni(b)) for a, b in merges],
+                       ignore_merges=True)
+    pre = pre_tokenizers.Sequence([
+        split_pre_tokenizer(pat_str, path),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    built = []
+    for with_specials in (True, False):
+        tok = Tokenizer(model)      # both share the one BPE model
+        tok.pre_tokenizer = pre
+        tok.decoder = decoders.ByteLevel()
+        if with_specials and specials:
+            tok.add_special_tokens([
+                AddedToken(specials[i], special=True, normalized=False, lstrip=False,
+                           rstrip=False, single_word=False) for i in sorted(specials)])
+            for token_id, content in specials.items():
+                if tok.token_to_id(content) != token_id:
+                    raise CheckpointError(
+                        f"special token {content!r} did not land on its id", path=path,
+                        expected=token_id, found=tok.token_to_id(content),
+                        hint="its text may also be a BPE token")
+        built.append(tok)
+    return built[0], built[1], whole_only
+
+
+# ---- pathological-input cuts (spec 8.2, unverified) ---------------------------------
+
+def split_long_runs(text: str) -> list:
+    """Cut ``text`` as tokenization_kimi.py reportedly does before encoding: chunks of at
+    most MAX_ENCODE_CHARS characters, and within a chunk a cut before any character that
+    would make a run of same-class (str.isspace) characters longer than MAX_RUN_CHARS.
+    Pieces are encoded independently. Only inputs longer than MAX_RUN_CHARS can change."""
+    if len(text) <= MAX_RUN_CHARS:
+        return [text]
+    pieces = []
+    for c0 in range(0, len(text), MAX_ENCODE_CHARS):
+        chunk = text[c0:c0 + MAX_ENCODE_CHARS]
+        start, run, run_is_space = 0, 0, chunk[0].isspace()
+        for i, ch in enumerate(chunk):
+            is_space = ch.isspace()
+            if is_space != run_is_space:
+                run, run_is_space = 1, is_space
+            else:
+                run += 1
+                if run > MAX_RUN_CHARS:
+                    pieces.append(chunk[start:i])
+                    start, run = i, 1
+        pieces.append(chunk[start:])
+    return pieces
+
+
+# ---- the tokenizer ------------------------------------------------------------------
+
+class K3Tokenizer:
+    """Encode text to K3 ids and decode ids to exact bytes (spec 8).
+
+    Attributes: ``n_ranks`` (BPE ranks, ids 0..n_ranks-1), ``vocab_size`` (ranks + special
+    slots), ``special_ids`` {content: id}, ``pat_str`` and ``pat_source`` (where the split
+    regex came from), ``pat_fallback`` (True when tokenization_kimi.py was absent and the
+    built-in K3_PAT_STR was used), ``hf`` (the spec-8.5 ``tokenizers.Tokenizer``),
+    ``whole_only_ranks`` (multi-byte ranks with no two-part BPE derivation)."""
+
+    def __init__(self, ranks: list, specials: dict, pat_str: str, *, pat_source: str,
+                 pat_fallback: bool, vocab_size=None, path=None):
+        self.path = None if path is None else str(path)
+        self.n_ranks = len(ranks)
+        top = max(specials, default=self.n_ranks - 1) + 1
+        self.vocab_size = max(self.n_ranks, top) if vocab_size is None else vocab_size
+        slots = dict(specials)
+        owner = {c: i for i, c in slots.items()}
+        for token_id in range(self.n_ranks, self.vocab_size):
+            if token_id not in slots:
+                name = reserved_name(token_id)
+                if name in owner:
+                    raise CheckpointError(f"{name!r} names id {owner[name]}, but an unnamed "
+                                          f"slot {token_id} needs that name", path=path)
+                slots[token_id] = name
+        self.special_ids = {content: i for i, content in sorted(slots.items())}
+        self.pat_str = pat_str
+        self.pat_source = pat_source
+        self.pat_fallback = pat_fallback
+        self._split = split_pre_tokenizer(pat_str, path)
+        self.hf, self._plain, self.whole_only_ranks = build_hf_tokenizer(
+            ranks, slots, pat_str, path=path)
+        # id -> raw bytes; specials decode to their literal UTF-8 text (spec 8.2)
+        self._bytes = list(ranks) + [slots[i].encode("utf-8")
+                                     for i in range(self.n_ranks, self.vocab_size)]
+
+    @classmethod
+    def from_dir(cls, model_dir, vocab_size=None) -> "K3Tokenizer":
+        """Read ``tiktoken.model``, ``tokenizer_config.json`` and (if present)
+        ``tokenization_kimi.py`` from ``model_dir``. ``vocab_size`` (the config's) bounds the
+        special ids; unnamed slots below it become ``<|reserved_token_{id}|>``."""
+        d = Path(model_dir)
+        ranks = read_tiktoken_model(d / TIKTOKEN_FILE)
+        if vocab_size is not None and vocab_size < len(ranks):
+            raise CheckpointError("more BPE ranks than the vocabulary has ids",
+                                  path=d / TIKTOKEN_FILE, expected=f"<= {vocab_size} ranks",
+                                  found=len(ranks))
+        specials = read_added_tokens(d / CONFIG_FILE, len(ranks), vocab_size)
+        kimi = d / KIMI_FILE
+        if kimi.is_file():
+            pat_str, source, fallback = read_pat_str(kimi), str(kimi), False
+        else:
+            pat_str, fallback = K3_PAT_STR, True
+            source = f"built-in K3_PAT_STR ({KIMI_FILE} absent)"
+        return cls(ranks, specials, pat_str, pat_source=source, pat_fallback=fallback,
+                   vocab_size=vocab_size, path=d)
+
+    # ---- encoding ----
+    def encode(self, text: str, allow_special: bool = False) -> list:
+        """Token ids of ``text``; no BOS is prepended (spec 8.4). With ``allow_special``
+        False, special-token strings in the text are encoded as ordinary text (use this for
+        anything a user typed); True recognises them, leftmost-longest match first."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            # lone surrogates: joined into pairs where possible, else U+FFFD, as tiktoken does
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        tok = self.hf if allow_special else self._plain
+        ids = []
+        for piece in split_long_runs(text):
+            ids.extend(tok.encode(piece, add_special_tokens=False).ids)
+        return ids
+
+    def pre_tokens(self, text: str) -> list:
+        """The pieces the split regex cuts ``text`` into (specials not recognised)."""
+        return [piece for piece, _ in self._split.pre_tokenize_str(text)]
+
+    # ---- decoding ----
+    def token_bytes(self, token_id) -> bytes:
+        """Raw bytes of one id; K3Error for an id outside 0..vocab_size-1."""
+        i = operator.index(token_id)
+        if not 0 <= i < self.vocab_size:
+            raise K3Error(f"token id {i} is outside the vocabulary", path=self.path,
+                          expected=f"0..{self.vocab_size - 1}", found=i)
+        return self._bytes[i]
+
+    def decode_bytes(self, ids) -> bytes:
+        """Concatenated raw bytes of ``ids``, byte-exact (may be invalid UTF-8)."""
+        return b"".join([self.token_bytes(i) for i in ids])
+
+    def decode(self, ids) -> str:
+        """Text of ``ids``; bytes that are not valid UTF-8 become U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def id_of(self, content: str):
+        """Id of the special token ``content``, or None."""
+        return self.special_ids.get(content)
+
+    def stream_decoder(self) -> "IncrementalDecoder":
+        return IncrementalDecoder(self)
+
+
+class IncrementalDecoder:
+    """Text of a token stream as tokens arrive, never splitting a UTF-8 character.
+
+    ``push(id)`` returns the text that became complete (often "", when a token ends inside
+    a multi-byte character); ``flush()`` returns what is left, with U+FFFD for an incomplete
+    tail. The concatenation of all outputs equals ``tokenizer.decode(all ids)``."""
+
+    def __init__(self, tokenizer: K3Tokenizer):
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id) -> str:
+        return self._utf8.decode(self._tokenizer.token_bytes(token_id), final=False)
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)

@@ -1,0 +1,1 @@
+"""Synthetic K3 checkpoints: presets, weights and tokenizer files."""
