@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import kernels as K
+from . import ops as K
 from .. import names
 from ..config import K3Config, L2NORM_EPS, MLA_LATENT_NORM_EPS
 from .state import State
@@ -116,8 +116,7 @@ class Forward:
         v = v.reshape(T, H, D)
         alpha = K.kda_decay(z, lw["self_attn.A_log"][:H], lw["self_attn.dt_bias"],
                             cfg.gate_lower_bound).reshape(T, H, D)
-        q = q * np.float32(D ** -0.5)
-        o = K.kda_recurrence(q, k, v, alpha, beta, state.kda_S[L])      # (T, H, D); S updated
+        o = K.kda_recurrence(q, k, v, alpha, beta, D ** -0.5, state.kda_S[L])  # S updated
         o = K.rmsnorm(o.reshape(T * H, D), lw["self_attn.o_norm.weight"], cfg.rms_norm_eps)
         gate = K.sigmoid(K.bf16_matmul(lw["self_attn.g_proj.weight"], x))
         return K.bf16_matmul(lw["self_attn.o_proj.weight"], o.reshape(T, H * D) * gate)
@@ -137,9 +136,9 @@ class Forward:
         p0 = int(positions[0])
         state.mla_latent[L][p0:p0 + T] = latent
         state.mla_rope[L][p0:p0 + T] = c[:, r:]
-        out = K.mla_attention(np.ascontiguousarray(q), lw["self_attn.kv_b_proj.weight"],
-                              state.mla_latent[L], state.mla_rope[L], positions, nope,
-                              cfg.v_head_dim)                            # (T, H * v)
+        out = K.mla_attention(q[..., :nope], q[..., nope:], positions, state.mla_latent[L],
+                              state.mla_rope[L], lw["self_attn.kv_b_proj.weight"],
+                              (nope + rope) ** -0.5, cfg.v_head_dim)    # (T, H * v)
         gate = K.sigmoid(K.bf16_matmul(lw["self_attn.g_proj.weight"], x))
         return K.bf16_matmul(lw["self_attn.o_proj.weight"], out * gate)
 
@@ -166,14 +165,17 @@ class Forward:
         # to the tokens that chose it; outputs are kept per (token, slot) and summed in
         # selection order, so the result is bit-identical to token-by-token evaluation.
         distinct = np.unique(ids)
-        tensors = self.weights.experts(L, distinct)
         outs = np.zeros((T, ids.shape[1], z.shape[1]), np.float32)
-        for e in distinct:
-            tok, slot = np.nonzero(ids == e)
-            w1p, w1s, w2p, w2s, w3p, w3s = tensors[int(e)]
-            zs = np.ascontiguousarray(z[tok])
-            hmid = self._situ(K.mxfp4_matmul(w1p, w1s, zs), K.mxfp4_matmul(w3p, w3s, zs))
-            outs[tok, slot] = K.mxfp4_matmul(w2p, w2s, hmid)
+        step = self.weights.max_batch
+        for b in range(0, distinct.size, step):      # a batch never exceeds the cache
+            group = distinct[b:b + step]
+            tensors = self.weights.experts(L, group)
+            for e in group:
+                tok, slot = np.nonzero(ids == e)
+                w1p, w1s, w2p, w2s, w3p, w3s = tensors[int(e)]
+                zs = np.ascontiguousarray(z[tok])
+                hmid = self._situ(K.mxfp4_matmul(w1p, w1s, zs), K.mxfp4_matmul(w3p, w3s, zs))
+                outs[tok, slot] = K.mxfp4_matmul(w2p, w2s, hmid)
         u = K.weighted_sum(outs, w)                                         # (T, lat)
         if cfg.latent_moe_use_norm:
             u = K.rmsnorm(u, lw["block_sparse_moe.routed_expert_norm.weight"], cfg.rms_norm_eps)

@@ -42,7 +42,7 @@ class State:
                 self.mla_rope[L] = np.zeros((capacity, cfg.qk_rope_head_dim), np.float32)
             else:
                 self.kda_S[L] = np.zeros((H, D, D), np.float32)
-                self.kda_conv[L] = np.zeros((3, K - 1, P), np.float32)   # q, k, v histories
+                self.kda_conv[L] = np.zeros((3, P, K - 1), np.float32)   # q, k, v: [C, K-1] oldest first
 
     def reserve(self, n_new: int) -> None:
         """Make room in every MLA cache for ``n_new`` more positions (capacity doubles)."""

@@ -69,6 +69,12 @@ class ResidentWeights:
                 ckpt.read_span(run.path, run.offset, run.nbytes, raw)
                 self._experts[(L, e)] = split_expert_run(run, raw)
 
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
     def model(self) -> dict:
         return self._model
 
@@ -78,5 +84,49 @@ class ResidentWeights:
     def release(self, L: int) -> None:
         pass
 
+    @property
+    def max_batch(self) -> int:
+        return self.cfg.num_experts
+
     def experts(self, L: int, ids) -> dict:
         return {int(e): self._experts[(L, int(e))] for e in ids}
+
+
+class StreamedWeights:
+    """Model-level tensors resident; trunk layers from a TrunkStreamer (pinned + ring);
+    experts from an ExpertCache. Same interface, same arrays, same math as resident."""
+
+    def __init__(self, ckpt, trunk, cache):
+        self.cfg = ckpt.config
+        self._model = load_model_level(ckpt)
+        self.trunk = trunk
+        self.cache = cache
+
+    def model(self) -> dict:
+        return self._model
+
+    def layer(self, L: int) -> dict:
+        return self.trunk.layer(L)
+
+    def release(self, L: int) -> None:
+        self.trunk.release(L)
+
+    @property
+    def max_batch(self) -> int:
+        return self.cache.max_batch
+
+    def experts(self, L: int, ids) -> dict:
+        return self.cache.fetch(L, ids)
+
+    def model_bytes(self) -> int:
+        return sum(a.nbytes for a in self._model.values())
+
+    def close(self) -> None:
+        self.trunk.close()
+        self.cache.close()
+
+    def stats(self) -> dict:
+        return {"trunk": dict(self.trunk.stats, **self.trunk.describe()),
+                "experts": dict(self.cache.stats, slots=self.cache.n_slots,
+                                slot_bytes=self.cache.slot_bytes,
+                                policy=self.cache.policy.name)}

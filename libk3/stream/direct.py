@@ -1,0 +1,117 @@
+"""Page-aligned buffers and positioned reads that use O_DIRECT where the filesystem allows.
+
+Owns: allocating aligned arenas (anonymous mmap: page-aligned, counted in RSS only when
+touched, so the budget is what we allocate), opening a file for direct reads with a
+buffered fallback, and reading the 4096-aligned window that encloses an unaligned byte
+range. Does not own: what to read (``trunk``, ``experts``).
+
+Why O_DIRECT: streamed bytes are used once per token; through the page cache they would
+evict each other and count against the machine, not against k3's budget (the public C
+engine measured 1,878 MB/s buffered vs 6,553 MB/s direct under a cgroup, PRIOR-ART 3).
+Why a window: O_DIRECT needs offset, length and buffer aligned to the block size; an
+expert run starts anywhere (17,547,264 bytes happens to be a multiple of 4096, but run
+starts are not), so we read the aligned window around it and hand out a view.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+
+from ..errors import CheckpointError, K3IOError
+
+ALIGN = 4096
+
+
+def align_down(n: int) -> int:
+    return n - n % ALIGN
+
+
+def align_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A page-aligned uint8 array of ``nbytes`` (rounded up to ALIGN)."""
+    mm = mmap.mmap(-1, max(ALIGN, align_up(nbytes)))
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
+def window_bytes(nbytes: int) -> int:
+    """Largest aligned window any ``nbytes`` range can need."""
+    return align_up(nbytes) + 2 * ALIGN
+
+
+class DirectFile:
+    """One read-only file; ``direct`` tells whether O_DIRECT is in use."""
+
+    def __init__(self, path, use_direct: bool = True):
+        self.path = str(path)
+        self.size = os.stat(self.path).st_size
+        self.direct = False
+        self.fd = -1
+        if use_direct and hasattr(os, "O_DIRECT"):
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+                probe = aligned_empty(ALIGN)
+                os.preadv(fd, [memoryview(probe)], 0)
+                self.fd, self.direct = fd, True
+            except OSError:
+                try:
+                    os.close(fd)
+                except (OSError, UnboundLocalError):
+                    pass
+        if self.fd < 0:
+            try:
+                self.fd = os.open(self.path, os.O_RDONLY)
+            except OSError as e:
+                raise K3IOError(f"cannot open: {e.strerror}", path=self.path) from None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def read_window(self, offset: int, nbytes: int, buf: np.ndarray, what: str = "") -> int:
+        """Read the aligned window around [offset, offset+nbytes) into ``buf`` (aligned,
+        at least ``window_bytes(nbytes)``); returns where the payload starts in ``buf``.
+        A short read at the end of the file is fine if it covers the payload."""
+        start = align_down(offset)
+        end = min(align_up(offset + nbytes), align_up(self.size))
+        view = memoryview(buf)[:end - start]
+        got = 0
+        while got < len(view):
+            try:
+                n = os.preadv(self.fd, [view[got:]], start + got)
+            except OSError as e:
+                raise K3IOError(f"read failed: {e.strerror}", path=self.path, tensor=what) from None
+            if n == 0:
+                break
+            got += n
+            if self.direct and got % ALIGN:
+                break                               # end of file inside the last block
+        if got < offset + nbytes - start:
+            raise CheckpointError("file ends early (truncated shard?)", path=self.path,
+                                  tensor=what, expected=f"{nbytes} bytes at offset {offset}")
+        return offset - start
+
+
+class FileSet:
+    """DirectFile per path, opened lazily."""
+
+    def __init__(self, use_direct: bool = True):
+        self.use_direct = use_direct
+        self.files: dict = {}
+
+    def get(self, path) -> DirectFile:
+        f = self.files.get(str(path))
+        if f is None:
+            f = self.files[str(path)] = DirectFile(path, self.use_direct)
+        return f
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files.clear()

@@ -1,0 +1,124 @@
+"""The routed-expert cache: packed MXFP4 experts read on demand into fixed slots.
+
+Owns: the slot arena sized by the cache budget, batched fetches of one layer's selected
+experts (hits served from slots, misses read in parallel by a thread pool in (shard,
+offset) order into page-aligned windows, O_DIRECT where possible), and the counters.
+Does not own: which expert to evict (a policy object, ``libk3.stream.policy``) or any
+arithmetic: experts stay packed and the kernels multiply from the nibbles.
+
+Slot size = the aligned window any expert run can need (run + up to 2 pages), so one
+read lands an expert whatever its offset. A fetch never hands out a slot that another
+expert of the same batch is using: batches are at most ``slots`` experts and the policy
+is told which keys are protected.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .. import names
+from ..errors import BudgetError
+from .direct import FileSet, aligned_empty, window_bytes
+from .policy import make_policy
+
+
+class ExpertCache:
+    def __init__(self, cfg, table, budget: int, files: FileSet, io_threads: int = 4,
+                 policy: str = "lru"):
+        self.cfg = cfg
+        self.table = table                         # libk3.io.checkpoint.ExpertTable
+        self.files = files
+        self.expert_bytes = cfg.expert_bytes
+        self.slot_bytes = window_bytes(self.expert_bytes)
+        self.n_slots = budget // self.slot_bytes
+        need = cfg.num_experts_per_token + 1
+        if self.n_slots < need:
+            raise BudgetError("expert cache budget holds fewer than top_k + 1 experts",
+                              expected=f">= {need * self.slot_bytes} bytes ({need} slots)",
+                              found=f"{budget} bytes",
+                              hint=f"raise --cache-gb to at least {need * self.slot_bytes / 1e9:.3f}")
+        self.arena = aligned_empty(self.n_slots * self.slot_bytes)
+        self.base = np.zeros(self.n_slots, np.int64)      # payload offset inside the slot
+        self.slot_key = np.full(self.n_slots, -1, np.int64)
+        self.policy = make_policy(policy, self.n_slots, cfg.num_hidden_layers, cfg.num_experts)
+        self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="k3-expert-io")
+        self.io_threads = io_threads
+        shapes = [None] * 6
+        from ..io import inventory
+        all_shapes = inventory.expert_shapes(cfg)
+        self.part_shapes = [all_shapes[k] for k in names.EXPERT_PARTS]
+        self.stats = {"requests": 0, "hits": 0, "misses": 0, "evictions": 0, "bytes_read": 0,
+                      "read_seconds": 0.0, "max_in_flight": 0}
+        del shapes
+
+    @property
+    def max_batch(self) -> int:
+        return self.n_slots
+
+    def key(self, L: int, e: int) -> int:
+        return L * self.cfg.num_experts + e
+
+    def _views(self, L: int, e: int, slot: int) -> tuple:
+        start = slot * self.slot_bytes + int(self.base[slot])
+        out = []
+        for k in range(6):
+            sub = int(self.table.part_offset[L, e, k])
+            nb = int(self.table.part_nbytes[L, e, k])
+            out.append(self.arena[start + sub: start + sub + nb].reshape(self.part_shapes[k]))
+        return tuple(out)
+
+    def _read_into(self, L: int, e: int, slot: int) -> int:
+        path = self.table.paths[int(self.table.shard[L, e])]
+        buf = self.arena[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+        return self.files.get(path).read_window(int(self.table.offset[L, e]),
+                                                int(self.table.nbytes[L, e]), buf,
+                                                what=f"layer {L} expert {e}")
+
+    def fetch(self, L: int, ids) -> dict:
+        """{e: six packed arrays} for the distinct experts ``ids`` (at most max_batch)."""
+        ids = [int(e) for e in ids]
+        assert len(ids) <= self.n_slots
+        keys = [self.key(L, e) for e in ids]
+        protected = set(keys)
+        where, misses = {}, []
+        for e, k in zip(ids, keys):
+            self.stats["requests"] += 1
+            s = self.policy.lookup(k)
+            if s >= 0:
+                self.stats["hits"] += 1
+                where[e] = s
+            else:
+                misses.append((e, k))
+        for e, k in misses:
+            s, evicted = self.policy.admit(k, protected)
+            if evicted >= 0:
+                self.stats["evictions"] += 1
+            self.slot_key[s] = k
+            where[e] = s
+        if misses:
+            order = sorted(misses, key=lambda ek: (int(self.table.shard[L, ek[0]]),
+                                                   int(self.table.offset[L, ek[0]])))
+            t0 = time.perf_counter()
+            futs = [(where[e], self.pool.submit(self._read_into, L, e, where[e])) for e, _ in order]
+            self.stats["max_in_flight"] = max(self.stats["max_in_flight"],
+                                              min(len(futs), self.io_threads))
+            failed = None
+            for s, f in futs:
+                try:
+                    self.base[s] = f.result()
+                except BaseException as exc:       # invalidate the slot, re-raise after all land
+                    self.policy.forget(int(self.slot_key[s]))
+                    self.slot_key[s] = -1
+                    failed = failed or exc
+            if failed is not None:
+                raise failed
+            self.stats["read_seconds"] += time.perf_counter() - t0
+            self.stats["misses"] += len(misses)
+            self.stats["bytes_read"] += len(misses) * self.expert_bytes
+        return {e: self._views(L, e, where[e]) for e in ids}
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

@@ -1,0 +1,232 @@
+"""The trunk: every layer's non-expert weights, pinned in RAM up to a budget, the rest
+streamed through a ring of layer slots filled by a read-ahead thread.
+
+Owns: choosing which layers to pin, the ring and its reader thread, binding a layer's
+bytes to named arrays. Does not own: the math (a bound layer is exactly what
+``ResidentWeights.layer`` returns) or the expert cache.
+
+Why largest-first pinning: every token visits layers 0..n-1 in order, a cyclic scan on
+which LRU scores zero; a pinned layer is a hit on every token, so the hit rate is the
+pinned bytes' share, and pinning the largest layers first also shrinks the ring slots
+(a slot must hold the largest UNpinned layer).
+Why two slots: one is computed on while the reader fills the next (the public engine
+measured 1.70x from that overlap). One slot is the minimum that can work; it reads
+synchronously, because a reader that overwrote the slot in use emitted wrong tokens
+there (PRIOR-ART 3). Slot rules: never hand out a slot being computed or being read.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .. import names
+from ..config import K3Config
+from ..errors import BudgetError
+from ..io import inventory
+from ..io.dtypes import widen
+from .direct import FileSet, aligned_empty, window_bytes
+
+
+class LayerRun:
+    """Where one layer's trunk run lives: file, offset, length, tensors inside it."""
+
+    __slots__ = ("layer", "path", "offset", "nbytes", "tensors")
+
+    def __init__(self, layer, path, offset, nbytes, tensors):
+        self.layer, self.path, self.offset, self.nbytes = layer, str(path), offset, nbytes
+        self.tensors = tensors        # suffix -> (suboffset, nbytes, dtype, shape)
+
+
+def runs_from_checkpoint(ckpt) -> list:
+    out = []
+    for L in range(ckpt.config.num_hidden_layers):
+        run = ckpt.layer_trunk_run(L)
+        prefix = names.layer_prefix(L)
+        out.append(LayerRun(L, run.path, run.offset, run.nbytes,
+                            {n[len(prefix):]: (s, nb, dt, tuple(sh))
+                             for n, (s, nb, dt, sh) in run.tensors.items()}))
+    return out
+
+
+def runs_from_pack(pack_dir, manifest: dict) -> list:
+    trunk = Path(pack_dir) / manifest["trunk_file"]
+    return [LayerRun(lay["layer"], trunk, lay["file_off"], lay["nbytes"],
+                     {sfx: (t["off"], t["nbytes"], t["dtype"], tuple(t["shape"]))
+                      for sfx, t in lay["tensors"].items()})
+            for lay in manifest["layers"]]
+
+
+def plan_trunk(sizes: list, budget: int):
+    """(pinned layer set, ring slots, slot bytes) for a trunk budget in bytes.
+
+    Everything fits: all pinned, no ring. Otherwise a ring of 2 slots if the budget allows
+    it, else 1; then pin largest-first while pins + slots still fit. Raises BudgetError
+    below one slot of the largest layer, the minimum that can work."""
+    n = len(sizes)
+    win = [window_bytes(s) for s in sizes]
+    if sum(win) <= budget:
+        return set(range(n)), 0, 0
+    order = sorted(range(n), key=lambda L: (-sizes[L], L))
+    for n_slots in (2, 1):
+        pinned: set = set()
+        for L in order:
+            rest = [win[i] for i in range(n) if i not in pinned and i != L]
+            cost = sum(win[i] for i in pinned) + win[L] + n_slots * (max(rest) if rest else 0)
+            if cost <= budget:
+                pinned.add(L)
+        slot = max(win[i] for i in range(n) if i not in pinned) if len(pinned) < n else 0
+        if sum(win[i] for i in pinned) + n_slots * slot <= budget:
+            return pinned, n_slots, slot
+    raise BudgetError("trunk budget is below one layer slot", expected=f">= {max(win)} bytes",
+                      found=f"{budget} bytes",
+                      hint=f"raise --trunk-gb to at least {max(win) / 1e9:.3f}")
+
+
+class TrunkStreamer:
+    """Weight-provider half for trunk layers: ``layer(L)`` / ``release(L)``."""
+
+    def __init__(self, cfg: K3Config, runs: list, budget: int, files: FileSet):
+        self.cfg = cfg
+        self.runs = runs
+        self.files = files
+        self.pinned_plan, self.n_slots, self.slot_bytes = plan_trunk(
+            [r.nbytes for r in runs], budget)
+        self.matrix = [{spec.name[len(names.layer_prefix(L)):]
+                        for spec in inventory.layer_trunk(cfg, L) if spec.dtypes == inventory.MATRIX}
+                       for L in range(cfg.num_hidden_layers)]
+        self.pinned: dict = {}
+        self.ring = [i for i in range(len(runs)) if i not in self.pinned_plan]
+        self.stats = {"bytes_read": 0, "read_seconds": 0.0, "wait_seconds": 0.0, "binds": 0,
+                      "pinned_hits": 0, "ring_reads": 0}
+        self._slots = [aligned_empty(self.slot_bytes) for _ in range(self.n_slots)]
+        # slot tag: None (free), ("reading", L, gen), ("ready", L, gen), ("inuse", L, gen)
+        self._tag = [None] * self.n_slots
+        self._base = [0] * self.n_slots
+        self._cond = threading.Condition()
+        self._gen = 0
+        self._read_ptr = 0
+        self._expect = self.ring[0] if self.ring else None
+        self._error = None
+        self._stop = False
+        self._thread = None
+        if self.n_slots >= 2:
+            self._thread = threading.Thread(target=self._reader, name="k3-trunk-reader",
+                                            daemon=True)
+            self._thread.start()
+
+    # ---- reading and binding ---------------------------------------------------------
+    def _read(self, L: int, buf) -> int:
+        run = self.runs[L]
+        t0 = time.perf_counter()
+        base = self.files.get(run.path).read_window(run.offset, run.nbytes, buf,
+                                                    what=f"layer {L} trunk")
+        dt = time.perf_counter() - t0
+        with self._cond:
+            self.stats["bytes_read"] += run.nbytes
+            self.stats["read_seconds"] += dt
+        return base
+
+    def _bind(self, L: int, buf, base: int) -> dict:
+        """suffix -> array: BF16 matrices as uint16 views of ``buf``, vectors widened."""
+        out = {}
+        for sfx, (sub, nb, dt, shape) in self.runs[L].tensors.items():
+            raw = buf[base + sub: base + sub + nb]
+            if sfx in self.matrix[L] and dt == "BF16" and (base + sub) % 2 == 0:
+                out[sfx] = raw.view(np.uint16).reshape(shape)
+            elif sfx in self.matrix[L] and dt == "BF16":
+                out[sfx] = raw.copy().view(np.uint16).reshape(shape)
+            else:
+                out[sfx] = np.ascontiguousarray(widen(raw, dt, shape), dtype=np.float32)
+        self.stats["binds"] += 1
+        return out
+
+    # ---- the provider interface -----------------------------------------------------
+    def layer(self, L: int) -> dict:
+        if L in self.pinned:
+            self.stats["pinned_hits"] += 1
+            return self.pinned[L]
+        if L in self.pinned_plan:
+            buf = aligned_empty(window_bytes(self.runs[L].nbytes))
+            self.pinned[L] = self._bind(L, buf, self._read(L, buf))
+            return self.pinned[L]
+        self.stats["ring_reads"] += 1
+        if self.n_slots == 1:
+            return self._bind(L, self._slots[0], self._read(L, self._slots[0]))
+        t0 = time.perf_counter()
+        with self._cond:
+            if self._expect != L:
+                self._resync(L)
+            while True:
+                if self._error is not None:
+                    raise self._error
+                hit = next((i for i, t in enumerate(self._tag)
+                            if t is not None and t[0] == "ready" and t[1] == L
+                            and t[2] == self._gen), None)
+                if hit is not None:
+                    break
+                self._cond.wait()
+            self._tag[hit] = ("inuse", L, self._gen)
+            k = self.ring.index(L)
+            self._expect = self.ring[(k + 1) % len(self.ring)]
+        self.stats["wait_seconds"] += time.perf_counter() - t0
+        return self._bind(L, self._slots[hit], self._base[hit])
+
+    def release(self, L: int) -> None:
+        if self.n_slots < 2 or L in self.pinned_plan:
+            return
+        with self._cond:
+            for i, t in enumerate(self._tag):
+                if t is not None and t[0] == "inuse" and t[1] == L:
+                    self._tag[i] = None
+            self._cond.notify_all()
+
+    def _resync(self, L: int) -> None:
+        """The forward asked for another layer than the reader prepared (an aborted pass):
+        drop prepared slots and restart the read-ahead at L. Caller holds the lock."""
+        self._gen += 1
+        for i, t in enumerate(self._tag):
+            if t is not None and t[0] == "ready":
+                self._tag[i] = None
+        self._read_ptr = self.ring.index(L)
+        self._expect = L
+        self._cond.notify_all()
+
+    def _reader(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stop and None not in self._tag:
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    i = self._tag.index(None)
+                    L = self.ring[self._read_ptr]
+                    gen = self._gen
+                    self._tag[i] = ("reading", L, gen)
+                    self._read_ptr = (self._read_ptr + 1) % len(self.ring)
+                base = self._read(L, self._slots[i])
+                with self._cond:
+                    self._base[i] = base
+                    self._tag[i] = ("ready", L, gen) if gen == self._gen else None
+                    self._cond.notify_all()
+        except BaseException as e:          # surfaced to the forward thread in layer()
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def describe(self) -> dict:
+        return {"pinned_layers": sorted(self.pinned_plan), "ring_slots": self.n_slots,
+                "slot_bytes": self.slot_bytes,
+                "pinned_bytes": sum(window_bytes(self.runs[L].nbytes) for L in self.pinned_plan)}
