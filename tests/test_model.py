@@ -21,29 +21,47 @@ def sess(request, tiny_dir, small_dir):
     return open_session(d)
 
 
+@pytest.fixture(scope="module")
+def ref_fwd(sess):
+    """The float64 reference with weights and decoded experts memoised (read once)."""
+    weights, experts = {}, {}
+
+    def get(name):
+        if name not in weights:
+            weights[name] = sess.ckpt.read(name)
+        return weights[name]
+
+    def get_expert(L, e, w):
+        if (L, e, w) not in experts:
+            experts[(L, e, w)] = ref.decode_expert(get, L, e, w)
+        return experts[(L, e, w)]
+
+    return lambda ids: ref.forward(sess.cfg, get, ids, get_expert)
+
+
 def _full_budget(cfg) -> float:
     """Spec 7.4: max|got - ref| / max|ref| <= 1.2e-7 * sqrt(width) * 50 (width = hidden)."""
     return 1.2e-7 * np.sqrt(cfg.hidden_size) * 50
 
 
-def test_model_teacher_forcing_matches_float64_reference(sess):
+def test_model_teacher_forcing_matches_float64_reference(sess, ref_fwd):
     """Catches any op of the engine drifting from the spec's math (wrong order, wrong eps,
     wrong indexing) on a whole synthetic model: logits at every position, argmax equal."""
     ids = PROMPT
     got = sess.forward(ids, sess.new_state())
-    want = ref.forward(sess.cfg, sess.ckpt.read, ids)
+    want = ref_fwd(ids)
     rel = np.abs(got - want).max() / np.abs(want).max()
     assert rel <= _full_budget(sess.cfg), rel
     assert np.array_equal(got.argmax(1), want.argmax(1))
 
 
-def test_model_greedy_tokens_match_reference(sess):
+def test_model_greedy_tokens_match_reference(sess, ref_fwd):
     """Catches a state bug that only shows when decoding: 20 greedy tokens equal the
     reference's greedy continuation (reference re-runs the whole sequence each step)."""
     res = generate(sess.forward, sess.new_state(), PROMPT[:6], GenSettings(gen=20))
     seq = list(PROMPT[:6])
     for _ in range(20):
-        seq.append(int(np.argmax(ref.forward(sess.cfg, sess.ckpt.read, seq)[-1])))
+        seq.append(int(np.argmax(ref_fwd(seq)[-1])))
     assert res.generated_ids == seq[6:]
 
 
