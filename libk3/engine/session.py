@@ -13,7 +13,7 @@ from ..errors import UsageError
 from ..io.checkpoint import Checkpoint
 from ..model.forward import Forward
 from ..model.state import State
-from ..model.weights import ResidentWeights
+from ..model.weights import ResidentWeights, StreamedWeights
 
 
 @dataclasses.dataclass
@@ -40,11 +40,36 @@ def load_tokenizer_if_present(model_dir):
     return K3Tokenizer.from_dir(d)
 
 
-def open_session(model_dir, on_route=None) -> Session:
+def open_session(model_dir, *, pack=None, trunk_bytes=None, cache_bytes=None,
+                 cache_policy: str = "lru", io_threads: int = 4, direct_io: bool = True,
+                 on_route=None) -> Session:
+    """Open ``model_dir`` for a run. Without budgets every weight is resident; with
+    ``trunk_bytes`` and ``cache_bytes`` the trunk streams (from ``pack`` when given, else
+    straight from the shards) and experts go through the cache. The arithmetic is the
+    same either way."""
     ckpt = Checkpoint.open(model_dir)
     tok = load_tokenizer_if_present(model_dir)
-    weights = ResidentWeights(ckpt)
-    return Session(ckpt, tok, weights, Forward(ckpt.config, weights, on_route=on_route))
+    cfg = ckpt.config
+    if trunk_bytes is None and cache_bytes is None and pack is None:
+        weights = ResidentWeights(ckpt)
+    else:
+        from ..pack import check_pack_matches
+        from ..stream.direct import FileSet
+        from ..stream.experts import ExpertCache
+        from ..stream.trunk import TrunkStreamer, runs_from_checkpoint, runs_from_pack
+        if trunk_bytes is None or cache_bytes is None:
+            raise UsageError("a streamed run needs both a trunk and a cache budget "
+                             "(--trunk-gb and --cache-gb, or --preset)")
+        if pack is not None:
+            runs = runs_from_pack(pack, check_pack_matches(pack, ckpt))
+        else:
+            runs = runs_from_checkpoint(ckpt)
+        files = FileSet(use_direct=direct_io)
+        cache = ExpertCache(cfg, ckpt.expert_table(), cache_bytes, files, io_threads=io_threads,
+                            policy=cache_policy)
+        trunk = TrunkStreamer(cfg, runs, trunk_bytes, files)
+        weights = StreamedWeights(ckpt, trunk, cache)
+    return Session(ckpt, tok, weights, Forward(cfg, weights, on_route=on_route))
 
 
 def parse_ids(text: str, vocab_size: int) -> list:
