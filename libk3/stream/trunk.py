@@ -62,29 +62,34 @@ def runs_from_pack(pack_dir, manifest: dict) -> list:
 
 
 def plan_trunk(sizes: list, budget: int):
-    """(pinned layer set, ring slots, slot bytes) for a trunk budget in bytes.
+    """(pinned layer set, ring slot capacities in bytes) for a trunk budget in bytes.
 
-    Everything fits: all pinned, no ring. Otherwise a ring of 2 slots if the budget allows
-    it, else 1; then pin largest-first while pins + slots still fit. Raises BudgetError
-    below one slot of the largest layer, the minimum that can work."""
+    Everything fits: all pinned, no ring. Otherwise a ring of 2 slots (sized for the two
+    largest unpinned layers: the layer in use and the one being read) if the budget allows
+    it, else 1 slot; then pin largest-first while pins + slots still fit. Costs count the
+    layers' bytes; the few KB of alignment around each buffer are part of the documented
+    fixed overhead. Raises BudgetError below one slot of the largest layer."""
     n = len(sizes)
-    win = [window_bytes(s) for s in sizes]
-    if sum(win) <= budget:
-        return set(range(n)), 0, 0
+    if sum(sizes) <= budget:
+        return set(range(n)), []
     order = sorted(range(n), key=lambda L: (-sizes[L], L))
+
+    def ring(pinned, n_slots):
+        rest = sorted((sizes[i] for i in range(n) if i not in pinned), reverse=True)
+        return rest[:n_slots]
+
     for n_slots in (2, 1):
         pinned: set = set()
         for L in order:
-            rest = [win[i] for i in range(n) if i not in pinned and i != L]
-            cost = sum(win[i] for i in pinned) + win[L] + n_slots * (max(rest) if rest else 0)
-            if cost <= budget:
-                pinned.add(L)
-        slot = max(win[i] for i in range(n) if i not in pinned) if len(pinned) < n else 0
-        if sum(win[i] for i in pinned) + n_slots * slot <= budget:
-            return pinned, n_slots, slot
-    raise BudgetError("trunk budget is below one layer slot", expected=f">= {max(win)} bytes",
+            trial = pinned | {L}
+            if sum(sizes[i] for i in trial) + sum(ring(trial, n_slots)) <= budget:
+                pinned = trial
+        slots = ring(pinned, n_slots)
+        if len(pinned) < n and sum(sizes[i] for i in pinned) + sum(slots) <= budget:
+            return pinned, slots
+    raise BudgetError("trunk budget is below one layer slot", expected=f">= {max(sizes)} bytes",
                       found=f"{budget} bytes",
-                      hint=f"raise --trunk-gb to at least {max(win) / 1e9:.3f}")
+                      hint=f"raise --trunk-gb to at least {max(sizes) / 1e9:.3f}")
 
 
 class TrunkStreamer:
@@ -94,8 +99,9 @@ class TrunkStreamer:
         self.cfg = cfg
         self.runs = runs
         self.files = files
-        self.pinned_plan, self.n_slots, self.slot_bytes = plan_trunk(
-            [r.nbytes for r in runs], budget)
+        self.pinned_plan, capacities = plan_trunk([r.nbytes for r in runs], budget)
+        self.n_slots = len(capacities)
+        self.slot_bytes = [window_bytes(c) for c in capacities]
         self.matrix = [{spec.name[len(names.layer_prefix(L)):]
                         for spec in inventory.layer_trunk(cfg, L) if spec.dtypes == inventory.MATRIX}
                        for L in range(cfg.num_hidden_layers)]
@@ -103,7 +109,7 @@ class TrunkStreamer:
         self.ring = [i for i in range(len(runs)) if i not in self.pinned_plan]
         self.stats = {"bytes_read": 0, "read_seconds": 0.0, "wait_seconds": 0.0, "binds": 0,
                       "pinned_hits": 0, "ring_reads": 0}
-        self._slots = [aligned_empty(self.slot_bytes) for _ in range(self.n_slots)]
+        self._slots = [aligned_empty(b) for b in self.slot_bytes]
         # slot tag: None (free), ("reading", L, gen), ("ready", L, gen), ("inuse", L, gen)
         self._tag = [None] * self.n_slots
         self._base = [0] * self.n_slots
@@ -200,12 +206,16 @@ class TrunkStreamer:
         try:
             while True:
                 with self._cond:
-                    while not self._stop and None not in self._tag:
+                    while True:
+                        L = self.ring[self._read_ptr]
+                        need = window_bytes(self.runs[L].nbytes)
+                        i = next((j for j, t in enumerate(self._tag)
+                                  if t is None and self.slot_bytes[j] >= need), None)
+                        if self._stop or i is not None:
+                            break
                         self._cond.wait()
                     if self._stop:
                         return
-                    i = self._tag.index(None)
-                    L = self.ring[self._read_ptr]
                     gen = self._gen
                     self._tag[i] = ("reading", L, gen)
                     self._read_ptr = (self._read_ptr + 1) % len(self.ring)
@@ -229,4 +239,4 @@ class TrunkStreamer:
     def describe(self) -> dict:
         return {"pinned_layers": sorted(self.pinned_plan), "ring_slots": self.n_slots,
                 "slot_bytes": self.slot_bytes,
-                "pinned_bytes": sum(window_bytes(self.runs[L].nbytes) for L in self.pinned_plan)}
+                "pinned_bytes": sum(self.runs[L].nbytes for L in self.pinned_plan)}
