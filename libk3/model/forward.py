@@ -24,7 +24,8 @@ from .state import State
 class Forward:
     """``Forward(cfg, weights)(ids, state)`` -> float32 logits for the fed positions.
 
-    ``weights`` provides ``model()`` (dict of model-level arrays), ``layer(L)`` (mapping
+    ``weights`` provides ``model()`` (dict of model-level arrays), ``embed(ids)`` (rows of
+    the embedding widened to f32), ``layer(L)`` (mapping
     suffix -> array: BF16 matrices as uint16 bits, vectors as float32), ``release(L)``,
     and ``experts(L, ids)`` (expert id -> tuple of six uint8 arrays in EXPERT_PARTS order).
     ``on_route(L, positions, ids)`` if given is called with each MoE layer's routing.
@@ -35,7 +36,6 @@ class Forward:
         self.weights = weights
         self.on_route = on_route
         m = weights.model()
-        self.embed = m["embed"]
         self.lm_head = m["lm_head"]
         self.norm = m["norm"]
         self.out_fold = K.fold_attn_res(m["output_attn_res_norm"], m["output_attn_res_proj"])
@@ -50,7 +50,7 @@ class Forward:
             raise ValueError(f"token id outside 0..{cfg.vocab_size - 1}")
         state.reserve(T)
         positions = np.arange(state.pos, state.pos + T, dtype=np.int64)
-        prefix = K.embed_rows(self.embed, ids)                       # (T, E) f32
+        prefix = self.weights.embed(ids)                             # (T, E) f32
         blocks: list = []
         for L in range(cfg.num_hidden_layers):
             lw = self.weights.layer(L)

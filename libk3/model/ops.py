@@ -16,12 +16,6 @@ def _c(a):
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
-def embed_rows(embed_u16, ids):
-    """Embedding rows widened exactly (bits << 16), [T, E] float32."""
-    rows = embed_u16[np.asarray(ids)].astype(np.uint32) << np.uint32(16)
-    return rows.view(np.float32)
-
-
 def bf16_matmul(W, X):
     X = _c(X)
     Y = np.empty((X.shape[0], W.shape[0]), np.float32)

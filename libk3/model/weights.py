@@ -5,8 +5,10 @@ provider, ``ResidentWeights``, which reads every tensor once from a checkpoint i
 Does not own: streaming, pinning or caching (``libk3.stream``), which implement the same
 interface so the math never changes with the budget.
 
-Interface: ``model()`` -> dict(embed, lm_head: uint16 BF16 bits [V, E]; norm,
-output_attn_res_norm, output_attn_res_proj: float32); ``layer(L)`` -> mapping suffix ->
+Interface: ``model()`` -> dict(lm_head: uint16 BF16 bits [V, E]; norm,
+output_attn_res_norm, output_attn_res_proj: float32); ``embed(ids)`` -> [T, E] float32
+rows (the streamed provider reads just those rows: 14 KB each instead of a resident
+2.35 GB table); ``layer(L)`` -> mapping suffix ->
 array (BF16 matrices stay uint16 bits, widened on the fly by the kernels; small vectors
 are float32); ``release(L)`` when the forward is done with layer L; ``experts(L, ids)`` ->
 {id: (w1_packed, w1_scale, w2_packed, w2_scale, w3_packed, w3_scale)} uint8 arrays.
@@ -19,6 +21,7 @@ import numpy as np
 from .. import names
 from ..config import K3Config
 from ..io import inventory
+from ..io.dtypes import bf16_to_f32
 
 
 def load_layer(ckpt, cfg: K3Config, L: int) -> dict:
@@ -45,7 +48,6 @@ def split_expert_run(run, raw: np.ndarray) -> tuple:
 
 def load_model_level(ckpt) -> dict:
     return {
-        "embed": ckpt.read_bf16(names.EMBED),
         "lm_head": ckpt.read_bf16(names.LM_HEAD),
         "norm": ckpt.read(names.NORM).astype(np.float32),
         "output_attn_res_norm": ckpt.read(names.OUTPUT_ATTN_RES_NORM).astype(np.float32),
@@ -60,6 +62,7 @@ class ResidentWeights:
         self.cfg = ckpt.config
         cfg = self.cfg
         self._model = load_model_level(ckpt)
+        self._embed = ckpt.read_bf16(names.EMBED)
         self._layers = [load_layer(ckpt, cfg, L) for L in range(cfg.num_hidden_layers)]
         self._experts = {}
         for L in cfg.moe_layers:
@@ -77,6 +80,9 @@ class ResidentWeights:
 
     def model(self) -> dict:
         return self._model
+
+    def embed(self, ids) -> np.ndarray:
+        return bf16_to_f32(self._embed[np.asarray(ids)])
 
     def layer(self, L: int) -> dict:
         return self._layers[L]
@@ -99,11 +105,23 @@ class StreamedWeights:
     def __init__(self, ckpt, trunk, cache):
         self.cfg = ckpt.config
         self._model = load_model_level(ckpt)
+        self._embed = ckpt.entry(names.EMBED)
+        self._ckpt = ckpt
         self.trunk = trunk
         self.cache = cache
 
     def model(self) -> dict:
         return self._model
+
+    def embed(self, ids) -> np.ndarray:
+        """Read just the rows of ``ids`` from the shard (positioned reads)."""
+        E = self.cfg.hidden_size
+        row = 2 * E
+        out = np.empty((len(ids), E), np.uint16)
+        for t, i in enumerate(ids):
+            self._ckpt.read_span(self._embed.path, self._embed.offset + int(i) * row, row,
+                                 out[t].view(np.uint8))
+        return bf16_to_f32(out)
 
     def layer(self, L: int) -> dict:
         return self.trunk.layer(L)

@@ -1,0 +1,60 @@
+"""The run report: what a run read, how long it took, how much memory it used.
+
+Owns: assembling the report dict (for ``--report-json`` and ``--json``) and its short
+human form. Does not own: measuring (the weight providers keep their own counters).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process from the OS (getrusage)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r if sys.platform == "darwin" else r * 1024)
+
+
+def run_report(result, weights_stats: dict, budget=None, extra: dict | None = None) -> dict:
+    trunk = weights_stats.get("trunk", {})
+    experts = weights_stats.get("experts", {})
+    req = experts.get("requests", 0)
+    rep = {
+        "prompt_ids": result.prompt_ids,
+        "generated_ids": result.generated_ids,
+        "stop_reason": result.stop_reason,
+        "prefill_seconds": round(result.prefill_seconds, 6),
+        "decode_seconds": round(result.decode_seconds, 6),
+        "seconds_per_token": round(result.seconds_per_token, 6),
+        "trunk_bytes_read": trunk.get("bytes_read", 0),
+        "trunk_read_seconds": round(trunk.get("read_seconds", 0.0), 6),
+        "trunk_wait_seconds": round(trunk.get("wait_seconds", 0.0), 6),
+        "pinned_layers": trunk.get("pinned_layers"),
+        "ring_slots": trunk.get("ring_slots"),
+        "expert_bytes_read": experts.get("bytes_read", 0),
+        "expert_read_seconds": round(experts.get("read_seconds", 0.0), 6),
+        "expert_requests": req,
+        "cache_hit_rate": round(experts.get("hits", 0) / req, 6) if req else None,
+        "cache_slots": experts.get("slots"),
+        "cache_policy": experts.get("policy"),
+        "reads_in_flight": experts.get("max_in_flight"),
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+    if budget is not None:
+        rep["budget"] = budget.to_json()
+    if extra:
+        rep.update(extra)
+    return rep
+
+
+def short_text(rep: dict) -> str:
+    n = len(rep["generated_ids"])
+    parts = [f"{n} tokens, {rep['seconds_per_token']:.3f} s/token "
+             f"(prefill {rep['prefill_seconds']:.2f} s)"]
+    if rep.get("cache_hit_rate") is not None:
+        parts.append(f"cache hit {100 * rep['cache_hit_rate']:.1f}%")
+    parts.append(f"read trunk {rep['trunk_bytes_read'] / 1e6:.1f} MB, "
+                 f"experts {rep['expert_bytes_read'] / 1e6:.1f} MB")
+    parts.append(f"peak RSS {rep['peak_rss_bytes'] / 1e9:.2f} GB")
+    return "; ".join(parts)
