@@ -208,8 +208,9 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
         if not text:
             break
         ids = chatfmt.user_turn_ids(tok, text)
+        printer = emit_factory()
         generate(run.session.forward, state, ids, turn_settings, tokenizer=tok,
-                 on_token=emit_factory())
-        click.echo("")
+                 on_token=printer)
+        printer.finish()
     if save_state:
         state.save(save_state)

@@ -20,20 +20,22 @@ def _note_order(ctx, param, value):
     return value
 
 
-def _emitter(tokenizer, quiet: bool):
-    if quiet:
-        return None
-    if tokenizer is None:
-        def emit(tok):
-            sys.stdout.write(f"{tok} ")
-            sys.stdout.flush()
-        return emit
-    dec = tokenizer.stream_decoder()
+class _Printer:
+    """Writes each token to stdout as it is produced: text through the tokenizer's
+    streaming decoder (a UTF-8 character is never split), or ids when there is none."""
 
-    def emit(tok):
-        sys.stdout.write(dec.push(tok))
+    def __init__(self, tokenizer):
+        self.dec = tokenizer.stream_decoder() if tokenizer is not None else None
+
+    def __call__(self, tok):
+        sys.stdout.write(self.dec.push(tok) if self.dec is not None else f"{tok} ")
         sys.stdout.flush()
-    return emit
+
+    def finish(self):
+        if self.dec is not None:
+            sys.stdout.write(self.dec.flush())
+        sys.stdout.write("\n")
+        sys.stdout.flush()
 
 
 @click.command(help="Run Kimi K3 (or a synthetic K3 checkpoint) on a prompt, a batch file "
@@ -122,7 +124,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, chat, gen,
             return
         if chat:
             runner.run_chat(run, settings, load_state=load_state, save_state=save_state,
-                            emit_factory=lambda: _emitter(run.session.tokenizer, False),
+                            emit_factory=lambda: _Printer(run.session.tokenizer),
                             prompt_fn=lambda: click.prompt("you", prompt_suffix="> ",
                                                            default="", show_default=False,
                                                            err=True))
@@ -132,13 +134,12 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, chat, gen,
         else:
             text = prompt if prompt is not None else open(prompt_file, encoding="utf-8").read()
             prompt_ids = run.encode(text)
-        res = runner.run_one(run, prompt_ids, settings,
-                             on_token=_emitter(run.session.tokenizer, json_out),
+        printer = None if json_out else _Printer(run.session.tokenizer)
+        res = runner.run_one(run, prompt_ids, settings, on_token=printer,
                              keep_logits=logits_out is not None, load_state=load_state,
                              save_state=save_state)
-        if not json_out:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+        if printer is not None:
+            printer.finish()
         if logits_out:
             np.save(logits_out, res.logits)
         rep = run.report(res)

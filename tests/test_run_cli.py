@@ -1,0 +1,198 @@
+"""k3-run end to end through the console script: same answer at every budget, batch
+files with resume, chat with saved state, and every refusal (issue: k3-run)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from libk3.engine.generate import GenSettings, generate
+from libk3.engine.session import open_session
+from libk3.io.checkpoint import Checkpoint
+from libk3.presets import ModelSizes, minimum_budget
+
+PROMPT = "5,17,300,42,7,99,128,3,250,11,64,200,9,31"
+
+
+def k3(*args, cwd=None, input=None):
+    return subprocess.run(["k3-run", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, input=input, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def small_pack(small_dir, tmp_path_factory):
+    from libk3.pack import pack
+    out = tmp_path_factory.mktemp("pack") / "small.pack"
+    with Checkpoint.open(small_dir) as ckpt:
+        pack(ckpt, out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_reference(small_dir):
+    """Resident-weights greedy run: the forward-pass result the streamed runs must equal."""
+    s = open_session(small_dir)
+    ids = [int(i) for i in PROMPT.split(",")]
+    return generate(s.forward, s.new_state(), ids, GenSettings(gen=6), keep_logits=True)
+
+
+def _budgets(small_dir):
+    with Checkpoint.open(small_dir) as ckpt:
+        sizes = ModelSizes.from_checkpoint(ckpt)
+    floor = minimum_budget(sizes)
+    gb = lambda b: f"{b / 1e9:.9f}"  # noqa: E731
+    return [
+        ("--resident",),
+        ("--trunk-gb", gb(floor.trunk_bytes + 1), "--cache-gb", gb(floor.cache_bytes + 1)),
+        ("--trunk-gb", gb(sizes.trunk_bytes // 2), "--cache-gb", gb(sizes.cache_all_bytes // 8)),
+        ("--trunk-gb", gb(sizes.trunk_bytes * 0.8), "--cache-gb", gb(sizes.cache_all_bytes // 2)),
+        ("--preset", "max"),
+    ]
+
+
+def test_run_same_logits_at_every_budget_threads_and_pack(small_dir, small_pack,
+                                                          small_reference, tmp_path):
+    """Catches any budget, ring size, cache size, thread count or pack that changes the
+    arithmetic: tokens and logits bytes must be identical to the resident forward."""
+    want = small_reference.logits
+    runs = [(b, ()) for b in _budgets(small_dir)]
+    runs.append((_budgets(small_dir)[1], ("--pack", small_pack)))
+    runs.append((_budgets(small_dir)[2], ("--pack", small_pack, "--threads", "1")))
+    for i, (budget, extra) in enumerate(runs):
+        out, rep = tmp_path / f"l{i}.npy", tmp_path / f"r{i}.json"
+        p = k3(small_dir, "--ids", PROMPT, "--gen", 6, *budget, *extra, "--logits-out", out,
+               "--report-json", rep)
+        assert p.returncode == 0, p.stderr
+        got = np.load(out)
+        report = json.loads(rep.read_text())
+        assert report["generated_ids"] == small_reference.generated_ids, (budget, extra)
+        assert got.shape == want.shape
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (budget, extra)
+        if budget != ("--resident",):
+            assert report["peak_rss_bytes"] > 0 and report["budget"]["trunk_bytes"] > 0
+
+
+def test_run_minimum_budget_streams_everything(small_dir, tmp_path):
+    """Catches a 'streamed' run that silently keeps everything resident: at the floor the
+    trunk is read every token and experts are evicted."""
+    b = _budgets(small_dir)[1]
+    rep = tmp_path / "r.json"
+    p = k3(small_dir, "--ids", PROMPT, "--gen", 3, *b, "--report-json", rep)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(rep.read_text())
+    assert r["pinned_layers"] == [] and r["ring_slots"] == 2
+    with Checkpoint.open(small_dir) as ckpt:
+        trunk = ModelSizes.from_checkpoint(ckpt).trunk_bytes
+    assert r["trunk_bytes_read"] >= 3 * trunk       # prefill chunk + 3 decode steps
+    assert r["cache_hit_rate"] < 0.5
+
+
+def test_run_budget_below_minimum_refused_before_work(small_dir):
+    """Catches a run that starts and then fails (or thrashes) below the working floor."""
+    p = k3(small_dir, "--ids", "1,2", "--trunk-gb", "0.001", "--cache-gb", "0.001")
+    assert p.returncode == 4
+    assert "below the smallest that can work" in p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_run_later_flag_overrides_preset(small_dir, tmp_path):
+    """Catches flags applied in a fixed order instead of argv order."""
+    rep = tmp_path / "r.json"
+    p = k3(small_dir, "--ids", "1,2", "--gen", 1, "--preset", "max", "--cache-gb", "0.01",
+           "--report-json", rep)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(rep.read_text())["budget"]["cache_bytes"] == 10_000_000
+    p = k3(small_dir, "--ids", "1,2", "--gen", 1, "--cache-gb", "0.01", "--preset", "max",
+           "--report-json", rep)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(rep.read_text())["budget"]["cache_bytes"] > 10_000_000
+
+
+def test_run_refuses_a_directory_that_is_not_a_checkpoint(tmp_path):
+    """Catches a guess or a traceback on a non-K3 directory."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    p = k3(tmp_path, "--ids", "1")
+    assert p.returncode == 3 and "missing required key" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_run_refuses_a_pack_of_another_checkpoint(tiny_dir, small_pack):
+    """Catches streaming a trunk file that belongs to another model."""
+    p = k3(tiny_dir, "--ids", "1", "--pack", small_pack, "--preset", "max")
+    assert p.returncode == 3 and "different checkpoint" in p.stderr
+
+
+def test_run_usage_errors_exit_2(tiny_dir):
+    """Catches ambiguous prompt options being accepted."""
+    p = k3(tiny_dir, "--ids", "1", "--prompt", "x")
+    assert p.returncode == 2 and "exactly one of" in p.stderr
+    p = k3(tiny_dir, "--ids", "1,x")
+    assert p.returncode == 2
+
+
+def test_run_batch_skips_malformed_lines_and_resumes(tiny_dir, tmp_path):
+    """Catches a batch that dies on a bad line, or redoes finished ids on rerun."""
+    lines = ['{"id": "a", "ids": [1, 2, 3], "gen": 3}', "not json",
+             '{"id": "b", "prompt": "Hello world", "gen": 4}', '{"id": 5, "ids": [99999]}',
+             '{"id": "c", "ids": [7], "gen": 2, "temperature": 0.8, "seed": 3}']
+    batch = tmp_path / "b.jsonl"
+    batch.write_text("\n".join(lines[:3]) + "\n")
+    out = tmp_path / "r.jsonl"
+    p = k3(tiny_dir, "--batch", batch, "--out", out)
+    assert p.returncode == 0, p.stderr
+    assert f"{batch}:2: skipped" in p.stderr
+    first = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in first] == ["a", "b"]
+    with open(out, "a") as f:                # a crash mid-write leaves a torn line
+        f.write('{"id": "x", "gener')
+    batch.write_text("\n".join(lines) + "\n")
+    p = k3(tiny_dir, "--batch", batch, "--out", out)
+    assert p.returncode == 0, p.stderr
+    assert f"{batch}:4: skipped" in p.stderr
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "b", "c"]
+    assert rows[0] == first[0]
+    assert len(rows[2]["generated_ids"]) == 2
+
+
+def test_run_batch_result_equals_single_run(tiny_dir, tmp_path):
+    """Catches state leaking from one batch prompt into the next."""
+    batch = tmp_path / "b.jsonl"
+    batch.write_text('{"id": 1, "ids": [9, 8, 7], "gen": 5}\n{"id": 2, "ids": [1, 2, 3], "gen": 5}\n')
+    out = tmp_path / "r.jsonl"
+    assert k3(tiny_dir, "--batch", batch, "--out", out).returncode == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    single = json.loads(k3(tiny_dir, "--ids", "1,2,3", "--gen", 5, "--json").stdout)
+    assert rows[1]["generated_ids"] == single["generated_ids"]
+
+
+def test_run_chat_two_turns_with_saved_state_equals_one_session(tiny_dir, tmp_path):
+    """Catches a chat that re-prefills earlier turns differently or a state file that loses
+    the first turn: turn 2 after save/load prints exactly what one session prints."""
+    both = k3(tiny_dir, "--chat", "--gen", 6, input="hello there\nand again\n\n")
+    assert both.returncode == 0, both.stderr
+    st = tmp_path / "chat.k3state"
+    one = k3(tiny_dir, "--chat", "--gen", 6, "--save-state", st, input="hello there\n\n")
+    assert one.returncode == 0, one.stderr and st.exists()
+    two = k3(tiny_dir, "--chat", "--gen", 6, "--load-state", st, input="and again\n\n")
+    assert two.returncode == 0, two.stderr
+    replies = [line for line in both.stdout.splitlines() if line.strip()]
+    assert len(replies) >= 1
+    assert one.stdout + two.stdout == both.stdout
+
+
+def test_run_prompt_text_streams_and_reports(tiny_dir, tmp_path):
+    """Catches text mode not using the tokenizer or a report missing its fields."""
+    rep = tmp_path / "r.json"
+    p = k3(tiny_dir, "--prompt", "The capital of France is", "--gen", 4, "--report-json", rep)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(rep.read_text())
+    for key in ("prompt_ids", "generated_ids", "prefill_seconds", "decode_seconds",
+                "seconds_per_token", "trunk_bytes_read", "expert_bytes_read", "cache_hit_rate",
+                "reads_in_flight", "peak_rss_bytes", "budget", "generated_text"):
+        assert key in r
+    assert p.stdout.rstrip("\n") == r["generated_text"].rstrip("\n") or r["generated_text"] in p.stdout
