@@ -1,0 +1,21 @@
+"""libk3.kernels: the numba kernels of k3 (arrays and scalars in, preallocated outputs
+written; no I/O, no model state, no imports from ``libk3.model``).
+
+One module per concern, each citing the spec section it implements and the numerics of
+formats/numerics.md (spec K3-MODEL.md section 7):
+
+* ``bf16``        dense matvec / block matmul, BF16 bits (or f32) weights, f64 sums.
+* ``mxfp4``       matvec / block matmul straight from packed MXFP4 experts.
+* ``norms``       RMSNorm (with and without gain), L2Norm.
+* ``activations`` f32 sigmoid, SiLU, SiTU, output gate (libm expf / tanhf).
+* ``kda``         short conv + SiLU with history, decay, delta-rule recurrence.
+* ``mla``         absorbed MLA attention over the latent cache.
+* ``router``      sigmoid top-k router with selection-only bias.
+* ``attnres``     the AttnRes aggregator.
+* ``moe``         SiTU-GLU MLPs (dense and MXFP4) and the routed combine.
+* ``_dot``/``_simd`` the fixed-order f64 dot product and the vector primitives under it.
+
+Invariant shared by all: ``prange`` only over independent output rows, heads, channels
+or tokens, never fastmath, so every result is bit-identical at any thread count, and a
+T-token call equals T one-token calls bit for bit.
+"""

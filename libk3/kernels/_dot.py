@@ -1,0 +1,92 @@
+"""The one fixed-order float64 dot product behind every k3 matrix-vector product.
+
+Owns: ``dot16`` (one row) and ``dot16_x4`` (four rows sharing the activation loads), the
+summation order of formats/numerics.md section 2, which is the order of the public C
+engine (spec PRIOR-ART.md section 10), so k3's BF16/F32 matvecs are bit-identical to it:
+
+* 16 f64 partial sums a_0..a_15 start at +0.0; element i < 16*floor(n/16) is added to
+  a_(i mod 16), in increasing i (so each a_l is a sequential sum);
+* b_l = (a_l + a_(l+4)) + (a_(l+8) + a_(l+12)) for l = 0..3; s = (b0 + b1) + (b2 + b3);
+* the remaining n mod 16 elements are added to s one by one, in increasing i;
+* the caller rounds s to float32 once.
+
+Does not own: widening (``_simd``), threading (callers ``prange`` over rows only, so a
+row's result never depends on the thread count or on which rows share a ``dot16_x4``).
+
+Every product is exact in f64 (BF16 x f32: 8 + 24 significant bits; f32 x f32: 48), so the
+only roundings are the additions listed above. ``dot16_x4`` performs, for each of its
+rows, exactly the operations ``dot16`` performs: it exists because four interleaved rows
+keep eight independent vector chains in flight (25 GB/s instead of 16 GB/s on the BF16
+12288 x 7168 matvec, 2 threads).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ._simd import vfma, vlane, vzero, widen_f32
+
+
+@njit(cache=True, inline="always")
+def _reduce16(lo, hi):
+    """(lanes 0..7, lanes 8..15) -> ((b0 + b1) + (b2 + b3)), b_l as in the module doc."""
+    b0 = (vlane(lo, 0) + vlane(lo, 4)) + (vlane(hi, 0) + vlane(hi, 4))
+    b1 = (vlane(lo, 1) + vlane(lo, 5)) + (vlane(hi, 1) + vlane(hi, 5))
+    b2 = (vlane(lo, 2) + vlane(lo, 6)) + (vlane(hi, 2) + vlane(hi, 6))
+    b3 = (vlane(lo, 3) + vlane(lo, 7)) + (vlane(hi, 3) + vlane(hi, 7))
+    return (b0 + b1) + (b2 + b3)
+
+
+@njit(cache=True, inline="always")
+def _tail(s, w, x, start, n):
+    """s + sum of w[i] * x[i] for i = start..n-1, added one by one."""
+    for i in range(start, n):
+        s += np.float64(widen_f32(w[i])) * np.float64(widen_f32(x[i]))
+    return s
+
+
+@njit(cache=True, inline="always")
+def dot16(w, x):
+    """float64 sum_i widen(w[i]) * x[i] in the fixed 16-lane order (not rounded).
+
+    w: [n] uint16 BF16 bits or float32, C-contiguous; x: [n] float32 (or BF16 bits),
+    C-contiguous; len(x) >= len(w) = n. Must not become: a reduction whose grouping
+    depends on n's alignment, the thread count, or numba's vectoriser."""
+    n = w.shape[0]
+    n16 = n - n % 16
+    lo = vzero()
+    hi = vzero()
+    for i in range(0, n16, 16):
+        lo = vfma(lo, w, i, x, i)
+        hi = vfma(hi, w, i + 8, x, i + 8)
+    return _tail(_reduce16(lo, hi), w, x, n16, n)
+
+
+@njit(cache=True, inline="always")
+def dot16_x4(w0, w1, w2, w3, x):
+    """(dot16(w0, x), dot16(w1, x), dot16(w2, x), dot16(w3, x)), bit for bit, in one pass
+    over x. All four rows have the same length n."""
+    n = w0.shape[0]
+    n16 = n - n % 16
+    l0 = vzero()
+    h0 = vzero()
+    l1 = vzero()
+    h1 = vzero()
+    l2 = vzero()
+    h2 = vzero()
+    l3 = vzero()
+    h3 = vzero()
+    for i in range(0, n16, 16):
+        l0 = vfma(l0, w0, i, x, i)
+        h0 = vfma(h0, w0, i + 8, x, i + 8)
+        l1 = vfma(l1, w1, i, x, i)
+        h1 = vfma(h1, w1, i + 8, x, i + 8)
+        l2 = vfma(l2, w2, i, x, i)
+        h2 = vfma(h2, w2, i + 8, x, i + 8)
+        l3 = vfma(l3, w3, i, x, i)
+        h3 = vfma(h3, w3, i + 8, x, i + 8)
+    return (_tail(_reduce16(l0, h0), w0, x, n16, n),
+            _tail(_reduce16(l1, h1), w1, x, n16, n),
+            _tail(_reduce16(l2, h2), w2, x, n16, n),
+            _tail(_reduce16(l3, h3), w3, x, n16, n))

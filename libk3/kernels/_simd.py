@@ -1,0 +1,136 @@
+"""The few LLVM-level primitives the k3 kernels need that numba does not offer.
+
+Owns: the one numba-side BF16 widening (``widen_f32``: bits << 16, the same rule as
+``libk3.io.dtypes.bf16_to_f32``), an 8-lane float64 vector type ``f64x8`` with ``vzero``,
+``vlane`` and ``vfma``, which the fixed-order dot products of ``_dot.py`` are built from.
+Does not own: any model math, any summation order (``_dot.py`` fixes that).
+
+WHY a vector type at all. Numba disables LLVM's SLP vectoriser and never lets the loop
+vectoriser reassociate a floating-point reduction (no fastmath, on purpose: spec K3-MODEL.md
+section 7). A dot product written with 16 scalar f64 partial sums therefore compiles to
+scalar code: 50 ms for the 12288 x 7168 BF16 matvec on one core, against 12 ms with the
+same 16 partial sums held in two 8-lane vectors (measured on the 2-core dev machine, see
+``bench/kernels.py``). The vector form changes nothing numerically: lane l of the vector
+holds exactly the partial sum a scalar loop would keep in accumulator l, each lane is
+updated in the same order, and every product of a BF16 or f32 weight with an f32
+activation is exact in f64, so the fused multiply-add rounds exactly where a separate
+multiply and add would (only the addition rounds). No reassociation ever happens.
+
+Every function here is portable LLVM IR (generic vectors and ``llvm.fma``); on a machine
+without AVX-512 LLVM splits the 8 lanes into narrower registers, with the same results.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic, models, register_model
+
+_F64 = ir.DoubleType()
+_F32 = ir.FloatType()
+_V = ir.VectorType(_F64, 8)
+
+
+class F64x8Type(types.Type):
+    """Eight float64 lanes held in one LLVM vector register (never leaves compiled code)."""
+
+    def __init__(self):
+        super().__init__(name="f64x8")
+
+
+f64x8 = F64x8Type()
+
+
+@register_model(F64x8Type)
+class _F64x8Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _V)
+
+
+def _is_weight_array(a) -> bool:
+    return (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
+            and a.dtype in (types.uint16, types.float32))
+
+
+def _widen_vector(builder, raw, dtype):
+    """<8 x i16> BF16 bits or <8 x float> -> <8 x double>, exactly."""
+    if dtype == types.uint16:
+        i32 = ir.VectorType(ir.IntType(32), 8)
+        bits = builder.shl(builder.zext(raw, i32), ir.Constant(i32, [16] * 8))
+        raw = builder.bitcast(bits, ir.VectorType(_F32, 8))
+    return builder.fpext(raw, _V)
+
+
+def _load8(context, builder, aryty, ary, index_type, index):
+    """Load 8 consecutive elements ary[index : index + 8] as an LLVM vector."""
+    a = context.make_array(aryty)(context, builder, ary)
+    i = context.cast(builder, index, index_type, types.intp)
+    ptr = builder.gep(a.data, [i])
+    elem = context.get_data_type(aryty.dtype)
+    vptr = builder.bitcast(ptr, ir.VectorType(elem, 8).as_pointer())
+    return builder.load(vptr, align=aryty.dtype.bitwidth // 8)
+
+
+@intrinsic
+def widen_f32(typingctx, w):
+    """Scalar weight -> float32: uint16 BF16 bits are widened by bits << 16 (spec 5.0),
+    a float32 is returned unchanged. The numba twin of ``io.dtypes.bf16_to_f32``."""
+    if w not in (types.uint16, types.float32):
+        return None
+    sig = types.float32(w)
+
+    def codegen(context, builder, signature, args):
+        if signature.args[0] == types.float32:
+            return args[0]
+        bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(bits, _F32)
+
+    return sig, codegen
+
+
+@intrinsic
+def vzero(typingctx):
+    """An f64x8 of +0.0 (accumulators start at +0.0, so a -0 product never leaks a -0)."""
+    sig = f64x8()
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(_V, [0.0] * 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def vlane(typingctx, v, lane):
+    """Lane ``lane`` (0..7) of an f64x8 as a float64."""
+    if v != f64x8 or not isinstance(lane, types.Integer):
+        return None
+    sig = types.float64(v, lane)
+
+    def codegen(context, builder, signature, args):
+        return builder.extract_element(args[0], args[1])
+
+    return sig, codegen
+
+
+@intrinsic
+def vfma(typingctx, acc, w, i, x, j):
+    """acc[l] + f64(widen(w[i + l])) * f64(x[j + l]) for l = 0..7, lane by lane.
+
+    w: 1-D C-contiguous uint16 (BF16 bits) or float32; x: 1-D C-contiguous float32 or
+    uint16. The caller guarantees i + 8 <= len(w) and j + 8 <= len(x) (no bounds check).
+    The product is exact in f64, so this equals acc + w * x with one rounding per lane."""
+    if not (acc == f64x8 and _is_weight_array(w) and _is_weight_array(x)
+            and isinstance(i, types.Integer) and isinstance(j, types.Integer)):
+        return None
+    sig = f64x8(acc, w, i, x, j)
+
+    def codegen(context, builder, signature, args):
+        vacc, vw, vi, vx, vj = args
+        _, tw, ti, tx, tj = signature.args
+        wd = _widen_vector(builder, _load8(context, builder, tw, vw, ti, vi), tw.dtype)
+        xd = _widen_vector(builder, _load8(context, builder, tx, vx, tj, vj), tx.dtype)
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V, [_V, _V, _V]), "llvm.fma.v8f64")
+        return builder.call(fma, [wd, xd, vacc])
+
+    return sig, codegen

@@ -1,0 +1,93 @@
+"""Elementwise activations in float32 with libm semantics (spec K3-MODEL.md 5.0, 7.3).
+
+Owns: ``sigmoid``/``silu`` as scalar device functions and as array kernels, ``situ``
+(the SiTU-GLU product), ``gate_mul`` (o * sigmoid(gate), the KDA and MLA output gates).
+Does not own: where the betas come from (config ``situ_beta``, ``situ_linear_beta``).
+
+WHY scalar ``math.exp``/``math.tanh`` on float32 inside numba: they call glibc ``expf`` and
+``tanhf`` and so agree with the public C engine bit for bit; numpy's vectorised float32
+``np.exp``/``np.tanh`` differ by 1-3 ulp on about a third of inputs, and
+``conformance/ops/moe.json`` then fails (1.2-1.3x tolerance) where the libm form passes
+(0.53x). Never fastmath, never a float64 SiTU (1.15x, fails).
+
+All kernels take 1-D float32 arrays; pass ``a.reshape(-1)`` of a contiguous [T, n] array.
+Elements are independent, so ``prange`` cannot change a result.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+_ONE = np.float32(1.0)
+
+
+@njit(cache=True, inline="always")
+def sigmoid1(x):
+    """f32 sigmoid(x) = 1 / (1 + expf(-x)), x float32. exp(-x) overflows to inf for
+    x < -88.7 and the result is then +0.0: legal, not an error."""
+    return _ONE / (_ONE + math.exp(-x))
+
+
+@njit(cache=True, inline="always")
+def silu1(x):
+    """f32 SiLU(x) = x * sigmoid(x)."""
+    return x * sigmoid1(x)
+
+
+@njit(cache=True, inline="always")
+def situ1(g, u, beta1, beta2):
+    """f32 SiTU(g, u) = [(b1 * tanh(g / b1)) * sigmoid(g)] * [b2 * tanh(u / b2)].
+
+    beta1, beta2: float32 (4 and 25 in K3). sigmoid takes the UNCAPPED g. |result| <=
+    b1 * b2. Must not become: sigmoid of the capped gate, caps omitted (indistinguishable
+    in the near-linear regime), gate and up swapped."""
+    a = (beta1 * math.tanh(g / beta1)) * sigmoid1(g)
+    b = beta2 * math.tanh(u / beta2)
+    return a * b
+
+
+@njit(cache=True, parallel=True)
+def sigmoid(x, out):
+    """out[i] = sigmoid1(x[i]); x, out: [n] float32 (out may be x)."""
+    if out.shape[0] != x.shape[0]:
+        raise ValueError("sigmoid: x and out must have the same length")
+    for i in prange(x.shape[0]):
+        out[i] = sigmoid1(x[i])
+
+
+@njit(cache=True, parallel=True)
+def silu(x, out):
+    """out[i] = silu1(x[i]); x, out: [n] float32 (out may be x)."""
+    if out.shape[0] != x.shape[0]:
+        raise ValueError("silu: x and out must have the same length")
+    for i in prange(x.shape[0]):
+        out[i] = silu1(x[i])
+
+
+@njit(cache=True, parallel=True)
+def situ(gate, up, beta1, beta2, out):
+    """out[i] = situ1(gate[i], up[i], f32(beta1), f32(beta2)).
+
+    gate, up, out: [n] float32 (out may alias either). beta1, beta2: floats. Spec 5.0,
+    5.7, 5.8 (dense MLP, routed experts, shared expert)."""
+    n = gate.shape[0]
+    if up.shape[0] != n or out.shape[0] != n:
+        raise ValueError("situ: gate, up and out must have the same length")
+    b1 = np.float32(beta1)
+    b2 = np.float32(beta2)
+    for i in prange(n):
+        out[i] = situ1(gate[i], up[i], b1, b2)
+
+
+@njit(cache=True, parallel=True)
+def gate_mul(o, gate, out):
+    """out[i] = o[i] * sigmoid1(gate[i]): the output gate of KDA (spec 5.5 step 9) and MLA
+    (5.6 step 6). o, gate, out: [n] float32. Must not become: a norm after the gate."""
+    n = o.shape[0]
+    if gate.shape[0] != n or out.shape[0] != n:
+        raise ValueError("gate_mul: o, gate and out must have the same length")
+    for i in prange(n):
+        out[i] = o[i] * sigmoid1(gate[i])

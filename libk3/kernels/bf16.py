@@ -1,0 +1,77 @@
+"""Dense matrix-vector and matrix-block products with BF16 (or float32) weights.
+
+Owns: ``matvec`` (one token, decode) and ``matmul`` (a block of T tokens, prefill) for
+every dense trunk matrix (spec K3-MODEL.md sections 5.5-5.8, 7.1, 7.2). Does not own: the
+summation order (``_dot.dot16``, formats/numerics.md section 2), MXFP4 experts
+(``mxfp4.py``), any choice of which weights to multiply.
+
+Weights stay BF16 in memory as raw uint16 bit patterns and are widened (bits << 16)
+eight at a time inside the dot product; no float32 copy of W exists at any point
+(spec 7.1: the always-active set would double). The same compiled code accepts float32
+weights (small matrices, conformance vectors, test oracles): the dtype of W selects the
+widening at compile time.
+
+Threads split output rows only, in groups of four rows (``dot16_x4``), and each row's
+arithmetic is identical whichever group and thread it lands in: outputs are bit-identical
+at any thread count, and ``matmul`` row t equals ``matvec`` of token t bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ._dot import dot16, dot16_x4
+
+
+@njit(cache=True, parallel=True)
+def matvec(W, x, y):
+    """y[o] = f32( sum_i widen(W[o, i]) * x[i] ), f64 sums in the dot16 order.
+
+    W: [O, I] uint16 BF16 bits or float32, C-contiguous. x: [I] float32, C-contiguous.
+    y: [O] float32, written. Spec 7.2 row 1. Must not become: an f32 accumulation, a
+    float32 copy of W, a split of one row's sum across threads, or numpy's BLAS (whose
+    summation order depends on the library and the thread count)."""
+    O, I = W.shape
+    if x.shape[0] != I or y.shape[0] != O:
+        raise ValueError("matvec: W is [O, I], x must be [I] and y [O]")
+    groups = O // 4
+    for g in prange(groups + 1):
+        if g < groups:
+            o = 4 * g
+            a, b, c, d = dot16_x4(W[o], W[o + 1], W[o + 2], W[o + 3], x)
+            y[o] = np.float32(a)
+            y[o + 1] = np.float32(b)
+            y[o + 2] = np.float32(c)
+            y[o + 3] = np.float32(d)
+        else:
+            for o in range(4 * groups, O):
+                y[o] = np.float32(dot16(W[o], x))
+
+
+@njit(cache=True, parallel=True)
+def matmul(W, X, Y):
+    """Y[t, o] = matvec(W, X[t])[o] for every token t, bit for bit.
+
+    W: [O, I] uint16 BF16 bits or float32. X: [T, I] float32. Y: [T, O] float32, written.
+    Each group of four weight rows is read from memory once and applied to all T tokens
+    while it sits in cache (prefill). Must not become: a blocked GEMM that splits the
+    I-axis sum differently from ``matvec`` (prefill and decode would then disagree)."""
+    O, I = W.shape
+    T = X.shape[0]
+    if X.shape[1] != I or Y.shape[0] != T or Y.shape[1] != O:
+        raise ValueError("matmul: W is [O, I], X must be [T, I] and Y [T, O]")
+    groups = O // 4
+    for g in prange(groups + 1):
+        if g < groups:
+            o = 4 * g
+            for t in range(T):
+                a, b, c, d = dot16_x4(W[o], W[o + 1], W[o + 2], W[o + 3], X[t])
+                Y[t, o] = np.float32(a)
+                Y[t, o + 1] = np.float32(b)
+                Y[t, o + 2] = np.float32(c)
+                Y[t, o + 3] = np.float32(d)
+        else:
+            for o in range(4 * groups, O):
+                for t in range(T):
+                    Y[t, o] = np.float32(dot16(W[o], X[t]))

@@ -1,0 +1,555 @@
+"""Memory presets and budgets: how many bytes go to the trunk and to the expert cache.
+
+Owns: reading and validating ``libk3/presets.yaml`` (formats/presets.md), the model's
+sizes as the budget sees them (``ModelSizes``), the fixed overhead a run needs besides
+its two budgets, the smallest budget that can work, the ``auto`` rule, resolving
+``--preset``/``--trunk-gb``/``--cache-gb`` in argv order, how a trunk budget splits into
+pinned layers and a ring, and whether a budget fits a machine's memory. Does not own:
+probing the machine (``libk3.hwprobe``), streaming or caching (``libk3.stream``), or
+printing (the click front ends).
+
+Why the memory model is what it is (numbers are Kimi K3's, spec K3-MODEL.md 3.5, 6):
+* peak = trunk budget + cache budget + overhead. The overhead is lm_head and the three
+  small model-level vectors (2.35 GB, resident), the recurrent state (0.46 GB), the MLA
+  latent cache for ``context_positions`` positions (0.23 GB at 4096) and a runtime
+  reserve. The embedding (another 2.35 GB) is NOT in it: a token needs one 14 KB row of
+  it, read on demand. Keeping it resident would put the floor at ~9.6 GB and make an
+  8 GB machine unusable, where the C engine ran in 8.24 GB (PRIOR-ART 11).
+* The trunk budget pays for the ring first, then for pins (PRIOR-ART 3). The ring must
+  hold the layer being computed and the next one being read, so its floor is the sum of
+  the two largest layer runs (3.61 GB: the dense layer 0 plus a KDA+MoE layer). A
+  two-ended arena of that size holds any consecutive pair: put the incoming layer at the
+  end opposite the one in use.
+* Pins go largest first: a pinned byte is a byte not read per token, and pinning the
+  largest layers also shrinks the ring the rest needs. ``trunk_plan`` uses the same
+  greedy as k3-run's ``libk3.stream.trunk.plan_trunk`` so the doctor's estimate streams
+  the layers k3-run will stream.
+* The cache floor is top_k + 1 slots (PRIOR-ART 4): one layer's experts plus one in
+  flight. A slot is the expert's bytes widened to the enclosing 4096-aligned window, as
+  O_DIRECT reads it (17,555,456 B for the real expert).
+* ``auto`` gives memory to the trunk before the cache: at the margin a trunk GB was
+  worth about 70 cache GB (PRIOR-ART 11). The C engine also capped the trunk at
+  0.55 x MemTotal because one 51 GB pin ran slower than none; that single sample lies
+  inside its own 33 % noise floor and k3 reads with O_DIRECT (pins do not compete with
+  the page cache), so k3 does not copy the cap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from . import names
+from .config import K3Config
+from .errors import BudgetError, FormatError, UsageError
+from .io import inventory
+
+GB = 1e9                              # presets.yaml and every flag count decimal GB
+ALIGN = 4096                          # O_DIRECT alignment (formats/pack.md)
+PRESETS_FILE = Path(__file__).with_name("presets.yaml")
+PRESET_FORMAT, PRESET_VERSION = "k3-presets", 1
+NAMED = ("laptop", "desktop", "workstation", "server", "max")   # smallest to largest
+PRESET_NAMES = NAMED + ("auto",)
+FLAG_KEYS = ("preset", "trunk_gb", "cache_gb")     # the tokens of ``order``
+_FLAG_TEXT = {"preset": "--preset", "trunk_gb": "--trunk-gb", "cache_gb": "--cache-gb"}
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+# ---- the preset file --------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """One named budget. ``auto`` has trunk_gb = cache_gb = None (computed)."""
+
+    name: str
+    trunk_gb: float | None
+    cache_gb: float | None
+    description: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """The ``auto`` and ``accounting`` sections of the preset file (formats/presets.md)."""
+
+    headroom_fraction: float       # plan at most this share of usable memory
+    cache_floor_bytes: int         # auto keeps at least this much cache when it can
+    runtime_reserve_bytes: int     # interpreter, numba, activations, I/O staging
+    context_positions: int         # MLA cache positions reserved in the overhead
+    source: str
+
+
+_PRESET_KEYS = ("trunk_gb", "cache_gb", "description")
+_AUTO_KEYS = ("description", "headroom_fraction", "cache_floor_gb")
+_ACCOUNTING_KEYS = ("runtime_reserve_gb", "context_positions")
+_TOP_KEYS = ("format", "version", "presets", "auto", "accounting")
+
+
+def _read_yaml(path) -> tuple[dict, str]:
+    import yaml
+
+    p = Path(path) if path is not None else PRESETS_FILE
+    try:
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise FormatError(f"cannot read the preset file: {e.strerror}", path=p) from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise FormatError(f"preset file is not valid YAML: {' '.join(str(e).split())}",
+                          path=p) from None
+    if not isinstance(doc, dict):
+        raise FormatError("preset file is not a mapping", path=p)
+    return doc, str(p)
+
+
+def _section_problems(where: str, section, keys: tuple) -> list:
+    if not isinstance(section, dict):
+        return [f"{where} is not a mapping"]
+    out = [f"{where}.{k} missing" for k in keys if k not in section]
+    out += [f"{where}.{k} unknown" for k in section if k not in keys]
+    return out
+
+
+def _number(where: str, value, problems: list, *, minimum: float = 0.0,
+            maximum: float = math.inf, integer: bool = False):
+    ok_type = (isinstance(value, int) if integer else isinstance(value, (int, float)))
+    if isinstance(value, bool) or not ok_type or not minimum <= value <= maximum:
+        kind = "an integer" if integer else "a number"
+        problems.append(f"{where}={value!r} is not {kind} in [{minimum}, {maximum}]")
+        return None
+    return value
+
+
+def _validated(path=None) -> tuple[dict, Rules]:
+    """Parse and check the whole file; one FormatError listing every problem."""
+    doc, src = _read_yaml(path)
+    problems = _section_problems("<top>", doc, _TOP_KEYS)
+    if doc.get("format", PRESET_FORMAT) != PRESET_FORMAT:
+        problems.append(f"format={doc.get('format')!r}, expected {PRESET_FORMAT!r}")
+    if "version" in doc and doc["version"] != PRESET_VERSION:
+        problems.append(f"version={doc['version']!r}, this k3 reads version {PRESET_VERSION}")
+    presets = {}
+    table = doc.get("presets", {})
+    problems += _section_problems("presets", table, NAMED)
+    for name in NAMED:
+        entry = table.get(name) if isinstance(table, dict) else None
+        if entry is None:
+            continue
+        where = f"presets.{name}"
+        got = _section_problems(where, entry, _PRESET_KEYS)
+        problems += got
+        if got:
+            continue
+        trunk = _number(f"{where}.trunk_gb", entry["trunk_gb"], problems)
+        cache = _number(f"{where}.cache_gb", entry["cache_gb"], problems)
+        if not isinstance(entry["description"], str):
+            problems.append(f"{where}.description is not a string")
+        presets[name] = Preset(name, trunk, cache, str(entry["description"]))
+    auto = doc.get("auto", {})
+    problems += _section_problems("auto", auto, _AUTO_KEYS)
+    acc = doc.get("accounting", {})
+    problems += _section_problems("accounting", acc, _ACCOUNTING_KEYS)
+    if problems:
+        raise FormatError("invalid preset file: " + "; ".join(problems)
+                          + " (k3 refuses to substitute defaults)", path=src)
+    head = _number("auto.headroom_fraction", auto["headroom_fraction"], problems,
+                   minimum=0.05, maximum=1.0)
+    floor = _number("auto.cache_floor_gb", auto["cache_floor_gb"], problems)
+    reserve = _number("accounting.runtime_reserve_gb", acc["runtime_reserve_gb"], problems)
+    ctx = _number("accounting.context_positions", acc["context_positions"], problems,
+                  integer=True)
+    if not isinstance(auto["description"], str):
+        problems.append("auto.description is not a string")
+    if problems:
+        raise FormatError("invalid preset file: " + "; ".join(problems), path=src)
+    presets["auto"] = Preset("auto", None, None, auto["description"])
+    rules = Rules(float(head), int(floor * GB), int(reserve * GB), int(ctx), src)
+    return presets, rules
+
+
+def load_presets(path=None) -> dict:
+    """{name: Preset} for laptop, desktop, workstation, server, max and auto (in that
+    order), from ``path`` or the packaged presets.yaml. FormatError naming the file and
+    every missing, unknown or ill-typed key."""
+    return _validated(path)[0]
+
+
+def load_rules(path=None) -> Rules:
+    """The auto rule's and the overhead accounting's parameters from the preset file."""
+    return _validated(path)[1]
+
+
+# ---- the model as the budget sees it -------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ModelSizes:
+    """Byte sizes that decide budgets. ``exact`` is True when read from shard headers,
+    False when derived from a config alone (small vectors then count as F32)."""
+
+    layer_bytes: tuple             # trunk run of each layer, unpadded
+    embed_bytes: int
+    lm_head_bytes: int
+    vectors_bytes: int             # final norm + output aggregator norm and projection
+    expert_bytes: int              # one routed expert's six MXFP4 tensors
+    num_experts: int
+    top_k: int
+    moe_layers: int
+    bf16_trunk_bytes: int          # the part of the trunk the BF16 kernels read
+    state_bytes: int               # KDA recurrent state and conv history, all KDA layers
+    kv_bytes_per_position: int     # MLA latent + rope cache over all MLA layers (f32)
+    exact: bool
+
+    @property
+    def trunk_bytes(self) -> int:
+        return sum(self.layer_bytes)
+
+    @property
+    def model_level_bytes(self) -> int:
+        return self.embed_bytes + self.lm_head_bytes + self.vectors_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        """Model-level bytes kept in RAM: lm_head and vectors (the embedding is read by
+        rows; module docstring)."""
+        return self.lm_head_bytes + self.vectors_bytes
+
+    @property
+    def expert_slot_bytes(self) -> int:
+        """One cache slot: the expert widened to its enclosing aligned window."""
+        return align_up(self.expert_bytes + 2 * ALIGN)
+
+    @property
+    def total_experts(self) -> int:
+        return self.moe_layers * self.num_experts
+
+    @property
+    def experts_bytes(self) -> int:
+        return self.total_experts * self.expert_bytes
+
+    @property
+    def cache_all_bytes(self) -> int:
+        """Cache that holds every routed expert at once."""
+        return self.total_experts * self.expert_slot_bytes
+
+    @property
+    def active_expert_bytes(self) -> int:
+        """Expert bytes one token multiplies (top_k per MoE layer)."""
+        return self.moe_layers * self.top_k * self.expert_bytes
+
+    @classmethod
+    def from_config(cls, cfg: K3Config) -> "ModelSizes":
+        """Sizes implied by a config: matrices BF16, small vectors counted as F32 (the
+        dtype of a vector is only known from the header; F32 is the upper bound)."""
+        layers, bf16 = [], 0
+        for L in range(cfg.num_hidden_layers):
+            total = 0
+            for spec in inventory.layer_trunk(cfg, L):
+                shape = spec.shape if spec.shape is not None else (inventory.a_log_width(cfg),)
+                n = math.prod(shape)
+                if spec.dtypes == inventory.MATRIX:
+                    total += 2 * n
+                    bf16 += 2 * n
+                else:
+                    total += 4 * n
+            layers.append(total)
+        E, V = cfg.hidden_size, cfg.vocab_size
+        return cls(tuple(layers), 2 * V * E, 2 * V * E, 4 * 3 * E, cfg.expert_bytes,
+                   cfg.num_experts, cfg.num_experts_per_token, len(cfg.moe_layers), bf16,
+                   _state_bytes(cfg), _kv_per_position(cfg), exact=False)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt) -> "ModelSizes":
+        """Exact sizes from an opened ``libk3.io.checkpoint.Checkpoint``."""
+        cfg = ckpt.config
+        layers, bf16 = [], 0
+        for L in range(cfg.num_hidden_layers):
+            run = ckpt.layer_trunk_run(L)
+            layers.append(run.nbytes)
+            bf16 += sum(nb for _, nb, dtype, shape in run.tensors.values()
+                        if dtype == "BF16" and len(shape) == 2 and min(shape) > 1)
+        vec = sum(ckpt.entry(n).nbytes for n in
+                  (names.NORM, names.OUTPUT_ATTN_RES_NORM, names.OUTPUT_ATTN_RES_PROJ))
+        return cls(tuple(layers), ckpt.entry(names.EMBED).nbytes,
+                   ckpt.entry(names.LM_HEAD).nbytes, vec, cfg.expert_bytes,
+                   cfg.num_experts, cfg.num_experts_per_token, len(cfg.moe_layers), bf16,
+                   _state_bytes(cfg), _kv_per_position(cfg), exact=True)
+
+    def to_json(self) -> dict:
+        return {"trunk_bytes": self.trunk_bytes, "layers": len(self.layer_bytes),
+                "largest_layer_bytes": max(self.layer_bytes, default=0),
+                "model_level_bytes": self.model_level_bytes,
+                "resident_bytes": self.resident_bytes, "expert_bytes": self.expert_bytes,
+                "experts_total": self.total_experts, "experts_bytes": self.experts_bytes,
+                "expert_slot_bytes": self.expert_slot_bytes, "top_k": self.top_k,
+                "state_bytes": self.state_bytes,
+                "kv_bytes_per_position": self.kv_bytes_per_position, "exact": self.exact}
+
+
+def _state_bytes(cfg: K3Config) -> int:
+    """KDA S [H, D, D] and conv history [3, K-1, P] per KDA layer, f32 (spec 6)."""
+    kda = sum(1 for L in range(cfg.num_hidden_layers) if not cfg.is_mla(L))
+    per = cfg.num_heads * cfg.head_dim ** 2 + 3 * (cfg.short_conv_kernel_size - 1) * cfg.kda_dim
+    return 4 * kda * per
+
+
+def _kv_per_position(cfg: K3Config) -> int:
+    """Latent [kv_lora] + rope [qk_rope] per MLA layer and position, f32 (spec 6)."""
+    mla = sum(1 for L in range(cfg.num_hidden_layers) if cfg.is_mla(L))
+    return 4 * mla * cfg.mla_cache_width
+
+
+# ---- budgets -----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """Bytes for the trunk (pins + ring) and for the expert cache; ``preset`` is the
+    preset name it came from (None for flags only, 'minimum' for ``minimum_budget``);
+    ``reasons`` says, in order, where each number came from."""
+
+    trunk_bytes: int
+    cache_bytes: int
+    preset: str | None
+    reasons: tuple
+
+    def to_json(self) -> dict:
+        return {"trunk_bytes": self.trunk_bytes, "cache_bytes": self.cache_bytes,
+                "preset": self.preset, "reasons": list(self.reasons)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrunkPlan:
+    pinned: tuple              # layer indices held permanently, largest first
+    ring_bytes: int            # arena for the layer in use + the one being read
+    streamed_bytes: int        # trunk bytes read from disk per token
+
+
+def ring_floor(layer_bytes) -> int:
+    """Bytes the ring needs to hold the two largest of ``layer_bytes`` at once."""
+    top = sorted(layer_bytes, reverse=True)[:2]
+    return sum(top)
+
+
+def trunk_plan(sizes: ModelSizes, trunk_bytes: int) -> TrunkPlan:
+    """Split a trunk budget: the ring first, then pins, largest layer first, each pinned
+    only if pins + a ring for the two largest still-unpinned layers fit (the same greedy
+    as ``libk3.stream.trunk.plan_trunk``'s two-slot case). Everything fits: all pinned,
+    no ring. BudgetError below the ring floor."""
+    n = len(sizes.layer_bytes)
+    size = sizes.layer_bytes
+    if sizes.trunk_bytes <= trunk_bytes:
+        return TrunkPlan(tuple(range(n)), 0, 0)
+    order = sorted(range(n), key=lambda L: (-size[L], L))
+
+    def cost(pinned: set) -> int:
+        rest = sorted((size[L] for L in range(n) if L not in pinned), reverse=True)
+        return sum(size[L] for L in pinned) + sum(rest[:2])
+
+    if cost(set()) > trunk_bytes:
+        raise BudgetError("trunk budget is below the ring floor",
+                          expected=f">= {ring_floor(size)} bytes", found=f"{trunk_bytes} bytes")
+    pinned: set = set()
+    for L in order:
+        if cost(pinned | {L}) <= trunk_bytes:
+            pinned.add(L)
+    rest = sorted((size[L] for L in range(n) if L not in pinned), reverse=True)
+    return TrunkPlan(tuple(sorted(pinned)), sum(rest[:2]),
+                     sizes.trunk_bytes - sum(size[L] for L in pinned))
+
+
+def expert_slots(sizes: ModelSizes, cache_bytes: int) -> int:
+    return cache_bytes // sizes.expert_slot_bytes if sizes.expert_slot_bytes else 0
+
+
+def overhead_bytes(sizes: ModelSizes, rules: Rules | None = None,
+                   context_positions: int | None = None) -> int:
+    """Bytes a run needs besides its two budgets: resident model-level tensors, the
+    recurrent state, the MLA cache for ``context_positions`` (default: the preset
+    file's) and the runtime reserve."""
+    rules = rules or load_rules()
+    ctx = rules.context_positions if context_positions is None else context_positions
+    return (sizes.resident_bytes + sizes.state_bytes + ctx * sizes.kv_bytes_per_position
+            + rules.runtime_reserve_bytes)
+
+
+def minimum_budget(sizes: ModelSizes, rules: Rules | None = None) -> Budget:
+    """The smallest budget that works: a ring holding the two largest layers (or the
+    whole trunk, if smaller) and top_k + 1 expert slots (or every expert, if fewer).
+    The overhead comes on top (``overhead_bytes``)."""
+    trunk = min(ring_floor(sizes.layer_bytes), sizes.trunk_bytes)
+    cache = min((sizes.top_k + 1) * sizes.expert_slot_bytes, sizes.cache_all_bytes)
+    return Budget(trunk, cache, "minimum", (
+        f"trunk {_gb(trunk)}: a ring for the two largest trunk layers",
+        f"cache {_gb(cache)}: {sizes.top_k + 1} expert slots (top_k + 1) of "
+        f"{sizes.expert_slot_bytes} bytes"))
+
+
+def minimum_memory(sizes: ModelSizes, rules: Rules | None = None) -> int:
+    """Memory the minimum budget needs in all, overhead included."""
+    rules = rules or load_rules()
+    m = minimum_budget(sizes, rules)
+    return m.trunk_bytes + m.cache_bytes + overhead_bytes(sizes, rules)
+
+
+def peak_bytes(budget: Budget, sizes: ModelSizes, rules: Rules | None = None) -> int:
+    """Planned peak: both budgets (clamped to the model) plus the overhead."""
+    trunk = min(budget.trunk_bytes, sizes.trunk_bytes)
+    cache = min(budget.cache_bytes, sizes.cache_all_bytes)
+    return trunk + cache + overhead_bytes(sizes, rules)
+
+
+def usable_memory(mem) -> int:
+    """Bytes of a ``hwprobe.MemoryInfo`` (or a plain int) that a run may plan with."""
+    return int(getattr(mem, "usable_bytes", mem))
+
+
+def admission_problems(budget: Budget, sizes: ModelSizes, mem,
+                       rules: Rules | None = None) -> list:
+    """Why ``budget`` cannot run this model on a machine with ``mem``: [] when it can.
+    Planned peak must stay within headroom_fraction of usable memory."""
+    rules = rules or load_rules()
+    problems = []
+    floor = minimum_budget(sizes, rules)
+    if budget.trunk_bytes < floor.trunk_bytes:
+        problems.append(f"trunk budget {_gb(budget.trunk_bytes)} is below the ring floor "
+                        f"{_gb(floor.trunk_bytes)} (the two largest layers)")
+    if budget.cache_bytes < floor.cache_bytes:
+        problems.append(f"cache budget {_gb(budget.cache_bytes)} is below "
+                        f"{_gb(floor.cache_bytes)} ({sizes.top_k + 1} expert slots)")
+    peak = peak_bytes(budget, sizes, rules)
+    allowed = int(rules.headroom_fraction * usable_memory(mem))
+    if peak > allowed:
+        problems.append(f"planned peak {_gb(peak)} exceeds {rules.headroom_fraction:.0%} of "
+                        f"the {_gb(usable_memory(mem))} of memory available")
+    return problems
+
+
+def auto_budget(mem, sizes: ModelSizes, rules: Rules | None = None,
+                fixed_trunk: int | None = None, fixed_cache: int | None = None) -> Budget:
+    """The ``auto`` rule (formats/presets.md 3): plan headroom_fraction x usable memory
+    minus the overhead; the trunk gets it first (up to the whole trunk), the cache keeps
+    max(floor, cache_floor) and takes the rest (up to every expert). A budget the caller
+    fixed (a later flag) is kept and auto sizes only the other. BudgetError when even
+    the minimum does not fit."""
+    rules = rules or load_rules()
+    usable = usable_memory(mem)
+    over = overhead_bytes(sizes, rules)
+    plan = int(rules.headroom_fraction * usable) - over
+    floor = minimum_budget(sizes, rules)
+    if plan < floor.trunk_bytes + floor.cache_bytes:
+        raise BudgetError(
+            "not enough memory for the smallest working budget",
+            expected=f">= {_gb(floor.trunk_bytes + floor.cache_bytes + over)} "
+                     f"(ring {_gb(floor.trunk_bytes)} + cache {_gb(floor.cache_bytes)} + "
+                     f"overhead {_gb(over)}) within {rules.headroom_fraction:.0%} of memory",
+            found=f"{_gb(usable)} available",
+            hint="free memory or run on a larger machine")
+    reasons = [f"auto: {rules.headroom_fraction:.0%} of {_gb(usable)} available minus "
+               f"{_gb(over)} overhead leaves {_gb(plan)}"]
+    cache_keep = min(max(floor.cache_bytes, rules.cache_floor_bytes), sizes.cache_all_bytes)
+    if fixed_trunk is not None:
+        trunk = fixed_trunk
+        cache = max(0, min(sizes.cache_all_bytes, plan - min(trunk, sizes.trunk_bytes)))
+        reasons.append(f"auto: cache takes what the fixed trunk leaves, {_gb(cache)}")
+    elif fixed_cache is not None:
+        cache = fixed_cache
+        trunk = max(0, min(sizes.trunk_bytes, plan - min(cache, sizes.cache_all_bytes)))
+        reasons.append(f"auto: trunk takes what the fixed cache leaves, {_gb(trunk)}")
+    else:
+        trunk = min(sizes.trunk_bytes, max(floor.trunk_bytes, plan - cache_keep))
+        cache = min(sizes.cache_all_bytes, plan - trunk)
+        reasons.append(f"auto: trunk first, {_gb(trunk)}"
+                       + (" (every layer pinned)" if trunk >= sizes.trunk_bytes else ""))
+        reasons.append(f"auto: cache {_gb(cache)}"
+                       + (" (every expert fits)" if cache >= sizes.cache_all_bytes else ""))
+    return Budget(int(trunk), int(cache), "auto", tuple(reasons))
+
+
+def _gb_to_bytes(flag: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        raise UsageError(f"{flag} must be a finite number of GB >= 0, got {value!r}")
+    return int(round(value * GB))
+
+
+def resolve_budget(name: str | None, trunk_gb: float | None = None,
+                   cache_gb: float | None = None, order=None, mem=None,
+                   model_sizes: ModelSizes | None = None, *, path=None) -> Budget:
+    """The budget a run gets from ``--preset NAME``, ``--trunk-gb`` and ``--cache-gb``.
+
+    ``order`` lists the given flags as they appeared in argv, as tokens of FLAG_KEYS
+    ("preset", "trunk_gb", "cache_gb"); a later one overrides an earlier one for the
+    values it sets (a preset sets both). Without ``order`` the preset comes first and the
+    flags override it. No preset and no flag means ``auto``; a value that no flag sets
+    comes from ``auto`` when the preset is auto or absent. ``auto`` needs ``mem`` (a
+    ``hwprobe.MemoryInfo`` or bytes) and ``model_sizes``. With ``model_sizes`` budgets
+    are clamped to the model (never more trunk than its trunk, nor more cache than all
+    its experts) and a budget below ``minimum_budget`` raises BudgetError. Unknown
+    presets and negative sizes raise UsageError."""
+    presets = load_presets(path)
+    rules = load_rules(path)
+    if name is not None and name not in presets:
+        raise UsageError(f"unknown preset {name!r}", hint=f"choose one of {', '.join(presets)}")
+    given = {"preset": name, "trunk_gb": trunk_gb, "cache_gb": cache_gb}
+    if order is None:
+        order = [k for k in FLAG_KEYS if given[k] is not None]
+    order = list(order)
+    bad = [k for k in order if k not in FLAG_KEYS or given[k] is None]
+    missed = [k for k in FLAG_KEYS if given[k] is not None and k not in order]
+    if bad or missed or len(set(order)) != len(order):
+        raise ValueError(f"order {order!r} must list each given flag once, from {FLAG_KEYS}")
+    if "preset" not in order:
+        order.insert(0, "preset")
+        name = "auto"
+    # each value: (source token, bytes or None for "auto computes it")
+    source = {"trunk": None, "cache": None}
+    value = {"trunk": None, "cache": None}
+    reasons = []
+    for tok in order:
+        if tok == "preset":
+            p = presets[name]
+            for part, gb in (("trunk", p.trunk_gb), ("cache", p.cache_gb)):
+                source[part] = f"preset {name}"
+                value[part] = None if gb is None else _gb_to_bytes(f"preset {name}", gb)
+        else:
+            part = tok.split("_")[0]
+            source[part] = _FLAG_TEXT[tok]
+            value[part] = _gb_to_bytes(_FLAG_TEXT[tok], given[tok])
+    if value["trunk"] is None or value["cache"] is None:
+        if mem is None or model_sizes is None:
+            raise ValueError("the auto preset needs mem and model_sizes")
+        auto = auto_budget(mem, model_sizes, rules, fixed_trunk=value["trunk"],
+                           fixed_cache=value["cache"])
+        reasons += list(auto.reasons)
+        value = {"trunk": auto.trunk_bytes, "cache": auto.cache_bytes}
+    for part in ("trunk", "cache"):
+        reasons.append(f"{part} {_gb(value[part])} from {source[part]}")
+    trunk, cache = value["trunk"], value["cache"]
+    if model_sizes is not None:
+        if trunk > model_sizes.trunk_bytes:
+            trunk = model_sizes.trunk_bytes
+            reasons.append(f"trunk clamped to the model's {_gb(trunk)} (every layer pinned)")
+        if cache > model_sizes.cache_all_bytes:
+            cache = model_sizes.cache_all_bytes
+            reasons.append(f"cache clamped to {_gb(cache)} (every expert fits)")
+        floor = minimum_budget(model_sizes, rules)
+        low = []
+        if trunk < floor.trunk_bytes:
+            low.append(f"trunk {_gb(trunk)} < {_gb(floor.trunk_bytes)} (ring for the two "
+                       "largest layers)")
+        if cache < floor.cache_bytes:
+            low.append(f"cache {_gb(cache)} < {_gb(floor.cache_bytes)} "
+                       f"({model_sizes.top_k + 1} expert slots)")
+        if low:
+            raise BudgetError("budget below the smallest that can work: " + "; ".join(low),
+                              expected=f"trunk >= {floor.trunk_bytes} B, cache >= "
+                                       f"{floor.cache_bytes} B",
+                              found=f"trunk {trunk} B, cache {cache} B",
+                              hint="use --preset laptop or larger --trunk-gb/--cache-gb")
+    from_preset = any(src.startswith("preset") for src in source.values())
+    return Budget(int(trunk), int(cache), name if from_preset else None, tuple(reasons))
+
+
+def _gb(n) -> str:
+    return f"{n / GB:.2f} GB"
