@@ -46,9 +46,10 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
+from .pack import ALIGN               # O_DIRECT alignment (formats/pack.md)
+
 PACKAGES = ("numpy", "numba", "llvmlite", "tokenizers", "safetensors", "zstandard")
 ISA_FLAGS = ("avx2", "fma", "avx512f", "asimd", "neon")
-ALIGN = 4096
 EXPERT_READ_BYTES = 17_547_264        # one real routed expert (spec 3.5), = 4284 x 4096
 SEQ_BLOCK = 8 << 20                   # sequential reads: 8 MiB blocks
 QUEUE_DEPTHS = (1, 4, 16)
@@ -602,23 +603,16 @@ def probe_storage(directory, *, model_files=(), measure: bool = True,
 # ---- kernels -----------------------------------------------------------------------------
 
 def measure_kernels(seconds: float = 0.3, rows: int = 2048, cols: int = 2048) -> dict:
-    """Bytes of weights per second the BF16 and MXFP4 kernels get through for one token
-    (decode), on [rows, cols] matrices. Uses ``libk3.kernels.bf16_matmul`` and
-    ``mxfp4_matmul``; when they are not importable, a numpy stand-in (widen / decode,
-    then multiply) marked ``numpy estimate``."""
+    """Bytes of weights per second k3's own BF16 and MXFP4 kernels get through for one
+    token (decode), on [rows, cols] matrices (the first call compiles and is not timed)."""
+    from .model.ops import bf16_matmul, mxfp4_matmul
+
     rng = np.random.default_rng(0)
     W = rng.integers(0x3C00, 0x3F80, (rows, cols), dtype=np.uint16)    # BF16 ~ 0.008..1
     X = rng.standard_normal((1, cols)).astype(np.float32)
     packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
     scales = rng.integers(120, 130, (rows, cols // 32), dtype=np.uint8)
-    try:
-        from .kernels import bf16_matmul, mxfp4_matmul
-        source, note = "libk3.kernels", None
-    except ImportError as e:
-        bf16_matmul, mxfp4_matmul = _numpy_bf16_matmul, _numpy_mxfp4_matmul
-        source = "numpy estimate"
-        note = f"libk3.kernels.bf16_matmul/mxfp4_matmul not importable ({e}); numpy stand-in"
-    out = {"source": source, "note": note, "shape": [rows, cols]}
+    out = {"source": "libk3 kernels", "note": None, "shape": [rows, cols]}
     for key, fn, args, nbytes in (
             ("bf16_bytes_per_s", bf16_matmul, (W, X), W.nbytes),
             ("mxfp4_bytes_per_s", mxfp4_matmul, (packed, scales, X), packed.nbytes + scales.nbytes)):
@@ -632,25 +626,6 @@ def measure_kernels(seconds: float = 0.3, rows: int = 2048, cols: int = 2048) ->
                 break
         out[key] = n * nbytes / el
     return out
-
-
-def _numpy_bf16_matmul(W: np.ndarray, X: np.ndarray) -> np.ndarray:
-    """[T, O] = X [T, I] @ widen(W [O, I]).T, float32 (timing stand-in only)."""
-    Wf = (W.astype(np.uint32) << 16).view(np.float32)
-    return X @ Wf.T
-
-
-def _numpy_mxfp4_matmul(packed: np.ndarray, scales: np.ndarray, X: np.ndarray) -> np.ndarray:
-    """[T, R] = X [T, C] @ decode(packed, scales).T via a byte -> (even, odd) value table
-    (timing stand-in only; the low nibble is the even element, spec 4.2)."""
-    from .io.mxfp4 import E2M1, scale_multipliers
-
-    b = np.arange(256)
-    pair = np.stack([E2M1[b & 15], E2M1[b >> 4]], axis=1)             # (256, 2)
-    R = packed.shape[0]
-    vals = pair[packed].reshape(R, -1, 32)                              # (R, C/32, 32)
-    vals *= scale_multipliers(scales)[:, :, None]
-    return X @ vals.reshape(R, -1).T
 
 
 # ---- the whole machine -----------------------------------------------------------------

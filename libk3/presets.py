@@ -44,19 +44,15 @@ from . import names
 from .config import K3Config
 from .errors import BudgetError, FormatError, UsageError
 from .io import inventory
+from .pack import ALIGN, align_up    # O_DIRECT alignment (formats/pack.md)
 
 GB = 1e9                              # presets.yaml and every flag count decimal GB
-ALIGN = 4096                          # O_DIRECT alignment (formats/pack.md)
 PRESETS_FILE = Path(__file__).with_name("presets.yaml")
 PRESET_FORMAT, PRESET_VERSION = "k3-presets", 1
 NAMED = ("laptop", "desktop", "workstation", "server", "max")   # smallest to largest
 PRESET_NAMES = NAMED + ("auto",)
 FLAG_KEYS = ("preset", "trunk_gb", "cache_gb")     # the tokens of ``order``
 _FLAG_TEXT = {"preset": "--preset", "trunk_gb": "--trunk-gb", "cache_gb": "--cache-gb"}
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
 
 
 # ---- the preset file --------------------------------------------------------------------
@@ -115,7 +111,8 @@ def _section_problems(where: str, section, keys: tuple) -> list:
 def _number(where: str, value, problems: list, *, minimum: float = 0.0,
             maximum: float = math.inf, integer: bool = False):
     ok_type = (isinstance(value, int) if integer else isinstance(value, (int, float)))
-    if isinstance(value, bool) or not ok_type or not minimum <= value <= maximum:
+    if isinstance(value, bool) or not ok_type or not math.isfinite(value) \
+            or not minimum <= value <= maximum:
         kind = "an integer" if integer else "a number"
         problems.append(f"{where}={value!r} is not {kind} in [{minimum}, {maximum}]")
         return None
@@ -148,22 +145,24 @@ def _validated(path=None) -> tuple[dict, Rules]:
             problems.append(f"{where}.description is not a string")
         presets[name] = Preset(name, trunk, cache, str(entry["description"]))
     auto = doc.get("auto", {})
-    problems += _section_problems("auto", auto, _AUTO_KEYS)
+    auto_gaps = _section_problems("auto", auto, _AUTO_KEYS)
     acc = doc.get("accounting", {})
-    problems += _section_problems("accounting", acc, _ACCOUNTING_KEYS)
+    acc_gaps = _section_problems("accounting", acc, _ACCOUNTING_KEYS)
+    problems += auto_gaps + acc_gaps
+    if not auto_gaps:
+        head = _number("auto.headroom_fraction", auto["headroom_fraction"], problems,
+                       minimum=0.05, maximum=1.0)
+        floor = _number("auto.cache_floor_gb", auto["cache_floor_gb"], problems)
+        if not isinstance(auto["description"], str):
+            problems.append("auto.description is not a string")
+    if not acc_gaps:
+        reserve = _number("accounting.runtime_reserve_gb", acc["runtime_reserve_gb"],
+                          problems)
+        ctx = _number("accounting.context_positions", acc["context_positions"], problems,
+                      integer=True)
     if problems:
         raise FormatError("invalid preset file: " + "; ".join(problems)
                           + " (k3 refuses to substitute defaults)", path=src)
-    head = _number("auto.headroom_fraction", auto["headroom_fraction"], problems,
-                   minimum=0.05, maximum=1.0)
-    floor = _number("auto.cache_floor_gb", auto["cache_floor_gb"], problems)
-    reserve = _number("accounting.runtime_reserve_gb", acc["runtime_reserve_gb"], problems)
-    ctx = _number("accounting.context_positions", acc["context_positions"], problems,
-                  integer=True)
-    if not isinstance(auto["description"], str):
-        problems.append("auto.description is not a string")
-    if problems:
-        raise FormatError("invalid preset file: " + "; ".join(problems), path=src)
     presets["auto"] = Preset("auto", None, None, auto["description"])
     rules = Rules(float(head), int(floor * GB), int(reserve * GB), int(ctx), src)
     return presets, rules

@@ -1,0 +1,469 @@
+"""k3-doctor's report: can this machine run this model, with which preset, and what next.
+
+Owns: putting the machine facts (``libk3.hwprobe``), the model directory's health
+(config, shard completeness, each shard's size against its own header), the pack
+directory's state, the presets (``libk3.presets``) and a per-token time estimate
+together into one JSON-ready report with its exit status, and rendering that report as
+text. Does not own: measuring (hwprobe), budget rules (presets), packing (``libk3.pack``)
+or option parsing (``tools/k3-doctor``).
+
+Exit status: 0 the machine can run the model; 1 it cannot, with every reason listed
+(incomplete or invalid checkpoint, memory below the smallest working budget, too little
+disk for the pack); 2 is the front end's, for usage errors.
+
+The s/token estimate (per decoded token, steady state; deliberately rough):
+  trunk bytes not pinned / best sequential read speed
+  + expected expert misses x expert bytes / random read speed at the best queue depth
+  + always-active bytes / measured kernel bytes per second
+where expected misses = MoE layers x top_k x (1 - hit) and hit = cache slots / (MoE
+layers x experts), or 1 when every expert fits. That hit rate assumes uniform routing, so
+it is pessimistic: the real model's skewed routing retained 30-44 % at 36-109 GB of cache
+where this formula gives 2-7 % (PRIOR-ART 11). I/O and compute are summed, not
+overlapped, so the figure is an upper estimate for an engine that overlaps them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+from pathlib import Path
+
+from . import hwprobe, presets
+from .config import K3Config, config_from_dict, load_config
+from .errors import BudgetError, CheckpointError, ConfigError
+from .presets import GB, ModelSizes
+
+EXAMPLE_PROMPT = "The capital of France is"
+EXAMPLE_IDS = "1,2,3"             # for models without a tokenizer
+AUTO_EXCLUDED = ("max",)          # never picked: measured no faster than server (PRIOR-ART 11)
+HIT_CAP = 0.95                    # a partial cache never counts as more than 95 % hits
+
+
+@dataclasses.dataclass
+class Diagnosis:
+    """``report`` is what --json prints; the rest lets callers ask follow-up questions
+    (e.g. ``decide`` with another memory) without probing again."""
+
+    report: dict
+    sizes: ModelSizes | None
+    memory: hwprobe.MemoryInfo
+    exit_status: int
+
+
+def reference_config() -> K3Config:
+    """Kimi K3's architecture, for the machine-only report (no model given)."""
+    from .synth.presets import REAL
+
+    return config_from_dict(dict(REAL), source="<Kimi K3 reference>")
+
+
+def default_pack_dir(model_dir) -> Path:
+    """Where the doctor suggests packing when --pack is not given: a sibling directory."""
+    m = Path(os.path.abspath(model_dir))
+    return m.with_name(m.name + "-pack")
+
+
+# ---- the model directory -------------------------------------------------------------
+
+def inspect_model(model_dir, pack_dir) -> tuple:
+    """(section, sizes or None, problems, warnings) for one model directory. Problems
+    are one line each and name the file (and tensor) at fault."""
+    from .io.checkpoint import Checkpoint, check_shard_sizes, find_shards
+    from .pack import PARTIAL_FILE, disk_needed, pack_state, plan_pack
+
+    d = Path(model_dir)
+    sec = {"path": str(d), "config": None, "shards": None, "sizes": None, "pack": None}
+    problems, warnings = [], []
+    try:
+        cfg = load_config(d)
+    except ConfigError as e:
+        sec["config"] = {"ok": False, "error": e.one_line()}
+        problems.append(f"config: {e.one_line()}")
+        return sec, None, problems, warnings
+    sec["config"] = {"ok": True, "source": cfg.source, "layers": cfg.num_hidden_layers,
+                     "layer_map": cfg.layer_map, "experts": cfg.num_experts,
+                     "top_k": cfg.num_experts_per_token, "fingerprint": cfg.fingerprint()}
+    sizes = ModelSizes.from_config(cfg)
+    try:
+        missing = []
+        present, weight_map = find_shards(d, missing=missing)
+        shard_problems = check_shard_sizes(d)
+    except CheckpointError as e:
+        problems.append(f"checkpoint: {e.one_line()}")
+        sec["shards"] = {"ok": False, "problems": [e.one_line()]}
+        _note_sizes(sec, sizes)
+        return sec, sizes, problems, warnings
+    apparent = sum(os.stat(p).st_size for p in present)
+    allocated = sum(os.stat(p).st_blocks * 512 for p in present)
+    sec["shards"] = {"ok": not shard_problems, "expected": len(present) + len(missing),
+                     "present": len(present), "indexed": weight_map is not None,
+                     "apparent_bytes": apparent, "allocated_bytes": allocated,
+                     "problems": [e.one_line() for e in shard_problems]}
+    if apparent and allocated < hwprobe.DATA_FRACTION * apparent:
+        warnings.append(f"the shards are sparse: {allocated / GB:.2f} GB allocated of "
+                        f"{apparent / GB:.2f} GB (a synthetic checkpoint? holes read as zeros)")
+    for tok in ("tiktoken.model", "tokenizer_config.json"):
+        if not (d / tok).is_file():
+            warnings.append(f"{d / tok} is missing: k3-run will need --ids instead of --prompt")
+    if shard_problems:
+        problems += [f"checkpoint: {e.one_line()}" for e in shard_problems]
+        _note_sizes(sec, sizes)
+        return sec, sizes, problems, warnings
+    pack = Path(pack_dir)
+    try:
+        with Checkpoint.open(d, cfg) as ckpt:
+            sizes = ModelSizes.from_checkpoint(ckpt)
+            needed = disk_needed(plan_pack(ckpt))
+            state = pack_state(pack, ckpt)
+    except CheckpointError as e:
+        problems.append(f"checkpoint: {e.one_line()}")
+        _note_sizes(sec, sizes)
+        return sec, sizes, problems, warnings
+    have = 0
+    if state == "partial" and (pack / PARTIAL_FILE).is_file():
+        have = min(needed, os.stat(pack / PARTIAL_FILE).st_blocks * 512)
+    remaining = {"complete": 0, "partial": needed - have}.get(state, needed)
+    sec["pack"] = {"directory": str(pack), "state": state, "trunk_bytes_needed": needed,
+                   "bytes_still_to_write": remaining}
+    _note_sizes(sec, sizes)
+    return sec, sizes, problems, warnings
+
+
+def _note_sizes(sec: dict, sizes: ModelSizes) -> None:
+    sec["sizes"] = sizes.to_json()
+
+
+# ---- the decision ------------------------------------------------------------------------
+
+def hit_rate(sizes: ModelSizes, cache_bytes: int) -> float:
+    """Expected expert-cache hit rate under uniform routing (module docstring)."""
+    if sizes.total_experts == 0:
+        return 1.0
+    slots = presets.expert_slots(sizes, cache_bytes)
+    if slots >= sizes.total_experts:
+        return 1.0
+    return min(HIT_CAP, slots / sizes.total_experts)
+
+
+def estimate(sizes: ModelSizes, budget: presets.Budget, seq_bps, rand_bps,
+             kernels: dict | None) -> dict | None:
+    """Seconds per decoded token and its parts (module docstring), or None without
+    measured speeds."""
+    if not seq_bps or not kernels:
+        return None
+    plan = presets.trunk_plan(sizes, min(budget.trunk_bytes, sizes.trunk_bytes))
+    hit = hit_rate(sizes, budget.cache_bytes)
+    misses = sizes.moe_layers * sizes.top_k * (1.0 - hit)
+    trunk_io = plan.streamed_bytes / seq_bps
+    if misses and not rand_bps:
+        return None
+    expert_io = misses * sizes.expert_bytes / rand_bps if misses else 0.0
+    compute = ((sizes.bf16_trunk_bytes + sizes.lm_head_bytes) / kernels["bf16_bytes_per_s"]
+               + sizes.active_expert_bytes / kernels["mxfp4_bytes_per_s"])
+    return {"seconds_per_token": trunk_io + expert_io + compute, "trunk_io_s": trunk_io,
+            "expert_io_s": expert_io, "compute_s": compute, "pinned_layers": len(plan.pinned),
+            "ring_bytes": plan.ring_bytes, "trunk_streamed_bytes": plan.streamed_bytes,
+            "expert_hit_rate": hit, "expert_misses": misses,
+            "kernels": kernels.get("source")}
+
+
+def decide(sizes: ModelSizes, memory, *, seq_bps=None, rand_bps=None, kernels=None,
+           rules: presets.Rules | None = None) -> dict:
+    """Every preset's budget, peak, fit and estimate; the pick and why; the smallest
+    working budget. ``problems`` lists why nothing can run (memory)."""
+    rules = rules or presets.load_rules()
+    table = presets.load_presets()
+    usable = presets.usable_memory(memory)
+    floor = presets.minimum_budget(sizes, rules)
+    floor_total = presets.minimum_memory(sizes, rules)
+    rows = {}
+    for name in presets.NAMED:
+        b = presets.resolve_budget(name, model_sizes=sizes)
+        rows[name] = {"budget": b.to_json(), "description": table[name].description,
+                      "peak_bytes": presets.peak_bytes(b, sizes, rules),
+                      "problems": presets.admission_problems(b, sizes, memory, rules),
+                      "estimate": estimate(sizes, b, seq_bps, rand_bps, kernels)}
+    try:
+        ab = presets.resolve_budget("auto", mem=memory, model_sizes=sizes)
+        rows["auto"] = {"budget": ab.to_json(), "description": table["auto"].description,
+                        "peak_bytes": presets.peak_bytes(ab, sizes, rules),
+                        "problems": presets.admission_problems(ab, sizes, memory, rules),
+                        "estimate": estimate(sizes, ab, seq_bps, rand_bps, kernels)}
+    except BudgetError as e:
+        rows["auto"] = {"budget": None, "description": table["auto"].description,
+                        "peak_bytes": None, "problems": [e.one_line()], "estimate": None}
+    fitting = [n for n in presets.NAMED if n not in AUTO_EXCLUDED and not rows[n]["problems"]]
+    pick, why, problems = None, None, []
+    allowed = rules.headroom_fraction * usable
+    if fitting:
+        eff = {n: rows[n]["budget"]["trunk_bytes"] + rows[n]["budget"]["cache_bytes"]
+               for n in fitting}
+        pick = max(fitting, key=lambda n: (eff[n], -presets.NAMED.index(n)))
+        bigger = [n for n in presets.NAMED if n not in AUTO_EXCLUDED
+                  and presets.NAMED.index(n) > presets.NAMED.index(pick)]
+        b = rows[pick]["budget"]
+        if b["trunk_bytes"] >= sizes.trunk_bytes and b["cache_bytes"] >= sizes.cache_all_bytes:
+            why = (f"{pick}: the smallest preset that holds the whole model (every layer "
+                   f"pinned, every expert cached; peak {rows[pick]['peak_bytes'] / GB:.2f} GB)")
+        else:
+            why = (f"{pick}: the largest preset whose planned peak "
+                   f"({rows[pick]['peak_bytes'] / GB:.2f} GB) fits "
+                   f"{rules.headroom_fraction:.0%} of the {usable / GB:.2f} GB available")
+            bigger = [n for n in presets.NAMED if n not in AUTO_EXCLUDED
+                      and presets.NAMED.index(n) > presets.NAMED.index(pick)]
+            if bigger:
+                why += f"; {bigger[0]} would need {rows[bigger[0]]['peak_bytes'] / GB:.2f} GB"
+    elif not rows["auto"]["problems"]:
+        pick = "auto"
+        why = (f"auto: no named preset fits {rules.headroom_fraction:.0%} of the "
+               f"{usable / GB:.2f} GB available, but the computed budget does")
+    else:
+        problems.append(
+            f"memory: {usable / GB:.2f} GB available, the smallest working budget needs "
+            f"{floor_total / GB:.2f} GB within {rules.headroom_fraction:.0%} of it (ring "
+            f"{floor.trunk_bytes / GB:.2f} GB + cache {floor.cache_bytes / GB:.2f} GB + "
+            f"overhead {presets.overhead_bytes(sizes, rules) / GB:.2f} GB); needs at least "
+            f"{floor_total / rules.headroom_fraction / GB:.2f} GB available")
+    return {"memory_usable_bytes": usable, "memory_plannable_bytes": int(allowed),
+            "overhead_bytes": presets.overhead_bytes(sizes, rules),
+            "minimum_budget": floor.to_json(), "minimum_memory_bytes": floor_total,
+            "presets": rows, "pick": pick, "why": why, "problems": problems}
+
+
+# ---- the whole report ------------------------------------------------------------------
+
+def diagnose(model=None, pack=None, *, quick: bool = False,
+             memory: hwprobe.MemoryInfo | None = None,
+             probe_bytes: int = hwprobe.DEFAULT_PROBE_BYTES, progress: bool = False,
+             seq_seconds: float = 3.0, rand_seconds: float = 1.5,
+             pack_free_bytes: int | None = None) -> Diagnosis:
+    """Probe, inspect and decide. ``memory`` overrides the memory probe (simulated
+    machines); ``pack_free_bytes`` overrides the free space seen at the pack directory
+    (tests). ``quick`` skips the disk and kernel measurements (no estimates)."""
+    mem = memory if memory is not None else hwprobe.probe_memory()
+    machine = hwprobe.probe_machine(mem)
+    problems, warnings = list(), list(machine["warnings"])
+    model_sec, sizes = None, None
+    pack_dir = Path(pack) if pack is not None else (default_pack_dir(model) if model else None)
+    if model is not None:
+        model_sec, sizes, p, w = inspect_model(model, pack_dir)
+        problems += p
+        warnings += w
+    # storage: each directory once per filesystem, the model's first (its shards)
+    storage, measured_dev = [], {}
+    targets = []
+    if model is not None:
+        targets.append(("model", Path(model)))
+    if pack_dir is not None:
+        targets.append(("pack" if pack is not None else "pack (suggested)", pack_dir))
+    for role, d in targets:
+        dev = os.stat(hwprobe.existing_ancestor(d)).st_dev
+        shards = sorted(Path(d).glob("*.safetensors")) if role == "model" else []
+        if dev in measured_dev:
+            info = hwprobe.probe_storage(d, measure=False, model_files=shards)
+            info["reads"] = measured_dev[dev]["reads"]
+            info["measured_on"] = measured_dev[dev]["measured_on"]
+            info["measured"] = measured_dev[dev]["measured"]
+            info["notes"].append(f"same filesystem as {measured_dev[dev]['directory']}; "
+                                 "measured once")
+        else:
+            info = hwprobe.probe_storage(d, measure=not quick, model_files=shards,
+                                         probe_bytes=probe_bytes, seq_seconds=seq_seconds,
+                                         rand_seconds=rand_seconds, progress=progress)
+            measured_dev[dev] = info
+        info["role"] = role
+        storage.append(info)
+        if info["o_direct"] is False:
+            warnings.append(f"{d}: O_DIRECT does not work here ({info['o_direct_note']}); "
+                            "k3-run will read through the page cache")
+    kernels = None if quick else hwprobe.measure_kernels()
+    reference = sizes is None
+    if reference:
+        sizes = ModelSizes.from_config(reference_config())
+    seq_bps, rand_bps = _speeds(storage)
+    decision = decide(sizes, mem, seq_bps=seq_bps, rand_bps=rand_bps, kernels=kernels)
+    decision["sizes_of"] = "Kimi K3 (reference config)" if reference else str(model)
+    problems += decision["problems"]
+    disk = None
+    if model_sec is not None and model_sec.get("pack"):
+        disk = _disk_check(model_sec["pack"], storage, pack_free_bytes)
+        if disk["problem"]:
+            problems.append(disk["problem"])
+    nxt = _next_steps(model, pack, pack_dir, model_sec, decision, problems)
+    report = {"machine": machine, "storage": storage, "model": model_sec, "kernels": kernels,
+              "decision": decision, "disk_for_pack": disk, "problems": problems,
+              "warnings": warnings, "next_commands": nxt["commands"], "next_step": nxt["text"],
+              "quick": quick, "can_run": not problems, "exit_status": 1 if problems else 0}
+    return Diagnosis(report, None if reference else sizes, mem, report["exit_status"])
+
+
+def _speeds(storage: list) -> tuple:
+    """(sequential B/s for the trunk, random B/s for experts). The trunk streams from the
+    pack when there is one, the experts always from the model's shards."""
+    by_role = {s["role"].split(" ")[0]: s for s in storage if s.get("reads")}
+    trunk = by_role.get("pack") or by_role.get("model")
+    experts = by_role.get("model") or by_role.get("pack")
+    seq = trunk["reads"]["seq_best_bps"] if trunk else None
+    rand = experts["reads"]["rand_best_bps"] if experts else None
+    return seq or None, rand or None
+
+
+def _disk_check(pack_sec: dict, storage: list, free_override) -> dict:
+    st = next(s for s in storage if s["role"].startswith("pack"))
+    free = st["free_bytes"] if free_override is None else int(free_override)
+    need = pack_sec["bytes_still_to_write"]
+    problem = None
+    if need > free:
+        problem = (f"disk: the pack needs {need / GB:.2f} GB more at {st['probe_dir']}, only "
+                   f"{free / GB:.2f} GB free; choose --pack on a disk with room "
+                   f"(k3-run can also read the trunk from the shards, slower)")
+    return {"directory": pack_sec["directory"], "needed_bytes": pack_sec["trunk_bytes_needed"],
+            "still_to_write_bytes": need, "free_bytes": free, "problem": problem}
+
+
+def _next_steps(model, pack, pack_dir, model_sec, decision, problems) -> dict:
+    q = shlex.quote
+    if model is None:
+        return {"commands": [], "text": "give a model directory (and --pack DIR) for a full "
+                                        "check: k3-doctor MODEL --pack PACK_DIR"}
+    if problems:
+        return {"commands": [], "text": "fix the problems above, then run k3-doctor again"}
+    preset = decision["pick"]
+    state = (model_sec.get("pack") or {}).get("state")
+    target = Path(pack_dir)
+    cmds = []
+    if state == "stale":
+        target = default_pack_dir(model)
+        if os.path.abspath(target) == os.path.abspath(pack_dir):
+            target = Path(str(pack_dir) + "-2")
+    if state != "complete":
+        cmds.append(f"k3-pack {q(str(model))} {q(str(target))}")
+    prompt = (f"--prompt {q(EXAMPLE_PROMPT)}" if (Path(model) / "tiktoken.model").is_file()
+              else f"--ids {EXAMPLE_IDS}")
+    cmds.append(f"k3-run {q(str(model))} --pack {q(str(target))} --preset {preset} {prompt}")
+    text = {"complete": "the pack is ready: run",
+            "partial": "resume the interrupted pack, then run",
+            "stale": f"{pack_dir} holds a pack of another checkpoint: pack into a new "
+                     "directory, then run",
+            "missing": "pack the trunk (once), then run"}.get(state, "run")
+    return {"commands": cmds, "text": text}
+
+
+# ---- text ----------------------------------------------------------------------------------
+
+def _gb(n) -> str:
+    """Bytes in the largest unit that keeps them readable (GB = 1e9)."""
+    if n is None:
+        return "?"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _mbs(n) -> str:
+    return "-" if not n else f"{n / 1e6:,.0f} MB/s"
+
+
+def render_text(report: dict) -> str:
+    """The human-readable report (what k3-doctor prints without --json)."""
+    out = []
+    w = out.append
+    m = report["machine"]
+    w("== machine")
+    w(f"python {m['python']} ({m['implementation']}), "
+      + ", ".join(f"{k} {v or 'missing'}" for k, v in m["packages"].items()))
+    thr = m["numba"]
+    w(f"numba threading layer: {thr['layer']} ({thr['threads']} threads)")
+    cpu = m["cpu"]
+    isa = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["isa"].items())
+    w(f"cpu: {cpu['model'] or cpu['machine']}, {cpu['cores_usable']} usable cores; {isa}")
+    mem = m["memory"]
+    cg = _gb(mem["cgroup_limit_bytes"]) if mem["cgroup_limit_bytes"] else "none"
+    w(f"memory: total {_gb(mem['total_bytes'])}, available {_gb(mem['available_bytes'])}, "
+      f"cgroup limit {cg}, swap {_gb(mem['swap_total_bytes'])}"
+      + (" (assumed, --assume-memory-gb)" if mem["assumed"] else ""))
+    for s in report["storage"]:
+        w(f"== storage: {s['role']} {s['directory']}")
+        w(f"filesystem {s['filesystem']} at {s['mount_point']}, free {_gb(s['free_bytes'])}, "
+          f"O_DIRECT {'works' if s['o_direct'] else 'no' if s['o_direct'] is False else '?'}")
+        r = s.get("reads")
+        if r:
+            tag = " (cached: page cache may have served these)" if r["cached"] else ""
+            seq = ", ".join(f"x{k} {_mbs(v)}" for k, v in r["seq_bps"].items())
+            w(f"sequential 8 MiB reads on {s['measured_on']}: {seq}{tag}")
+            if r["rand_bps"]:
+                rnd = ", ".join(f"QD{k} {_mbs(v)}" for k, v in r["rand_bps"].items())
+                w(f"random 17.5 MB reads: {rnd}; best QD{r['rand_best_depth']}{tag}")
+        elif not report["quick"]:
+            w("read speed: not measured")
+        for n in s["notes"]:
+            w(f"note: {n}")
+    k = report.get("kernels")
+    if k:
+        w(f"== kernels ({k['source']}): BF16 {_mbs(k['bf16_bytes_per_s'])}, "
+          f"MXFP4 {_mbs(k['mxfp4_bytes_per_s'])} of weights, one token")
+    ms = report.get("model")
+    if ms:
+        w(f"== model {ms['path']}")
+        c = ms["config"]
+        if c and c["ok"]:
+            w(f"config ok: {c['layers']} layers ({c['layer_map']}), {c['experts']} experts, "
+              f"top-{c['top_k']}")
+        elif c:
+            w("config: invalid (see FAIL below)")
+        sh = ms.get("shards")
+        if sh and "present" in sh:
+            w(f"shards: {sh['present']} of {sh['expected']} present, "
+              f"{_gb(sh['apparent_bytes'])} ({_gb(sh['allocated_bytes'])} allocated)"
+              + ("; every shard's size matches its header" if sh["ok"] else ""))
+        sz = ms.get("sizes")
+        if sz:
+            w(f"sizes{'' if sz['exact'] else ' (from config)'}: trunk {_gb(sz['trunk_bytes'])}, "
+              f"experts {_gb(sz['experts_bytes'])} ({sz['experts_total']} x "
+              f"{sz['expert_bytes']:,} B), model-level {_gb(sz['model_level_bytes'])}")
+        pk = ms.get("pack")
+        if pk:
+            w(f"pack {pk['directory']}: {pk['state']}; trunk file "
+              f"{_gb(pk['trunk_bytes_needed'])}")
+    d = report["decision"]
+    w(f"== decision (sizes of {d['sizes_of']})")
+    w(f"memory to plan with: {_gb(d['memory_plannable_bytes'])} of {_gb(d['memory_usable_bytes'])}; "
+      f"overhead {_gb(d['overhead_bytes'])}; smallest working budget "
+      f"{_gb(d['minimum_memory_bytes'])} in all")
+    w(f"{'preset':<12}{'trunk':>11}{'cache':>11}{'peak':>11}{'fits':>6}{'s/token':>10}"
+      f"{'pinned':>8}")
+    for name, row in d["presets"].items():
+        b = row["budget"]
+        est = row["estimate"]
+        if b is None:
+            w(f"{name:<12}{'-':>11}{'-':>11}{'-':>11}{'no':>6}{'-':>10}")
+            continue
+        spt = f"{est['seconds_per_token']:.2f}" if est else "-"
+        pinned = str(est["pinned_layers"]) if est else "-"
+        w(f"{name:<12}{_gb(b['trunk_bytes']):>11}{_gb(b['cache_bytes']):>11}"
+          f"{_gb(row['peak_bytes']):>11}{'yes' if not row['problems'] else 'no':>6}"
+          f"{spt:>10}{pinned:>8}")
+    if not any(r["estimate"] for r in d["presets"].values()):
+        w("s/token: not estimated" + (" (--quick)" if report["quick"] else
+                                      " (read speed or kernels not measured)"))
+    else:
+        w("s/token is a rough upper estimate: uniform routing, I/O and compute not overlapped")
+    if d["pick"]:
+        w(f"pick: {d['why']}")
+    dk = report.get("disk_for_pack")
+    if dk:
+        w(f"disk for the pack: {_gb(dk['still_to_write_bytes'])} to write, "
+          f"{_gb(dk['free_bytes'])} free")
+    for x in report["warnings"]:
+        w(f"warning: {x}")
+    for x in report["problems"]:
+        w(f"FAIL: {x}")
+    w("== verdict: " + ("this machine can run the model" if report["can_run"]
+                        else "cannot run, see FAIL lines"))
+    w(f"next: {report['next_step']}")
+    for c in report["next_commands"]:
+        w(f"  {c}")
+    return "\n".join(out) + "\n"
+

@@ -1,0 +1,435 @@
+"""k3-doctor, the memory presets and the machine probe: decisions, refusals, cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from libk3 import doctor, hwprobe, presets
+from libk3.errors import BudgetError, FormatError, UsageError
+from libk3.io.checkpoint import Checkpoint
+from libk3.presets import GB, ModelSizes
+from libk3.synth.checkpoint import synth_checkpoint
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
+REAL_TRUNK = 108_811_877_376          # spec K3-MODEL.md 3.5
+REAL_MODEL_LEVEL = 4_697_663_488
+FAST = dict(seq_seconds=0.3, rand_seconds=0.3)
+
+
+def _run_cli(*args, timeout=120):
+    """The console script, as a user runs it."""
+    exe = shutil.which("k3-doctor")
+    cmd = [exe] if exe else [sys.executable, "-c", "from k3_doctor.cli import main; main()"]
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _probe_files(d: Path) -> list:
+    return sorted(p.name for p in Path(d).iterdir() if p.name.startswith(hwprobe.PROBE_PREFIX))
+
+
+@pytest.fixture(scope="module")
+def tiny_copy(tmp_path_factory):
+    """A private copy of fixtures/tiny (tests mutate or write next to it)."""
+    d = tmp_path_factory.mktemp("tiny") / "tiny"
+    shutil.copytree(FIXTURE, d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory):
+    return synth_checkpoint(tmp_path_factory.mktemp("small") / "small", "small", progress=False)
+
+
+@pytest.fixture(scope="module")
+def real_sparse(tmp_path_factory):
+    """real-sparse synthesised once (~30 s, no disk) and diagnosed once on an 8 GB machine."""
+    d = synth_checkpoint(tmp_path_factory.mktemp("rs") / "real-sparse", "real-sparse",
+                         progress=False)
+    diag = doctor.diagnose(d, quick=True, memory=hwprobe.assumed_memory(8 * 10**9))
+    return d, diag
+
+
+@pytest.fixture(scope="module")
+def real_sizes():
+    return ModelSizes.from_config(doctor.reference_config())
+
+
+# ---- presets ----------------------------------------------------------------------------
+
+def test_presets_file_missing_key_is_an_error_naming_the_file(tmp_path):
+    """Catches a preset reader that defaults a missing budget (or ignores unknown keys)."""
+    shipped = presets.load_presets()
+    assert list(shipped) == list(presets.PRESET_NAMES)              # control
+    assert shipped["laptop"].trunk_gb == 3.7 and shipped["auto"].trunk_gb is None
+    doc = yaml.safe_load(presets.PRESETS_FILE.read_text())
+    del doc["presets"]["desktop"]["cache_gb"]
+    doc["accounting"]["surprise"] = 1
+    bad = tmp_path / "presets.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    with pytest.raises(FormatError) as e:
+        presets.load_presets(bad)
+    assert str(bad) in e.value.one_line()
+    assert "presets.desktop.cache_gb missing" in e.value.one_line()
+    assert "accounting.surprise unknown" in e.value.one_line()
+
+
+def test_presets_later_flag_overrides_earlier_in_argv_order():
+    """Catches flags applied in a fixed order instead of the order the user typed."""
+    a = presets.resolve_budget("laptop", cache_gb=2.0, order=["preset", "cache_gb"])
+    b = presets.resolve_budget("laptop", cache_gb=2.0, order=["cache_gb", "preset"])
+    assert a.cache_bytes == 2 * 10**9 and a.trunk_bytes == int(3.7 * GB)
+    assert b.cache_bytes == int(0.4 * GB)                            # the preset came last
+    c = presets.resolve_budget("desktop", trunk_gb=5.0)              # default: flags win
+    assert c.trunk_bytes == 5 * 10**9 and c.cache_bytes == 10 * 10**9
+    with pytest.raises(UsageError):
+        presets.resolve_budget("tiny-laptop")
+    with pytest.raises(UsageError):
+        presets.resolve_budget("laptop", trunk_gb=-1.0)
+
+
+def test_presets_budget_clamped_to_model_and_refused_below_the_floor(real_sizes):
+    """Catches a budget larger than the model (wasted RAM) and a ring too small to hold
+    the two largest layers being accepted."""
+    with Checkpoint.open(FIXTURE) as ck:
+        tiny = ModelSizes.from_checkpoint(ck)
+    b = presets.resolve_budget("laptop", model_sizes=tiny)
+    assert b.trunk_bytes == tiny.trunk_bytes and b.cache_bytes == tiny.cache_all_bytes
+    floor = presets.minimum_budget(real_sizes)
+    top2 = sorted(real_sizes.layer_bytes)[-2:]
+    assert floor.trunk_bytes == sum(top2)
+    assert floor.cache_bytes == 17 * real_sizes.expert_slot_bytes == 17 * 17_555_456
+    ok = presets.resolve_budget("laptop", model_sizes=real_sizes)        # control
+    assert ok.trunk_bytes == int(3.7 * GB)
+    with pytest.raises(BudgetError):
+        presets.resolve_budget(None, trunk_gb=3.0, cache_gb=1.0, model_sizes=real_sizes)
+    with pytest.raises(BudgetError):
+        presets.resolve_budget(None, trunk_gb=16.0, cache_gb=0.1, model_sizes=real_sizes)
+
+
+def test_presets_auto_gives_trunk_first_and_refuses_4gb_for_k3(real_sizes):
+    """Catches auto splitting memory evenly, exceeding available memory, or accepting a
+    machine below the smallest working budget."""
+    a8 = presets.resolve_budget("auto", mem=8 * 10**9, model_sizes=real_sizes)
+    a32 = presets.resolve_budget("auto", mem=32 * 10**9, model_sizes=real_sizes)
+    assert a32.trunk_bytes > a8.trunk_bytes and a32.cache_bytes == a8.cache_bytes
+    assert presets.peak_bytes(a32, real_sizes) <= 0.95 * 32 * 10**9
+    assert not presets.admission_problems(a8, real_sizes, 8 * 10**9)
+    a256 = presets.resolve_budget("auto", mem=256 * 10**9, model_sizes=real_sizes)
+    assert a256.trunk_bytes == real_sizes.trunk_bytes                 # every layer pinned
+    fixed = presets.resolve_budget("auto", cache_gb=2.0, mem=32 * 10**9,
+                                   model_sizes=real_sizes)
+    assert fixed.cache_bytes == 2 * 10**9 and fixed.trunk_bytes < a32.trunk_bytes
+    with pytest.raises(BudgetError) as e:
+        presets.resolve_budget(None, mem=4 * 10**9, model_sizes=real_sizes)
+    assert "smallest working budget" in e.value.one_line()
+
+
+def test_presets_trunk_plan_pins_largest_first_and_keeps_a_ring(real_sizes):
+    """Catches pinning that leaves no room for the ring, or pins in layer order."""
+    lap = presets.trunk_plan(real_sizes, int(3.7 * GB))
+    assert lap.pinned == () and lap.streamed_bytes == real_sizes.trunk_bytes
+    desk = presets.trunk_plan(real_sizes, 16 * 10**9)
+    assert 0 in desk.pinned                                   # layer 0 is the largest
+    pinned = sum(real_sizes.layer_bytes[L] for L in desk.pinned)
+    assert pinned + desk.ring_bytes <= 16 * 10**9
+    unpinned = sorted((real_sizes.layer_bytes[L] for L in range(93) if L not in desk.pinned),
+                      reverse=True)
+    assert desk.ring_bytes == sum(unpinned[:2])
+    assert desk.streamed_bytes == sum(unpinned)
+    full = presets.trunk_plan(real_sizes, real_sizes.trunk_bytes)
+    assert len(full.pinned) == 93 and full.ring_bytes == 0 and full.streamed_bytes == 0
+    with pytest.raises(BudgetError):
+        presets.trunk_plan(real_sizes, 10**9)
+
+
+# ---- the machine probe --------------------------------------------------------------------
+
+def _fake_cgroup_tree(root: Path, v2_leaf: str, v2_parent: str, v1_limit: str) -> tuple:
+    proc = root / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal: 16000000 kB\nMemAvailable: 12000000 kB\n"
+                                  "SwapTotal: 0 kB\n")
+    (proc / "self" / "cgroup").write_text("4:memory:/job\n0::/user/job\n")
+    cg2, cg1 = root / "cg2", root / "cg1"
+    (cg2 / "user" / "job").mkdir(parents=True)
+    (cg2 / "user" / "memory.max").write_text(v2_parent + "\n")
+    (cg2 / "user" / "job" / "memory.max").write_text(v2_leaf + "\n")
+    (cg1 / "job").mkdir(parents=True)
+    (cg1 / "job" / "memory.limit_in_bytes").write_text(v1_limit + "\n")
+    (proc / "self" / "mounts").write_text(
+        f"cgroup2 {cg2} cgroup2 rw 0 0\ncgroup {cg1} cgroup rw,memory 0 0\n")
+    return proc
+
+
+def test_hwprobe_cgroup_limit_is_the_smallest_on_the_path(tmp_path):
+    """Catches reading only the leaf group, treating 'max' or v1's 2^63 as a limit, or
+    ignoring the cgroup when MemAvailable is larger."""
+    proc = _fake_cgroup_tree(tmp_path / "a", "max", "6000000000", "9223372036854771712")
+    mem = hwprobe.probe_memory(proc=str(proc))
+    assert mem.cgroup_limit_bytes == 6_000_000_000 and "v2" in mem.cgroup_source
+    assert mem.available_bytes == 12_000_000 * 1024
+    assert mem.usable_bytes == 6_000_000_000
+    proc = _fake_cgroup_tree(tmp_path / "b", "max", "max", "9223372036854771712")
+    mem = hwprobe.probe_memory(proc=str(proc))                         # control: no limit
+    assert mem.cgroup_limit_bytes is None and mem.usable_bytes == 12_000_000 * 1024
+    proc = _fake_cgroup_tree(tmp_path / "c", "max", "max", "3000000000")
+    assert hwprobe.probe_memory(proc=str(proc)).cgroup_limit_bytes == 3_000_000_000
+    fake = hwprobe.probe_memory(override_bytes=8 * 10**9)
+    assert fake.assumed and fake.usable_bytes == 8 * 10**9
+
+
+def test_hwprobe_never_times_holes_and_uses_real_shards_in_place(tmp_path):
+    """Catches timing a sparse file (zeros at memory speed) as disk speed, and writing a
+    probe file next to shards that could be read instead."""
+    sparse = tmp_path / "sparse"
+    sparse.mkdir()
+    with open(sparse / "model-00001-of-000001.safetensors", "wb") as f:
+        f.truncate(200 << 20)
+    assert not hwprobe.holds_data(sparse / "model-00001-of-000001.safetensors")
+    info = hwprobe.probe_storage(sparse, model_files=list(sparse.iterdir()),
+                                 probe_bytes=40 << 20, min_model_bytes=1, **FAST)
+    assert info["measured_on"] == "temporary file" and "sparse" in " ".join(info["notes"])
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        (dense / f"s{i}.safetensors").write_bytes(rng.bytes(40 << 20))
+    assert hwprobe.holds_data(dense / "s0.safetensors")                  # control
+    before = sorted(p.name for p in dense.iterdir())
+    info = hwprobe.probe_storage(dense, model_files=sorted(dense.iterdir()),
+                                 min_model_bytes=1, **FAST)
+    assert info["measured_on"] == "model shards"
+    r = info["reads"]
+    assert r["seq_best_bps"] > 0 and set(r["rand_bps"]) == {"1", "4", "16"}
+    assert r["cached"] == (not info["o_direct"])
+    assert sorted(p.name for p in dense.iterdir()) == before
+    assert _probe_files(sparse) == []
+
+
+def test_hwprobe_kernel_figures_come_from_the_numba_kernels():
+    """Catches a stand-in passed off as the numba kernels' speed."""
+    k = hwprobe.measure_kernels(seconds=0.05, rows=256, cols=256)
+    assert k["bf16_bytes_per_s"] > 0 and k["mxfp4_bytes_per_s"] > 0
+    assert k["source"] == "libk3 kernels"
+
+
+# ---- the doctor ---------------------------------------------------------------------------
+
+def test_doctor_cli_tiny_json_and_text_report_can_run(tmp_path):
+    """Catches a report that fails on a healthy checkpoint, a JSON mode that prints text,
+    or a next command that is not the pack-then-run pair."""
+    pack = tmp_path / "pack"
+    res = _run_cli(FIXTURE, "--pack", pack, "--quick", "--json", "--assume-memory-gb", 8)
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    assert rep["can_run"] and rep["problems"] == []
+    m = rep["model"]
+    assert m["config"]["ok"] and m["shards"]["present"] == m["shards"]["expected"] == 14
+    assert m["pack"]["state"] == "missing"
+    assert rep["decision"]["pick"] == "laptop"
+    assert rep["next_commands"][0].startswith("k3-pack ")
+    assert "--preset laptop" in rep["next_commands"][1]
+    assert _probe_files(FIXTURE) == [] and not pack.exists()
+    res = _run_cli(FIXTURE, "--quick", "--assume-memory-gb", 8)
+    assert res.returncode == 0 and "this machine can run the model" in res.stdout
+    assert "pick: laptop" in res.stdout
+
+
+def test_doctor_cli_usage_errors_exit_2(tmp_path):
+    """Catches usage errors reported as 'cannot run' (1) or as a traceback."""
+    res = _run_cli(tmp_path / "nope", "--quick")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    res = _run_cli("--quick", "--assume-memory-gb", "-3")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+
+
+def test_doctor_small_measures_disk_and_estimates_every_preset(small_ckpt, tmp_path):
+    """Catches estimates without measurements, a probe file left behind, or a pick that
+    does not hold the whole small model."""
+    diag = doctor.diagnose(small_ckpt, tmp_path / "pack", probe_bytes=48 << 20,
+                           memory=hwprobe.assumed_memory(8 * 10**9), **FAST)
+    rep = diag.report
+    assert diag.exit_status == 0, rep["problems"]
+    st = rep["storage"][0]
+    assert st["measured"] and st["reads"]["rand_best_bps"] > 0
+    assert rep["kernels"]["bf16_bytes_per_s"] > 0
+    rows = rep["decision"]["presets"]
+    assert all(rows[n]["estimate"]["seconds_per_token"] > 0 for n in presets.NAMED)
+    lap = rows["laptop"]["estimate"]
+    assert lap["expert_hit_rate"] == 1.0 and lap["trunk_streamed_bytes"] == 0
+    assert rep["decision"]["pick"] == "laptop" and "whole model" in rep["decision"]["why"]
+    assert _probe_files(small_ckpt) == [] and not (tmp_path / "pack").exists()
+    json.dumps(rep)                                   # JSON-ready
+    assert "== verdict: this machine can run" in doctor.render_text(rep)
+
+
+def test_doctor_missing_shard_fails_naming_the_shard(tiny_copy, tmp_path):
+    """Catches a partial download reported as healthy, or an error that does not say
+    which file to fetch again."""
+    d = tmp_path / "partial"
+    shutil.copytree(tiny_copy, d)
+    control = doctor.diagnose(d, quick=True, memory=hwprobe.assumed_memory(8 * 10**9))
+    assert control.exit_status == 0
+    (d / "model-00007-of-000014.safetensors").unlink()
+    diag = doctor.diagnose(d, quick=True, memory=hwprobe.assumed_memory(8 * 10**9))
+    assert diag.exit_status == 1
+    probs = diag.report["problems"]
+    assert any("model-00007-of-000014.safetensors" in p and "missing" in p for p in probs)
+    assert diag.report["model"]["shards"]["present"] == 13
+    assert diag.report["next_commands"] == []
+
+
+def test_doctor_truncated_shard_fails_naming_the_shard(tiny_copy, tmp_path):
+    """Catches a size check against the index's total instead of each shard's header."""
+    d = tmp_path / "trunc"
+    shutil.copytree(tiny_copy, d)
+    victim = d / "model-00003-of-000014.safetensors"
+    os.truncate(victim, victim.stat().st_size - 100)
+    res = _run_cli(d, "--quick", "--json")
+    assert res.returncode == 1
+    rep = json.loads(res.stdout)
+    assert [p for p in rep["problems"] if "model-00003-of-000014.safetensors" in p
+            and "truncated" in p]
+    assert not rep["can_run"]
+
+
+def test_doctor_stale_pack_is_reported_and_a_new_directory_suggested(tiny_copy, small_ckpt,
+                                                                     tmp_path):
+    """Catches a pack of another checkpoint being taken as complete."""
+    from libk3.pack import pack
+
+    out = tmp_path / "pack"
+    with Checkpoint.open(tiny_copy) as ck:
+        pack(ck, out, progress=False)
+    mem = hwprobe.assumed_memory(8 * 10**9)
+    same = doctor.diagnose(tiny_copy, out, quick=True, memory=mem)      # control
+    assert same.report["model"]["pack"]["state"] == "complete"
+    assert len(same.report["next_commands"]) == 1
+    assert same.report["next_commands"][0].startswith("k3-run ")
+    other = doctor.diagnose(small_ckpt, out, quick=True, memory=mem)
+    assert other.report["model"]["pack"]["state"] == "stale"
+    assert other.report["next_commands"][0].startswith("k3-pack ")
+    assert str(out) not in other.report["next_commands"][0].split()[-1:]
+
+
+def test_doctor_too_little_disk_for_the_pack_fails(tiny_copy, tmp_path):
+    """Catches a pack destination without room being accepted."""
+    mem = hwprobe.assumed_memory(8 * 10**9)
+    ok = doctor.diagnose(tiny_copy, tmp_path / "p", quick=True, memory=mem)
+    assert ok.exit_status == 0
+    full = doctor.diagnose(tiny_copy, tmp_path / "p", quick=True, memory=mem,
+                           pack_free_bytes=0)
+    assert full.exit_status == 1
+    assert [p for p in full.report["problems"] if p.startswith("disk:")]
+
+
+def test_doctor_real_sparse_reports_real_sizes_and_picks_laptop_at_8gb(real_sparse):
+    """Catches sizes derived from apparent file sizes or the wrong inventory, a pack size
+    that is not the trunk, and a pick that does not fit an 8 GB machine."""
+    d, diag = real_sparse
+    rep = diag.report
+    sz = rep["model"]["sizes"]
+    assert sz["exact"] and sz["trunk_bytes"] == REAL_TRUNK
+    assert sz["model_level_bytes"] == REAL_MODEL_LEVEL
+    assert sz["experts_total"] == 82_432 and sz["expert_bytes"] == 17_547_264
+    need = rep["model"]["pack"]["trunk_bytes_needed"]
+    assert REAL_TRUNK <= need < 109.0e9 and round(need / 1e9) == 109
+    dec = rep["decision"]
+    assert dec["pick"] == "laptop"
+    assert not [p for p in rep["problems"] if p.startswith("memory")]
+    assert "sparse" in " ".join(rep["warnings"])
+    disk = rep["disk_for_pack"]
+    assert bool([p for p in rep["problems"] if p.startswith("disk:")]) == \
+        (disk["free_bytes"] < need)
+    assert rep["exit_status"] == (1 if rep["problems"] else 0)
+
+
+def test_doctor_refuses_4gb_for_real_sparse_but_not_for_tiny(real_sparse):
+    """Catches a memory check that passes any machine, or one that refuses models that
+    do fit (the tiny control)."""
+    _, diag = real_sparse
+    dec = doctor.decide(diag.sizes, hwprobe.assumed_memory(4 * 10**9))
+    assert dec["pick"] is None
+    assert [p for p in dec["problems"] if p.startswith("memory:") and "smallest working" in p]
+    tiny = doctor.diagnose(FIXTURE, quick=True, memory=hwprobe.assumed_memory(4 * 10**9))
+    assert tiny.exit_status == 0 and tiny.report["decision"]["pick"] == "laptop"
+
+
+def test_doctor_machine_only_report_without_a_model():
+    """Catches a doctor that needs a model argument to say anything."""
+    diag = doctor.diagnose(None, quick=True, memory=hwprobe.assumed_memory(16 * 10**9))
+    rep = diag.report
+    assert rep["model"] is None and rep["storage"] == [] and diag.exit_status == 0
+    assert rep["decision"]["sizes_of"].startswith("Kimi K3")
+    assert rep["machine"]["numba"]["layer"] in ("tbb", "omp", "workqueue")
+    low = doctor.diagnose(None, quick=True, memory=hwprobe.assumed_memory(4 * 10**9))
+    assert low.exit_status == 1
+
+
+def test_doctor_estimate_follows_the_stated_formula(real_sizes):
+    """Catches an estimate that ignores pinning, the cache, or the kernels."""
+    b = presets.resolve_budget("laptop", model_sizes=real_sizes)
+    k = {"bf16_bytes_per_s": 1e10, "mxfp4_bytes_per_s": 2e10, "source": "test"}
+    est = doctor.estimate(real_sizes, b, 2e9, 1e9, k)
+    hit = (b.cache_bytes // real_sizes.expert_slot_bytes) / 82_432
+    assert est["expert_hit_rate"] == pytest.approx(hit)
+    assert est["trunk_io_s"] == pytest.approx(real_sizes.trunk_bytes / 2e9)
+    assert est["expert_io_s"] == pytest.approx(92 * 16 * (1 - hit) * 17_547_264 / 1e9)
+    want_compute = ((real_sizes.bf16_trunk_bytes + real_sizes.lm_head_bytes) / 1e10
+                    + 92 * 16 * 17_547_264 / 2e10)
+    assert est["compute_s"] == pytest.approx(want_compute)
+    srv = doctor.estimate(real_sizes, presets.resolve_budget("server", model_sizes=real_sizes),
+                          2e9, 1e9, k)
+    assert srv["trunk_io_s"] == 0 and srv["seconds_per_token"] < est["seconds_per_token"]
+    assert doctor.estimate(real_sizes, b, None, None, k) is None
+
+
+def _wait_for_probe(d: Path, proc, full_size=None, timeout=60.0) -> Path:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        files = [p for p in d.iterdir() if p.name.startswith(hwprobe.PROBE_PREFIX)]
+        if files and (full_size is None or _size(files[0]) >= full_size):
+            return files[0]
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    raise AssertionError("the probe file never appeared")
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except FileNotFoundError:
+        return -1
+
+
+@pytest.mark.parametrize("when", ["writing", "reading"])
+def test_doctor_probe_file_removed_on_sigterm(tmp_path, when):
+    """Catches a probe file left behind when the doctor is terminated mid-measurement."""
+    d = tmp_path / "disk"
+    d.mkdir()
+    size_mb = 400 if when == "writing" else 120
+    exe = shutil.which("k3-doctor")
+    cmd = [exe] if exe else [sys.executable, "-c", "from k3_doctor.cli import main; main()"]
+    proc = subprocess.Popen(cmd + ["--pack", str(d), "--probe-size-mb", str(size_mb)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        probe = _wait_for_probe(d, proc, None if when == "writing" else size_mb * 10**6)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and "interrupted" in err
+    assert not probe.exists() and _probe_files(d) == []

@@ -1,0 +1,44 @@
+"""k3-doctor: can this machine run this K3 model, with which preset, and what to run next.
+
+Thin click front end: options are parsed here, the work is in ``libk3.doctor``.
+Exit status: 0 can run, 1 cannot (every reason printed), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from libk3 import __version__
+from libk3.cli_support import handle_errors, print_json
+
+
+@click.command(help="Check the machine (and a model directory) before running K3: memory, "
+                    "disk speed, checkpoint completeness, pack state; pick a preset and "
+                    "print the next command. Exit 0 = can run, 1 = cannot, 2 = usage error.")
+@click.argument("model", required=False, type=click.Path(exists=True, file_okay=False))
+@click.option("--pack", "pack_dir", type=click.Path(file_okay=False),
+              help="Pack directory (existing or to be created) to check and measure.")
+@click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
+@click.option("--quick", is_flag=True, help="Skip the disk and kernel measurements.")
+@click.option("--assume-memory-gb", type=click.FloatRange(min=0, min_open=True),
+              help="Pretend the machine has this much memory available (GB = 1e9 bytes).")
+@click.option("--probe-size-mb", type=click.FloatRange(min=1), default=1000.0,
+              show_default=True,
+              help="Size of the temporary file read when the model's own files cannot be "
+                   "(MB = 1e6 bytes); it is always removed.")
+@click.version_option(__version__, prog_name="k3-doctor")
+@handle_errors
+def main(model, pack_dir, json_out, quick, assume_memory_gb, probe_size_mb):
+    from libk3.doctor import diagnose, render_text
+    from libk3.hwprobe import probe_memory
+
+    mem = probe_memory(None if assume_memory_gb is None else int(assume_memory_gb * 1e9))
+    diag = diagnose(model, pack_dir, quick=quick, memory=mem,
+                    probe_bytes=int(probe_size_mb * 1e6), progress=True)
+    if json_out:
+        print_json(diag.report)
+    else:
+        click.echo(render_text(diag.report), nl=False)
+    sys.exit(diag.exit_status)
