@@ -196,3 +196,26 @@ def test_run_prompt_text_streams_and_reports(tiny_dir, tmp_path):
                 "reads_in_flight", "peak_rss_bytes", "budget", "generated_text"):
         assert key in r
     assert p.stdout.rstrip("\n") == r["generated_text"].rstrip("\n") or r["generated_text"] in p.stdout
+
+
+def test_run_single_shard_without_index_and_flat_config(tiny_dir, tmp_path):
+    """Catches a loader that needs model.safetensors.index.json, several shards or the
+    nested config: one model.safetensors + a flat config.json gives the same logits."""
+    from libk3.config import load_config
+    from libk3.io.safetensors import read_header, write_shard
+    d = tmp_path / "one"
+    d.mkdir()
+    tensors = []
+    for shard in sorted(tiny_dir.glob("*.safetensors")):
+        blob = shard.read_bytes()
+        tensors += [(e.name, e.dtype, e.shape, blob[e.offset:e.offset + e.nbytes])
+                    for e in read_header(shard)]
+    write_shard(d / "model.safetensors", tensors)
+    (d / "config.json").write_text(json.dumps(load_config(tiny_dir).to_flat_dict()))
+    for f in ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py"):
+        shutil.copy(tiny_dir / f, d / f)
+    a, b = tmp_path / "a.npy", tmp_path / "b.npy"
+    assert k3(tiny_dir, "--ids", "3,1,4,1,5", "--gen", 4, "--logits-out", a).returncode == 0
+    p = k3(d, "--ids", "3,1,4,1,5", "--gen", 4, "--logits-out", b)
+    assert p.returncode == 0, p.stderr
+    assert np.array_equal(np.load(a).view(np.uint32), np.load(b).view(np.uint32))
