@@ -23,7 +23,7 @@ def main() -> None:
     src = checkpoint("medium")
     shards = sorted(src.glob("*.safetensors"))
     files = [(p, p.stat().st_size) for p in shards]
-    direct = o_direct_check(src)[0]
+    direct = o_direct_check(shards[0])[0]
     drop_page_cache(src)
     raw = measure_reads(files, direct=direct, seq_seconds=6.0, rand_seconds=0.5)
     raw_bps = raw["seq_best_bps"]
