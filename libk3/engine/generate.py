@@ -28,6 +28,7 @@ class GenSettings:
     stop_ids: tuple = ()
     stop_strings: tuple = ()
     prefill_chunk: int = 64
+    spec: int = 0                  # speculative drafts per step (greedy only); 0 = off
 
 
 @dataclasses.dataclass
@@ -38,6 +39,7 @@ class GenResult:
     prefill_seconds: float
     decode_seconds: float
     logits: np.ndarray | None = None
+    spec: dict | None = None
 
     @property
     def seconds_per_token(self) -> float:
@@ -73,23 +75,50 @@ def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokeni
     generated: list[int] = []
     reason = "length"
     text = b""
+    spec_stats = None
+    if settings.spec:
+        from .speculative import SpecStats, lookup_drafts, refeed, verify
+        if not sampler.greedy:
+            raise ValueError("speculative decoding is exact only for greedy decoding")
+        spec_stats = SpecStats()
     while len(generated) < settings.gen and last is not None:
         tok = sampler(last)
-        generated.append(tok)
-        if on_token is not None:
-            on_token(tok)
-        logits = forward([tok], state, all_logits=True, phase="decode")
+        drafts = []
+        if spec_stats is not None and tok not in settings.stop_ids:
+            room = settings.gen - len(generated) - 1
+            drafts = lookup_drafts(prompt_ids + generated + [tok], min(settings.spec, room))
+            stop_at = next((j for j, d in enumerate(drafts) if d in settings.stop_ids), None)
+            if stop_at is not None:
+                drafts = drafts[:stop_at + 1]
+        if drafts:
+            snap = state.snapshot()
+            accepted, logits = verify(forward, state, tok, drafts, spec_stats, snap)
+        else:
+            accepted = []
+            logits = forward([tok], state, all_logits=True, phase="decode")
+        fed = [tok] + accepted
+        kept = 0
+        for t in fed:
+            generated.append(t)
+            kept += 1
+            if on_token is not None:
+                on_token(t)
+            if t in settings.stop_ids:
+                reason = "stop_id"
+            elif settings.stop_strings and tokenizer is not None:
+                text += tokenizer.decode_bytes([t])
+                if any(s.encode() in text for s in settings.stop_strings):
+                    reason = "stop_string"
+            if reason != "length":
+                break
+        if kept < len(fed):          # a stop string inside accepted drafts: drop the rest
+            logits = refeed(forward, state, snap, fed[:kept], spec_stats)
         if keep_logits:
             rows.append(logits)
         last = logits[-1]
-        if tok in settings.stop_ids:
-            reason = "stop_id"
+        if reason != "length":
             break
-        if settings.stop_strings and tokenizer is not None:
-            text += tokenizer.decode_bytes([tok])
-            if any(s.encode() in text for s in settings.stop_strings):
-                reason = "stop_string"
-                break
     t2 = time.perf_counter()
     return GenResult(prompt_ids, generated, reason, t1 - t0, t2 - t1,
-                     np.concatenate(rows).astype(np.float32) if keep_logits else None)
+                     np.concatenate(rows).astype(np.float32) if keep_logits else None,
+                     spec_stats.to_json() if spec_stats is not None else None)

@@ -38,10 +38,10 @@ class RunOptions:
 
 
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
-                  prefill_chunk=64) -> GenSettings:
+                  prefill_chunk=64, spec=0) -> GenSettings:
     return GenSettings(gen=gen, temperature=temperature, top_p=top_p, seed=seed,
                        stop_ids=tuple(stop_ids), stop_strings=tuple(stop_strings),
-                       prefill_chunk=prefill_chunk)
+                       prefill_chunk=prefill_chunk, spec=spec)
 
 
 def resolve_run_budget(opts: RunOptions, ckpt):
@@ -107,6 +107,8 @@ class Run:
         tok = self.session.tokenizer
         if tok is not None:
             rep["generated_text"] = tok.decode(res.generated_ids)
+        if res.spec is not None:
+            rep["speculative"] = res.spec
         return rep
 
     def close(self) -> None:
@@ -177,7 +179,7 @@ def run_batch(run: Run, batch_path, out_path, base: GenSettings, warn) -> dict:
             summary["skipped"] += 1
             continue
         settings = dataclasses.replace(
-            base, gen=job.get("gen", base.gen), temperature=job.get("temperature", base.temperature),
+            base, spec=base.spec if job.get("temperature", base.temperature) == 0 else 0, gen=job.get("gen", base.gen), temperature=job.get("temperature", base.temperature),
             top_p=job.get("top_p", base.top_p), seed=job.get("seed", base.seed),
             stop_strings=tuple(job["stop"]) or base.stop_strings,
             stop_ids=tuple(job.get("stop_ids", base.stop_ids)))

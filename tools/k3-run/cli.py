@@ -70,6 +70,9 @@ class _Printer:
 @click.option("--io-threads", type=click.IntRange(1, 64), default=4, show_default=True)
 @click.option("--buffered-io", is_flag=True, help="Do not use O_DIRECT.")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--spec", type=click.IntRange(0, 16), default=0, show_default=True,
+              help="Speculative decoding: draft up to N tokens by prompt lookup and verify "
+                   "them in one batched forward (greedy only; same tokens as without).")
 @click.option("--threads", type=click.IntRange(1), help="numba threads (default: all cores).")
 @click.option("--save-state", type=click.Path(dir_okay=False), help="Save the state at the end.")
 @click.option("--load-state", type=click.Path(exists=True, dir_okay=False),
@@ -85,7 +88,7 @@ class _Printer:
 @handle_errors
 def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, chat, gen, temperature,
          top_p, seed, stop_strings, stop_ids, preset, trunk_gb, cache_gb, resident,
-         cache_policy, io_threads, buffered_io, prefill_chunk, threads, save_state, load_state,
+         cache_policy, io_threads, buffered_io, prefill_chunk, spec, threads, save_state, load_state,
          trace_path, logits_out, report_json, json_out):
     from libk3.engine import runner
 
@@ -101,6 +104,8 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, chat, gen,
         raise UsageError("--out goes with --batch")
     if resident and (preset or trunk_gb is not None or cache_gb is not None or pack):
         raise UsageError("--resident excludes --preset, --trunk-gb, --cache-gb and --pack")
+    if spec and temperature > 0:
+        raise UsageError("--spec keeps exactly the greedy result; it needs --temperature 0")
     if threads:
         import numba
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -111,7 +116,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, chat, gen,
         trace_path=trace_path)
     settings = runner.settings_from(gen=gen, temperature=temperature, top_p=top_p, seed=seed,
                                     stop_strings=stop_strings, stop_ids=stop_ids,
-                                    prefill_chunk=prefill_chunk)
+                                    prefill_chunk=prefill_chunk, spec=spec)
     with runner.open_run(opts) as run:
         if batch:
             summary = runner.run_batch(run, batch, out_path, settings,

@@ -1,0 +1,71 @@
+"""Speculative decoding without a second model: prompt-lookup drafts, one batched verify.
+
+Owns: proposing up to N draft tokens by n-gram lookup in the context (the tokens that
+followed the most recent earlier occurrence of the context's longest matching suffix),
+and verifying them in ONE forward call over [current token + drafts], which fetches each
+needed expert once for the whole block. Does not own: sampling or the model.
+
+Exactness: only greedy decoding is sped up. Row i of the verify call's logits is
+bit-identical to what token-by-token decoding computes (block kernels keep each token's
+accumulation order), so accepting drafts while they equal the argmax yields exactly the
+greedy stream. On a rejection the state is rolled back and the accepted prefix re-fed
+(again bit-identical), so the state never holds a rejected token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def lookup_drafts(context: list, n: int, max_ngram: int = 3) -> list:
+    """Up to ``n`` tokens that followed the latest earlier occurrence of the longest suffix
+    (length max_ngram down to 1) of ``context``; [] when none matches."""
+    if n <= 0 or len(context) < 2:
+        return []
+    arr = np.asarray(context, dtype=np.int64)
+    L = arr.size
+    for g in range(min(max_ngram, L - 1), 0, -1):
+        suffix = arr[L - g:]
+        # candidate starts i with arr[i:i+g] == suffix and i + g < L (something follows)
+        for i in range(L - g - 1, -1, -1):
+            if np.array_equal(arr[i:i + g], suffix):
+                follow = arr[i + g:i + g + n]
+                if follow.size:
+                    return [int(t) for t in follow]
+    return []
+
+
+class SpecStats:
+    def __init__(self):
+        self.drafted = 0
+        self.accepted = 0
+        self.verify_calls = 0
+        self.rollbacks = 0
+
+    def to_json(self) -> dict:
+        return {"drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": round(self.accepted / self.drafted, 6) if self.drafted else None,
+                "verify_calls": self.verify_calls, "rollbacks": self.rollbacks}
+
+
+def verify(forward, state, tok: int, drafts: list, stats: SpecStats, snap):
+    """Feed [tok] + drafts; return (accepted drafts, logits rows of every fed token kept).
+    Greedy acceptance: draft j is kept while argmax(row j) == draft j. ``snap`` is the
+    state's snapshot from before the call, used to roll back a rejection."""
+    logits = forward([tok] + drafts, state, all_logits=True, phase="decode")
+    stats.verify_calls += 1
+    stats.drafted += len(drafts)
+    k = 0
+    while k < len(drafts) and int(np.argmax(logits[k])) == drafts[k]:
+        k += 1
+    stats.accepted += k
+    if k == len(drafts):
+        return drafts, logits
+    return drafts[:k], refeed(forward, state, snap, [tok] + drafts[:k], stats)
+
+
+def refeed(forward, state, snap, tokens: list, stats: SpecStats):
+    """Roll the state back to ``snap`` and feed ``tokens`` again (bit-identical rows)."""
+    state.restore(snap)
+    stats.rollbacks += 1
+    return forward(tokens, state, all_logits=True, phase="decode")
