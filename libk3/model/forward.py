@@ -160,16 +160,26 @@ class Forward:
                          cfg.routed_scaling_factor)                          # (T, k)
         if self.on_route is not None:
             self.on_route(L, positions, ids, phase)
+        # Expert reads start now and overlap the latent down-projection and the shared
+        # expert (pure compute); the routed loop then waits for them.
+        distinct = np.unique(ids)
+        step = self.weights.max_batch                # a batch never exceeds the cache
+        pending = self.weights.experts_start(L, distinct[:step])
         z = K.bf16_matmul(lw["block_sparse_moe.routed_expert_down_proj.weight"], x)  # (T, lat)
+        y_shared = None
+        if cfg.num_shared_experts > 0:
+            hs = self._situ(K.bf16_matmul(lw["block_sparse_moe.shared_experts.gate_proj.weight"], x),
+                            K.bf16_matmul(lw["block_sparse_moe.shared_experts.up_proj.weight"], x))
+            y_shared = K.bf16_matmul(lw["block_sparse_moe.shared_experts.down_proj.weight"], hs)
         # Each distinct expert is fetched once for the whole block of tokens and applied
         # to the tokens that chose it; outputs are kept per (token, slot) and summed in
         # selection order, so the result is bit-identical to token-by-token evaluation.
-        distinct = np.unique(ids)
         outs = np.zeros((T, ids.shape[1], z.shape[1]), np.float32)
-        step = self.weights.max_batch
-        for b in range(0, distinct.size, step):      # a batch never exceeds the cache
+        for b in range(0, distinct.size, step):
             group = distinct[b:b + step]
-            tensors = self.weights.experts(L, group)
+            if b > 0:
+                pending = self.weights.experts_start(L, group)
+            tensors = self.weights.experts_finish(pending)
             for e in group:
                 tok, slot = np.nonzero(ids == e)
                 w1p, w1s, w2p, w2s, w3p, w3s = tensors[int(e)]
@@ -180,8 +190,4 @@ class Forward:
         if cfg.latent_moe_use_norm:
             u = K.rmsnorm(u, lw["block_sparse_moe.routed_expert_norm.weight"], cfg.rms_norm_eps)
         y = K.bf16_matmul(lw["block_sparse_moe.routed_expert_up_proj.weight"], u)
-        if cfg.num_shared_experts > 0:
-            hs = self._situ(K.bf16_matmul(lw["block_sparse_moe.shared_experts.gate_proj.weight"], x),
-                            K.bf16_matmul(lw["block_sparse_moe.shared_experts.up_proj.weight"], x))
-            y = y + K.bf16_matmul(lw["block_sparse_moe.shared_experts.down_proj.weight"], hs)
-        return y
+        return y if y_shared is None else y + y_shared

@@ -97,6 +97,12 @@ class ResidentWeights:
     def experts(self, L: int, ids) -> dict:
         return {int(e): self._experts[(L, int(e))] for e in ids}
 
+    def experts_start(self, L: int, ids):
+        return (L, ids)
+
+    def experts_finish(self, handle) -> dict:
+        return self.experts(*handle)
+
 
 class StreamedWeights:
     """Model-level tensors resident; trunk layers from a TrunkStreamer (pinned + ring);
@@ -135,6 +141,12 @@ class StreamedWeights:
 
     def experts(self, L: int, ids) -> dict:
         return self.cache.fetch(L, ids)
+
+    def experts_start(self, L: int, ids):
+        return self.cache.start(L, ids)
+
+    def experts_finish(self, handle) -> dict:
+        return self.cache.finish(handle)
 
     def model_bytes(self) -> int:
         return sum(a.nbytes for a in self._model.values())

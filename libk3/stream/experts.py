@@ -77,8 +77,11 @@ class ExpertCache:
                                                 int(self.table.nbytes[L, e]), buf,
                                                 what=f"layer {L} expert {e}")
 
-    def fetch(self, L: int, ids) -> dict:
-        """{e: six packed arrays} for the distinct experts ``ids`` (at most max_batch)."""
+    def start(self, L: int, ids):
+        """Begin fetching the distinct experts ``ids`` (at most max_batch): hits are
+        resolved now, misses get their slots reserved and their reads submitted to the
+        I/O pool in (shard, offset) order. Returns a handle for ``finish``; the caller
+        computes meanwhile (the shared expert, the latent down-projection)."""
         ids = [int(e) for e in ids]
         assert len(ids) <= self.n_slots
         keys = [self.key(L, e) for e in ids]
@@ -98,27 +101,37 @@ class ExpertCache:
                 self.stats["evictions"] += 1
             self.slot_key[s] = k
             where[e] = s
-        if misses:
-            order = sorted(misses, key=lambda ek: (int(self.table.shard[L, ek[0]]),
-                                                   int(self.table.offset[L, ek[0]])))
-            t0 = time.perf_counter()
-            futs = [(where[e], self.pool.submit(self._read_into, L, e, where[e])) for e, _ in order]
-            self.stats["max_in_flight"] = max(self.stats["max_in_flight"],
-                                              min(len(futs), self.io_threads))
-            failed = None
-            for s, f in futs:
-                try:
-                    self.base[s] = f.result()
-                except BaseException as exc:       # invalidate the slot, re-raise after all land
-                    self.policy.forget(int(self.slot_key[s]))
-                    self.slot_key[s] = -1
-                    failed = failed or exc
-            if failed is not None:
-                raise failed
+        order = sorted(misses, key=lambda ek: (int(self.table.shard[L, ek[0]]),
+                                               int(self.table.offset[L, ek[0]])))
+        t0 = time.perf_counter()
+        futs = [(where[e], self.pool.submit(self._read_into, L, e, where[e])) for e, _ in order]
+        self.stats["max_in_flight"] = max(self.stats["max_in_flight"],
+                                          min(len(futs), self.io_threads))
+        return (L, ids, where, futs, t0)
+
+    def finish(self, handle) -> dict:
+        """Wait for a ``start``'s reads; {e: six packed arrays}. A failed read invalidates
+        its slot and is raised after every read has landed."""
+        L, ids, where, futs, t0 = handle
+        failed = None
+        for s, f in futs:
+            try:
+                self.base[s] = f.result()
+            except BaseException as exc:
+                self.policy.forget(int(self.slot_key[s]))
+                self.slot_key[s] = -1
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+        if futs:
             self.stats["read_seconds"] += time.perf_counter() - t0
-            self.stats["misses"] += len(misses)
-            self.stats["bytes_read"] += len(misses) * self.expert_bytes
+            self.stats["misses"] += len(futs)
+            self.stats["bytes_read"] += len(futs) * self.expert_bytes
         return {e: self._views(L, e, where[e]) for e in ids}
+
+    def fetch(self, L: int, ids) -> dict:
+        """{e: six packed arrays} for the distinct experts ``ids`` (at most max_batch)."""
+        return self.finish(self.start(L, ids))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

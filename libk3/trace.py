@@ -1,0 +1,454 @@
+"""Expert-routing trace files, format v1 (formats/trace.md): writer, reader, raw import.
+
+Owns: the byte layout of ``.k3trace`` files, enforcing every numbered invariant of
+formats/trace.md on read, the crash-tolerant writer, and importing the public C engine's
+headerless int32 traces. Does not own: replaying (``libk3.cache_policy``), statistics and
+reports (``libk3.trace_report``) or recording a run (k3-run).
+
+Why independent zstd frames with their own checksum: a long run must not hold its trace
+in memory, and a crash must cost at most the frame being written. Each frame is flushed
+to the OS when full, so after a crash every complete frame is readable
+(``tolerate_truncated_tail=True``); a clean close writes an end marker, fsyncs and renames
+the temporary file into place, so a file under its final name is complete.
+
+Why a packed record of 13 bytes rather than the C engine's 8: token position, sequence
+and phase are what tell a decode step from a prefill chunk and one request of a batch from
+another; zstd removes most of the redundancy (a token's 1,472 records share a position).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+from .errors import FormatError
+
+MAGIC = b"K3TRACE\0"
+VERSION = 1
+FILE_HEAD = struct.Struct("<8sIII")          # magic, version, header bytes, header crc32
+FRAME_HEAD = struct.Struct("<4sIII")         # b"K3TF", records, payload bytes, crc32
+END_MARK = struct.Struct("<4sIQ")            # b"K3TE", frames, records
+FRAME_TAG = b"K3TF"
+END_TAG = b"K3TE"
+MAX_HEADER_BYTES = 1 << 20                   # invariant 3
+MAX_FRAME_RECORDS = 1 << 20                  # invariant 7
+DEFAULT_FRAME_RECORDS = 1 << 16
+ZSTD_LEVEL = 3
+PARTIAL_SUFFIX = ".partial"
+
+# Record layout (formats/trace.md, "Records"): packed, little-endian.
+RECORD_DTYPE = np.dtype([("pos", "<i4"), ("seq", "<i4"), ("layer", "<u2"),
+                         ("expert", "<u2"), ("phase", "u1")])
+PHASE_PREFILL, PHASE_DECODE, PHASE_UNKNOWN = 0, 1, 2
+PHASE_NAMES = {PHASE_PREFILL: "prefill", PHASE_DECODE: "decode", PHASE_UNKNOWN: "unknown"}
+SOURCES = ("k3-run", "import")
+_HEADER_KEYS = ("checkpoint", "expert_bytes", "n_layers", "n_experts", "top_k", "source",
+                "created_by")
+_OPTIONAL_KEYS = ("meta",)
+
+# The public C engine's trace (PRIOR-ART.md section 9): int32 (layer, expert) pairs.
+RAW_PAIR_BYTES = 8
+IMPORT_CHUNK_PAIRS = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceHeader:
+    """The JSON header of a trace (formats/trace.md, "Header"). No field has a default."""
+
+    checkpoint: str | None       # config fingerprint of the model; None only for imports
+    expert_bytes: int            # bytes of one routed expert as stored (MXFP4)
+    n_layers: int                # layers of the model (keys are layer * n_experts + e)
+    n_experts: int               # routed experts per MoE layer
+    top_k: int                   # experts selected per token per MoE layer
+    source: str                  # "k3-run" or "import"
+    created_by: str              # tool and version that wrote the file
+    meta: dict | None = None     # free-form, optional (e.g. synthetic knobs, prompt file)
+
+    def to_json(self) -> dict:
+        d = {k: getattr(self, k) for k in _HEADER_KEYS}
+        if self.meta is not None:
+            d["meta"] = self.meta
+        return d
+
+    @property
+    def n_keys(self) -> int:
+        return self.n_layers * self.n_experts
+
+
+def header_for_config(cfg, *, created_by: str, meta: dict | None = None) -> TraceHeader:
+    """The header k3-run writes for a K3Config (checkpoint = its fingerprint)."""
+    return TraceHeader(checkpoint=cfg.fingerprint(), expert_bytes=cfg.expert_bytes,
+                       n_layers=cfg.num_hidden_layers, n_experts=cfg.num_experts,
+                       top_k=cfg.num_experts_per_token, source="k3-run",
+                       created_by=created_by, meta=meta)
+
+
+def _check_header(doc, path) -> TraceHeader:
+    """Invariants 4 and 5: every field present, typed and in range; no unknown field."""
+    if not isinstance(doc, dict):
+        raise FormatError("trace header is not a JSON object", path=path, tensor="header")
+    missing = [k for k in _HEADER_KEYS if k not in doc]
+    unknown = [k for k in doc if k not in _HEADER_KEYS and k not in _OPTIONAL_KEYS]
+    if missing or unknown:
+        raise FormatError("trace header fields wrong", path=path, tensor="header",
+                          expected=", ".join(_HEADER_KEYS),
+                          found=f"missing {missing}, unknown {unknown}")
+
+    def int_field(k, lo, hi):
+        v = doc[k]
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise FormatError(f"header field {k} out of range", path=path, tensor="header",
+                              expected=f"integer {lo}..{hi}", found=repr(v))
+        return v
+
+    n_layers = int_field("n_layers", 1, 0xFFFF)
+    n_experts = int_field("n_experts", 1, 0xFFFF)
+    top_k = int_field("top_k", 1, n_experts)
+    expert_bytes = int_field("expert_bytes", 1, 1 << 48)
+    source = doc["source"]
+    if source not in SOURCES:
+        raise FormatError("header field source unknown", path=path, tensor="header",
+                          expected=" or ".join(SOURCES), found=repr(source))
+    ckpt = doc["checkpoint"]
+    if not (isinstance(ckpt, str) and ckpt) and not (ckpt is None and source == "import"):
+        raise FormatError("header field checkpoint must name the model (null only for "
+                          "imported traces)", path=path, tensor="header", found=repr(ckpt))
+    if not isinstance(doc["created_by"], str):
+        raise FormatError("header field created_by must be a string", path=path,
+                          tensor="header", found=repr(doc["created_by"]))
+    meta = doc.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise FormatError("header field meta must be an object", path=path, tensor="header",
+                          found=type(meta).__name__)
+    return TraceHeader(checkpoint=ckpt, expert_bytes=expert_bytes, n_layers=n_layers,
+                       n_experts=n_experts, top_k=top_k, source=source,
+                       created_by=doc["created_by"], meta=meta)
+
+
+def _bad_records(records, header: TraceHeader) -> str | None:
+    """Invariant 9, vectorised: the first out-of-range record, described, or None."""
+    bad = ((records["layer"] >= header.n_layers) | (records["expert"] >= header.n_experts)
+           | (records["phase"] > PHASE_UNKNOWN) | (records["pos"] < -1)
+           | (records["seq"] < -1))
+    if not bad.any():
+        return None
+    i = int(np.argmax(bad))
+    r = records[i]
+    return (f"record {i}: layer {r['layer']} (< {header.n_layers}), expert {r['expert']} "
+            f"(< {header.n_experts}), phase {r['phase']} (0..2), pos {r['pos']} (>= -1), "
+            f"seq {r['seq']} (>= -1)")
+
+
+class TraceWriter:
+    """Write a trace file (formats/trace.md). Records buffer in memory up to
+    ``frame_records`` and are then written as one frame; ``close()`` writes the end
+    marker, fsyncs and renames ``<path>.partial`` to ``path``. Leaving the ``with`` block
+    by an exception writes the buffered records as a last frame and keeps the partial
+    file (readable with ``tolerate_truncated_tail``); ``abort()`` deletes it."""
+
+    def __init__(self, path, header: TraceHeader, *, frame_records: int = DEFAULT_FRAME_RECORDS,
+                 level: int = ZSTD_LEVEL):
+        if not 1 <= frame_records <= MAX_FRAME_RECORDS:
+            raise ValueError(f"frame_records must be 1..{MAX_FRAME_RECORDS}")
+        self.path = Path(path)
+        self.partial_path = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
+        self.header = _check_header(header.to_json(), self.path)
+        self._buf = np.empty(frame_records, RECORD_DTYPE)
+        self._n = 0
+        self.n_frames = 0
+        self.n_records = 0
+        self._cctx = zstandard.ZstdCompressor(level=level)
+        blob = json.dumps(self.header.to_json(), sort_keys=True).encode()
+        self._f = open(self.partial_path, "wb")
+        self._f.write(FILE_HEAD.pack(MAGIC, VERSION, len(blob), zlib.crc32(blob)))
+        self._f.write(blob)
+
+    # ---- appending ---------------------------------------------------------------------
+    def append(self, pos: int, phase: int, layer: int, experts, *, seq: int = 0) -> None:
+        """One layer's routing for one token: ``experts`` in selection order."""
+        experts = np.asarray(experts).reshape(-1)
+        if not 0 <= layer < self.header.n_layers or (experts.size and not (
+                0 <= experts.min() and experts.max() < self.header.n_experts)):
+            raise FormatError("routing record out of range", path=self.partial_path,
+                              tensor=f"layer {layer}", found=f"experts {experts.tolist()}",
+                              expected=f"layer < {self.header.n_layers}, experts < "
+                                       f"{self.header.n_experts}")
+        rec = np.empty(experts.size, RECORD_DTYPE)
+        rec["pos"] = pos
+        rec["seq"] = seq
+        rec["layer"] = layer
+        rec["expert"] = experts
+        rec["phase"] = phase
+        self.append_records(rec)
+
+    def append_records(self, records) -> None:
+        """Append a RECORD_DTYPE array (validated against the header, invariant 9)."""
+        if self._f is None:
+            raise ValueError(f"{self.path}: trace writer is closed")
+        records = np.asarray(records)
+        if records.dtype != RECORD_DTYPE:
+            raise ValueError(f"records must have dtype RECORD_DTYPE, got {records.dtype}")
+        why = _bad_records(records, self.header)
+        if why:
+            raise FormatError(f"refusing to write an out-of-range {why}", path=self.partial_path)
+        i = 0
+        cap = self._buf.size
+        while i < records.size:
+            take = min(cap - self._n, records.size - i)
+            self._buf[self._n:self._n + take] = records[i:i + take]
+            self._n += take
+            i += take
+            if self._n == cap:
+                self._flush_frame()
+
+    def _flush_frame(self) -> None:
+        if self._n == 0:
+            return
+        raw = self._buf[:self._n].tobytes()
+        payload = self._cctx.compress(raw)
+        self._f.write(FRAME_HEAD.pack(FRAME_TAG, self._n, len(payload), zlib.crc32(raw)))
+        self._f.write(payload)
+        self._f.flush()                       # a crash of this process keeps the frame
+        self.n_frames += 1
+        self.n_records += self._n
+        self._n = 0
+
+    # ---- finishing ---------------------------------------------------------------------
+    def close(self) -> Path:
+        """Finish the file: last frame, end marker, fsync, rename into place."""
+        if self._f is None:
+            return self.path
+        self._flush_frame()
+        self._f.write(END_MARK.pack(END_TAG, self.n_frames, self.n_records))
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        self._f = None
+        os.replace(self.partial_path, self.path)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return self.path
+
+    def abort(self) -> None:
+        """Stop and delete the partial file (nothing is left under either name)."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        self.partial_path.unlink(missing_ok=True)
+
+    def _keep_partial(self) -> None:
+        if self._f is not None:
+            self._flush_frame()
+            self._f.close()
+            self._f = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self._keep_partial()
+        return False
+
+
+class TraceReader:
+    """Read and check a trace file (formats/trace.md). The header is checked on open;
+    frames are checked as they are read. Strict by default: any bad frame or a missing end
+    marker raises FormatError naming the frame index and byte offset. With
+    ``tolerate_truncated_tail=True`` a damaged LAST frame (or a missing end marker, as
+    after a crash) ends the stream instead, and ``tail_error`` says what was dropped;
+    damage followed by more data is still an error (a crash cannot cause it)."""
+
+    def __init__(self, path, *, tolerate_truncated_tail: bool = False):
+        self.path = Path(path)
+        self.tolerate = tolerate_truncated_tail
+        self.tail_error: FormatError | None = None
+        self.n_frames: int | None = None      # known after a full read
+        self.n_records: int | None = None
+        self._size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            head = f.read(FILE_HEAD.size)
+            if len(head) < FILE_HEAD.size or head[:8] != MAGIC:
+                raise FormatError("not a k3 trace (bad magic)", path=self.path,
+                                  expected=repr(MAGIC), found=repr(head[:8]),
+                                  hint="raw C-engine traces are converted with "
+                                       "`k3-trace import RAW OUT`")
+            _, version, hlen, hcrc = FILE_HEAD.unpack(head)
+            if version != VERSION:
+                raise FormatError("unsupported trace format version", path=self.path,
+                                  expected=VERSION, found=version)
+            if hlen > MAX_HEADER_BYTES or FILE_HEAD.size + hlen > self._size:
+                raise FormatError("trace header length runs past the file", path=self.path,
+                                  tensor="header", expected=f"<= {self._size - FILE_HEAD.size}",
+                                  found=hlen)
+            blob = f.read(hlen)
+        if zlib.crc32(blob) != hcrc:
+            raise FormatError("trace header checksum mismatch (corrupt header)",
+                              path=self.path, tensor="header", expected=f"{hcrc:08x}",
+                              found=f"{zlib.crc32(blob):08x}")
+        try:
+            doc = json.loads(blob.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise FormatError(f"trace header is not JSON ({e})", path=self.path,
+                              tensor="header") from None
+        self.header = _check_header(doc, self.path)
+        self._data_start = FILE_HEAD.size + hlen
+
+    # ---- frames ------------------------------------------------------------------------
+    def _damage(self, index: int, offset: int, what: str, at_tail: bool):
+        err = FormatError(f"frame {index} at byte offset {offset}: {what}", path=self.path,
+                          tensor=f"frame {index}",
+                          hint=("the earlier frames are intact; read them with "
+                                "--tolerate-truncated" if at_tail and not self.tolerate
+                                else None))
+        if at_tail and self.tolerate:
+            self.tail_error = err
+            return
+        raise err
+
+    def iter_frames(self):
+        """Yield each frame's records (RECORD_DTYPE arrays), checked (invariants 6-11)."""
+        self.tail_error = None
+        dctx = zstandard.ZstdDecompressor()
+        frames = records = 0
+        with open(self.path, "rb") as f:
+            off = self._data_start
+            f.seek(off)
+            while True:
+                head = f.read(FRAME_HEAD.size)
+                if len(head) == 0:
+                    self._damage(frames, off, "file ends without the end marker (the writer "
+                                 "did not finish: a crash?)", at_tail=True)
+                    break
+                if len(head) < FRAME_HEAD.size:
+                    self._damage(frames, off, f"truncated frame header ({len(head)} of "
+                                 f"{FRAME_HEAD.size} bytes)", at_tail=True)
+                    break
+                tag = head[:4]
+                if tag == END_TAG:
+                    _, n_frames, n_records = END_MARK.unpack(head)
+                    if (n_frames, n_records) != (frames, records):
+                        raise FormatError("end marker disagrees with the frames read",
+                                          path=self.path, tensor="end marker",
+                                          expected=f"{frames} frames, {records} records",
+                                          found=f"{n_frames} frames, {n_records} records")
+                    if off + END_MARK.size != self._size:
+                        raise FormatError("bytes after the end marker", path=self.path,
+                                          tensor="end marker",
+                                          expected=off + END_MARK.size, found=self._size)
+                    self.n_frames, self.n_records = frames, records
+                    return
+                if tag != FRAME_TAG:
+                    self._damage(frames, off, f"bad frame tag {tag!r}",
+                                 at_tail=off + FRAME_HEAD.size >= self._size)
+                    break
+                _, n, plen, crc = FRAME_HEAD.unpack(head)
+                end = off + FRAME_HEAD.size + plen
+                if not 1 <= n <= MAX_FRAME_RECORDS or plen == 0:
+                    self._damage(frames, off, f"bad frame header (records {n}, payload "
+                                 f"{plen} bytes)", at_tail=end >= self._size)
+                    break
+                payload = f.read(plen)
+                if len(payload) < plen:
+                    self._damage(frames, off, f"truncated frame ({len(payload)} of {plen} "
+                                 f"payload bytes)", at_tail=True)
+                    break
+                at_tail = end == self._size
+                try:
+                    raw = dctx.decompress(payload, max_output_size=n * RECORD_DTYPE.itemsize)
+                except zstandard.ZstdError as e:
+                    self._damage(frames, off, f"zstd payload does not decode ({e})", at_tail)
+                    break
+                if len(raw) != n * RECORD_DTYPE.itemsize or zlib.crc32(raw) != crc:
+                    self._damage(frames, off, "frame checksum or size mismatch (corrupt "
+                                 "frame)", at_tail)
+                    break
+                rec = np.frombuffer(raw, RECORD_DTYPE)
+                why = _bad_records(rec, self.header)
+                if why:
+                    raise FormatError(f"frame {frames} at byte offset {off}: out-of-range "
+                                      f"{why}", path=self.path, tensor=f"frame {frames}")
+                yield rec
+                frames += 1
+                records += n
+                off = end
+        self.n_frames, self.n_records = frames, records
+
+    def read_all(self) -> np.ndarray:
+        """Every record (RECORD_DTYPE), in request order."""
+        parts = list(self.iter_frames())
+        return np.concatenate(parts) if parts else np.empty(0, RECORD_DTYPE)
+
+    def layer_expert_keys(self) -> np.ndarray:
+        """(requests,) int64 replay keys layer * n_experts + expert, in request order."""
+        ne = self.header.n_experts
+        parts = [r["layer"].astype(np.int64) * ne + r["expert"] for r in self.iter_frames()]
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+
+def import_raw_c_trace(raw_path, out_path, *, n_layers: int, n_experts: int,
+                       expert_bytes: int, top_k: int, created_by: str) -> dict:
+    """Convert the public C engine's ``expert_trace.bin`` (headerless little-endian int32
+    (layer, expert) pairs, one per cache request; PRIOR-ART.md section 9) into a trace
+    file. Position, sequence and phase are unknown there: -1, -1, unknown. Streams in
+    chunks; an odd number of int32s or an out-of-range pair is a FormatError naming the
+    pair and its byte offset, and leaves no output. -> {requests, frames, path}."""
+    raw_path, out_path = Path(raw_path), Path(out_path)
+    size = raw_path.stat().st_size
+    if size % 4:
+        raise FormatError("raw trace is not a whole number of int32s", path=raw_path,
+                          expected="a multiple of 4 bytes", found=f"{size} bytes")
+    if size % RAW_PAIR_BYTES:
+        raise FormatError("raw trace holds an odd number of int32s (pairs are layer, "
+                          "expert)", path=raw_path, expected="an even count",
+                          found=f"{size // 4} int32s")
+    if size == 0:
+        raise FormatError("raw trace is empty", path=raw_path)
+    header = TraceHeader(checkpoint=None, expert_bytes=expert_bytes, n_layers=n_layers,
+                         n_experts=n_experts, top_k=top_k, source="import",
+                         created_by=created_by, meta={"imported_from": raw_path.name})
+    writer = TraceWriter(out_path, header)
+    try:
+        pairs_done = 0
+        with open(raw_path, "rb") as f:
+            while True:
+                pairs = np.fromfile(f, dtype="<i4", count=2 * IMPORT_CHUNK_PAIRS)
+                if pairs.size == 0:
+                    break
+                pairs = pairs.reshape(-1, 2)
+                layer, expert = pairs[:, 0], pairs[:, 1]
+                bad = (layer < 0) | (layer >= n_layers) | (expert < 0) | (expert >= n_experts)
+                if bad.any():
+                    i = int(np.argmax(bad))
+                    raise FormatError(
+                        f"pair {pairs_done + i} at byte offset {(pairs_done + i) * RAW_PAIR_BYTES}"
+                        f": layer {layer[i]}, expert {expert[i]} out of range",
+                        path=raw_path, expected=f"layer 0..{n_layers - 1}, expert "
+                                                f"0..{n_experts - 1}",
+                        found=f"({layer[i]}, {expert[i]})",
+                        hint="check --n-layers and --n-experts")
+                rec = np.empty(layer.size, RECORD_DTYPE)
+                rec["pos"] = -1
+                rec["seq"] = -1
+                rec["layer"] = layer
+                rec["expert"] = expert
+                rec["phase"] = PHASE_UNKNOWN
+                writer.append_records(rec)
+                pairs_done += layer.size
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"requests": pairs_done, "frames": writer.n_frames, "path": str(out_path)}

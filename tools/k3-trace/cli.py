@@ -1,0 +1,134 @@
+"""k3-trace: import, inspect and replay expert-routing traces (formats/trace.md).
+
+Thin click front end: options are parsed here, the work is in libk3 (``libk3.trace``,
+``libk3.trace_report``, ``libk3.cache_policy``). Subcommands are registered one per
+function on the ``main`` group; ``record`` and ``size`` (which need k3-run) are added the
+same way by their own module.
+"""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from libk3 import __version__
+from libk3.cli_support import handle_errors, print_json
+from libk3.errors import UsageError
+
+# The real model's shape (spec K3-MODEL.md section 2; PRIOR-ART.md section 4): defaults
+# for importing C-engine traces, which carry no header.
+REAL_N_LAYERS = 93
+REAL_N_EXPERTS = 896
+REAL_TOP_K = 16
+REAL_EXPERT_BYTES = 17547264
+
+
+def _number_list(kind, text):
+    if text is None:
+        return None
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError("expected a comma-separated list of numbers", found=text) from None
+
+
+def _jobs(jobs):
+    return jobs if jobs is not None else max(1, min(2, os.cpu_count() or 1))
+
+
+@click.group(help="Import, inspect and replay expert-routing traces. "
+                  "Subcommands: import, stats, replay.")
+@click.version_option(__version__, prog_name="k3-trace")
+def main():
+    pass
+
+
+@main.command("import")
+@click.argument("raw", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--n-layers", type=int, default=REAL_N_LAYERS, show_default=True)
+@click.option("--n-experts", type=int, default=REAL_N_EXPERTS, show_default=True)
+@click.option("--top-k", type=int, default=REAL_TOP_K, show_default=True)
+@click.option("--expert-bytes", type=int, default=REAL_EXPERT_BYTES, show_default=True)
+@click.option("--json", "json_out", is_flag=True, help="Print a JSON summary.")
+@handle_errors
+def import_cmd(raw, out, n_layers, n_experts, top_k, expert_bytes, json_out):
+    """Convert the public C engine's expert_trace.bin (headerless int32 layer, expert
+    pairs) into a k3 trace OUT. Token positions are unknown there and recorded as such."""
+    from libk3.trace import import_raw_c_trace
+
+    info = import_raw_c_trace(raw, out, n_layers=n_layers, n_experts=n_experts,
+                              expert_bytes=expert_bytes, top_k=top_k,
+                              created_by=f"k3-trace {__version__} import")
+    if json_out:
+        print_json(info)
+    else:
+        click.echo(f"wrote {info['requests']:,} requests in {info['frames']} frames to "
+                   f"{info['path']}")
+
+
+@main.command("stats")
+@click.argument("trace", type=click.Path(exists=True, dir_okay=False))
+@click.option("--tolerate-truncated", is_flag=True,
+              help="Use the intact frames of a trace whose last frame is damaged.")
+@click.option("--json", "json_out", is_flag=True, help="Print JSON.")
+@handle_errors
+def stats(trace, tolerate_truncated, json_out):
+    """Requests, tokens, distinct experts, reuse, hottest experts, per-layer spread and
+    the compulsory-miss ceiling of TRACE."""
+    from libk3.trace import TraceReader
+    from libk3.trace_report import format_stats, trace_stats
+
+    s = trace_stats(TraceReader(trace, tolerate_truncated_tail=tolerate_truncated))
+    if json_out:
+        print_json(s)
+    else:
+        click.echo(format_stats(s))
+    if s["truncated_tail"]:
+        click.echo(f"k3-trace: warning: {s['truncated_tail']}", err=True)
+
+
+@main.command("replay")
+@click.argument("trace", type=click.Path(exists=True, dir_okay=False))
+@click.option("--capacity-gb", help="Comma-separated cache sizes in GB (10^9 bytes). "
+                                    "Default: 8,16,32,64,128,192,256.")
+@click.option("--slots", help="Comma-separated cache sizes in slots.")
+@click.option("--expert-bytes", type=int, help="Override the trace's expert size.")
+@click.option("--policy", "policy", help="Comma-separated policies (default: all).")
+@click.option("--jobs", type=int, help="Replays run in parallel (default: up to 2).")
+@click.option("--tolerate-truncated", is_flag=True,
+              help="Use the intact frames of a trace whose last frame is damaged.")
+@click.option("--plot", type=click.Path(dir_okay=False),
+              help="Also write a hit-rate-versus-capacity chart (needs matplotlib).")
+@click.option("--json", "json_out", is_flag=True, help="Print JSON.")
+@handle_errors
+def replay(trace, capacity_gb, slots, expert_bytes, policy, jobs, tolerate_truncated, plot,
+           json_out):
+    """Hit rate and GB read per token of each cache policy at each capacity, replaying
+    TRACE offline (routing does not depend on the cache)."""
+    from libk3 import cache_policy
+    from libk3.trace import TraceReader
+    from libk3.trace_report import (format_replay, plot_replay, replay_report,
+                                    require_matplotlib)
+
+    if plot:
+        require_matplotlib()
+    policies = (cache_policy.check_policy_names(p.strip() for p in policy.split(","))
+                if policy else list(cache_policy.POLICIES))
+    rep = replay_report(TraceReader(trace, tolerate_truncated_tail=tolerate_truncated),
+                        policies=policies, capacities_gb=_number_list(float, capacity_gb),
+                        slots=_number_list(int, slots), expert_bytes=expert_bytes,
+                        workers=_jobs(jobs))
+    if plot:
+        plot_replay(rep, plot)
+    if json_out:
+        print_json(rep)
+    else:
+        click.echo(format_replay(rep))
+    if rep["truncated_tail"]:
+        click.echo(f"k3-trace: warning: {rep['truncated_tail']}", err=True)
+
+
+if __name__ == "__main__":
+    main()
