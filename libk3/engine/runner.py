@@ -12,6 +12,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import BudgetError, UsageError
 from ..model.state import State
 from . import batch as batchfile
@@ -79,16 +81,31 @@ class Run:
             cache_bytes=None if opts.resident else self.budget.cache_bytes,
             cache_policy=opts.cache_policy, io_threads=opts.io_threads,
             direct_io=opts.direct_io, on_route=on_route)
+        self.seq = 0                       # which prompt of a batch (trace records)
         if opts.trace_path:
-            from ..trace import open_trace_for_run
-            self.trace = open_trace_for_run(opts.trace_path, self.session.ckpt)
+            from .. import __version__
+            from ..trace import TraceWriter, header_for_config
+            self.trace = TraceWriter(opts.trace_path, header_for_config(
+                self.cfg, created_by=f"k3-run {__version__}",
+                meta={"model": str(opts.model), "pack": opts.pack,
+                      "cache_policy": opts.cache_policy}))
 
     @property
     def cfg(self):
         return self.session.cfg
 
     def _record(self, L, positions, ids, phase):
-        self.trace.append_routing(L, positions, ids, phase)
+        """One MoE layer's routing for a block of tokens: per token, its experts in
+        selection order (formats/trace.md: within a prefill chunk, layer-major)."""
+        from ..trace import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
+        T, k = ids.shape
+        rec = np.empty(T * k, RECORD_DTYPE)
+        rec["pos"] = np.repeat(np.asarray(positions, np.int64), k)
+        rec["seq"] = self.seq
+        rec["layer"] = L
+        rec["expert"] = ids.reshape(-1)
+        rec["phase"] = PHASE_PREFILL if phase == "prefill" else PHASE_DECODE
+        self.trace.append_records(rec)
 
     def encode(self, text: str) -> list:
         tok = self.session.tokenizer
@@ -183,6 +200,7 @@ def run_batch(run: Run, batch_path, out_path, base: GenSettings, warn) -> dict:
             top_p=job.get("top_p", base.top_p), seed=job.get("seed", base.seed),
             stop_strings=tuple(job["stop"]) or base.stop_strings,
             stop_ids=tuple(job.get("stop_ids", base.stop_ids)))
+        run.seq = lineno
         res = run_one(run, prompt_ids, settings)
         rep = run.report(res, {"id": job["id"], "line": lineno})
         batchfile.append_result(out_path, rep)

@@ -15,6 +15,9 @@ formats/numerics.md (spec K3-MODEL.md section 7):
 * ``moe``         SiTU-GLU MLPs (dense and MXFP4) and the routed combine.
 * ``_dot``/``_simd`` the fixed-order f64 dot product and the vector primitives under it.
 
+Numba caches each kernel per source file and does not track imports: after editing
+``_dot.py`` or ``_simd.py``, delete ``libk3/kernels/__pycache__`` (formats/numerics.md 9).
+
 Invariant shared by all: ``prange`` only over independent output rows, heads, channels
 or tokens, never fastmath, so every result is bit-identical at any thread count, and a
 T-token call equals T one-token calls bit for bit.

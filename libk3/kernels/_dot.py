@@ -1,8 +1,10 @@
 """The one fixed-order float64 dot product behind every k3 matrix-vector product.
 
 Owns: ``dot16`` (one row) and ``dot16_x4`` (four rows sharing the activation loads), the
-summation order of formats/numerics.md section 2, which is the order of the public C
-engine (spec PRIOR-ART.md section 10), so k3's BF16/F32 matvecs are bit-identical to it:
+summation order of formats/numerics.md section 2. It follows the order the public C engine
+documents (spec PRIOR-ART.md section 10; "remainder added sequentially" read as: after the
+reduction), so k3's BF16/F32 matvecs should match it bit for bit (not checked: no C
+engine output is available here):
 
 * 16 f64 partial sums a_0..a_15 start at +0.0; element i < 16*floor(n/16) is added to
   a_(i mod 16), in increasing i (so each a_l is a sequential sum);
@@ -22,10 +24,9 @@ keep eight independent vector chains in flight (25 GB/s instead of 16 GB/s on th
 
 from __future__ import annotations
 
-import numpy as np
 from numba import njit
 
-from ._simd import vfma, vlane, vzero, widen_f32
+from ._simd import vfma, vlane, vzero, widen_f64
 
 
 @njit(cache=True, inline="always")
@@ -42,7 +43,7 @@ def _reduce16(lo, hi):
 def _tail(s, w, x, start, n):
     """s + sum of w[i] * x[i] for i = start..n-1, added one by one."""
     for i in range(start, n):
-        s += np.float64(widen_f32(w[i])) * np.float64(widen_f32(x[i]))
+        s += widen_f64(w[i]) * widen_f64(x[i])
     return s
 
 
@@ -50,8 +51,9 @@ def _tail(s, w, x, start, n):
 def dot16(w, x):
     """float64 sum_i widen(w[i]) * x[i] in the fixed 16-lane order (not rounded).
 
-    w: [n] uint16 BF16 bits or float32, C-contiguous; x: [n] float32 (or BF16 bits),
-    C-contiguous; len(x) >= len(w) = n. Must not become: a reduction whose grouping
+    w: [n] uint16 BF16 bits or float32, C-contiguous; x: [n] float32, C-contiguous,
+    len(x) >= len(w) = n. Either may also be float64 holding exactly widened f32/BF16
+    values (a reused operand widened once: MLA queries). Must not become: a reduction whose grouping
     depends on n's alignment, the thread count, or numba's vectoriser."""
     n = w.shape[0]
     n16 = n - n % 16

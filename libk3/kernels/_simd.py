@@ -1,8 +1,9 @@
 """The few LLVM-level primitives the k3 kernels need that numba does not offer.
 
-Owns: the one numba-side BF16 widening (``widen_f32``: bits << 16, the same rule as
-``libk3.io.dtypes.bf16_to_f32``), an 8-lane float64 vector type ``f64x8`` with ``vzero``,
-``vlane`` and ``vfma``, which the fixed-order dot products of ``_dot.py`` are built from.
+Owns: the one numba-side BF16 widening (bits << 16, the same rule as
+``libk3.io.dtypes.bf16_to_f32``; scalar ``widen_f32`` / ``widen_f64``, vector inside
+``vfma``) and an 8-lane float64 vector type ``f64x8`` with ``vzero``, ``vlane`` and
+``vfma``, from which the fixed-order dot products of ``_dot.py`` are built.
 Does not own: any model math, any summation order (``_dot.py`` fixes that).
 
 WHY a vector type at all. Numba disables LLVM's SLP vectoriser and never lets the loop
@@ -47,13 +48,15 @@ class _F64x8Model(models.PrimitiveModel):
         super().__init__(dmm, fe_type, _V)
 
 
-def _is_weight_array(a) -> bool:
+def _is_operand_array(a) -> bool:
     return (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
-            and a.dtype in (types.uint16, types.float32))
+            and a.dtype in (types.uint16, types.float32, types.float64))
 
 
 def _widen_vector(builder, raw, dtype):
-    """<8 x i16> BF16 bits or <8 x float> -> <8 x double>, exactly."""
+    """<8 x i16> BF16 bits, <8 x float> or <8 x double> -> <8 x double>, exactly."""
+    if dtype == types.float64:
+        return raw
     if dtype == types.uint16:
         i32 = ir.VectorType(ir.IntType(32), 8)
         bits = builder.shl(builder.zext(raw, i32), ir.Constant(i32, [16] * 8))
@@ -89,6 +92,27 @@ def widen_f32(typingctx, w):
 
 
 @intrinsic
+def widen_f64(typingctx, w):
+    """Scalar operand -> float64, exactly: uint16 BF16 bits via ``widen_f32``, float32
+    by extension, float64 unchanged (the scalar twin of ``vfma``'s operand rule)."""
+    if w not in (types.uint16, types.float32, types.float64):
+        return None
+    sig = types.float64(w)
+
+    def codegen(context, builder, signature, args):
+        t = signature.args[0]
+        if t == types.float64:
+            return args[0]
+        val = args[0]
+        if t == types.uint16:
+            bits = builder.shl(builder.zext(val, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+            val = builder.bitcast(bits, _F32)
+        return builder.fpext(val, _F64)
+
+    return sig, codegen
+
+
+@intrinsic
 def vzero(typingctx):
     """An f64x8 of +0.0 (accumulators start at +0.0, so a -0 product never leaks a -0)."""
     sig = f64x8()
@@ -116,10 +140,11 @@ def vlane(typingctx, v, lane):
 def vfma(typingctx, acc, w, i, x, j):
     """acc[l] + f64(widen(w[i + l])) * f64(x[j + l]) for l = 0..7, lane by lane.
 
-    w: 1-D C-contiguous uint16 (BF16 bits) or float32; x: 1-D C-contiguous float32 or
-    uint16. The caller guarantees i + 8 <= len(w) and j + 8 <= len(x) (no bounds check).
-    The product is exact in f64, so this equals acc + w * x with one rounding per lane."""
-    if not (acc == f64x8 and _is_weight_array(w) and _is_weight_array(x)
+    w, x: 1-D C-contiguous uint16 (BF16 bits), float32, or float64 holding widened
+    float32 values (a vector reused many times, widened once by the caller). The caller
+    guarantees i + 8 <= len(w) and j + 8 <= len(x) (no bounds check). The product of two
+    such values is exact in f64, so this equals acc + w * x with one rounding per lane."""
+    if not (acc == f64x8 and _is_operand_array(w) and _is_operand_array(x)
             and isinstance(i, types.Integer) and isinstance(j, types.Integer)):
         return None
     sig = f64x8(acc, w, i, x, j)

@@ -4,9 +4,9 @@ Owns: ``sigmoid``/``silu`` as scalar device functions and as array kernels, ``si
 (the SiTU-GLU product), ``gate_mul`` (o * sigmoid(gate), the KDA and MLA output gates).
 Does not own: where the betas come from (config ``situ_beta``, ``situ_linear_beta``).
 
-WHY scalar ``math.exp``/``math.tanh`` on float32 inside numba: they call glibc ``expf`` and
-``tanhf`` and so agree with the public C engine bit for bit; numpy's vectorised float32
-``np.exp``/``np.tanh`` differ by 1-3 ulp on about a third of inputs, and
+WHY scalar ``math.exp``/``math.tanh`` on float32 inside numba: they call the C library's
+``expf`` and ``tanhf`` (as the public C engine does; tested against libm); numpy's
+vectorised float32 ``np.exp``/``np.tanh`` differ by 1-3 ulp on about a third of inputs, and
 ``conformance/ops/moe.json`` then fails (1.2-1.3x tolerance) where the libm form passes
 (0.53x). Never fastmath, never a float64 SiTU (1.15x, fails).
 

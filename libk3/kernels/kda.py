@@ -77,12 +77,13 @@ def kda_decay(z, A_log, dt_bias, lower_bound, g_out, alpha_out):
         raise ValueError("kda_decay: z, g_out, alpha_out [T, H*D]; A_log [H]; dt_bias [H*D]")
     D = P // H
     lb = np.float32(lower_bound)
-    for t in prange(T):
-        for c in range(P):
-            a = math.exp(A_log[c // D])
-            g = lb * sigmoid1(a * (z[t, c] + dt_bias[c]))
-            g_out[t, c] = g
-            alpha_out[t, c] = math.exp(g)
+    for tc in prange(T * P):                    # elements are independent (decode: T = 1)
+        t = tc // P
+        c = tc % P
+        a = math.exp(A_log[c // D])
+        g = lb * sigmoid1(a * (z[t, c] + dt_bias[c]))
+        g_out[t, c] = g
+        alpha_out[t, c] = math.exp(g)
 
 
 @njit(cache=True, parallel=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..config import ROUTER_RENORM_EPS
 from .activations import sigmoid1
 
 
@@ -63,7 +64,7 @@ def router_topk(logits, bias, top_k, renormalize, scaling, idx_out, w_out):
             total = 0.0
             for j in range(top_k):
                 total += np.float64(w_out[t, j])
-            inv = np.float32(1.0 / (total + 1e-20))
+            inv = np.float32(1.0 / (total + ROUTER_RENORM_EPS))
             for j in range(top_k):
                 w_out[t, j] = w_out[t, j] * inv
         for j in range(top_k):

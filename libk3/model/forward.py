@@ -162,7 +162,8 @@ class Forward:
             self.on_route(L, positions, ids, phase)
         # Expert reads start now and overlap the latent down-projection and the shared
         # expert (pure compute); the routed loop then waits for them.
-        distinct = np.unique(ids)
+        flat = ids.reshape(-1)
+        distinct = flat[np.sort(np.unique(flat, return_index=True)[1])]   # first-use order
         step = self.weights.max_batch                # a batch never exceeds the cache
         pending = self.weights.experts_start(L, distinct[:step])
         z = K.bf16_matmul(lw["block_sparse_moe.routed_expert_down_proj.weight"], x)  # (T, lat)

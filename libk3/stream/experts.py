@@ -21,13 +21,14 @@ import numpy as np
 
 from .. import names
 from ..errors import BudgetError
+from ..io import inventory
 from .direct import FileSet, aligned_empty, window_bytes
-from .policy import make_policy
+from .policy import DEFAULT_POLICY, make_policy
 
 
 class ExpertCache:
     def __init__(self, cfg, table, budget: int, files: FileSet, io_threads: int = 4,
-                 policy: str = "lru"):
+                 policy: str = DEFAULT_POLICY):
         self.cfg = cfg
         self.table = table                         # libk3.io.checkpoint.ExpertTable
         self.files = files
@@ -46,13 +47,11 @@ class ExpertCache:
         self.policy = make_policy(policy, self.n_slots, cfg.num_hidden_layers, cfg.num_experts)
         self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="k3-expert-io")
         self.io_threads = io_threads
-        shapes = [None] * 6
-        from ..io import inventory
+        self.broken = None
         all_shapes = inventory.expert_shapes(cfg)
         self.part_shapes = [all_shapes[k] for k in names.EXPERT_PARTS]
         self.stats = {"requests": 0, "hits": 0, "misses": 0, "evictions": 0, "bytes_read": 0,
                       "read_seconds": 0.0, "max_in_flight": 0}
-        del shapes
 
     @property
     def max_batch(self) -> int:
@@ -82,6 +81,8 @@ class ExpertCache:
         resolved now, misses get their slots reserved and their reads submitted to the
         I/O pool in (shard, offset) order. Returns a handle for ``finish``; the caller
         computes meanwhile (the shared expert, the latent down-projection)."""
+        if self.broken is not None:
+            raise self.broken
         ids = [int(e) for e in ids]
         assert len(ids) <= self.n_slots
         keys = [self.key(L, e) for e in ids]
@@ -118,10 +119,11 @@ class ExpertCache:
             try:
                 self.base[s] = f.result()
             except BaseException as exc:
-                self.policy.forget(int(self.slot_key[s]))
-                self.slot_key[s] = -1
                 failed = failed or exc
         if failed is not None:
+            # the policy believes the expert is resident: the cache can no longer be
+            # trusted, so every later fetch refuses (k3-run exits on the first failure)
+            self.broken = failed
             raise failed
         if futs:
             self.stats["read_seconds"] += time.perf_counter() - t0

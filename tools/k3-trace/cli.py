@@ -130,5 +130,81 @@ def replay(trace, capacity_gb, slots, expert_bytes, policy, jobs, tolerate_trunc
         click.echo(f"k3-trace: warning: {rep['truncated_tail']}", err=True)
 
 
+@main.command("record", context_settings={"ignore_unknown_options": True})
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--batch", type=click.Path(exists=True, dir_okay=False))
+@click.argument("run_args", nargs=-1, type=click.UNPROCESSED)
+@handle_errors
+def record(model, out, prompt_file, batch, run_args):
+    """Run MODEL exactly as k3-run does and record every expert request to OUT.
+
+    A thin wrapper over `k3-run --trace OUT` (one recording path): any further k3-run
+    option (--pack, --preset, --trunk-gb, --cache-gb, --gen, ...) is passed through."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from libk3.errors import UsageError
+
+    if (prompt_file is None) == (batch is None):
+        raise UsageError("give exactly one of --prompt-file and --batch")
+    args = ["k3-run", model, "--trace", out, *run_args]
+    tmp = None
+    if prompt_file:
+        args += ["--prompt-file", prompt_file]
+    else:
+        tmp = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False)
+        tmp.close()
+        os.unlink(tmp.name)
+        args += ["--batch", batch, "--out", tmp.name]
+    try:
+        code = subprocess.run(args, stdout=sys.stderr).returncode
+    finally:
+        if tmp is not None and os.path.exists(tmp.name):
+            os.unlink(tmp.name)
+    if code:
+        sys.exit(code)
+    click.echo(f"recorded {out}", err=True)
+
+
+@main.command("size")
+@click.argument("trace", type=click.Path(exists=True, dir_okay=False))
+@click.option("--budget-gb", type=click.FloatRange(min=0, min_open=True), required=True,
+              help="Total memory for trunk + expert cache (GB = 10^9 bytes).")
+@click.option("--pack", "pack_dir", type=click.Path(exists=True, file_okay=False), required=True,
+              help="The pack (its trunk.json gives every layer's size).")
+@click.option("--seq-mbps", type=click.FloatRange(min=0, min_open=True),
+              help="Sequential read speed (trunk), MB/s.")
+@click.option("--rand-mbps", type=click.FloatRange(min=0, min_open=True),
+              help="Random read speed of one expert at the best queue depth, MB/s.")
+@click.option("--doctor-json", type=click.Path(exists=True, dir_okay=False),
+              help="Take the disk speeds from `k3-doctor --json` output.")
+@click.option("--policy", default="lru", show_default=True)
+@click.option("--steps", type=click.IntRange(2, 64), default=12, show_default=True)
+@click.option("--json", "json_out", is_flag=True)
+@handle_errors
+def size(trace, budget_gb, pack_dir, seq_mbps, rand_mbps, doctor_json, policy, steps, json_out):
+    """Recommend the trunk/cache split of a total budget, from the pack's layer sizes, the
+    trace's replayed miss curve and the disk's speeds, with predicted s/token per split."""
+    from libk3.trace_sizing import disk_speeds_from_doctor, format_sizing, size_budget
+
+    if doctor_json:
+        seq_d, rand_d = disk_speeds_from_doctor(doctor_json)
+        seq_mbps = seq_mbps or seq_d
+        rand_mbps = rand_mbps or rand_d
+    from libk3.errors import UsageError
+    if not seq_mbps or not rand_mbps:
+        raise UsageError("give --seq-mbps and --rand-mbps, or --doctor-json from k3-doctor --json")
+    rep = size_budget(trace, pack_dir, budget_gb * 1e9, seq_mbps * 1e6, rand_mbps * 1e6,
+                      policy=policy, steps=steps)
+    if json_out:
+        print_json(rep)
+    else:
+        click.echo(format_sizing(rep))
+
+
 if __name__ == "__main__":
     main()

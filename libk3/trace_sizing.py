@@ -1,0 +1,105 @@
+"""Sizing a memory budget offline: how to split it between trunk and expert cache.
+
+Owns: ``size_budget``: for splits of a total budget, the trunk plan the streamer would
+use (``libk3.stream.trunk.plan_trunk``: pinned layers, ring), the trunk bytes streamed per
+token, the expert-cache miss rate replayed from a recorded trace at that cache's slot
+count, and the predicted I/O seconds per token from the disk's sequential and random
+read speeds. Does not own: replay (``libk3.cache_policy``) or measuring disks (k3-doctor).
+
+The prediction is the I/O time per token (trunk / sequential speed + expert misses x
+expert bytes / random speed): the floor for a streamed run, since compute overlaps it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .cache_policy import replay
+from .errors import BudgetError, FormatError
+from .pack import load_manifest
+from .stream.direct import window_bytes
+from .stream.trunk import plan_trunk
+from .trace import TraceReader
+
+
+def disk_speeds_from_doctor(path) -> tuple:
+    """(sequential bytes/s, random bytes/s) from a `k3-doctor --json` report."""
+    try:
+        rep = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise FormatError(f"not a k3-doctor JSON report: {e}", path=path) from None
+    seq = rand = None
+    for st in rep.get("storage", []):
+        reads = st.get("reads") or {}
+        seq = seq or reads.get("seq_best_bps")
+        rand = rand or reads.get("rand_best_bps")
+    if not seq or not rand:
+        raise FormatError("the doctor report holds no disk measurement (was it --quick?)",
+                          path=path)
+    return seq / 1e6, rand / 1e6
+
+
+def size_budget(trace_path, pack_dir, budget: float, seq_bps: float, rand_bps: float, *,
+                policy: str = "lru", steps: int = 12) -> dict:
+    reader = TraceReader(trace_path)
+    h = reader.header
+    keys = reader.layer_expert_keys()
+    layers = [lay["nbytes"] for lay in load_manifest(pack_dir)["layers"]]
+    if len(layers) != h.n_layers:
+        raise FormatError("the pack and the trace describe different models", path=pack_dir,
+                          expected=f"{h.n_layers} layers", found=f"{len(layers)} layers")
+    moe_layers = len({int(k) // h.n_experts for k in keys[: min(keys.size, 1 << 20)]}) or 1
+    tokens = max(1, keys.size // (moe_layers * h.top_k))
+    slot = window_bytes(h.expert_bytes)
+    rows = []
+    for i in range(steps + 1):
+        trunk = int(budget * i / steps)
+        cache = int(budget) - trunk
+        slots = cache // slot
+        row = {"trunk_bytes": trunk, "cache_bytes": cache, "cache_slots": slots}
+        try:
+            pinned, ring = plan_trunk(layers, trunk)
+        except BudgetError:
+            rows.append(dict(row, feasible=False, why="trunk below one ring slot"))
+            continue
+        if slots < h.top_k + 1:
+            rows.append(dict(row, feasible=False, why=f"cache below top_k + 1 = {h.top_k + 1} slots"))
+            continue
+        r = replay(keys, slots, policy, n_layers=h.n_layers, n_experts=h.n_experts)
+        streamed = sum(b for L, b in enumerate(layers) if L not in pinned)
+        expert_read = r["misses"] / tokens * h.expert_bytes
+        rows.append(dict(row, feasible=True, pinned_layers=len(pinned), ring_slots=len(ring),
+                         trunk_streamed_per_token=streamed, hit_rate=r["hit_rate"],
+                         expert_bytes_per_token=expert_read,
+                         predicted_io_s_per_token=streamed / seq_bps + expert_read / rand_bps))
+    ok = [r for r in rows if r["feasible"]]
+    if not ok:
+        raise BudgetError("no split of this budget can run the model", expected="a larger --budget-gb")
+    best = min(ok, key=lambda r: r["predicted_io_s_per_token"])
+    return {"trace": str(trace_path), "pack": str(pack_dir), "budget_bytes": int(budget),
+            "policy": policy, "tokens": tokens, "requests": int(keys.size),
+            "seq_bps": seq_bps, "rand_bps": rand_bps, "splits": rows, "best": best}
+
+
+def format_sizing(rep: dict) -> str:
+    out = [f"budget {rep['budget_bytes'] / 1e9:.2f} GB, {rep['tokens']} tokens in the trace, "
+           f"policy {rep['policy']}, disk {rep['seq_bps'] / 1e6:.0f} MB/s sequential, "
+           f"{rep['rand_bps'] / 1e6:.0f} MB/s random",
+           f"{'trunk GB':>9} {'cache GB':>9} {'pinned':>6} {'hit %':>6} {'trunk MB/tok':>12} "
+           f"{'expert MB/tok':>13} {'I/O s/tok':>9}"]
+    for r in rep["splits"]:
+        head = f"{r['trunk_bytes'] / 1e9:9.2f} {r['cache_bytes'] / 1e9:9.2f}"
+        if not r["feasible"]:
+            out.append(f"{head}   -- {r['why']}")
+            continue
+        mark = "  <- best" if r is rep["best"] or r == rep["best"] else ""
+        out.append(f"{head} {r['pinned_layers']:6d} {100 * r['hit_rate']:6.1f} "
+                   f"{r['trunk_streamed_per_token'] / 1e6:12.1f} "
+                   f"{r['expert_bytes_per_token'] / 1e6:13.1f} "
+                   f"{r['predicted_io_s_per_token']:9.3f}{mark}")
+    b = rep["best"]
+    out.append(f"recommended: --trunk-gb {b['trunk_bytes'] / 1e9:.2f} --cache-gb "
+               f"{b['cache_bytes'] / 1e9:.2f} (predicted I/O {b['predicted_io_s_per_token']:.3f} s/token; "
+               "compute overlaps it)")
+    return "\n".join(out)
