@@ -13,6 +13,8 @@ budget or the thread count.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from . import ops as K
@@ -35,6 +37,7 @@ class Forward:
         self.cfg = cfg
         self.weights = weights
         self.on_route = on_route
+        self.layer_seconds = [0.0] * cfg.num_hidden_layers    # wall time per layer (bench)
         m = weights.model()
         self.lm_head = m["lm_head"]
         self.norm = m["norm"]
@@ -53,11 +56,13 @@ class Forward:
         prefix = self.weights.embed(ids)                             # (T, E) f32
         blocks: list = []
         for L in range(cfg.num_hidden_layers):
+            t0 = time.perf_counter()
             lw = self.weights.layer(L)
             try:
                 prefix = self._layer(L, lw, prefix, blocks, state, positions, phase)
             finally:
                 self.weights.release(L)
+            self.layer_seconds[L] += time.perf_counter() - t0
         h = K.attn_res(blocks + [prefix], self.out_fold, cfg.rms_norm_eps)
         if not all_logits:
             h = h[-1:]
