@@ -13,8 +13,6 @@ realdims (s/token per layer kind at true widths, extrapolated to 93 layers), spa
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path

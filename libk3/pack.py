@@ -26,21 +26,18 @@ from pathlib import Path
 import numpy as np
 
 from . import names
-from .errors import CheckpointError, FormatError, K3IOError, BudgetError
+from .errors import BudgetError, CheckpointError, FormatError, K3IOError
+from .io.atomic import fsync_dir, write_bytes
+from .stream.direct import ALIGN, align_up
 
 PACK_FORMAT = "k3-pack"
 PACK_VERSION = 1
-ALIGN = 4096
 COPY_BLOCK = 8 << 20                 # 8 MiB reads and writes
 TRUNK_FILE, MANIFEST_FILE, EXPERT_INDEX_FILE = "trunk.bin", "trunk.json", "experts.idx"
 PARTIAL_FILE, JOURNAL_FILE = "trunk.bin.partial", "pack.journal"
 EXPERT_INDEX_MAGIC = b"K3EXPIDX"
 EXPERT_RECORD = np.dtype([("shard", "<u2"), ("layer", "<u2"), ("expert", "<u4"),
                           ("offset", "<u8"), ("nbytes", "<u8"), ("sub", "<u4", (6,))])
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
 
 
 @dataclasses.dataclass
@@ -206,7 +203,7 @@ def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = 
     os.replace(d / PARTIAL_FILE, d / TRUNK_FILE)
     _write_manifest(ckpt, d, plans, crcs, ident)
     (d / JOURNAL_FILE).unlink(missing_ok=True)
-    _fsync_dir(d)
+    fsync_dir(d)
     return PackResult(str(d), len(plans), len(todo), resumed, written, time.perf_counter() - t0)
 
 
@@ -310,23 +307,6 @@ def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps, direct: bool):
         th.join(timeout=5)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_expert_index(ckpt, d: Path) -> None:
     cfg = ckpt.config
     shards = sorted({Path(s).name for s, _ in ckpt.identity()["shards"]})
@@ -351,7 +331,7 @@ def _write_expert_index(ckpt, d: Path) -> None:
                        "records": int(rec.size), "record_bytes": EXPERT_RECORD.itemsize},
                       sort_keys=True).encode()
     blob = EXPERT_INDEX_MAGIC + len(head).to_bytes(4, "little") + head + rec.tobytes()
-    _write_atomic(d / EXPERT_INDEX_FILE, blob)
+    write_bytes(d / EXPERT_INDEX_FILE, blob)
 
 
 def _write_manifest(ckpt, d: Path, plans, crcs: dict, ident: dict) -> None:
@@ -366,7 +346,7 @@ def _write_manifest(ckpt, d: Path, plans, crcs: dict, ident: dict) -> None:
            "layers": [{"layer": p.layer, "shard": p.shard, "run_start": p.run_start,
                        "nbytes": p.nbytes, "padded": align_up(p.nbytes), "file_off": p.file_off,
                        "crc32": crcs[p.layer], "tensors": p.tensors} for p in plans]}
-    _write_atomic(d / MANIFEST_FILE, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+    write_bytes(d / MANIFEST_FILE, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
 
 
 # ---- reading and verifying a pack --------------------------------------------------

@@ -331,29 +331,17 @@ def ring_floor(layer_bytes) -> int:
 
 
 def trunk_plan(sizes: ModelSizes, trunk_bytes: int) -> TrunkPlan:
-    """Split a trunk budget: the ring first, then pins, largest layer first, each pinned
-    only if pins + a ring for the two largest still-unpinned layers fit (the same greedy
-    as ``libk3.stream.trunk.plan_trunk``'s two-slot case). Everything fits: all pinned,
-    no ring. BudgetError below the ring floor."""
-    n = len(sizes.layer_bytes)
+    """The split the trunk streamer will use (``libk3.stream.trunk.plan_trunk``: the ring
+    first, then pins, largest layer first). Everything fits: all pinned, no ring.
+    BudgetError below the ring floor (k3-run refuses budgets without two ring slots)."""
+    from .stream.trunk import plan_trunk
+
     size = sizes.layer_bytes
-    if sizes.trunk_bytes <= trunk_bytes:
-        return TrunkPlan(tuple(range(n)), 0, 0)
-    order = sorted(range(n), key=lambda L: (-size[L], L))
-
-    def cost(pinned: set) -> int:
-        rest = sorted((size[L] for L in range(n) if L not in pinned), reverse=True)
-        return sum(size[L] for L in pinned) + sum(rest[:2])
-
-    if cost(set()) > trunk_bytes:
+    if sizes.trunk_bytes > trunk_bytes and ring_floor(size) > trunk_bytes:
         raise BudgetError("trunk budget is below the ring floor",
                           expected=f">= {ring_floor(size)} bytes", found=f"{trunk_bytes} bytes")
-    pinned: set = set()
-    for L in order:
-        if cost(pinned | {L}) <= trunk_bytes:
-            pinned.add(L)
-    rest = sorted((size[L] for L in range(n) if L not in pinned), reverse=True)
-    return TrunkPlan(tuple(sorted(pinned)), sum(rest[:2]),
+    pinned, ring = plan_trunk(list(size), trunk_bytes)
+    return TrunkPlan(tuple(sorted(pinned)), sum(ring),
                      sizes.trunk_bytes - sum(size[L] for L in pinned))
 
 

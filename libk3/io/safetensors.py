@@ -41,6 +41,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import CheckpointError, K3IOError
+from .atomic import fsync_dir
 from .dtypes import ITEMSIZE
 
 # The real shards' headers are ~800 KB each (spec 3.2: ~78 MB over 96 shards). 200 MB
@@ -335,7 +336,7 @@ def write_shard(path, tensors, metadata: dict | None = None) -> int:
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return total
 
 
@@ -385,15 +386,3 @@ def _write_data(f, data) -> int:
     return written
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename durable. Some filesystems refuse fsync on a directory: harmless."""
-    try:
-        dfd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)

@@ -18,7 +18,6 @@ import time
 import numpy as np
 
 from . import ops as K
-from .. import names
 from ..config import K3Config, L2NORM_EPS, MLA_LATENT_NORM_EPS
 from .state import State
 

@@ -17,7 +17,6 @@ there (PRIOR-ART 3). Slot rules: never hand out a slot being computed or being r
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path

@@ -33,12 +33,12 @@ from __future__ import annotations
 import base64
 import heapq
 import json
-import os
 import unicodedata
 from collections import Counter
 from pathlib import Path
 
 from ..errors import K3Error
+from ..io.atomic import write_bytes
 from ..io.tokenizer import (CONFIG_FILE, K3_PAT_STR, KIMI_FILE, TIKTOKEN_FILE, bpe_parts,
                             gpt2_byte_order, reserved_name, split_pre_tokenizer)
 
@@ -280,23 +280,12 @@ def _extend_by_concatenation(n_ranks: int, pre, ranks: list, rank_of: dict, acce
 
 # ---- writers (atomic, deterministic) ------------------------------------------------
 
-def _write_atomic(path, data: bytes) -> None:
-    """Write ``data`` under a temporary name, fsync, rename: readers see all or nothing."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_tiktoken_model(path, ranks: list) -> None:
     """``<base64> <rank>\\n`` per rank, in rank order (formats/tokenizer.md S1, T1-T6)."""
     if len(set(ranks)) != len(ranks) or not all(ranks):
         raise K3Error("ranks must be distinct non-empty byte strings", path=path)
     lines = [base64.b64encode(token) + b" %d\n" % r for r, token in enumerate(ranks)]
-    _write_atomic(path, b"".join(lines))
+    write_bytes(path, b"".join(lines))
 
 
 def special_slot_names(n_ranks: int, vocab_size: int) -> dict:
@@ -325,7 +314,7 @@ def write_tokenizer_config(path, n_ranks: int, vocab_size: int) -> None:
             doc[field] = content
     doc["chat_template"] = CHAT_TEMPLATE
     text = json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
-    _write_atomic(path, text.encode("utf-8"))
+    write_bytes(path, text.encode("utf-8"))
 
 
 def write_tokenization_kimi(path, pat_str: str) -> None:
@@ -341,7 +330,7 @@ def write_tokenization_kimi(path, pat_str: str) -> None:
         "\n"
         f"pat_str = {literal}\n"
     )
-    _write_atomic(path, text.encode("utf-8"))
+    write_bytes(path, text.encode("utf-8"))
 
 
 def write_tokenizer_files(model_dir, n_ranks: int, vocab_size: int, seed_corpus=None) -> None:

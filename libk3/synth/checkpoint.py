@@ -31,6 +31,7 @@ from .. import names
 from ..config import K3Config, config_from_dict
 from ..errors import K3Error
 from ..io import inventory
+from ..io.atomic import write_json
 from ..io.dtypes import ITEMSIZE, f32_to_bf16
 from ..io.safetensors import write_shard
 from .presets import PRESETS
@@ -243,16 +244,6 @@ def nested_config(flat: dict, n_ranks: int) -> dict:
             "text_config": text}
 
 
-def _write_json(path: Path, doc) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def synth_checkpoint(out_dir, preset: str = "tiny", seed: int = 0, progress: bool = True):
     """Write a synthetic checkpoint of ``preset`` into ``out_dir`` (must not exist yet).
 
@@ -294,9 +285,9 @@ def synth_checkpoint(out_dir, preset: str = "tiny", seed: int = 0, progress: boo
         for name, dtype, shape, _ in tensors:
             weight_map[name] = fname
             total += int(np.prod(shape)) * ITEMSIZE[dtype]
-    _write_json(tmp / "model.safetensors.index.json",
+    write_json(tmp / "model.safetensors.index.json",
                 {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_json(tmp / "config.json", nested_config(dict(flat), n_ranks))
+    write_json(tmp / "config.json", nested_config(dict(flat), n_ranks))
     write_tokenizer_files(tmp, n_ranks=n_ranks, vocab_size=cfg.vocab_size)
     if out.exists():
         out.rmdir()
