@@ -121,8 +121,8 @@ def section_policy(tmp):
         live.append([pol, f"{100 * r['cache_hit_rate']:.1f}",
                      f"{r['expert_bytes_read'] / (48 + 40) / 1e6:.1f}", f"{r['seconds_per_token']:.3f}"])
     print(table(live, ["live policy", "hit %", "expert MB/token", "s/token"]))
-    print("note: synthetic routing (random weights) is far flatter than a trained router's;"
-          " the default stays LRU unless layer-LFU wins on recorded traces.\n")
+    print("note: synthetic routing (random weights) is flatter than a trained router's; "
+          "k3-run's default is the policy that wins here (formats: libk3/stream/policy.py).\n")
 
 
 def section_disk(tmp):

@@ -59,7 +59,8 @@ def test_trace_records_every_request_and_replay_matches_the_live_cache(small_dir
     assert recs.size == tokens_fed * len(cfg.moe_layers) * cfg.num_experts_per_token
     assert set(np.unique(recs["phase"])) == {PHASE_PREFILL, PHASE_DECODE}
     assert np.array_equal(np.unique(recs["pos"]), np.arange(tokens_fed))
-    live = replay(reader.layer_expert_keys(), r["cache_slots"], "lru",
+    assert r["cache_policy"] == "layer-lfu"                  # the default
+    live = replay(reader.layer_expert_keys(), r["cache_slots"], r["cache_policy"],
                   n_layers=cfg.num_hidden_layers, n_experts=cfg.num_experts)
     assert live["hits"] == round(r["cache_hit_rate"] * r["expert_requests"])
     assert live["requests"] == r["expert_requests"]

@@ -32,7 +32,7 @@ class RunOptions:
     cache_gb: float | None = None
     budget_order: list = dataclasses.field(default_factory=list)
     resident: bool = False
-    cache_policy: str = "lru"
+    cache_policy: str = "layer-lfu"
     io_threads: int = 4
     direct_io: bool = True
     trace_path: str | None = None

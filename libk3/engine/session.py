@@ -41,7 +41,7 @@ def load_tokenizer_if_present(model_dir):
 
 
 def open_session(model_dir, *, pack=None, trunk_bytes=None, cache_bytes=None,
-                 cache_policy: str = "lru", io_threads: int = 4, direct_io: bool = True,
+                 cache_policy: str = "layer-lfu", io_threads: int = 4, direct_io: bool = True,
                  on_route=None) -> Session:
     """Open ``model_dir`` for a run. Without budgets every weight is resident; with
     ``trunk_bytes`` and ``cache_bytes`` the trunk streams (from ``pack`` when given, else
