@@ -139,8 +139,9 @@ def section_disk(tmp):
     rate = r["expert_bytes_read"] / max(r["expert_read_seconds"], 1e-9)
     io_tok = (r["expert_read_seconds"] + r["trunk_read_seconds"]) / (16 + 20)
     comp_tok = res["seconds_per_token"]
-    print(f"random 1.7 MB-expert reads, best queue depth: {reads['rand_best_bps'] / 1e6:.0f} MB/s "
-          f"(note: medium experts are {sizes.expert_bytes / 1e6:.2f} MB; the doctor probes 17.5 MB)")
+    print(f"random 17.5 MB reads (one real expert) at the best queue depth, as k3-doctor "
+          f"measures: {reads['rand_best_bps'] / 1e6:.0f} MB/s (medium's experts are "
+          f"{sizes.expert_bytes / 1e6:.2f} MB)")
     print(f"expert reads during decode: {rate / 1e6:.0f} MB/s = "
           f"{rate / reads['rand_best_bps']:.0%} of it (target >= 85%)")
     print(f"decode {r['seconds_per_token']:.3f} s/token; I/O {io_tok:.3f} s/token (summed read "
