@@ -139,9 +139,10 @@ def _cancelling(rng, n):
 @PROPS
 @given(seeds, st.integers(1, 9), st.integers(2, 100))
 def test_kernels_dense_matvec_order_shows_under_cancellation(seed, O, I):
-    """Catches ANY summation order other than numerics.md section 2 (lane mapping, the
-    reduction tree, the tail), for BF16 bits and f32 weights, single- and four-row paths;
-    random data rarely can (f64 differences vanish in the f32 rounding)."""
+    """Catches a summation order other than numerics.md section 2 (lane mapping, the
+    reduction tree, the tail), for BF16 bits and f32 weights, single- and four-row paths,
+    which random data rarely can (f64 differences vanish in the f32 rounding). Checked by
+    mutation: swapping b1 and b2 in the final reduction fails here and nowhere else."""
     rng = np.random.default_rng(seed)
     W = np.stack([_cancelling(rng, I) for _ in range(O)]).astype(np.float32)
     x = rng.choice(np.array([1.0, -1.0, 0.5], np.float32), size=I)
@@ -212,7 +213,7 @@ def test_kernels_mxfp4_matvec_random_bytes_and_nan_scales(seed, R, G):
 @PROPS
 @given(seeds, st.integers(1, 6), st.integers(1, 5))
 def test_kernels_mxfp4_order_shows_under_cancellation(seed, R, G):
-    """Catches ANY order other than numerics.md section 3 (lanes, group tree, group
+    """Catches an order other than numerics.md section 3 (lanes, group tree, group
     sequence) using cancelling activations under +-1 weights."""
     rng = np.random.default_rng(seed)
     packed = rng.choice(np.array([0x22, 0xAA, 0x2A, 0xA2], np.uint8), size=(R, 16 * G))
