@@ -164,9 +164,9 @@ def section_realdims(tmp):
                          ("large", sizes.trunk_bytes, sizes.cache_all_bytes)):
         s = open_session(ck, pack=pk, trunk_bytes=tb, cache_bytes=cb)
         st = s.new_state()
-        generate(s.forward, st, [11, 12, 13, 14], GenSettings(gen=1))      # warm-up
+        generate(s.forward, st, [11, 12, 13, 14], GenSettings(gen=3))      # warm-up
         s.forward.layer_seconds = [0.0] * 3
-        n = 4
+        n = 6
         generate(s.forward, st, [15], GenSettings(gen=n - 1))
         per = [t / n for t in s.forward.layer_seconds]
         total = per[0] + 68 * per[1] + 24 * per[2]
