@@ -32,7 +32,7 @@ from .stream.direct import ALIGN, align_up
 
 PACK_FORMAT = "k3-pack"
 PACK_VERSION = 1
-COPY_BLOCK = 8 << 20                 # 8 MiB reads and writes
+COPY_BLOCK = 16 << 20                # 16 MiB reads and writes
 TRUNK_FILE, MANIFEST_FILE, EXPERT_INDEX_FILE = "trunk.bin", "trunk.json", "experts.idx"
 PARTIAL_FILE, JOURNAL_FILE = "trunk.bin.partial", "pack.journal"
 EXPERT_INDEX_MAGIC = b"K3EXPIDX"
@@ -236,7 +236,7 @@ def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps, direct: bool):
     from .stream.direct import aligned_empty
 
     pool: queue.Queue = queue.Queue()
-    for _ in range(4):
+    for _ in range(6):
         pool.put(aligned_empty(COPY_BLOCK))
     q: queue.Queue = queue.Queue()
     err: list = []
