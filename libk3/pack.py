@@ -177,7 +177,10 @@ def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = 
     resumed, written = 0, 0
     try:
         if os.fstat(fd_out).st_size < total:
-            os.ftruncate(fd_out, total)
+            try:      # reserve the blocks now: O_DIRECT writes into holes allocate as they go
+                os.posix_fallocate(fd_out, 0, total)
+            except OSError:
+                os.ftruncate(fd_out, total)
         # verify what the journal claims, then copy the rest
         todo = []
         for p in plans:
