@@ -91,3 +91,22 @@ def gate_mul(o, gate, out):
         raise ValueError("gate_mul: o, gate and out must have the same length")
     for i in prange(n):
         out[i] = o[i] * sigmoid1(gate[i])
+
+
+@njit(cache=True, inline="always")
+def softmax_f32(p, n):
+    """In place over p[0:n] (float32): e_s = f32 expf(p_s - max), z = f64 sum of e_s in
+    increasing s, p_s = f32(e_s / z) (spec 7.2, AttnRes and MLA alike). Must not become:
+    a float32 sum, a vectorised exp, or a sum order that depends on threads."""
+    m = p[0]
+    for s in range(1, n):
+        if p[s] > m:
+            m = p[s]
+    z = 0.0
+    for s in range(n):
+        e = math.exp(p[s] - m)
+        p[s] = e
+        z += np.float64(e)
+    for s in range(n):
+        p[s] = np.float32(np.float64(p[s]) / z)
+

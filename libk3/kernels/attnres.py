@@ -21,6 +21,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .activations import softmax_f32
+
 _CHUNK = 1024
 
 
@@ -63,19 +65,9 @@ def attnres(blocks, n_blocks, prefix, f, eps, out):
         for i in range(E):
             acc += np.float64(v[i] * inv) * np.float64(f[i])
         scores[t, s] = np.float32(acc)
-    p = np.empty((T, S), dtype=np.float32)
+    p = scores
     for t in range(T):
-        m = scores[t, 0]
-        for s in range(1, S):
-            if scores[t, s] > m:
-                m = scores[t, s]
-        z = 0.0
-        for s in range(S):
-            e = math.exp(scores[t, s] - m)
-            p[t, s] = e
-            z += np.float64(e)
-        for s in range(S):
-            p[t, s] = np.float32(np.float64(p[t, s]) / z)
+        softmax_f32(p[t], S)
     chunks = (E + _CHUNK - 1) // _CHUNK
     for tc in prange(T * chunks):
         t = tc // chunks

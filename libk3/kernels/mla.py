@@ -30,13 +30,13 @@ whichever operand is passed as w: the products are exact and commute.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 from numba import njit, prange
 
 from ._dot import dot16, dot16_x4
 from ._simd import widen_f32
+from .activations import softmax_f32
 
 
 @njit(cache=True, parallel=True)
@@ -100,17 +100,7 @@ def mla_attention(q_nope, q_rope, positions, latent, k_rope, kv_b, scale, out):
                 prob[2, s] = np.float32(a2 + b2) * sc
                 prob[3, s] = np.float32(a3 + b3) * sc
             for i in range(4):
-                m = prob[i, 0]
-                for s in range(1, n):
-                    if prob[i, s] > m:
-                        m = prob[i, s]
-                z = 0.0
-                for s in range(n):
-                    e = math.exp(prob[i, s] - m)
-                    prob[i, s] = e
-                    z += np.float64(e)
-                for s in range(n):
-                    prob[i, s] = np.float32(np.float64(prob[i, s]) / z)
+                softmax_f32(prob[i], n)
                 for c in range(r):
                     abar[i, c] = zero
             for s in range(n):
