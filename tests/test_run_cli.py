@@ -23,25 +23,28 @@ def k3(*args, cwd=None, input=None):
                           cwd=cwd, input=input, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def small_pack(small_dir, tmp_path_factory):
+def _pack(model_dir, out):
     from libk3.pack import pack
-    out = tmp_path_factory.mktemp("pack") / "small.pack"
-    with Checkpoint.open(small_dir) as ckpt:
+    with Checkpoint.open(model_dir) as ckpt:
         pack(ckpt, out, progress=False)
     return out
 
 
 @pytest.fixture(scope="module")
-def small_reference(small_dir):
-    """Resident-weights greedy run: the forward-pass result the streamed runs must equal."""
-    s = open_session(small_dir)
+def small_pack(small_dir, tmp_path_factory):
+    return _pack(small_dir, tmp_path_factory.mktemp("pack") / "small.pack")
+
+
+def _reference(model_dir):
+    """Resident-weights greedy run: the forward-pass result the streamed runs must equal
+    (tests/test_model.py ties the resident forward to the float64 reference)."""
+    s = open_session(model_dir)
     ids = [int(i) for i in PROMPT.split(",")]
     return generate(s.forward, s.new_state(), ids, GenSettings(gen=6), keep_logits=True)
 
 
-def _budgets(small_dir):
-    with Checkpoint.open(small_dir) as ckpt:
+def _budgets(model_dir):
+    with Checkpoint.open(model_dir) as ckpt:
         sizes = ModelSizes.from_checkpoint(ckpt)
     floor = minimum_budget(sizes)
     gb = lambda b: f"{b / 1e9:.9f}"  # noqa: E731
@@ -54,22 +57,26 @@ def _budgets(small_dir):
     ]
 
 
-def test_run_same_logits_at_every_budget_threads_and_pack(small_dir, small_pack,
-                                                          small_reference, tmp_path):
+@pytest.mark.parametrize("which", ["tiny", "small"])
+def test_run_same_logits_at_every_budget_threads_and_pack(which, tiny_dir, small_dir,
+                                                          small_pack, tmp_path):
     """Catches any budget, ring size, cache size, thread count or pack that changes the
     arithmetic: tokens and logits bytes must be identical to the resident forward."""
-    want = small_reference.logits
-    runs = [(b, ()) for b in _budgets(small_dir)]
-    runs.append((_budgets(small_dir)[1], ("--pack", small_pack)))
-    runs.append((_budgets(small_dir)[2], ("--pack", small_pack, "--threads", "1")))
+    model = tiny_dir if which == "tiny" else small_dir
+    pack_dir = small_pack if which == "small" else _pack(tiny_dir, tmp_path / "tiny.pack")
+    ref = _reference(model)
+    want = ref.logits
+    runs = [(b, ()) for b in _budgets(model)]
+    runs.append((_budgets(model)[1], ("--pack", pack_dir)))
+    runs.append((_budgets(model)[2], ("--pack", pack_dir, "--threads", "1")))
     for i, (budget, extra) in enumerate(runs):
         out, rep = tmp_path / f"l{i}.npy", tmp_path / f"r{i}.json"
-        p = k3(small_dir, "--ids", PROMPT, "--gen", 6, *budget, *extra, "--logits-out", out,
+        p = k3(model, "--ids", PROMPT, "--gen", 6, *budget, *extra, "--logits-out", out,
                "--report-json", rep)
         assert p.returncode == 0, p.stderr
         got = np.load(out)
         report = json.loads(rep.read_text())
-        assert report["generated_ids"] == small_reference.generated_ids, (budget, extra)
+        assert report["generated_ids"] == ref.generated_ids, (budget, extra)
         assert got.shape == want.shape
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (budget, extra)
         if budget != ("--resident",):
