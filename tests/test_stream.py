@@ -1,0 +1,111 @@
+"""The trunk ring and the expert cache, unit level: planning, slot safety, resync."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from libk3.model.weights import load_layer
+from libk3.errors import BudgetError
+from libk3.io.checkpoint import Checkpoint
+from libk3.stream.direct import FileSet, window_bytes
+from libk3.stream.experts import ExpertCache
+from libk3.stream.trunk import TrunkStreamer, plan_trunk, runs_from_checkpoint
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 10_000), min_size=1, max_size=20), st.integers(0, 200_000))
+def test_plan_trunk_never_exceeds_the_budget(sizes, budget):
+    """Catches a plan whose pins plus ring slots overflow the budget, or a ring that
+    cannot hold the layers it must carry."""
+    try:
+        pinned, ring = plan_trunk(sizes, budget)
+    except BudgetError:
+        assert budget < max(sizes)
+        return
+    assert sum(sizes[i] for i in pinned) + sum(ring) <= max(budget, sum(sizes))
+    unpinned = [sizes[i] for i in range(len(sizes)) if i not in pinned]
+    if unpinned:
+        assert 1 <= len(ring) <= 2 and ring[0] >= max(unpinned)
+        if len(ring) == 2:
+            assert sorted(unpinned, reverse=True)[:2] == ring
+    else:
+        assert ring == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 10_000), min_size=2, max_size=12), st.integers(0, 120_000))
+def test_plan_trunk_more_budget_never_streams_more(sizes, budget):
+    """Catches a non-monotone planner (more memory must never mean more reads)."""
+    def streamed(b):
+        try:
+            pinned, _ = plan_trunk(sizes, b)
+        except BudgetError:
+            return None
+        return sum(s for i, s in enumerate(sizes) if i not in pinned)
+    a, b = streamed(budget), streamed(budget + 5_000)
+    if a is not None:
+        assert b is not None and b <= a
+
+
+def _check_bound(bound, want):
+    """Same names, dtypes, shapes and bits as the resident binding."""
+    assert set(bound) == set(want)
+    for sfx, arr in bound.items():
+        assert arr.dtype == want[sfx].dtype and arr.shape == want[sfx].shape, sfx
+        assert arr.tobytes() == want[sfx].tobytes(), sfx
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_trunk_ring_binds_the_right_bytes_across_passes_and_aborts(tiny_dir, slots):
+    """Catches a read-ahead that overwrites a slot in use, hands out a stale layer after an
+    aborted pass, or binds tensors at wrong offsets."""
+    with Checkpoint.open(tiny_dir) as ckpt:
+        runs = runs_from_checkpoint(ckpt)
+        sizes = sorted((r.nbytes for r in runs), reverse=True)
+        budget = sizes[0] if slots == 1 else sizes[0] + sizes[1]
+        files = FileSet()
+        ts = TrunkStreamer(ckpt.config, runs, budget, files)
+        assert ts.n_slots == slots and not ts.pinned_plan
+        want = {L: load_layer(ckpt, ckpt.config, L) for L in range(len(runs))}
+        order = list(range(13)) * 2 + [0, 1, 2] + list(range(13)) + [5, 6] + list(range(13))
+        for L in order:                      # two full passes, an abort, a restart...
+            bound = ts.layer(L)
+            _check_bound(bound, want[L])
+            ts.release(L)
+        ts.close()
+        files.close()
+
+
+def test_expert_cache_under_pressure_serves_the_right_bytes(small_dir):
+    """Catches slot aliasing: with top_k + 1 slots, every fetched expert equals a direct
+    read of its run, across many batches and evictions."""
+    with Checkpoint.open(small_dir) as ckpt:
+        cfg = ckpt.config
+        files = FileSet()
+        slots = cfg.num_experts_per_token + 1
+        cache = ExpertCache(cfg, ckpt.expert_table(), slots * window_bytes(cfg.expert_bytes),
+                            files, io_threads=3)
+        rng = np.random.default_rng(0)
+        for _ in range(40):
+            L = int(rng.integers(1, cfg.num_hidden_layers))
+            ids = rng.choice(cfg.num_experts, size=int(rng.integers(1, slots + 1)), replace=False)
+            got = cache.fetch(L, ids)
+            for e in ids:
+                run = ckpt.expert_run(L, int(e))
+                raw = ckpt.read_span(run.path, run.offset, run.nbytes)
+                assert b"".join(a.tobytes() for a in got[int(e)]) == raw.tobytes()
+        s = cache.stats
+        assert s["requests"] == s["hits"] + s["misses"] and s["evictions"] > 0
+        cache.close()
+        files.close()
+
+
+def test_expert_cache_refuses_fewer_than_top_k_plus_one_slots(small_dir):
+    """Catches a cache that starts with too few slots to hold one layer's selection."""
+    with Checkpoint.open(small_dir) as ckpt:
+        cfg = ckpt.config
+        with pytest.raises(BudgetError, match="top_k"):
+            ExpertCache(cfg, ckpt.expert_table(),
+                        cfg.num_experts_per_token * window_bytes(cfg.expert_bytes), FileSet())
