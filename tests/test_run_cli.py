@@ -226,3 +226,12 @@ def test_run_single_shard_without_index_and_flat_config(tiny_dir, tmp_path):
     p = k3(d, "--ids", "3,1,4,1,5", "--gen", 4, "--logits-out", b)
     assert p.returncode == 0, p.stderr
     assert np.array_equal(np.load(a).view(np.uint32), np.load(b).view(np.uint32))
+
+
+def test_run_stop_string_without_tokenizer_is_a_usage_error(tiny_dir, tmp_path):
+    """Catches --stop being silently ignored when no tokenizer can see the text."""
+    d = shutil.copytree(tiny_dir, tmp_path / "t")
+    (d / "tiktoken.model").unlink()
+    p = k3(d, "--ids", "1,2", "--gen", 2, "--stop", "x")
+    assert p.returncode == 2 and "--stop needs" in p.stderr
+    assert k3(d, "--ids", "1,2", "--gen", 2, "--stop-id", 5).returncode == 0   # control

@@ -150,6 +150,8 @@ def _load_state(run: Run, path) -> State:
 
 def run_one(run: Run, prompt_ids, settings: GenSettings, *, on_token=None, keep_logits=False,
             load_state=None, save_state=None):
+    if settings.stop_strings and run.session.tokenizer is None:
+        raise UsageError("--stop needs the model's tokenizer (tiktoken.model); use --stop-id")
     state = _load_state(run, load_state)
     res = generate(run.session.forward, state, prompt_ids, settings,
                    tokenizer=run.session.tokenizer, on_token=on_token, keep_logits=keep_logits,
