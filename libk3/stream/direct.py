@@ -15,14 +15,17 @@ starts are not), so we read the aligned window around it and hand out a view.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import threading
 
 import numpy as np
 
 from ..errors import CheckpointError, K3IOError
 
 ALIGN = 4096
+YIELD_CHUNK = 4 << 20          # trunk read-ahead yields to expert reads every 4 MiB
 
 
 def align_down(n: int) -> int:
@@ -42,6 +45,34 @@ def aligned_empty(nbytes: int) -> np.ndarray:
 def window_bytes(nbytes: int) -> int:
     """Largest aligned window any ``nbytes`` range can need."""
     return align_up(nbytes) + 2 * ALIGN
+
+
+class ReadGate:
+    """Lets reads on the critical path go first. Expert reads (the layer being computed
+    waits for them) run inside ``urgent()``; the trunk read-ahead (needed only when this
+    layer is done) reads in chunks and waits at each chunk boundary while any urgent read
+    is in flight. Only the order of reads changes, never their bytes."""
+
+    def __init__(self):
+        self._busy = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def urgent(self):
+        with self._cond:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy -= 1
+                if self._busy == 0:
+                    self._cond.notify_all()
+
+    def wait_clear(self, timeout: float = 1.0) -> None:
+        with self._cond:
+            if self._busy:
+                self._cond.wait_for(lambda: self._busy == 0, timeout)
 
 
 class DirectFile:
@@ -74,17 +105,22 @@ class DirectFile:
             os.close(self.fd)
             self.fd = -1
 
-    def read_window(self, offset: int, nbytes: int, buf: np.ndarray, what: str = "") -> int:
+    def read_window(self, offset: int, nbytes: int, buf: np.ndarray, what: str = "",
+                    yield_to: "ReadGate | None" = None) -> int:
         """Read the aligned window around [offset, offset+nbytes) into ``buf`` (aligned,
         at least ``window_bytes(nbytes)``); returns where the payload starts in ``buf``.
-        A short read at the end of the file is fine if it covers the payload."""
+        A short read at the end of the file is fine if it covers the payload. With
+        ``yield_to``, read in YIELD_CHUNK pieces and let urgent reads go first."""
         start = align_down(offset)
         end = min(align_up(offset + nbytes), align_up(self.size))
         view = memoryview(buf)[:end - start]
         got = 0
         while got < len(view):
+            piece = view[got:] if yield_to is None else view[got:got + YIELD_CHUNK]
+            if yield_to is not None:
+                yield_to.wait_clear()
             try:
-                n = os.preadv(self.fd, [view[got:]], start + got)
+                n = os.preadv(self.fd, [piece], start + got)
             except OSError as e:
                 raise K3IOError(f"read failed: {e.strerror}", path=self.path, tensor=what) from None
             if n == 0:
@@ -104,6 +140,7 @@ class FileSet:
     def __init__(self, use_direct: bool = True):
         self.use_direct = use_direct
         self.files: dict = {}
+        self.gate = ReadGate()          # shared by the trunk ring and the expert cache
 
     def get(self, path) -> DirectFile:
         f = self.files.get(str(path))

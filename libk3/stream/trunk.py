@@ -125,11 +125,12 @@ class TrunkStreamer:
             self._thread.start()
 
     # ---- reading and binding ---------------------------------------------------------
-    def _read(self, L: int, buf) -> int:
+    def _read(self, L: int, buf, background: bool = False) -> int:
         run = self.runs[L]
         t0 = time.perf_counter()
-        base = self.files.get(run.path).read_window(run.offset, run.nbytes, buf,
-                                                    what=f"layer {L} trunk")
+        base = self.files.get(run.path).read_window(
+            run.offset, run.nbytes, buf, what=f"layer {L} trunk",
+            yield_to=self.files.gate if background else None)
         dt = time.perf_counter() - t0
         with self._cond:
             self.stats["bytes_read"] += run.nbytes
@@ -218,7 +219,7 @@ class TrunkStreamer:
                     gen = self._gen
                     self._tag[i] = ("reading", L, gen)
                     self._read_ptr = (self._read_ptr + 1) % len(self.ring)
-                base = self._read(L, self._slots[i])
+                base = self._read(L, self._slots[i], background=True)
                 with self._cond:
                     self._base[i] = base
                     self._tag[i] = ("ready", L, gen) if gen == self._gen else None
