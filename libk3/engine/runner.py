@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import BudgetError, UsageError
 from ..model.state import State
+from ..trace import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
 from . import chat as chatfmt
 from .generate import GenSettings, generate
@@ -70,13 +71,16 @@ class Run:
         self.opts = opts
         self.budget = None
         self.trace = None
-        self._pos_base = 0
-        if not opts.resident:
-            with Checkpoint.open(opts.model) as probe_ckpt:
-                self.budget = resolve_run_budget(opts, probe_ckpt)
+        ckpt = Checkpoint.open(opts.model)       # indexed once, for the budget and the run
+        try:
+            if not opts.resident:
+                self.budget = resolve_run_budget(opts, ckpt)
+        except BaseException:
+            ckpt.close()
+            raise
         on_route = self._record if opts.trace_path else None
         self.session = open_session(
-            opts.model, pack=opts.pack,
+            opts.model, ckpt=ckpt, pack=opts.pack,
             trunk_bytes=None if opts.resident else self.budget.trunk_bytes,
             cache_bytes=None if opts.resident else self.budget.cache_bytes,
             cache_policy=opts.cache_policy, io_threads=opts.io_threads,
@@ -97,7 +101,6 @@ class Run:
     def _record(self, L, positions, ids, phase):
         """One MoE layer's routing for a block of tokens: per token, its experts in
         selection order (formats/trace.md: within a prefill chunk, layer-major)."""
-        from ..trace import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
         T, k = ids.shape
         rec = np.empty(T * k, RECORD_DTYPE)
         rec["pos"] = np.repeat(np.asarray(positions, np.int64), k)

@@ -40,14 +40,15 @@ def load_tokenizer_if_present(model_dir):
     return K3Tokenizer.from_dir(d)
 
 
-def open_session(model_dir, *, pack=None, trunk_bytes=None, cache_bytes=None,
+def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_bytes=None,
                  cache_policy: str = "layer-lfu", io_threads: int = 4, direct_io: bool = True,
                  on_route=None) -> Session:
-    """Open ``model_dir`` for a run. Without budgets every weight is resident; with
-    ``trunk_bytes`` and ``cache_bytes`` the trunk streams (from ``pack`` when given, else
-    straight from the shards) and experts go through the cache. The arithmetic is the
-    same either way."""
-    ckpt = Checkpoint.open(model_dir)
+    """Open ``model_dir`` for a run (or use ``ckpt``, its already opened Checkpoint).
+    Without budgets every weight is resident; with ``trunk_bytes`` and ``cache_bytes`` the
+    trunk streams (from ``pack`` when given, else straight from the shards) and experts go
+    through the cache. The arithmetic is the same either way."""
+    if ckpt is None:
+        ckpt = Checkpoint.open(model_dir)
     tok = load_tokenizer_if_present(model_dir)
     cfg = ckpt.config
     if trunk_bytes is None and cache_bytes is None and pack is None:

@@ -152,19 +152,12 @@ def record(model, out, prompt_file, batch, run_args):
     if (prompt_file is None) == (batch is None):
         raise UsageError("give exactly one of --prompt-file and --batch")
     args = ["k3-run", model, "--trace", out, *run_args]
-    tmp = None
-    if prompt_file:
-        args += ["--prompt-file", prompt_file]
-    else:
-        tmp = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False)
-        tmp.close()
-        os.unlink(tmp.name)
-        args += ["--batch", batch, "--out", tmp.name]
-    try:
+    with tempfile.TemporaryDirectory() as tmp:      # batch results are not kept
+        if prompt_file:
+            args += ["--prompt-file", prompt_file]
+        else:
+            args += ["--batch", batch, "--out", os.path.join(tmp, "results.jsonl")]
         code = subprocess.run(args, stdout=sys.stderr).returncode
-    finally:
-        if tmp is not None and os.path.exists(tmp.name):
-            os.unlink(tmp.name)
     if code:
         sys.exit(code)
     click.echo(f"recorded {out}", err=True)
