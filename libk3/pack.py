@@ -13,6 +13,7 @@ directory without it is never mistaken for a finished pack.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -21,6 +22,7 @@ import shutil
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -28,11 +30,13 @@ import numpy as np
 from . import names
 from .errors import BudgetError, CheckpointError, FormatError, K3IOError
 from .io.atomic import fsync_dir, write_bytes
-from .stream.direct import ALIGN, align_up
+from .stream.direct import ALIGN, FileSet, align_up, aligned_empty, window_bytes
 
 PACK_FORMAT = "k3-pack"
 PACK_VERSION = 1
 COPY_BLOCK = 16 << 20                # 16 MiB reads and writes
+READERS = 4                          # source reads in flight at once
+WRITERS = 2                          # pack writes in flight at once
 TRUNK_FILE, MANIFEST_FILE, EXPERT_INDEX_FILE = "trunk.bin", "trunk.json", "experts.idx"
 PARTIAL_FILE, JOURNAL_FILE = "trunk.bin.partial", "pack.journal"
 EXPERT_INDEX_MAGIC = b"K3EXPIDX"
@@ -232,82 +236,116 @@ def _open_for_write(path: Path):
 
 
 def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps, direct: bool):
-    """Yield (plan, crc32) per layer once its bytes are written. A reader thread fills
-    page-aligned blocks from a small pool (bounded read-ahead) while this thread writes:
-    I/O overlaps. Each layer's last block is zero-padded to 4096, which writes the
-    layer's padding and keeps O_DIRECT writes aligned."""
-    from .stream.direct import aligned_empty
+    """Yield (plan, crc32) per layer once its bytes are written.
 
+    READERS threads read 16 MiB pieces of the layer runs in order (O_DIRECT when the
+    source allows it: each read is the aligned window around the piece, and the payload
+    is moved to the buffer's start so the write is aligned too); this thread takes the
+    pieces back in order, checksums and writes them. Two reads in flight keep the source
+    disk's queue full (one at a time, the pack ran at 53-73 % of the disk's sequential
+    read rate). Buffers come from a fixed pool (bounded read-ahead); a reader takes its
+    buffer before its piece, so the piece the writer waits for always has one. Each
+    layer's last piece is zero-padded to 4096, which writes the layer's padding."""
+    jobs = [(p, pos, min(COPY_BLOCK, p.nbytes - pos))
+            for p in plans for pos in range(0, p.nbytes, COPY_BLOCK)]
     pool: queue.Queue = queue.Queue()
-    for _ in range(6):
-        pool.put(aligned_empty(COPY_BLOCK))
-    q: queue.Queue = queue.Queue()
-    err: list = []
+    for _ in range(READERS + WRITERS + 4):
+        pool.put(aligned_empty(window_bytes(COPY_BLOCK)))
+    files = FileSet(use_direct=True)
+    ready: dict = {}
+    cv = threading.Condition()
+    state = {"next_job": 0, "stop": False, "err": None}
 
     def reader():
-        fds = {}
         try:
-            for p in plans:
-                fd = fds.get(p.shard)
-                if fd is None:
-                    fd = fds[p.shard] = os.open(Path(src_dir) / p.shard, os.O_RDONLY)
-                off, left = p.run_start, p.nbytes
-                while left > 0:
-                    buf = pool.get()
-                    n = min(left, COPY_BLOCK)
-                    k = os.preadv(fd, [memoryview(buf)[:n]], off)
-                    if k != n:
-                        raise CheckpointError("shard ends inside a layer's trunk run "
-                                              "(truncated download?)", path=Path(src_dir) / p.shard,
-                                              tensor=f"layer {p.layer}")
-                    q.put((p, buf, n))
-                    off += n
-                    left -= n
+            while True:
+                buf = None
+                while buf is None:
+                    if state["stop"]:
+                        return
+                    try:
+                        buf = pool.get(timeout=0.1)
+                    except queue.Empty:
+                        pass
+                with cv:
+                    k = state["next_job"]
+                    if k >= len(jobs) or state["stop"]:
+                        return
+                    state["next_job"] = k + 1
+                p, pos, n = jobs[k]
+                f = files.get(Path(src_dir) / p.shard)
+                at = f.read_window(p.run_start + pos, n, buf, what=f"layer {p.layer} trunk run")
+                if at:
+                    ctypes.memmove(buf.ctypes.data, buf.ctypes.data + at, n)
+                with cv:
+                    ready[k] = buf
+                    cv.notify_all()
         except BaseException as e:          # handed to the writer thread, re-raised there
-            err.append(e)
-        finally:
-            q.put(None)
-            for fd in fds.values():
-                os.close(fd)
+            with cv:
+                state["err"] = state["err"] or e
+                state["stop"] = True
+                cv.notify_all()
 
-    th = threading.Thread(target=reader, daemon=True)
-    th.start()
+    def write(buf, length, off):
+        try:
+            try:
+                w = os.pwrite(fd_out, memoryview(buf)[:length], off)
+            except OSError as e:
+                raise K3IOError(f"cannot write the pack: {e.strerror}") from None
+            if w != length:
+                raise K3IOError("short write to the pack (disk full?)")
+        finally:
+            pool.put(buf)
+
+    threads = [threading.Thread(target=reader, daemon=True) for _ in range(READERS)]
+    for th in threads:
+        th.start()
+    writers = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="k3-pack-write")
     t0 = time.perf_counter()
     sent = 0
-    pos = {p.layer: 0 for p in plans}
     crc = {p.layer: 0 for p in plans}
+    pending: list = []                  # (plan, futures of its pieces), in layer order
     try:
-        while True:
-            item = q.get()
-            if item is None:
-                if err:
-                    raise err[0]
-                break
-            p, buf, n = item
+        for k, (p, pos, n) in enumerate(jobs):
+            with cv:
+                while k not in ready and state["err"] is None:
+                    cv.wait()
+                if state["err"] is not None:
+                    raise state["err"]
+                buf = ready.pop(k)
             crc[p.layer] = zlib.crc32(memoryview(buf)[:n], crc[p.layer])
-            last = pos[p.layer] + n == p.nbytes
+            last = pos + n == p.nbytes
             length = align_up(n) if last else n
             if length > n:
                 buf[n:length] = 0
-            off = p.file_off + pos[p.layer]
-            try:
-                k = os.pwrite(fd_out, memoryview(buf)[:length], off)
-            except OSError as e:
-                raise K3IOError(f"cannot write the pack: {e.strerror}") from None
-            if k != length:
-                raise K3IOError("short write to the pack (disk full?)")
-            pool.put(buf)
-            pos[p.layer] += n
+            if not pending or pending[-1][0] is not p:
+                pending.append((p, []))
+            pending[-1][1].append(writers.submit(write, buf, length, p.file_off + pos))
             sent += n
             bar.update(n)
-            if last:
-                yield p, crc[p.layer]
+            while pending and (pending[0][0] is not p or last) \
+                    and all(f.done() for f in pending[0][1]):
+                done_p, futs = pending.pop(0)
+                for f in futs:
+                    f.result()                  # raises a failed write
+                yield done_p, crc[done_p.layer]
             if throttle_mbps:
                 ahead = sent / (throttle_mbps * 1e6) - (time.perf_counter() - t0)
                 if ahead > 0:
                     time.sleep(ahead)
+        for done_p, futs in pending:            # the tail: wait for the last writes
+            for f in futs:
+                f.result()
+            yield done_p, crc[done_p.layer]
     finally:
-        th.join(timeout=5)
+        with cv:
+            state["stop"] = True
+            cv.notify_all()
+        writers.shutdown(wait=True)
+        for th in threads:
+            th.join(timeout=5)
+        for f in files.files.values():
+            f.close()
 
 
 def _write_expert_index(ckpt, d: Path) -> None:
