@@ -194,11 +194,11 @@ def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = 
                 todo.append(p)
     finally:
         os.close(fd_out)
-    fd_out, direct = _open_for_write(d / PARTIAL_FILE)
+    fd_out = _open_for_write(d / PARTIAL_FILE)
     try:
         bar = tqdm(total=sum(p.nbytes for p in todo), unit="B", unit_scale=True,
                    desc="k3-pack", disable=not progress)
-        for p, crc in _copy_layers(ckpt.model_dir, todo, fd_out, bar, throttle_mbps, direct):
+        for p, crc in _copy_layers(ckpt.model_dir, todo, fd_out, bar, throttle_mbps):
             _journal_append(d, {"layer": p.layer, "crc32": crc})
             written += p.nbytes
         bar.close()
@@ -223,29 +223,32 @@ def _start_fresh(d: Path, ident: dict) -> None:
 
 
 def _open_for_write(path: Path):
-    """(fd, direct): O_DIRECT when the filesystem allows it. Why: layer offsets and padded
+    """A write descriptor, O_DIRECT when the filesystem allows it. Why: layer offsets and padded
     lengths are 4096-aligned, so trunk.bin can bypass the page cache; buffered writes of
     a large file were throttled by dirty-page writeback to ~190 MB/s on the CI disk,
     O_DIRECT reached ~2,100 MB/s (measured side by side, bench/pack_throughput.py)."""
     if hasattr(os, "O_DIRECT"):
         try:
-            return os.open(path, os.O_WRONLY | os.O_DIRECT), True
+            return os.open(path, os.O_WRONLY | os.O_DIRECT)
         except OSError:
             pass
-    return os.open(path, os.O_WRONLY), False
+    return os.open(path, os.O_WRONLY)
 
 
-def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps, direct: bool):
-    """Yield (plan, crc32) per layer once its bytes are written.
+def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
+    """Yield (plan, crc32) per layer once all its bytes are written.
 
     READERS threads read 16 MiB pieces of the layer runs in order (O_DIRECT when the
     source allows it: each read is the aligned window around the piece, and the payload
-    is moved to the buffer's start so the write is aligned too); this thread takes the
-    pieces back in order, checksums and writes them. Two reads in flight keep the source
-    disk's queue full (one at a time, the pack ran at 53-73 % of the disk's sequential
-    read rate). Buffers come from a fixed pool (bounded read-ahead); a reader takes its
-    buffer before its piece, so the piece the writer waits for always has one. Each
-    layer's last piece is zero-padded to 4096, which writes the layer's padding."""
+    is moved to the buffer's start so the pack's O_DIRECT write is aligned too); this
+    thread takes the pieces back in order, checksums them and hands them to WRITERS
+    write threads. With one read and one write at a time the pack ran at 53-73 % of the
+    source disk's sequential read rate; with several in flight it runs at the disk's
+    limit (bench/pack_throughput.py). Buffers come from a fixed pool (bounded read-ahead,
+    READERS + WRITERS + 4 blocks); a reader takes its buffer before its piece, so the
+    piece this thread waits for always has one. Each layer's last piece is zero-padded
+    to 4096, which writes the layer's padding. A layer is yielded (and journaled by the
+    caller) only when every one of its writes has returned."""
     jobs = [(p, pos, min(COPY_BLOCK, p.nbytes - pos))
             for p in plans for pos in range(0, p.nbytes, COPY_BLOCK)]
     pool: queue.Queue = queue.Queue()
