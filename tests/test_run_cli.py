@@ -235,3 +235,17 @@ def test_run_stop_string_without_tokenizer_is_a_usage_error(tiny_dir, tmp_path):
     p = k3(d, "--ids", "1,2", "--gen", 2, "--stop", "x")
     assert p.returncode == 2 and "--stop needs" in p.stderr
     assert k3(d, "--ids", "1,2", "--gen", 2, "--stop-id", 5).returncode == 0   # control
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="needs /proc")
+def test_run_peak_rss_is_its_own_not_the_parents(tiny_dir, tmp_path):
+    """Catches a peak RSS that includes the launching process's memory (getrusage's
+    ru_maxrss survives exec): tiny run under a parent holding 1.5 GB must report its own
+    ~0.2 GB."""
+    held = np.ones(1_500_000_000 // 8)              # touched: resident in this process
+    rep = tmp_path / "r.json"
+    p = k3(tiny_dir, "--ids", "1,2,3", "--gen", 2, "--report-json", rep)
+    assert p.returncode == 0, p.stderr
+    peak = json.loads(rep.read_text())["peak_rss_bytes"]
+    assert 10e6 < peak < 1.0e9, peak
+    del held
