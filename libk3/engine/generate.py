@@ -77,22 +77,25 @@ def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokeni
     text = b""
     spec_stats = None
     if settings.spec:
-        from .speculative import SpecStats, lookup_drafts, refeed, verify
+        from .speculative import DraftBudget, SpecStats, lookup_drafts, refeed, verify
         if not sampler.greedy:
             raise ValueError("speculative decoding is exact only for greedy decoding")
         spec_stats = SpecStats()
+        budget = DraftBudget(settings.spec)
     while len(generated) < settings.gen and last is not None:
         tok = sampler(last)
         drafts = []
         if spec_stats is not None and tok not in settings.stop_ids:
             room = settings.gen - len(generated) - 1
-            drafts = lookup_drafts(prompt_ids + generated + [tok], min(settings.spec, room))
+            n = min(budget.allowed(), room)
+            drafts = lookup_drafts(prompt_ids + generated + [tok], n) if n > 0 else []
             stop_at = next((j for j, d in enumerate(drafts) if d in settings.stop_ids), None)
             if stop_at is not None:
                 drafts = drafts[:stop_at + 1]
         if drafts:
             snap = state.snapshot()
             accepted, logits = verify(forward, state, tok, drafts, spec_stats, snap)
+            budget.update(len(drafts), len(accepted))
         else:
             accepted = []
             logits = forward([tok], state, all_logits=True, phase="decode")

@@ -35,6 +35,48 @@ def lookup_drafts(context: list, n: int, max_ngram: int = 3) -> list:
     return []
 
 
+MAX_PAUSE = 16          # decode steps without drafting, at most, after failed verifies
+
+
+class DraftBudget:
+    """How many drafts the next step may propose (drafting changes speed, never tokens).
+
+    Why adaptive: a verify whose drafts are all rejected costs about two plain steps (the
+    block forward, then a rollback and a re-feed) and reads every drafted token's experts;
+    with drafts that are always wrong, a fixed --spec 4 measured 0.43-0.46x plain greedy
+    (bench/perf.py spec). So: the full N while drafts are accepted; after a partial
+    acceptance of k, at most k + 1; after a verify that accepted nothing, no drafting for
+    1, 2, 4, ... MAX_PAUSE steps (doubling while failures continue, reset by any
+    acceptance)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.cap = n
+        self.pause = 0
+        self.backoff = 1
+
+    def allowed(self) -> int:
+        """Drafts this step may propose (0 while paused; each call is one step)."""
+        if self.pause > 0:
+            self.pause -= 1
+            return 0
+        return self.cap
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        if accepted == drafted:
+            self.cap = min(self.n, 2 * self.cap)
+            self.backoff = 1
+        elif accepted > 0:
+            self.cap = min(self.n, accepted + 1)
+            self.backoff = 1
+        else:
+            self.cap = 1
+            self.pause = self.backoff
+            self.backoff = min(2 * self.backoff, MAX_PAUSE)
+
+
 class SpecStats:
     def __init__(self):
         self.drafted = 0

@@ -73,7 +73,8 @@ class _Printer:
 @click.option("--prefill-chunk", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--spec", type=click.IntRange(0, 16), default=0, show_default=True,
               help="Speculative decoding: draft up to N tokens by prompt lookup and verify "
-                   "them in one batched forward (greedy only; same tokens as without).")
+                   "them in one batched forward (greedy only; same tokens as without; backs "
+                   "off while drafts keep failing).")
 @click.option("--threads", type=click.IntRange(1), help="numba threads (default: all cores).")
 @click.option("--save-state", type=click.Path(dir_okay=False), help="Save the state at the end.")
 @click.option("--load-state", type=click.Path(exists=True, dir_okay=False),
