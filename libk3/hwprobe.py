@@ -475,6 +475,34 @@ def _random_jobs(fds_sizes, size: int, max_reads: int, seed: int):
     return next_job
 
 
+def sequential_read_rate(regions, *, seconds: float = 1.0, depth: int = 4) -> float | None:
+    """B/s of O_DIRECT reads of SEQ_BLOCK blocks walking ``regions`` [(path, start, end)]
+    in order with ``depth`` in flight, for at most ``seconds``; None when O_DIRECT is
+    unavailable (a buffered figure would time the page cache) or no whole block fits."""
+    jobs = []
+    fds: dict = {}
+    try:
+        for path, start, end in regions:
+            off = -(-start // ALIGN) * ALIGN
+            while off + SEQ_BLOCK <= end:
+                if path not in fds:
+                    try:
+                        fds[path] = _open_read(path, True)
+                    except (OSError, AttributeError):
+                        return None
+                jobs.append((fds[path], off))
+                off += SEQ_BLOCK
+        if not jobs:
+            return None
+        it = iter(jobs)
+        return _Reads(lambda: next(it, None), depth, SEQ_BLOCK, seconds).run() or None
+    except OSError:
+        return None
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
 def measure_reads(files, *, direct: bool, seq_seconds: float = 3.0,
                   rand_seconds: float = 1.5, progress: bool = False, label: str = "") -> dict:
     """Time sequential (8 MiB blocks, depths SEQ_DEPTHS) and one-expert random reads

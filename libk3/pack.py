@@ -214,6 +214,42 @@ def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = 
     return PackResult(str(d), len(plans), len(todo), resumed, written, time.perf_counter() - t0)
 
 
+PROBE_MIN_BYTES = 10**9         # smaller packs end before a rate means anything
+PROBE_SECONDS = 1.0
+PROBE_REGION_BYTES = 2 << 30     # expert bytes lined up for the probe (it stops on time)
+
+
+def source_read_rate(ckpt, seconds: float = PROBE_SECONDS) -> float | None:
+    """The source disk's sequential read rate (B/s, O_DIRECT, 8 MiB blocks, 4 in flight),
+    what a pack's MB/s is reported against. Timed on the experts' runs of the last MoE
+    layers, bytes a pack never reads, so the pack gets no help from any cache the probe
+    warms. None without O_DIRECT or when the shards are sparse (holes read at RAM speed)."""
+    from .hwprobe import holds_data, sequential_read_rate
+
+    t = ckpt.expert_table()
+    regions, total = [], 0
+    for L in reversed(list(ckpt.config.moe_layers)):
+        order = np.lexsort((t.offset[L], t.shard[L]))
+        start = end = None
+        shard = -1
+        for e in order:
+            sh, off, n = int(t.shard[L, e]), int(t.offset[L, e]), int(t.nbytes[L, e])
+            if sh == shard and off == end:
+                end += n
+                continue
+            if shard >= 0:
+                regions.append((t.paths[shard], start, end))
+                total += end - start
+            shard, start, end = sh, off, off + n
+        if shard >= 0:
+            regions.append((t.paths[shard], start, end))
+            total += end - start
+        if total >= PROBE_REGION_BYTES:
+            break
+    regions = [r for r in regions if holds_data(r[0])]
+    return sequential_read_rate(regions, seconds=seconds) if regions else None
+
+
 def _start_fresh(d: Path, ident: dict) -> None:
     (d / PARTIAL_FILE).unlink(missing_ok=True)
     with open(d / JOURNAL_FILE, "w", encoding="utf-8") as f:

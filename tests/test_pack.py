@@ -230,3 +230,25 @@ def test_pack_streams_same_logits_as_shards(tiny_dir, tmp_path):
     b = open_session(tiny_dir, pack=out, trunk_bytes=10**9, cache_bytes=10**9)
     la, lb = a.forward(ids, a.new_state()), b.forward(ids, b.new_state())
     assert np.array_equal(la.view(np.uint32), lb.view(np.uint32))
+
+
+def test_pack_reports_mb_per_s_against_the_source_disk_read(small_dir, tmp_path):
+    """Catches a summary without the source disk's read rate when asked for it, a probe
+    that runs when refused, and a rate that is not the pack's MB/s over the probe's."""
+    from libk3.hwprobe import o_direct_check
+    shard = sorted(small_dir.glob("*.safetensors"))[-1]
+    direct = o_direct_check(shard)[0]
+    p = k3pack(small_dir, tmp_path / "a", "--source-probe", "--json", "--quiet")
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    if direct:
+        assert info["source_seq_read_mb_per_s"] > 0
+        assert info["of_source_read"] == pytest.approx(
+            info["mb_per_s"] / info["source_seq_read_mb_per_s"], rel=0.01)
+    else:
+        assert info["source_seq_read_mb_per_s"] is None
+    for flag in ("--no-source-probe", None):          # refused, or too small to be worth it
+        out = tmp_path / f"b{flag}"
+        p = k3pack(small_dir, out, *([flag] if flag else []), "--json", "--quiet")
+        assert p.returncode == 0, p.stderr
+        assert json.loads(p.stdout)["source_seq_read_mb_per_s"] is None
