@@ -106,7 +106,7 @@ def main() -> None:
             for attempt in range(2):
                 out = Path(tmp) / f"p{attempt}"
                 drop_page_cache(src)
-                p = run(["k3-pack", src, out, "--json", "--quiet"])
+                p = run(["k3-pack", src, out, "--json", "--quiet", "--no-source-probe"])
                 info = json.loads(p.stdout)
                 rows.append([where, f"#{attempt + 1}", f"{info['bytes_written'] / 1e9:.2f}",
                              f"{info['seconds']:.2f}", f"{info['mb_per_s']:.0f}",
