@@ -1,7 +1,8 @@
 """Packing a checkpoint for streaming: trunk.bin, trunk.json and experts.idx (formats/pack.md).
 
 Owns: copying every layer's trunk run verbatim into one page-aligned file, the manifest,
-the compact expert index, resuming after an interruption, and verification. Does not own:
+the compact expert index, resuming after an interruption, verification, and the short
+probe of the source disk's read rate that a pack's MB/s is reported against. Does not own:
 reading safetensors (``libk3.io``) or streaming at run time (``libk3.stream``).
 
 Why this shape: one positioned read (O_DIRECT-capable: 4096-aligned offset and length)
