@@ -38,6 +38,8 @@ def _floor_flags(preset: str, cache_slots_extra: int = 0):
 
 
 def section_kernels(tmp):
+    """Kernels at real dimensions, 2 threads, next to numpy, the read bandwidth and the
+    public C engine's times (bench/kernels.py)."""
     print(run([sys.executable, ROOT / "bench" / "kernels.py", "--repeat", "5"]).stdout)
 
 
@@ -269,7 +271,8 @@ def main(argv) -> None:
     chosen = argv or list(SECTIONS)
     with tempfile.TemporaryDirectory() as tmp:
         for name in chosen:
-            print(f"=== {name}: {SECTIONS[name].__doc__.strip().splitlines()[0]}", flush=True)
+            doc = (SECTIONS[name].__doc__ or name).strip().splitlines()[0]
+            print(f"=== {name}: {doc}", flush=True)
             SECTIONS[name](Path(tmp))
 
 
