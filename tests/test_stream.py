@@ -114,3 +114,27 @@ def test_expert_cache_refuses_fewer_than_top_k_plus_one_slots(small_dir):
         with pytest.raises(BudgetError, match="top_k"):
             ExpertCache(cfg, ckpt.expert_table(),
                         cfg.num_experts_per_token * window_bytes(cfg.expert_bytes), FileSet())
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_read_window_pieces_in_flight_equal_one_read(direct, tmp_path):
+    """Catches pieces landing at the wrong place, a lost last partial piece, or a window
+    past the end of the file accepted, when the read-ahead keeps several pieces in flight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from libk3.errors import CheckpointError
+    from libk3.stream.direct import YIELD_CHUNK, DirectFile, ReadGate, aligned_empty
+    data = np.random.default_rng(3).integers(0, 256, 3 * YIELD_CHUNK + 5000, np.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    f = DirectFile(path, use_direct=direct)
+    gate = ReadGate()
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        for off, n in ((0, data.size), (12345, data.size - 12345), (YIELD_CHUNK - 7, 2 * YIELD_CHUNK)):
+            buf = aligned_empty(window_bytes(n))
+            at = f.read_window(off, n, buf, yield_to=gate, pool=pool, depth=3)
+            assert np.array_equal(buf[at:at + n], data[off:off + n]), (off, n)
+        buf = aligned_empty(window_bytes(data.size))
+        with pytest.raises(CheckpointError, match="ends early"):
+            f.read_window(100, data.size, buf, yield_to=gate, pool=pool, depth=3)
+    f.close()

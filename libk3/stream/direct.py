@@ -15,6 +15,7 @@ starts are not), so we read the aligned window around it and hand out a view.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import mmap
 import os
@@ -106,32 +107,71 @@ class DirectFile:
             self.fd = -1
 
     def read_window(self, offset: int, nbytes: int, buf: np.ndarray, what: str = "",
-                    yield_to: "ReadGate | None" = None) -> int:
+                    yield_to: "ReadGate | None" = None, pool=None, depth: int = 1) -> int:
         """Read the aligned window around [offset, offset+nbytes) into ``buf`` (aligned,
         at least ``window_bytes(nbytes)``); returns where the payload starts in ``buf``.
         A short read at the end of the file is fine if it covers the payload. With
-        ``yield_to``, read in YIELD_CHUNK pieces and let urgent reads go first."""
+        ``yield_to``, read in YIELD_CHUNK pieces and let urgent reads go first; with a
+        ``pool`` as well, keep ``depth`` pieces in flight on it (one sequential stream at
+        a time reads slower than the disk can: bench/perf.py disk)."""
         start = align_down(offset)
         end = min(align_up(offset + nbytes), align_up(self.size))
         view = memoryview(buf)[:end - start]
-        got = 0
-        while got < len(view):
-            piece = view[got:] if yield_to is None else view[got:got + YIELD_CHUNK]
-            if yield_to is not None:
-                yield_to.wait_clear()
-            try:
-                n = os.preadv(self.fd, [piece], start + got)
-            except OSError as e:
-                raise K3IOError(f"read failed: {e.strerror}", path=self.path, tensor=what) from None
-            if n == 0:
-                break
-            got += n
-            if self.direct and got % ALIGN:
-                break                               # end of file inside the last block
+        if yield_to is not None and pool is not None and depth > 1:
+            got = self._read_pieces(view, start, what, yield_to, pool, depth)
+        else:
+            got = 0
+            while got < len(view):
+                piece = view[got:] if yield_to is None else view[got:got + YIELD_CHUNK]
+                if yield_to is not None:
+                    yield_to.wait_clear()
+                n = self._pread(piece, start + got, what)
+                if n == 0:
+                    break
+                got += n
+                if n < len(piece):
+                    break                           # end of file inside the last block
         if got < offset + nbytes - start:
             raise CheckpointError("file ends early (truncated shard?)", path=self.path,
                                   tensor=what, expected=f"{nbytes} bytes at offset {offset}")
         return offset - start
+
+    def _pread(self, piece, off: int, what: str) -> int:
+        """Fill ``piece`` from ``off``; fewer bytes only at the end of the file."""
+        got = 0
+        while got < len(piece):
+            try:
+                n = os.preadv(self.fd, [piece[got:]], off + got)
+            except OSError as e:
+                raise K3IOError(f"read failed: {e.strerror}", path=self.path, tensor=what) from None
+            if n == 0 or (self.direct and n % ALIGN):
+                return got + n
+            got += n
+        return got
+
+    def _read_pieces(self, view, start: int, what: str, gate: "ReadGate", pool, depth: int) -> int:
+        """YIELD_CHUNK pieces of ``view`` in order, ``depth`` in flight, each submitted only
+        while no urgent read is waiting; returns the bytes read before the first short piece."""
+        pieces = [(o, min(YIELD_CHUNK, len(view) - o)) for o in range(0, len(view), YIELD_CHUNK)]
+        flight: collections.deque = collections.deque()
+        counts = []
+        try:
+            for o, n in pieces:
+                while len(flight) >= depth:
+                    counts.append(flight.popleft().result())
+                gate.wait_clear()
+                flight.append(pool.submit(self._pread, view[o:o + n], start + o, what))
+            while flight:
+                counts.append(flight.popleft().result())
+        finally:
+            for f in flight:                        # an error above: let the rest land
+                f.exception()
+        got = 0
+        for (_, n), k in zip(pieces, counts):
+            got += k
+            if k < n:
+                break
+        return got
 
 
 class FileSet:
