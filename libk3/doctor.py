@@ -277,10 +277,14 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
         if info["o_direct"] is False:
             warnings.append(f"{d}: O_DIRECT does not work here ({info['o_direct_note']}); "
                             "k3-run will read through the page cache")
-    kernels = None if quick else hwprobe.measure_kernels()
     reference = sizes is None
     if reference:
         sizes = ModelSizes.from_config(reference_config())
+    kernels = None
+    if not quick:
+        cfg = reference_config() if reference else load_config(model)
+        bf16_shapes, mxfp4_shapes = hwprobe.kernel_shapes(cfg)
+        kernels = hwprobe.measure_kernels(bf16_shapes=bf16_shapes, mxfp4_shapes=mxfp4_shapes)
     seq_bps, rand_bps = _speeds(storage)
     decision = decide(sizes, mem, seq_bps=seq_bps, rand_bps=rand_bps, kernels=kernels)
     decision["sizes_of"] = "Kimi K3 (reference config)" if reference else str(model)

@@ -630,30 +630,78 @@ def probe_storage(directory, *, model_files=(), measure: bool = True,
 
 # ---- kernels -----------------------------------------------------------------------------
 
-def measure_kernels(seconds: float = 0.3, rows: int = 2048, cols: int = 2048) -> dict:
+KERNEL_WORKING_SET = 96 << 20      # bytes of distinct weights cycled through per shape
+KERNEL_MAX_MATRIX = 256 << 20      # a larger shape is timed on a row slice of this size
+
+
+def _time_shape(fn, make, rows: int, cols: int, bytes_per_elem: float, seconds: float,
+                working_set: int) -> float:
+    """Seconds per call of ``fn`` on a [rows, cols] matrix read from RAM (cycling through
+    distinct copies totalling ``working_set``), scaled up from a row slice when the
+    matrix is larger than KERNEL_MAX_MATRIX (the kernels stream rows: time ~ bytes)."""
+    full = rows * cols * bytes_per_elem
+    r = max(1, min(rows, int(KERNEL_MAX_MATRIX // (cols * bytes_per_elem))))
+    part = r * cols * bytes_per_elem
+    argsets = [make(r, cols) for _ in range(max(1, min(64, -(-working_set // int(part)))))]
+    fn(*argsets[0])                                 # compile / warm up, not timed
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn(*argsets[n % len(argsets)])
+        n += 1
+        el = time.perf_counter() - t0
+        if el >= seconds and n >= 3:
+            break
+    return el / n * full / part
+
+
+def measure_kernels(seconds: float = 0.3, rows: int = 2048, cols: int = 2048, *,
+                    bf16_shapes: dict | None = None, mxfp4_shapes: dict | None = None,
+                    working_set: int = KERNEL_WORKING_SET) -> dict:
     """Bytes of weights per second k3's own BF16 and MXFP4 kernels get through for one
-    token (decode), on [rows, cols] matrices (the first call compiles and is not timed)."""
+    token (decode). ``bf16_shapes`` / ``mxfp4_shapes``: {(rows, cols): calls per token}
+    of the model (default {(rows, cols): 1}); each figure is that mix's bytes over its
+    time, so narrow matrices that run below the kernel's peak count as often as the
+    model calls them. Every shape cycles through distinct matrices totalling
+    ``working_set`` bytes: a decode step reads each weight from RAM once, and one matrix
+    timed over and over sits in the CPU caches (~2x too fast). ``seconds`` per kernel is
+    split over its shapes."""
     from .model.ops import bf16_matmul, mxfp4_matmul
 
-    rng = np.random.default_rng(0)
-    W = rng.integers(0x3C00, 0x3F80, (rows, cols), dtype=np.uint16)    # BF16 ~ 0.008..1
-    X = rng.standard_normal((1, cols)).astype(np.float32)
-    packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
-    scales = rng.integers(120, 130, (rows, cols // 32), dtype=np.uint8)
-    out = {"source": "libk3 kernels", "note": None, "shape": [rows, cols]}
-    for key, fn, args, nbytes in (
-            ("bf16_bytes_per_s", bf16_matmul, (W, X), W.nbytes),
-            ("mxfp4_bytes_per_s", mxfp4_matmul, (packed, scales, X), packed.nbytes + scales.nbytes)):
-        fn(*args)                                   # compile / warm up, not timed
-        n, t0 = 0, time.perf_counter()
-        while True:
-            fn(*args)
-            n += 1
-            el = time.perf_counter() - t0
-            if el >= seconds and n >= 3:
-                break
-        out[key] = n * nbytes / el
+    out = {"source": "libk3 kernels", "note": None, "working_set_bytes": working_set}
+    for key, fn, shapes, bpe, make in (
+            ("bf16", bf16_matmul, bf16_shapes, 2.0,
+             lambda r, c: (np.full((r, c), 0x3C00, np.uint16), np.ones((1, c), np.float32))),
+            ("mxfp4", mxfp4_matmul, mxfp4_shapes, 17 / 32,
+             lambda r, c: (np.full((r, c // 2), 0x5A, np.uint8), np.full((r, c // 32), 127, np.uint8),
+                           np.ones((1, c), np.float32)))):
+        shapes = shapes or {(rows, cols): 1}
+        tot_bytes = tot_sec = 0.0
+        for (r, c), calls in shapes.items():
+            tot_sec += calls * _time_shape(fn, make, r, c, bpe, seconds / len(shapes), working_set)
+            tot_bytes += calls * r * c * bpe
+        out[f"{key}_bytes_per_s"] = tot_bytes / tot_sec
+        out[f"{key}_shapes"] = len(shapes)
     return out
+
+
+def kernel_shapes(cfg) -> tuple:
+    """({(rows, cols): calls per token} for the BF16 kernels, the same for MXFP4) of one
+    decode step of ``cfg``: every layer's trunk matrices and lm_head; top_k routed
+    experts' three matrices per MoE layer."""
+    from .io import inventory
+
+    bf16: dict = {}
+    for L in range(cfg.num_hidden_layers):
+        for spec in inventory.layer_trunk(cfg, L):
+            if spec.dtypes == inventory.MATRIX and spec.shape and len(spec.shape) == 2:
+                bf16[tuple(spec.shape)] = bf16.get(tuple(spec.shape), 0) + 1
+    head = (cfg.vocab_size, cfg.hidden_size)
+    bf16[head] = bf16.get(head, 0) + 1
+    lat, inter = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    k = len(cfg.moe_layers) * cfg.num_experts_per_token
+    mxfp4 = {(inter, lat): 2 * k}
+    mxfp4[(lat, inter)] = mxfp4.get((lat, inter), 0) + k
+    return bf16, mxfp4
 
 
 # ---- the whole machine -----------------------------------------------------------------

@@ -225,6 +225,24 @@ def test_hwprobe_kernel_figures_come_from_the_numba_kernels():
     assert k["source"] == "libk3 kernels"
 
 
+def test_hwprobe_kernel_shapes_are_one_decode_step_of_the_model():
+    """Catches a kernel mix that leaves out lm_head or a layer, or miscounts the experts'
+    three matrices (w1 and w3 [inter, lat], w2 [lat, inter]) per MoE layer and top_k."""
+    from libk3.config import load_config
+    from libk3.io import inventory
+    cfg = load_config(FIXTURE)
+    bf16, mx = hwprobe.kernel_shapes(cfg)
+    mats = [sp for L in range(cfg.num_hidden_layers) for sp in inventory.layer_trunk(cfg, L)
+            if sp.dtypes == inventory.MATRIX]
+    assert sum(bf16.values()) == len(mats) + 1
+    assert bf16[(cfg.vocab_size, cfg.hidden_size)] >= 1
+    assert sum(mx.values()) == 3 * len(cfg.moe_layers) * cfg.num_experts_per_token
+    k = hwprobe.measure_kernels(seconds=0.05, bf16_shapes={(64, 256): 3, (256, 64): 1},
+                                mxfp4_shapes=mx, working_set=1 << 20)
+    assert k["bf16_shapes"] == 2 and k["mxfp4_shapes"] == len(mx)
+    assert k["bf16_bytes_per_s"] > 0 and k["mxfp4_bytes_per_s"] > 0
+
+
 # ---- the doctor ---------------------------------------------------------------------------
 
 def test_doctor_cli_tiny_json_and_text_report_can_run(tmp_path):
