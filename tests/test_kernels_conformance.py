@@ -1,24 +1,25 @@
 """The numba kernels against the public engine's per-op vectors and the released MXFP4 bytes.
 
-Every vector of ../shared/conformance/ops that is one op (or one KDA layer built from the
-ops) is recomputed with ``libk3.kernels`` alone, float32 weights through the f32 path of
-the dense kernels, and checked element-wise within the manifest tolerance; each test puts
-its worst element, as a fraction of tolerance, in its assertion message, its
-``record_property`` and its captured stdout (``pytest -rP`` shows them; README section 2
-lists the baselines). layer_kda.json / layer_mla.json
-(whole decoder layers) are left to the model tests.
+Every vector of ../shared/conformance/ops that is one op is recomputed with
+``libk3.kernels`` alone, and the KDA layer vectors with the engine's own ``Forward._kda``;
+float32 weights go through the f32 path of the dense kernels. Each is checked
+element-wise within the manifest tolerance; each test puts its worst element, as a
+fraction of tolerance, in its assertion message, its ``record_property`` and its
+captured stdout (``pytest -rP`` shows them; README section 2 lists the baselines).
+layer_kda.json / layer_mla.json (whole decoder layers) are left to the model tests.
 """
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from libk3.config import L2NORM_EPS
 from libk3.io import mxfp4 as io_mxfp4
 from libk3.kernels import activations, attnres, bf16, kda, mla, moe, mxfp4, norms, router
+from libk3.model.forward import Forward
 
 from .conformance import load, require, worst_fraction
 
@@ -123,36 +124,22 @@ def test_kernels_kda_recurrence_decay_read_write_output_order(record_property, n
 
 
 def _kda_layer(d):
-    """The KDA layer of spec 5.5 composed from the kernels (x already normalised)."""
-    x = d["in"][0]
-    T = x.shape[0]
+    """Spec 5.5's KDA layer as the engine composes it: ``Forward._kda`` itself, driven by
+    the vector's f32 weights (x already normalised), from a zero state."""
     H, D, K = d["H"], d["d_k"], d["conv_k"]
-    P = H * D
-    qkv = []
-    for p in ("q", "k", "v"):
-        hat = _mm(d[f"{p}_proj"], x)
-        y = np.empty_like(hat)
-        kda.short_conv(hat, _conv_w(d[f"{p}_conv"]), np.zeros((P, K - 1), np.float32), y)
-        if p != "v":
-            rows = y.reshape(T * H, D)
-            norms.l2norm(rows, L2NORM_EPS, rows)
-        qkv.append(y.reshape(T, H, D))
-    beta = _mm(d["b_proj"], x)
-    activations.sigmoid(beta.reshape(-1), beta.reshape(-1))
-    z = _mm(d["f_b"], _mm(d["f_a"], x))
-    g = np.empty_like(z)
-    alpha = np.empty_like(z)
-    kda.kda_decay(z, d["A_log"], d["dt_bias"], d["lower_bound"], g, alpha)
-    S = np.zeros((H, D, D), dtype=np.float32)
-    o = np.empty((T, H, D), dtype=np.float32)
-    kda.kda_recurrence(qkv[0], qkv[1], qkv[2], alpha.reshape(T, H, D), beta,
-                       D ** -0.5, S, o)
-    rows = o.reshape(T * H, D)
-    norms.rmsnorm(rows, d["o_norm"], d["rms_eps"], rows)
-    gate = _mm(d["g_proj"], x)
-    flat = o.reshape(-1)
-    activations.gate_mul(flat, gate.reshape(-1), flat)
-    return _mm(d["o_proj"], o.reshape(T, P)), S
+    fwd = Forward.__new__(Forward)          # only the config the KDA path reads
+    fwd.cfg = SimpleNamespace(num_heads=H, head_dim=D, gate_lower_bound=d["lower_bound"],
+                              rms_norm_eps=d["rms_eps"])
+    state = SimpleNamespace(kda_conv={0: np.zeros((3, H * D, K - 1), np.float32)},
+                            kda_S={0: np.zeros((H, D, D), np.float32)})
+    lw = {f"self_attn.{name}": d[key] for name, key in (
+        ("q_proj.weight", "q_proj"), ("k_proj.weight", "k_proj"), ("v_proj.weight", "v_proj"),
+        ("q_conv1d.weight", "q_conv"), ("k_conv1d.weight", "k_conv"),
+        ("v_conv1d.weight", "v_conv"), ("b_proj.weight", "b_proj"),
+        ("f_a_proj.weight", "f_a"), ("f_b_proj.weight", "f_b"), ("A_log", "A_log"),
+        ("dt_bias", "dt_bias"), ("g_proj.weight", "g_proj"), ("o_norm.weight", "o_norm"),
+        ("o_proj.weight", "o_proj"))}
+    return fwd._kda(0, lw, d["in"][0], state), state.kda_S[0]
 
 
 @pytest.mark.parametrize("name", ["kda_layer1.json", "kda_layer8.json"])
