@@ -407,7 +407,8 @@ def render_text(report: dict) -> str:
     k = report.get("kernels")
     if k:
         w(f"== kernels ({k['source']}): BF16 {_mbs(k['bf16_bytes_per_s'])}, "
-          f"MXFP4 {_mbs(k['mxfp4_bytes_per_s'])} of weights, one token")
+          f"MXFP4 {_mbs(k['mxfp4_bytes_per_s'])} of weights, one token at the model's "
+          "matrix shapes, weights from RAM")
     ms = report.get("model")
     if ms:
         w(f"== model {ms['path']}")
