@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._dot import dot16, dot16_x4
+from ._dot import dot16, dot16_x4, dot16_x4_t2
 
 
 @njit(cache=True, parallel=True)
@@ -65,7 +65,19 @@ def matmul(W, X, Y):
     for g in prange(groups + 1):
         if g < groups:
             o = 4 * g
-            for t in range(T):
+            for t in range(0, T - 1, 2):
+                a0, a1, a2, a3, b0, b1, b2, b3 = dot16_x4_t2(W[o], W[o + 1], W[o + 2],
+                                                             W[o + 3], X[t], X[t + 1])
+                Y[t, o] = np.float32(a0)
+                Y[t, o + 1] = np.float32(a1)
+                Y[t, o + 2] = np.float32(a2)
+                Y[t, o + 3] = np.float32(a3)
+                Y[t + 1, o] = np.float32(b0)
+                Y[t + 1, o + 1] = np.float32(b1)
+                Y[t + 1, o + 2] = np.float32(b2)
+                Y[t + 1, o + 3] = np.float32(b3)
+            if T % 2:
+                t = T - 1
                 a, b, c, d = dot16_x4(W[o], W[o + 1], W[o + 2], W[o + 3], X[t])
                 Y[t, o] = np.float32(a)
                 Y[t, o + 1] = np.float32(b)
