@@ -278,12 +278,12 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
             warnings.append(f"{d}: O_DIRECT does not work here ({info['o_direct_note']}); "
                             "k3-run will read through the page cache")
     reference = sizes is None
+    cfg = reference_config() if reference else None
     if reference:
-        sizes = ModelSizes.from_config(reference_config())
+        sizes = ModelSizes.from_config(cfg)
     kernels = None
     if not quick:
-        cfg = reference_config() if reference else load_config(model)
-        bf16_shapes, mxfp4_shapes = hwprobe.kernel_shapes(cfg)
+        bf16_shapes, mxfp4_shapes = hwprobe.kernel_shapes(cfg or load_config(model))
         kernels = hwprobe.measure_kernels(bf16_shapes=bf16_shapes, mxfp4_shapes=mxfp4_shapes)
     seq_bps, rand_bps = _speeds(storage)
     decision = decide(sizes, mem, seq_bps=seq_bps, rand_bps=rand_bps, kernels=kernels)

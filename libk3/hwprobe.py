@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
-from .pack import ALIGN               # O_DIRECT alignment (formats/pack.md)
+from .stream.direct import ALIGN, align_up   # O_DIRECT alignment (formats/pack.md)
 
 PACKAGES = ("numpy", "numba", "llvmlite", "tokenizers", "safetensors", "zstandard")
 ISA_FLAGS = ("avx2", "fma", "avx512f", "asimd", "neon")
@@ -483,7 +483,7 @@ def sequential_read_rate(regions, *, seconds: float = 1.0, depth: int = 4) -> fl
     fds: dict = {}
     try:
         for path, start, end in regions:
-            off = -(-start // ALIGN) * ALIGN
+            off = align_up(start)
             while off + SEQ_BLOCK <= end:
                 if path not in fds:
                     try:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from . import names
-from .errors import BudgetError, CheckpointError, FormatError, K3IOError
+from .errors import BudgetError, FormatError, K3IOError
 from .io.atomic import fsync_dir, write_bytes
 from .stream.direct import ALIGN, FileSet, align_up, aligned_empty, window_bytes
 
@@ -230,21 +230,15 @@ def source_read_rate(ckpt, seconds: float = PROBE_SECONDS) -> float | None:
     t = ckpt.expert_table()
     regions, total = [], 0
     for L in reversed(list(ckpt.config.moe_layers)):
-        order = np.lexsort((t.offset[L], t.shard[L]))
-        start = end = None
-        shard = -1
-        for e in order:
-            sh, off, n = int(t.shard[L, e]), int(t.offset[L, e]), int(t.nbytes[L, e])
-            if sh == shard and off == end:
-                end += n
-                continue
-            if shard >= 0:
-                regions.append((t.paths[shard], start, end))
-                total += end - start
-            shard, start, end = sh, off, off + n
-        if shard >= 0:
-            regions.append((t.paths[shard], start, end))
-            total += end - start
+        runs = sorted(zip(t.shard[L].tolist(), t.offset[L].tolist(), t.nbytes[L].tolist()))
+        merged: list = []                   # [shard, start, end] of adjacent expert runs
+        for sh, off, n in runs:
+            if merged and merged[-1][0] == sh and merged[-1][2] == off:
+                merged[-1][2] += n
+            else:
+                merged.append([sh, off, off + n])
+        regions += [(t.paths[sh], start, end) for sh, start, end in merged]
+        total += sum(end - start for _, start, end in merged)
         if total >= PROBE_REGION_BYTES:
             break
     regions = [r for r in regions if holds_data(r[0])]

@@ -80,10 +80,7 @@ def _host_has_pshufb() -> bool:
 HAVE_PSHUFB = _host_has_pshufb()
 
 _I8x16 = ir.VectorType(ir.IntType(8), 16)
-_I8x8 = ir.VectorType(ir.IntType(8), 8)
 _F64x8 = ir.VectorType(ir.DoubleType(), 8)
-_F64x4 = ir.VectorType(ir.DoubleType(), 4)
-_F64x2 = ir.VectorType(ir.DoubleType(), 2)
 
 
 def _mask(idx):
