@@ -49,6 +49,16 @@ def write(path, recs, frame_records=100, **hdr):
     return path
 
 
+def crashed_trace(path, n, frame_records):
+    """Write ``n`` records to ``path`` and crash inside the writer; returns the
+    ``.partial`` file a crashed run leaves behind."""
+    with pytest.raises(RuntimeError):
+        with tr.TraceWriter(path, header(), frame_records=frame_records) as w:
+            w.append_records(records(n))
+            raise RuntimeError("simulated crash")
+    return path.with_name(path.name + ".partial")
+
+
 def frame_offsets(path):
     """Byte offsets of each data frame (walking the headers)."""
     data = open(path, "rb").read()
@@ -151,11 +161,7 @@ def test_trace_crash_leaves_a_partial_file_missing_only_its_end_marker(tmp_path)
     """Leaving the writer by an exception keeps the frames written so far. Catches a
     writer that discards them, and a strict reader that accepts a file with no end."""
     p = tmp_path / "c.k3trace"
-    with pytest.raises(RuntimeError):
-        with tr.TraceWriter(p, header(), frame_records=100) as w:
-            w.append_records(records(250))
-            raise RuntimeError("simulated crash")
-    partial = tmp_path / "c.k3trace.partial"
+    partial = crashed_trace(p, 250, frame_records=100)
     assert not p.exists() and partial.exists()
     with pytest.raises(FormatError, match="without the end marker"):
         tr.TraceReader(partial).read_all()
@@ -180,12 +186,7 @@ def test_trace_corrupt_frame_in_the_middle_is_rejected_even_when_tolerant(tmp_pa
 def test_trace_corrupt_last_frame_of_a_crashed_file_is_tolerated(tmp_path):
     """A damaged final frame (checksum) of an unterminated file is a tail: tolerant mode
     keeps the rest, strict mode names it."""
-    p = tmp_path / "x.k3trace"
-    with pytest.raises(RuntimeError):
-        with tr.TraceWriter(p, header(), frame_records=100) as w:
-            w.append_records(records(300))
-            raise RuntimeError
-    partial = tmp_path / "x.k3trace.partial"
+    partial = crashed_trace(tmp_path / "x.k3trace", 300, frame_records=100)
     offs = frame_offsets(partial)
     data = bytearray(partial.read_bytes())
     data[-3] ^= 0x55
@@ -442,12 +443,7 @@ def test_cli_errors_are_one_line_with_exit_codes(tmp_path):
 def test_cli_tolerate_truncated_reads_a_crashed_trace(tmp_path):
     """A crashed run's .partial file: refused with a hint by default, read with
     --tolerate-truncated and a warning. Catches the flag not reaching the reader."""
-    p = tmp_path / "c.k3trace"
-    with pytest.raises(RuntimeError):
-        with tr.TraceWriter(p, header(), frame_records=50) as w:
-            w.append_records(records(120))
-            raise RuntimeError
-    partial = tmp_path / "c.k3trace.partial"
+    partial = crashed_trace(tmp_path / "c.k3trace", 120, frame_records=50)
     r = k3_trace("stats", partial, "--json")
     assert r.returncode == FormatError.exit_code and "--tolerate-truncated" in r.stderr
     r = k3_trace("stats", partial, "--json", "--tolerate-truncated")

@@ -81,12 +81,7 @@ def stats(trace, tolerate_truncated, json_out):
     from libk3.trace_report import format_stats, trace_stats
 
     s = trace_stats(TraceReader(trace, tolerate_truncated_tail=tolerate_truncated))
-    if json_out:
-        print_json(s)
-    else:
-        click.echo(format_stats(s))
-    if s["truncated_tail"]:
-        click.echo(f"k3-trace: warning: {s['truncated_tail']}", err=True)
+    _emit(s, json_out, format_stats)
 
 
 @main.command("replay")
@@ -122,12 +117,7 @@ def replay(trace, capacity_gb, slots, expert_bytes, policy, jobs, tolerate_trunc
                         workers=_jobs(jobs))
     if plot:
         plot_replay(rep, plot)
-    if json_out:
-        print_json(rep)
-    else:
-        click.echo(format_replay(rep))
-    if rep["truncated_tail"]:
-        click.echo(f"k3-trace: warning: {rep['truncated_tail']}", err=True)
+    _emit(rep, json_out, format_replay)
 
 
 @main.command("record", context_settings={"ignore_unknown_options": True})
@@ -193,11 +183,19 @@ def size(trace, budget_gb, pack_dir, seq_mbps, rand_mbps, doctor_json, policy, s
         raise UsageError("give --seq-mbps and --rand-mbps, or --doctor-json from k3-doctor --json")
     rep = size_budget(trace, pack_dir, budget_gb * 1e9, seq_mbps * 1e6, rand_mbps * 1e6,
                       policy=policy, steps=steps)
-    if json_out:
-        print_json(rep)
-    else:
-        click.echo(format_sizing(rep))
+    _emit(rep, json_out, format_sizing)
 
+
+
+def _emit(report: dict, json_out: bool, fmt) -> None:
+    """The report as JSON or as ``fmt``'s text; a tolerated truncated tail is warned on
+    stderr either way."""
+    if json_out:
+        print_json(report)
+    else:
+        click.echo(fmt(report))
+    if report.get("truncated_tail"):
+        click.echo(f"k3-trace: warning: {report['truncated_tail']}", err=True)
 
 if __name__ == "__main__":
     main()
