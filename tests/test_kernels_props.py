@@ -406,19 +406,26 @@ def _recur_ref(q, k, v, alpha, beta, q_scale, S):
     return out, S
 
 
+def _kda_inputs(rng, T, H, Dk, Dv, unit_k):
+    """Random q, k (unit rows when ``unit_k``), v, alpha in (0.01, 1), beta in (0, 1) and
+    a starting state for the KDA recurrence, all float32."""
+    q = rng.standard_normal((T, H, Dk)).astype(np.float32)
+    k = rng.standard_normal((T, H, Dk)).astype(np.float32)
+    if unit_k:
+        k /= np.linalg.norm(k, axis=-1, keepdims=True).astype(np.float32)
+    v = rng.standard_normal((T, H, Dv)).astype(np.float32)
+    alpha = rng.uniform(0.01, 1.0, (T, H, Dk)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (T, H)).astype(np.float32)
+    S = rng.standard_normal((H, Dk, Dv)).astype(np.float32)
+    return q, k, v, alpha, beta, S
+
+
 @PROPS
 @given(seeds, st.integers(1, 6), st.integers(1, 3), st.integers(1, 8), st.integers(1, 8))
 def test_kernels_kda_recurrence_matches_float64_and_streams(seed, T, H, Dk, Dv):
     """Catches a wrong step order or transposed state (float64 oracle) and a T-token call
     that differs from T one-token calls (incremental decoding gate)."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((T, H, Dk)).astype(np.float32)
-    k = rng.standard_normal((T, H, Dk)).astype(np.float32)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True).astype(np.float32)
-    v = rng.standard_normal((T, H, Dv)).astype(np.float32)
-    alpha = rng.uniform(0.01, 1.0, (T, H, Dk)).astype(np.float32)
-    beta = rng.uniform(0.0, 1.0, (T, H)).astype(np.float32)
-    S0 = rng.standard_normal((H, Dk, Dv)).astype(np.float32)
+    q, k, v, alpha, beta, S0 = _kda_inputs(np.random.default_rng(seed), T, H, Dk, Dv, unit_k=True)
     S = S0.copy()
     out = np.empty_like(v)
     kda.kda_recurrence(q, k, v, alpha, beta, Dk ** -0.5, S, out)
@@ -438,12 +445,7 @@ def test_kernels_kda_recurrence_matches_float64_and_streams(seed, T, H, Dk, Dv):
 def test_kernels_kda_recurrence_is_the_documented_f32_order(seed, T, H, Dk, Dv):
     """Catches an order other than numerics.md section 5 inside the f32 delta rule
     ((k_i * beta) * d_j, q_i * scale, sequential sums from +0): bit-exact emulation."""
-    rng = np.random.default_rng(seed)
-    q, k = (rng.standard_normal((T, H, Dk)).astype(np.float32) for _ in range(2))
-    v = rng.standard_normal((T, H, Dv)).astype(np.float32)
-    alpha = rng.uniform(0.01, 1.0, (T, H, Dk)).astype(np.float32)
-    beta = rng.uniform(0.0, 1.0, (T, H)).astype(np.float32)
-    S = rng.standard_normal((H, Dk, Dv)).astype(np.float32)
+    q, k, v, alpha, beta, S = _kda_inputs(np.random.default_rng(seed), T, H, Dk, Dv, unit_k=False)
     E = S.copy()
     out = np.empty_like(v)
     kda.kda_recurrence(q, k, v, alpha, beta, 0.3, S, out)
