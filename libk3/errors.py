@@ -78,6 +78,12 @@ class BudgetError(K3Error):
     kind = "budget"
 
 
+class BusyError(K3Error):
+    """Another run holds the lock on the output this run would write (a results file)."""
+    exit_code = 6
+    kind = "busy"
+
+
 class K3IOError(K3Error):
     """An operating-system I/O failure (read-only or full disk, vanished file)."""
     exit_code = 5

@@ -90,3 +90,14 @@ def append_result(results_path, obj: dict) -> None:
         f.write(json.dumps(obj, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def summary_text(summary: dict, results_path) -> str:
+    """The one stderr line a batch run ends with (cron logs keep it)."""
+    text = (f"batch: {summary['done']} done, {summary['skipped']} already in {results_path}, "
+            f"{summary['malformed']} malformed line(s)")
+    if summary["stopped"] == "deadline" and summary["remaining"] is None:
+        return f"batch: deadline passed while waiting for the lock on {results_path}; nothing run"
+    if summary["stopped"] is not None:
+        text += f"; stopped at {summary['stopped']}, {summary['remaining']} left for the next run"
+    return text

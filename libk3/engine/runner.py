@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -151,17 +152,35 @@ def _load_state(run: Run, path) -> State:
     return State.load(run.cfg, path) if path else run.session.new_state()
 
 
+class Abandoned(Exception):
+    """Raised inside generation when a batch's deadline passes (the prompt is dropped)."""
+
+
 def run_one(run: Run, prompt_ids, settings: GenSettings, *, on_token=None, keep_logits=False,
-            load_state=None, save_state=None):
+            load_state=None, save_state=None, should_stop=None):
+    """One prompt. ``should_stop()``, if given, is asked at every prefill chunk and token;
+    when it answers True the prompt is abandoned (Abandoned is raised, nothing saved)."""
     if settings.stop_strings and run.session.tokenizer is None:
         raise UsageError("--stop needs the model's tokenizer (tiktoken.model); use --stop-id")
     state = _load_state(run, load_state)
+    progress = _prefill_bar(len(prompt_ids))
+    if should_stop is not None:
+        progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
     res = generate(run.session.forward, state, prompt_ids, settings,
                    tokenizer=run.session.tokenizer, on_token=on_token, keep_logits=keep_logits,
-                   progress=_prefill_bar(len(prompt_ids)))
+                   progress=progress)
     if save_state:
         state.save(save_state)
     return res
+
+
+def _checked(callback, should_stop):
+    def call(arg):
+        if should_stop():
+            raise Abandoned()
+        if callback is not None:
+            callback(arg)
+    return call
 
 
 def _prefill_bar(n: int):
@@ -173,13 +192,48 @@ def _prefill_bar(n: int):
     return bar.update
 
 
-def run_batch(run: Run, batch_path, out_path, base: GenSettings, warn) -> dict:
+@dataclasses.dataclass
+class BatchLimits:
+    """When a batch run stops before the end of its file (cron: leave the rest to the next
+    tick). ``deadline`` is in seconds of ``clock()`` (monotonic); the prompt in flight at
+    the deadline is abandoned at its next token or prefill chunk, and redone next run."""
+    max_prompts: int | None = None
+    deadline: float | None = None
+    wait: bool = False
+    clock: object = time.monotonic
+
+    def passed(self) -> bool:
+        return self.deadline is not None and self.clock() >= self.deadline
+
+
+def run_batch(opts: RunOptions, batch_path, out_path, base: GenSettings, warn,
+              limits: BatchLimits | None = None) -> dict:
     """Run every prompt of a JSONL file; append each result to ``out_path`` as it finishes;
-    skip ids already there; report malformed lines by number and carry on."""
+    skip ids already there; report malformed lines by number and carry on.
+
+    One run per results file: the file's lock is taken before the model is opened and
+    before its finished ids are read (BusyError at once; with ``limits.wait``, after the
+    holder ends, re-reading what it finished). Stops early, cleanly, after
+    ``limits.max_prompts`` prompts or at the deadline (formats/batch.md)."""
+    from ..io.filelock import FileLock
+
+    limits = limits or BatchLimits()
+    summary = {"done": 0, "skipped": 0, "malformed": 0, "errors": [], "stopped": None,
+               "remaining": None}
+    lock = FileLock(out_path)
+    if not lock.acquire(wait=limits.wait, until=limits.deadline, notice=warn,
+                        clock=limits.clock):
+        summary["stopped"] = "deadline"          # still waiting for the lock at the deadline
+        return summary
+    with lock, open_run(opts) as run:
+        summary["remaining"] = 0
+        return _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary)
+
+
+def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary) -> dict:
     batchfile.repair_tail(out_path)
     done = batchfile.done_ids(out_path)
     seen = set()
-    summary = {"done": 0, "skipped": 0, "malformed": 0, "errors": []}
     lines = Path(batch_path).read_text(encoding="utf-8", errors="replace").splitlines()
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
@@ -200,13 +254,27 @@ def run_batch(run: Run, batch_path, out_path, base: GenSettings, warn) -> dict:
         if key in done:
             summary["skipped"] += 1
             continue
+        if summary["stopped"] is None:
+            if limits.max_prompts is not None and summary["done"] >= limits.max_prompts:
+                summary["stopped"] = "max-prompts"
+            elif limits.passed():
+                summary["stopped"] = "deadline"
+        if summary["stopped"] is not None:
+            summary["remaining"] += 1      # keep counting: the summary says what is left
+            continue
         settings = dataclasses.replace(
             base, spec=base.spec if job.get("temperature", base.temperature) == 0 else 0, gen=job.get("gen", base.gen), temperature=job.get("temperature", base.temperature),
             top_p=job.get("top_p", base.top_p), seed=job.get("seed", base.seed),
             stop_strings=tuple(job["stop"]) or base.stop_strings,
             stop_ids=tuple(job.get("stop_ids", base.stop_ids)))
         run.seq = lineno
-        res = run_one(run, prompt_ids, settings)
+        try:
+            res = run_one(run, prompt_ids, settings,
+                          should_stop=limits.passed if limits.deadline is not None else None)
+        except Abandoned:
+            summary["stopped"] = "deadline"
+            summary["remaining"] += 1
+            continue
         rep = run.report(res, {"id": job["id"], "line": lineno})
         batchfile.append_result(out_path, rep)
         summary["done"] += 1

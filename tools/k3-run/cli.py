@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import click
 import numpy as np
@@ -51,6 +52,15 @@ class _Printer:
               help="JSONL prompts (id, prompt|ids, optional gen/temperature/top_p/seed/stop).")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False),
               help="With --batch: results JSONL, appended; ids already there are skipped.")
+@click.option("--wait", is_flag=True,
+              help="With --batch: if another run holds the results file, wait for it instead "
+                   "of exiting with code 6.")
+@click.option("--max-prompts", type=click.IntRange(1),
+              help="With --batch: stop cleanly after this many prompts (the rest: next run).")
+@click.option("--deadline", type=click.FloatRange(0, 10 ** 7, min_open=True),
+              metavar="MINUTES",
+              help="With --batch: stop cleanly this many minutes after start; the prompt in "
+                   "flight is abandoned and redone by the next run.")
 @click.option("--chat", is_flag=True, help="Interactive multi-turn chat on stdin.")
 @click.option("--gen", type=click.IntRange(0), default=16, show_default=True,
               help="Tokens to generate (per turn in --chat).")
@@ -88,10 +98,12 @@ class _Printer:
 @click.version_option(__version__, prog_name="k3-run")
 @click.pass_context
 @handle_errors
-def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, chat, gen, temperature,
+def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_prompts,
+         deadline, chat, gen, temperature,
          top_p, seed, stop_strings, stop_ids, preset, trunk_gb, cache_gb, resident,
          cache_policy, io_threads, buffered_io, prefill_chunk, spec, threads, save_state, load_state,
          trace_path, logits_out, report_json, json_out):
+    started = time.monotonic()
     from libk3.engine import runner
 
     modes = [o for o, v in (("--prompt", prompt), ("--prompt-file", prompt_file),
@@ -104,6 +116,8 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, chat, gen,
         raise UsageError("--batch needs --out RESULTS.jsonl")
     if out_path and not batch:
         raise UsageError("--out goes with --batch")
+    if not batch and (wait or max_prompts is not None or deadline is not None):
+        raise UsageError("--wait, --max-prompts and --deadline go with --batch")
     if resident and (preset or trunk_gb is not None or cache_gb is not None or pack):
         raise UsageError("--resident excludes --preset, --trunk-gb, --cache-gb and --pack")
     if spec and temperature > 0:
@@ -119,16 +133,19 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, chat, gen,
     settings = runner.settings_from(gen=gen, temperature=temperature, top_p=top_p, seed=seed,
                                     stop_strings=stop_strings, stop_ids=stop_ids,
                                     prefill_chunk=prefill_chunk, spec=spec)
+    if batch:
+        limits = runner.BatchLimits(
+            max_prompts=max_prompts, wait=wait,
+            deadline=None if deadline is None else started + 60.0 * deadline)
+        summary = runner.run_batch(opts, batch, out_path, settings,
+                                   warn=lambda m: click.echo(m, err=True), limits=limits)
+        if json_out:
+            print_json(summary)
+        else:
+            from libk3.engine.batch import summary_text
+            click.echo(summary_text(summary, out_path), err=True)
+        return
     with runner.open_run(opts) as run:
-        if batch:
-            summary = runner.run_batch(run, batch, out_path, settings,
-                                       warn=lambda m: click.echo(m, err=True))
-            if json_out:
-                print_json(summary)
-            else:
-                click.echo(f"batch: {summary['done']} done, {summary['skipped']} already in "
-                           f"{out_path}, {summary['malformed']} malformed line(s)", err=True)
-            return
         if chat:
             runner.run_chat(run, settings, load_state=load_state, save_state=save_state,
                             emit_factory=lambda: _Printer(run.session.tokenizer),

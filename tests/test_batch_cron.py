@@ -1,0 +1,202 @@
+"""Cron-safe batch runs: one run per results file (an OS lock that dies with its process),
+--wait, --max-prompts and --deadline; every id exactly once in the end (issue: cron)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from libk3.engine import runner
+from libk3.io.filelock import FileLock, holder_pid
+
+
+def k3(*args, **kw):
+    return subprocess.run(["k3-run", *map(str, args)], capture_output=True, text=True,
+                          timeout=600, **kw)
+
+
+def start_k3(*args):
+    return subprocess.Popen(["k3-run", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def write_batch(path, n, gen=3):
+    path.write_text("".join(json.dumps({"id": f"p{i}", "ids": [1 + i, 2, 3], "gen": gen}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def result_ids(path):
+    return [json.loads(line)["id"] for line in path.read_text().splitlines()]
+
+
+def wait_for(cond, timeout=120.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.02)
+
+
+def locked_by(path):
+    if not path.exists():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return holder_pid(fd)
+    finally:
+        os.close(fd)
+
+
+HOLDER = ("import fcntl, os, sys, time\n"
+          "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+          "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+          "print('locked', flush=True)\n"
+          "time.sleep(float(sys.argv[2]))\n")
+
+
+def hold_lock(path, seconds):
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), str(seconds)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "locked"
+    return p
+
+
+def test_filelock_names_holder_and_refuses_second_taker(tmp_path):
+    """Catches a lock that is advisory only in name (a second taker gets it) or a busy
+    message that cannot tell the user which process to look at."""
+    r = tmp_path / "r.jsonl"
+    holder = hold_lock(r, 60)
+    try:
+        assert locked_by(r) == holder.pid
+        with pytest.raises(Exception) as e:
+            FileLock(r).acquire()
+        assert e.value.exit_code == 6 and f"pid {holder.pid}" in str(e.value)
+        assert str(r) in str(e.value)
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = FileLock(r)                  # control: the dead holder's lock is gone with it
+    assert lock.acquire() is True
+    lock.release()
+
+
+def test_batch_second_run_on_same_results_exits_6_naming_holder(tiny_dir, tmp_path):
+    """Catches two runs on one results file both running every prompt (every id twice)."""
+    batch, r = write_batch(tmp_path / "b.jsonl", 3), tmp_path / "r.jsonl"
+    holder = hold_lock(r, 120)
+    try:
+        t0 = time.monotonic()
+        p = k3(tiny_dir, "--batch", batch, "--out", r)
+        took = time.monotonic() - t0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert p.returncode == 6, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(r) in lines[0] and f"pid {holder.pid}" in lines[0]
+    assert "Traceback" not in p.stderr and r.read_text() == ""
+    assert took < 30                    # refused before opening the model, not after
+    ok = k3(tiny_dir, "--batch", batch, "--out", r)     # control: free again
+    assert ok.returncode == 0, ok.stderr
+    assert result_ids(r) == ["p0", "p1", "p2"]
+
+
+def test_batch_wait_finishes_remainder_with_no_duplicate_id(tiny_dir, tmp_path):
+    """Catches a waiting run that reads finished ids before the lock is free (it would redo
+    what the holder finished after it started)."""
+    batch, r = write_batch(tmp_path / "b.jsonl", 6, gen=40), tmp_path / "r.jsonl"
+    a = start_k3(tiny_dir, "--batch", batch, "--out", r, "--max-prompts", 4)
+    try:
+        wait_for(lambda: locked_by(r) == a.pid)
+        b = k3(tiny_dir, "--batch", batch, "--out", r, "--wait", "--json")
+    finally:
+        a_err = a.communicate(timeout=600)[1]
+    assert a.returncode == 0, a_err
+    assert b.returncode == 0, b.stderr
+    assert f"locked by pid {a.pid}; waiting" in b.stderr
+    summary = json.loads(b.stdout)
+    assert (summary["done"], summary["skipped"]) == (2, 4)
+    assert sorted(result_ids(r)) == [f"p{i}" for i in range(6)]
+
+
+def test_batch_kill_9_leaves_no_stale_lock(tiny_dir, tmp_path):
+    """Catches a lock file that outlives its process (cron would refuse forever)."""
+    batch, r = write_batch(tmp_path / "b.jsonl", 12, gen=60), tmp_path / "r.jsonl"
+    a = start_k3(tiny_dir, "--batch", batch, "--out", r)
+    wait_for(lambda: r.exists() and r.read_text().count("\n") >= 1)
+    os.kill(a.pid, signal.SIGKILL)
+    a.wait()
+    assert a.returncode == -signal.SIGKILL
+    p = k3(tiny_dir, "--batch", batch, "--out", r, "--json")      # at once, no --wait
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["skipped"] >= 1
+    assert sorted(result_ids(r)) == sorted(f"p{i}" for i in range(12))
+
+
+def test_batch_max_prompts_then_rerun_completes(tiny_dir, tmp_path):
+    """Catches --max-prompts counting skipped ids as done, or a summary that hides what is
+    left."""
+    batch, r = write_batch(tmp_path / "b.jsonl", 5), tmp_path / "r.jsonl"
+    p = k3(tiny_dir, "--batch", batch, "--out", r, "--max-prompts", 2)
+    assert p.returncode == 0, p.stderr
+    assert "stopped at max-prompts, 3 left for the next run" in p.stderr
+    assert result_ids(r) == ["p0", "p1"]
+    p = k3(tiny_dir, "--batch", batch, "--out", r, "--max-prompts", 2, "--json")
+    s = json.loads(p.stdout)
+    assert (s["done"], s["skipped"], s["remaining"], s["stopped"]) == (2, 2, 1, "max-prompts")
+    p = k3(tiny_dir, "--batch", batch, "--out", r, "--json")
+    s = json.loads(p.stdout)
+    assert (s["done"], s["skipped"], s["remaining"], s["stopped"]) == (1, 4, 0, None)
+    assert result_ids(r) == [f"p{i}" for i in range(5)]
+
+
+def test_batch_deadline_passed_at_start_runs_nothing(tiny_dir, tmp_path):
+    """Catches a deadline that is only checked after the first prompt."""
+    batch, r = write_batch(tmp_path / "b.jsonl", 3), tmp_path / "r.jsonl"
+    p = k3(tiny_dir, "--batch", batch, "--out", r, "--deadline", "0.00001", "--json")
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    assert (s["done"], s["remaining"], s["stopped"]) == (0, 3, "deadline")
+    assert r.read_text() == ""
+
+
+class Clock:
+    """A clock that advances one second per reading: the deadline falls mid-prompt."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 1.0
+        return self.t
+
+
+def test_batch_deadline_abandons_prompt_in_flight_and_rerun_completes(tiny_dir, tmp_path):
+    """Catches a deadline that writes a half-generated result (or skips it forever): the
+    prompt in flight is dropped, the next run redoes it, every id once, each result equal
+    to an undisturbed run."""
+    batch, r = write_batch(tmp_path / "b.jsonl", 4, gen=8), tmp_path / "r.jsonl"
+    opts = runner.RunOptions(model=str(tiny_dir), resident=True)
+    base = runner.settings_from(gen=8, temperature=0.0, top_p=1.0, seed=0)
+    warn = [].append
+    clock = Clock()
+    # readings: lock (none: no wait), one per prompt start, then one per token/chunk
+    limits = runner.BatchLimits(deadline=20.0, clock=clock)
+    s = runner.run_batch(opts, batch, r, base, warn, limits)
+    assert s["stopped"] == "deadline" and 0 < s["done"] < 4
+    assert s["done"] + s["remaining"] == 4
+    first = result_ids(r)
+    assert first == [f"p{i}" for i in range(s["done"])]
+    s2 = runner.run_batch(opts, batch, r, base, warn)
+    assert (s2["done"], s2["skipped"], s2["stopped"]) == (4 - len(first), len(first), None)
+    ref = tmp_path / "ref.jsonl"
+    runner.run_batch(opts, batch, ref, base, warn)
+    gen_ids = lambda p: {json.loads(x)["id"]: json.loads(x)["generated_ids"]  # noqa: E731
+                         for x in p.read_text().splitlines()}
+    assert gen_ids(r) == gen_ids(ref)
