@@ -336,17 +336,45 @@ def _check_quantization(q) -> list:
     return errs
 
 
-def load_config(path) -> K3Config:
-    """Read ``path`` (a config.json, or a model directory holding one)."""
+def _read_doc(path):
+    """(parsed config.json, its path) for a config.json or a model directory holding one."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
         raise ConfigError("no config.json (k3 never falls back to built-in values)", path=p)
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
+        return json.loads(p.read_text(encoding="utf-8")), p
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"not valid JSON: {e}", path=p) from None
     except OSError as e:
         raise ConfigError(f"cannot read: {e.strerror}", path=p) from None
+
+
+def load_config(path) -> K3Config:
+    """Read ``path`` (a config.json, or a model directory holding one)."""
+    doc, p = _read_doc(path)
     return config_from_dict(doc, source=str(p))
+
+
+# The release's text_config.max_position_embeddings (spec 2.1). k3's arithmetic needs no
+# context length (no positional encoding, a fixed KDA state, an MLA cache that grows), so
+# it only bounds what a prompt may be; a config without the key (the synthetic ones) is
+# held to the release's.
+K3_CONTEXT = 1_048_576
+
+
+def context_length(path) -> int:
+    """The model's context in tokens: ``max_position_embeddings`` of config.json
+    (text_config, then the root; a positive int), else ``K3_CONTEXT``."""
+    doc, p = _read_doc(path)
+    if isinstance(doc, dict) and isinstance(doc.get("config"), dict) \
+            and "text_config" not in doc and "hidden_size" not in doc:
+        doc = doc["config"]                 # flat, wrapped (as in config_from_dict)
+    found, raw = _lookup(doc if isinstance(doc, dict) else {}, "text", ("max_position_embeddings",))
+    if not found:
+        return K3_CONTEXT
+    v = _coerce(raw, _INT)
+    if v is None or v < 1:
+        raise ConfigError(f"max_position_embeddings={raw!r} is not a positive int", path=p)
+    return v

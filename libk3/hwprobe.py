@@ -693,7 +693,7 @@ def kernel_shapes(cfg) -> tuple:
     bf16: dict = {}
     for L in range(cfg.num_hidden_layers):
         for spec in inventory.layer_trunk(cfg, L):
-            if spec.dtypes == inventory.MATRIX and spec.shape and len(spec.shape) == 2:
+            if spec.kind == inventory.MATRIX and spec.shape and len(spec.shape) == 2:
                 bf16[tuple(spec.shape)] = bf16.get(tuple(spec.shape), 0) + 1
     head = (cfg.vocab_size, cfg.hidden_size)
     bf16[head] = bf16.get(head, 0) + 1

@@ -44,6 +44,7 @@ from . import names
 from .config import K3Config
 from .errors import BudgetError, FormatError, UsageError
 from .io import inventory
+from .io.dtypes import bound_extra_bytes
 from .pack import ALIGN, align_up    # O_DIRECT alignment (formats/pack.md)
 
 GB = 1e9                              # presets.yaml and every flag count decimal GB
@@ -195,7 +196,7 @@ class ModelSizes:
     num_experts: int
     top_k: int
     moe_layers: int
-    bf16_trunk_bytes: int          # the part of the trunk the BF16 kernels read
+    bf16_trunk_bytes: int          # the trunk matrices' bytes the dense (bf16.py) kernels read
     state_bytes: int               # KDA recurrent state and conv history, all KDA layers
     kv_bytes_per_position: int     # MLA latent + rope cache over all MLA layers (f32)
     exact: bool
@@ -239,15 +240,16 @@ class ModelSizes:
 
     @classmethod
     def from_config(cls, cfg: K3Config) -> "ModelSizes":
-        """Sizes implied by a config: matrices BF16, small vectors counted as F32 (the
-        dtype of a vector is only known from the header; F32 is the upper bound)."""
+        """Sizes implied by a config: matrices BF16 (the release's dtype), small vectors
+        counted as F32 (a dtype is only known from the header; F32 is the upper bound
+        for a vector). ``from_checkpoint`` counts the stored dtypes exactly."""
         layers, bf16 = [], 0
         for L in range(cfg.num_hidden_layers):
             total = 0
             for spec in inventory.layer_trunk(cfg, L):
                 shape = spec.shape if spec.shape is not None else (inventory.a_log_width(cfg),)
                 n = math.prod(shape)
-                if spec.dtypes == inventory.MATRIX:
+                if spec.kind == inventory.MATRIX:
                     total += 2 * n
                     bf16 += 2 * n
                 else:
@@ -260,18 +262,22 @@ class ModelSizes:
 
     @classmethod
     def from_checkpoint(cls, ckpt) -> "ModelSizes":
-        """Exact sizes from an opened ``libk3.io.checkpoint.Checkpoint``."""
+        """Exact sizes from an opened ``libk3.io.checkpoint.Checkpoint``, in the stored
+        dtypes; a tensor held widened once bound (F16) counts its widened copy too."""
         cfg = ckpt.config
         layers, bf16 = [], 0
         for L in range(cfg.num_hidden_layers):
             run = ckpt.layer_trunk_run(L)
-            layers.append(run.nbytes)
-            bf16 += sum(nb for _, nb, dtype, shape in run.tensors.values()
-                        if dtype == "BF16" and len(shape) == 2 and min(shape) > 1)
+            layers.append(run.nbytes + sum(bound_extra_bytes(dt, nb)
+                                           for _, nb, dt, _ in run.tensors.values()))
+            matrices = {s.name for s in inventory.layer_trunk(cfg, L) if s.kind == inventory.MATRIX}
+            bf16 += sum(nb + bound_extra_bytes(dt, nb)
+                        for name, (_, nb, dt, _) in run.tensors.items() if name in matrices)
         vec = sum(ckpt.entry(n).nbytes for n in
                   (names.NORM, names.OUTPUT_ATTN_RES_NORM, names.OUTPUT_ATTN_RES_PROJ))
+        head = ckpt.entry(names.LM_HEAD)
         return cls(tuple(layers), ckpt.entry(names.EMBED).nbytes,
-                   ckpt.entry(names.LM_HEAD).nbytes, vec, cfg.expert_bytes,
+                   head.nbytes + bound_extra_bytes(head.dtype, head.nbytes), vec, cfg.expert_bytes,
                    cfg.num_experts, cfg.num_experts_per_token, len(cfg.moe_layers), bf16,
                    _state_bytes(cfg), _kv_per_position(cfg), exact=True)
 

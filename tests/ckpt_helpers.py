@@ -39,10 +39,10 @@ def toy_config(**overrides):
     return config_from_dict(dict(TOY, **overrides), source="<toy>")
 
 
-def _dtype(name: str, allowed: tuple) -> str:
-    if allowed == inventory.PACKED:
+def _dtype(name: str, kind: str) -> str:
+    if kind == inventory.PACKED:
         return "U8"
-    if allowed == inventory.VECTOR and name.endswith(F32_SUFFIXES):
+    if kind == inventory.VECTOR and name.endswith(F32_SUFFIXES):
         return "F32"
     return "BF16"
 
@@ -66,7 +66,7 @@ def toy_plan(cfg=None, seed: int = 0) -> dict:
         tensors = []
         for spec in inventory.layer_trunk(cfg, L):
             shape = spec.shape if spec.shape is not None else (inventory.a_log_width(cfg),)
-            dtype = _dtype(spec.name, spec.dtypes)
+            dtype = _dtype(spec.name, spec.kind)
             tensors.append((spec.name, dtype, shape, _data(rng, spec.name, dtype, shape, cfg)))
         if not cfg.is_dense(L):
             for e in rng.permutation(cfg.num_experts):
@@ -75,8 +75,8 @@ def toy_plan(cfg=None, seed: int = 0) -> dict:
                                     _data(rng, spec.name, "U8", spec.shape, cfg)))
         plan[f"model-{L + 1:05d}-of-{n_shards:06d}.safetensors"] = tensors
     plan[f"model-{n_shards:05d}-of-{n_shards:06d}.safetensors"] = [
-        (spec.name, _dtype(spec.name, spec.dtypes), spec.shape,
-         _data(rng, spec.name, _dtype(spec.name, spec.dtypes), spec.shape, cfg))
+        (spec.name, _dtype(spec.name, spec.kind), spec.shape,
+         _data(rng, spec.name, _dtype(spec.name, spec.kind), spec.shape, cfg))
         for spec in inventory.model_level(cfg)]
     return plan
 
@@ -102,3 +102,30 @@ def write_toy(directory, plan: dict, cfg=None, index: bool = True,
 def shard_of_layer(plan: dict, L: int) -> str:
     prefix = names.layer_prefix(L)
     return next(f for f, ts in plan.items() if any(t[0].startswith(prefix) for t in ts))
+
+
+def rewrite_checkpoint(src, dst, convert) -> Path:
+    """Copy the checkpoint directory ``src`` to ``dst`` with some tensors re-stored:
+    ``convert(name, dtype, shape, raw uint8 array)`` returns None (keep the tensor) or
+    (new dtype, new bytes). Every shard keeps its tensors in their order, laid out back
+    to back, so names, shards, index and trunk runs keep the released layout."""
+    import shutil
+
+    from libk3.io.safetensors import read_header
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy2(f, dst / f.name)
+    for shard in sorted(src.glob("*.safetensors")):
+        blob = shard.read_bytes()
+        head = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])
+        tensors = []
+        for ent in read_header(shard):
+            raw = np.frombuffer(blob, np.uint8, ent.nbytes, ent.offset)
+            new = convert(ent.name, ent.dtype, ent.shape, raw)
+            dtype, data = new if new is not None else (ent.dtype, raw.tobytes())
+            tensors.append((ent.name, dtype, ent.shape, data))
+        write_shard(dst / shard.name, tensors, head.get("__metadata__"))
+    return dst

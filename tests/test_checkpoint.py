@@ -54,7 +54,7 @@ def _bad(tmp_path, plan, **kw):
 
 def test_checkpoint_reads_every_tensor_back_exactly(toy, plan):
     """Catches: offsets off by the header length, a table mixing up shards, widening
-    that differs from dtypes.widen, or read_raw/read_bf16 returning the wrong bytes."""
+    that differs from dtypes.widen, or read_raw/read_matrix returning the wrong bytes."""
     with Checkpoint.open(toy) as ck:
         for tensors in plan.values():
             for name, dtype, shape, data in tensors:
@@ -64,10 +64,10 @@ def test_checkpoint_reads_every_tensor_back_exactly(toy, plan):
                 want = widen(np.frombuffer(data, np.uint8), dtype, shape)
                 assert arr.shape == tuple(shape)
                 assert np.array_equal(arr.view(np.uint8), want.view(np.uint8)), name
-                if dtype == "BF16":
-                    bits = ck.read_bf16(name)
-                    assert bits.dtype == np.uint16 and bits.shape == tuple(shape)
-                    assert bits.tobytes() == data
+                if dtype in ("BF16", "F32"):
+                    m = ck.read_matrix(name)
+                    assert m.dtype == (np.uint16 if dtype == "BF16" else np.float32)
+                    assert m.shape == tuple(shape) and m.tobytes() == data
 
 
 def test_checkpoint_read_into_preallocated_out(toy):
@@ -332,12 +332,16 @@ def test_layer_trunk_run_refuses_gapped_trunk(tmp_path, plan):
             ck.layer_trunk_run(3)
 
 
-def test_read_bf16_refuses_other_dtypes(toy):
-    """Catches: handing F32 bytes to a BF16 kernel as pairs of 16-bit halves."""
+def test_read_matrix_keeps_the_stored_dtype_and_refuses_u8(toy):
+    """Catches: handing F32 bytes to a BF16 kernel as pairs of 16-bit halves, rounding an
+    F32 tensor to BF16, or treating packed U8 expert bytes as a float matrix."""
     with Checkpoint.open(toy) as ck:
-        ck.read_bf16(names.layer(1, "self_attn.q_proj.weight"))
-        with pytest.raises(CheckpointError, match="not BF16"):
-            ck.read_bf16(names.layer(1, "self_attn.A_log"))
+        assert ck.read_matrix(names.layer(1, "self_attn.q_proj.weight")).dtype == np.uint16
+        a_log = names.layer(1, "self_attn.A_log")                   # stored F32
+        got = ck.read_matrix(a_log)
+        assert got.dtype == np.float32 and got.tobytes() == ck.read_raw(a_log).tobytes()
+        with pytest.raises(CheckpointError, match="not a float matrix"):
+            ck.read_matrix(names.expert(1, 0, "w1", "weight_packed"))
         with pytest.raises(CheckpointError, match="no such tensor"):
             ck.read(names.layer(1, "self_attn.nope"))
 

@@ -233,7 +233,7 @@ def test_hwprobe_kernel_shapes_are_one_decode_step_of_the_model():
     cfg = load_config(FIXTURE)
     bf16, mx = hwprobe.kernel_shapes(cfg)
     mats = [sp for L in range(cfg.num_hidden_layers) for sp in inventory.layer_trunk(cfg, L)
-            if sp.dtypes == inventory.MATRIX]
+            if sp.kind == inventory.MATRIX]
     assert sum(bf16.values()) == len(mats) + 1
     assert bf16[(cfg.vocab_size, cfg.hidden_size)] >= 1
     assert sum(mx.values()) == 3 * len(cfg.moe_layers) * cfg.num_experts_per_token

@@ -89,3 +89,28 @@ def test_trace_record_wrapper_and_size(tiny_dir, tmp_path):
     assert any(not s["feasible"] for s in rep["splits"])
     p = run("k3-trace", "size", trace, "--budget-gb", "0.006", "--pack", pack)
     assert p.returncode == 2 and "--seq-mbps" in p.stderr
+
+
+def test_trace_record_never_runs_a_k3_run_found_on_path(tiny_dir, tmp_path):
+    """Catches a record command that starts whatever `k3-run` comes first on PATH (another
+    install, or none at all outside a venv) instead of the k3 beside this k3-trace."""
+    import os
+    import shutil
+    import sys
+
+    decoy = tmp_path / "bin"
+    decoy.mkdir()
+    (decoy / "k3-run").write_text("#!/bin/sh\nexit 97\n")
+    (decoy / "k3-run").chmod(0o755)
+    env = dict(os.environ, PATH=f"{decoy}{os.pathsep}{os.environ.get('PATH', '')}")
+    k3_trace = shutil.which("k3-trace") or os.path.join(os.path.dirname(sys.executable), "k3-trace")
+    control = subprocess.run(["k3-run", "--version"], env=env, capture_output=True)
+    assert control.returncode == 97                   # the decoy is what PATH finds
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("The capital of France is")
+    trace = tmp_path / "t.k3trace"
+    p = subprocess.run([k3_trace, "record", str(tiny_dir), str(trace), "--prompt-file",
+                        str(prompt), "--gen", "2"], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert TraceReader(trace).read_all().size > 0

@@ -7,6 +7,9 @@ Does not own: generation (``libk3.engine.generate``) or the CLI.
 Input line: {"id": str|int (required, unique), "prompt": str | "ids": [int] (exactly one),
 optional "gen", "temperature", "top_p", "seed", "stop" (list of str), "stop_ids"}.
 A malformed line is reported with its line number and skipped; it never stops the batch.
+Lines are split on b"\n" only (U+2028 and U+2029 are legal inside a JSON string, and a
+trailing \r is JSON whitespace) and each is decoded as strict UTF-8: invalid bytes are
+that line's error, never replaced.
 """
 
 from __future__ import annotations
@@ -22,7 +25,16 @@ class BatchLineError(ValueError):
     pass
 
 
-def parse_line(text: str, vocab_size: int) -> dict:
+def read_lines(path):
+    """(line number from 1, raw bytes) of every line of a batch file, split on b"\n" only."""
+    return enumerate(Path(path).read_bytes().split(b"\n"), start=1)
+
+
+def parse_line(line: bytes, vocab_size: int) -> dict:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BatchLineError(f"not valid UTF-8 at byte offset {e.start} of the line") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:

@@ -11,11 +11,10 @@ import contextlib
 import dataclasses
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 
-from ..errors import BudgetError, UsageError
+from ..errors import BudgetError, FormatError, UsageError
 from ..model.state import State
 from ..trace import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
@@ -111,13 +110,29 @@ class Run:
         rec["phase"] = PHASE_PREFILL if phase == "prefill" else PHASE_DECODE
         self.trace.append_records(rec)
 
-    def encode(self, text: str) -> list:
-        tok = self.session.tokenizer
-        if tok is None:
+    def _tokenizer(self):
+        if self.session.tokenizer is None:
             raise UsageError("this model has no tokenizer (tiktoken.model); use --ids")
-        ids = tok.encode(text)
+        return self.session.tokenizer
+
+    def encode(self, text: str) -> list:
+        ids = self._tokenizer().encode(text)
         if not ids:
             raise UsageError("the prompt encodes to no tokens")
+        return ids
+
+    def encode_file(self, path) -> list:
+        """Token ids of a prompt file's exact text (``prompt_file``); FormatError when
+        the file, or its tokens, exceed the model's context."""
+        from ..config import context_length
+        from .prompt_file import prompt_byte_bound, read_prompt_file
+
+        context = context_length(self.opts.model)
+        bound = prompt_byte_bound(context, self._tokenizer().longest_rank_bytes)
+        ids = self.encode(read_prompt_file(path, bound))
+        if len(ids) > context:
+            raise FormatError("prompt is longer than the model's context", path=path,
+                              expected=f"<= {context} tokens", found=f"{len(ids)} tokens")
         return ids
 
     def report(self, res, extra=None) -> dict:
@@ -234,8 +249,7 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary) ->
     batchfile.repair_tail(out_path)
     done = batchfile.done_ids(out_path)
     seen = set()
-    lines = Path(batch_path).read_text(encoding="utf-8", errors="replace").splitlines()
-    for lineno, line in enumerate(lines, start=1):
+    for lineno, line in batchfile.read_lines(batch_path):
         if not line.strip():
             continue
         try:

@@ -39,7 +39,7 @@ from .. import names
 from ..config import K3Config, load_config
 from ..errors import CheckpointError, K3IOError
 from . import inventory
-from .dtypes import widen
+from .dtypes import matrix_operand, widen
 from .safetensors import TensorEntry, pread_into, read_header, shard_extent
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -337,13 +337,14 @@ class Checkpoint:
         np.copyto(view, arr)
         return view
 
-    def read_bf16(self, name: str) -> np.ndarray:
-        """Raw BF16 bit patterns (uint16) shaped, for kernels that widen on the fly."""
+    def read_matrix(self, name: str) -> np.ndarray:
+        """A float tensor shaped as the dense kernels take it, in its stored dtype
+        (``dtypes.matrix_operand``: BF16 bits as uint16, F32 as float32, F16 widened)."""
         ent = self.entry(name)
-        if ent.dtype != "BF16":
-            raise CheckpointError("tensor is not BF16", path=ent.path, tensor=name,
-                                  expected="BF16", found=ent.dtype)
-        return self.read_raw(name).view("<u2").reshape(ent.shape)
+        if ent.dtype not in inventory.FLOAT:
+            raise CheckpointError("tensor is not a float matrix", path=ent.path, tensor=name,
+                                  expected="/".join(inventory.FLOAT), found=ent.dtype)
+        return matrix_operand(self.read_raw(name), ent.dtype, ent.shape)
 
     def read_span(self, path: str, offset: int, nbytes: int,
                   out: np.ndarray | None = None) -> np.ndarray:

@@ -1,8 +1,9 @@
 """Dtype facts and exact numpy conversions shared by reader, pack, synth, reference, tests.
 
 Owns: safetensors dtype item sizes, BF16/F16 -> F32 widening, F32 -> BF16 rounding (for
-writing synthetic checkpoints). Does not own: the numba kernels' on-the-fly widening
-(``libk3.kernels``), which must agree with ``bf16_to_f32`` bit for bit.
+writing synthetic checkpoints), and the one rule for handing a float matrix of any stored
+dtype to the dense kernels (``matrix_operand``). Does not own: the numba kernels'
+on-the-fly widening (``libk3.kernels``), which must agree with ``bf16_to_f32`` bit for bit.
 """
 
 from __future__ import annotations
@@ -45,3 +46,28 @@ def widen(raw: np.ndarray, dtype: str, shape) -> np.ndarray:
     if dtype == "F32":
         return raw.view("<f4").astype(np.float32).reshape(shape)
     raise ValueError(f"unknown dtype {dtype}")
+
+
+def matrix_operand(raw: np.ndarray, dtype: str, shape) -> np.ndarray:
+    """A float matrix's little-endian bytes (uint8) as the dense kernels take it, exactly
+    as stored: BF16 as uint16 bit patterns (widened inside the kernels), F32 as float32
+    (never rounded to BF16), both views of ``raw`` when it is aligned for them, else
+    copies; F16 widened to float32 (numba has no CPU float16; every F16 is exact in F32).
+    ValueError for a dtype that is not a float."""
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+    if dtype == "F16":
+        return raw.view("<f2").astype(np.float32).reshape(shape)
+    view = {"BF16": np.uint16, "F32": np.float32}.get(dtype)
+    if view is None:
+        raise ValueError(f"{dtype} is not a float dtype")
+    if raw.ctypes.data % np.dtype(view).itemsize:
+        raw = raw.copy()
+    return raw.view(view).reshape(shape)
+
+
+def bound_extra_bytes(dtype: str, nbytes: int) -> int:
+    """Bytes a float tensor of ``nbytes`` stored bytes costs in RAM beyond them once bound
+    for the forward pass: an F16 tensor is held widened to F32 next to its stored bytes
+    (2 more bytes per element); BF16 matrices and F32 tensors are used as stored. (BF16
+    vectors are widened too; vectors are a few KB per layer, inside the fixed overhead.)"""
+    return 2 * nbytes if dtype == "F16" else 0

@@ -5,8 +5,12 @@ Owns: the expected inventory derived from a config (spec K3-MODEL.md sections 3.
 accepts. Does not own: reading headers (``libk3.io.safetensors``) or choosing dtypes
 for synthetic files (``libk3.synth``).
 
-Large matrices must be BF16 (verified for the release). Small vectors' dtypes are
-unverified (spec 3.4), so any of BF16/F16/F32 is accepted and widened on load.
+Every float tensor, matrix or vector, may be BF16, F16 or F32: the release stores
+matrices as BF16, but safetensors allows any float dtype and other writers use F32 (the
+public engine's test generator writes the router ``gate.weight`` as F32), so each is
+computed with exactly the dtype its header gives (``libk3.io.dtypes.matrix_operand``).
+Routed experts are MXFP4 (U8) only. A spec's ``kind`` says how the forward pass uses the
+tensor: a MATRIX goes to the dense kernels, a VECTOR is widened to float32.
 """
 
 from __future__ import annotations
@@ -16,16 +20,21 @@ import dataclasses
 from .. import names
 from ..config import MXFP4_GROUP, K3Config
 
-MATRIX = ("BF16",)
-VECTOR = ("BF16", "F16", "F32")
-PACKED = ("U8",)
+MATRIX, VECTOR, PACKED = "matrix", "vector", "packed"
+FLOAT = ("BF16", "F16", "F32")
+DTYPES = {MATRIX: FLOAT, VECTOR: FLOAT, PACKED: ("U8",)}
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     name: str
     shape: tuple
-    dtypes: tuple      # accepted dtypes
+    kind: str          # MATRIX, VECTOR or PACKED
+
+    @property
+    def dtypes(self) -> tuple:
+        """The dtypes a checkpoint may store this tensor in."""
+        return DTYPES[self.kind]
 
 
 def a_log_width(cfg: K3Config) -> int:
@@ -46,7 +55,7 @@ def model_level(cfg: K3Config) -> list:
 
 
 def _suffix_shapes(cfg: K3Config, L: int) -> dict:
-    """suffix -> (shape, dtypes) for every trunk tensor of layer L."""
+    """suffix -> (shape, kind) for every trunk tensor of layer L."""
     E = cfg.hidden_size
     out = {
         "input_layernorm.weight": ((E,), VECTOR),
@@ -114,8 +123,8 @@ def _suffix_shapes(cfg: K3Config, L: int) -> dict:
 def layer_trunk(cfg: K3Config, L: int) -> list:
     """TensorSpecs of layer L's non-expert tensors. A_log's shape is None: any (n,) with
     n >= num_heads is legal (checked with its zero padding by the reader)."""
-    return [TensorSpec(names.layer(L, sfx), shape, dtypes)
-            for sfx, (shape, dtypes) in _suffix_shapes(cfg, L).items()]
+    return [TensorSpec(names.layer(L, sfx), shape, kind)
+            for sfx, (shape, kind) in _suffix_shapes(cfg, L).items()]
 
 
 def expert_shapes(cfg: K3Config) -> dict:

@@ -448,12 +448,15 @@ class K3Tokenizer:
     slots), ``special_ids`` {content: id}, ``pat_str`` and ``pat_source`` (where the split
     regex came from), ``pat_fallback`` (True when tokenization_kimi.py was absent and the
     built-in K3_PAT_STR was used), ``hf`` (the spec-8.5 ``tokenizers.Tokenizer``),
-    ``whole_only_ranks`` (multi-byte ranks with no two-part BPE derivation)."""
+    ``whole_only_ranks`` (multi-byte ranks with no two-part BPE derivation),
+    ``longest_rank_bytes`` (bytes of the longest BPE rank: text of n bytes encodes, without
+    specials, to at least n / longest_rank_bytes tokens)."""
 
     def __init__(self, ranks: list, specials: dict, pat_str: str, *, pat_source: str,
                  pat_fallback: bool, vocab_size=None, path=None):
         self.path = None if path is None else str(path)
         self.n_ranks = len(ranks)
+        self.longest_rank_bytes = max(map(len, ranks), default=1)
         top = max(specials, default=self.n_ranks - 1) + 1
         self.vocab_size = max(self.n_ranks, top) if vocab_size is None else vocab_size
         slots = dict(specials)

@@ -5,13 +5,14 @@ provider, ``ResidentWeights``, which reads every tensor once from a checkpoint i
 Does not own: streaming, pinning or caching (``libk3.stream``), which implement the same
 interface so the math never changes with the budget.
 
-Interface: ``model()`` -> dict(lm_head: uint16 BF16 bits [V, E]; norm,
-output_attn_res_norm, output_attn_res_proj: float32); ``embed(ids)`` -> [T, E] float32
-rows (the streamed provider reads just those rows: 14 KB each instead of a resident
-2.35 GB table); ``layer(L)`` -> mapping suffix ->
-array (BF16 matrices stay uint16 bits, widened on the fly by the kernels; small vectors
-are float32); ``release(L)`` when the forward is done with layer L; ``experts(L, ids)`` ->
-{id: (w1_packed, w1_scale, w2_packed, w2_scale, w3_packed, w3_scale)} uint8 arrays.
+Interface: ``model()`` -> dict(lm_head: a matrix [V, E]; norm, output_attn_res_norm,
+output_attn_res_proj: float32); ``embed(ids)`` -> [T, E] float32 rows (the streamed
+provider reads just those rows: 14 KB each instead of a resident 2.35 GB table);
+``layer(L)`` -> mapping suffix -> array; ``release(L)`` when the forward is done with
+layer L; ``experts(L, ids)`` -> {id: (w1_packed, w1_scale, w2_packed, w2_scale, w3_packed,
+w3_scale)} uint8 arrays. A matrix is in its stored dtype, as ``io.dtypes.matrix_operand``
+gives it (BF16 as uint16 bits widened on the fly by the kernels, F32 as float32, F16
+widened to float32); vectors are float32. Every float dtype is computed exactly.
 """
 
 from __future__ import annotations
@@ -21,17 +22,17 @@ import numpy as np
 from .. import names
 from ..config import K3Config
 from ..io import inventory
-from ..io.dtypes import bf16_to_f32
+from ..io.dtypes import widen
 
 
 def load_layer(ckpt, cfg: K3Config, L: int) -> dict:
-    """Read layer L's trunk tensors: matrices as BF16 bits, vectors widened to f32."""
+    """Read layer L's trunk tensors: matrices in their stored dtype, vectors as f32."""
     out = {}
     prefix = names.layer_prefix(L)
     for spec in inventory.layer_trunk(cfg, L):
         suffix = spec.name[len(prefix):]
-        if spec.dtypes == inventory.MATRIX:
-            out[suffix] = ckpt.read_bf16(spec.name)
+        if spec.kind == inventory.MATRIX:
+            out[suffix] = ckpt.read_matrix(spec.name)
         else:
             out[suffix] = np.ascontiguousarray(ckpt.read(spec.name), dtype=np.float32)
     return out
@@ -48,7 +49,7 @@ def split_expert_run(run, raw: np.ndarray) -> tuple:
 
 def load_model_level(ckpt) -> dict:
     return {
-        "lm_head": ckpt.read_bf16(names.LM_HEAD),
+        "lm_head": ckpt.read_matrix(names.LM_HEAD),
         "norm": ckpt.read(names.NORM).astype(np.float32),
         "output_attn_res_norm": ckpt.read(names.OUTPUT_ATTN_RES_NORM).astype(np.float32),
         "output_attn_res_proj": ckpt.read(names.OUTPUT_ATTN_RES_PROJ).astype(np.float32).reshape(-1),
@@ -62,7 +63,9 @@ class ResidentWeights:
         self.cfg = ckpt.config
         cfg = self.cfg
         self._model = load_model_level(ckpt)
-        self._embed = ckpt.read_bf16(names.EMBED)
+        ent = ckpt.entry(names.EMBED)
+        self._embed_dtype = ent.dtype
+        self._embed = ckpt.read_raw(names.EMBED).reshape(ent.shape[0], -1)   # (V, row bytes)
         self._layers = [load_layer(ckpt, cfg, L) for L in range(cfg.num_hidden_layers)]
         self._experts = {}
         for L in cfg.moe_layers:
@@ -82,7 +85,8 @@ class ResidentWeights:
         return self._model
 
     def embed(self, ids) -> np.ndarray:
-        return bf16_to_f32(self._embed[np.asarray(ids)])
+        ids = np.asarray(ids)
+        return widen(self._embed[ids], self._embed_dtype, (len(ids), self.cfg.hidden_size))
 
     def layer(self, L: int) -> dict:
         return self._layers[L]
@@ -120,14 +124,14 @@ class StreamedWeights:
         return self._model
 
     def embed(self, ids) -> np.ndarray:
-        """Read just the rows of ``ids`` from the shard (positioned reads)."""
-        E = self.cfg.hidden_size
-        row = 2 * E
-        out = np.empty((len(ids), E), np.uint16)
+        """Read just the rows of ``ids`` from the shard (positioned reads), in the
+        embedding's stored dtype, widened to f32."""
+        ent = self._embed
+        row = ent.nbytes // ent.shape[0]
+        raw = np.empty((len(ids), row), np.uint8)
         for t, i in enumerate(ids):
-            self._ckpt.read_span(self._embed.path, self._embed.offset + int(i) * row, row,
-                                 out[t].view(np.uint8))
-        return bf16_to_f32(out)
+            self._ckpt.read_span(ent.path, ent.offset + int(i) * row, row, raw[t])
+        return widen(raw, ent.dtype, (len(ids), self.cfg.hidden_size))
 
     def layer(self, L: int) -> dict:
         return self.trunk.layer(L)

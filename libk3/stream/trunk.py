@@ -28,7 +28,7 @@ from .. import names
 from ..config import K3Config
 from ..errors import BudgetError
 from ..io import inventory
-from ..io.dtypes import widen
+from ..io.dtypes import bound_extra_bytes, matrix_operand, widen
 from .direct import FileSet, aligned_empty, window_bytes
 
 
@@ -47,6 +47,11 @@ class LayerRun:
     def __init__(self, layer, path, offset, nbytes, tensors):
         self.layer, self.path, self.offset, self.nbytes = layer, str(path), offset, nbytes
         self.tensors = tensors        # suffix -> (suboffset, nbytes, dtype, shape)
+
+    @property
+    def held_bytes(self) -> int:
+        """RAM the layer costs once bound: its run plus any F16 tensor's widened copy."""
+        return self.nbytes + sum(bound_extra_bytes(dt, nb) for _, nb, dt, _ in self.tensors.values())
 
 
 def runs_from_checkpoint(ckpt) -> list:
@@ -106,11 +111,11 @@ class TrunkStreamer:
         self.cfg = cfg
         self.runs = runs
         self.files = files
-        self.pinned_plan, capacities = plan_trunk([r.nbytes for r in runs], budget)
+        self.pinned_plan, capacities = plan_trunk([r.held_bytes for r in runs], budget)
         self.n_slots = len(capacities)
         self.slot_bytes = [window_bytes(c) for c in capacities]
         self.matrix = [{spec.name[len(names.layer_prefix(L)):]
-                        for spec in inventory.layer_trunk(cfg, L) if spec.dtypes == inventory.MATRIX}
+                        for spec in inventory.layer_trunk(cfg, L) if spec.kind == inventory.MATRIX}
                        for L in range(cfg.num_hidden_layers)]
         self.pinned: dict = {}
         self.ring = [i for i in range(len(runs)) if i not in self.pinned_plan]
@@ -150,14 +155,13 @@ class TrunkStreamer:
         return base
 
     def _bind(self, L: int, buf, base: int) -> dict:
-        """suffix -> array: BF16 matrices as uint16 views of ``buf``, vectors widened."""
+        """suffix -> array: matrices in the dtype the run records for them (views of
+        ``buf`` when aligned, ``matrix_operand``), vectors widened to f32."""
         out = {}
         for sfx, (sub, nb, dt, shape) in self.runs[L].tensors.items():
             raw = buf[base + sub: base + sub + nb]
-            if sfx in self.matrix[L] and dt == "BF16" and (base + sub) % 2 == 0:
-                out[sfx] = raw.view(np.uint16).reshape(shape)
-            elif sfx in self.matrix[L] and dt == "BF16":
-                out[sfx] = raw.copy().view(np.uint16).reshape(shape)
+            if sfx in self.matrix[L]:
+                out[sfx] = matrix_operand(raw, dt, shape)
             else:
                 out[sfx] = np.ascontiguousarray(widen(raw, dt, shape), dtype=np.float32)
         self.stats["binds"] += 1

@@ -47,10 +47,10 @@ def shard_name(i: int, n: int) -> str:
     return f"model-{i:05d}-of-{n:06d}.safetensors"
 
 
-def _dtype_for(name: str, allowed: tuple) -> str:
-    if allowed == inventory.PACKED:
+def _dtype_for(name: str, kind: str) -> str:
+    if kind == inventory.PACKED:
         return "U8"
-    if allowed == inventory.MATRIX:
+    if kind == inventory.MATRIX:
         return "BF16"
     return "F32" if name.endswith(F32_SUFFIXES) else "BF16"
 
@@ -177,7 +177,7 @@ def _layer_tensors(cfg, L, seed, sparse):
     out = []
     for spec in inventory.layer_trunk(cfg, L):
         shape = spec.shape if spec.shape is not None else (inventory.a_log_width(cfg),)
-        dtype = _dtype_for(spec.name, spec.dtypes)
+        dtype = _dtype_for(spec.name, spec.kind)
         data = None if sparse else (lambda s=spec, sh=shape, d=dtype:
                                     _encoded_chunks(cfg, s.name, sh, d, seed))
         out.append((spec.name, dtype, shape, data))
@@ -273,7 +273,7 @@ def synth_checkpoint(out_dir, preset: str = "tiny", seed: int = 0, progress: boo
         for g in groups:
             if g == "model":
                 for spec in inventory.model_level(cfg):
-                    dtype = _dtype_for(spec.name, spec.dtypes)
+                    dtype = _dtype_for(spec.name, spec.kind)
                     data = None if sparse else (lambda s=spec, d=dtype:
                                                 _encoded_chunks(cfg, s.name, s.shape, d, seed))
                     tensors.append((spec.name, dtype, spec.shape, data))

@@ -46,7 +46,8 @@ class _Printer:
               help="Pack directory made by k3-pack (else the trunk is read from the shards).")
 @click.option("--prompt", help="Prompt text (needs the model's tokenizer).")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False),
-              help="Read the prompt verbatim from a file.")
+              help="Read the prompt from a file, byte for byte (CRLF kept; must be UTF-8 "
+                   "and fit the model's context).")
 @click.option("--ids", help="Prompt as comma-separated token ids.")
 @click.option("--batch", type=click.Path(exists=True, dir_okay=False),
               help="JSONL prompts (id, prompt|ids, optional gen/temperature/top_p/seed/stop).")
@@ -155,9 +156,10 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
             return
         if ids is not None:
             prompt_ids = runner.parse_ids(ids, run.cfg.vocab_size)
+        elif prompt_file is not None:
+            prompt_ids = run.encode_file(prompt_file)
         else:
-            text = prompt if prompt is not None else open(prompt_file, encoding="utf-8").read()
-            prompt_ids = run.encode(text)
+            prompt_ids = run.encode(prompt)
         printer = None if json_out else _Printer(run.session.tokenizer)
         res = runner.run_one(run, prompt_ids, settings, on_token=printer,
                              keep_logits=logits_out is not None, load_state=load_state,

@@ -131,17 +131,16 @@ def record(model, out, prompt_file, batch, run_args):
     """Run MODEL exactly as k3-run does and record every expert request to OUT.
 
     A thin wrapper over `k3-run --trace OUT` (one recording path): any further k3-run
-    option (--pack, --preset, --trunk-gb, --cache-gb, --gen, ...) is passed through."""
-    import os
+    option (--pack, --preset, --trunk-gb, --cache-gb, --gen, ...) is passed through.
+    k3-run is started as this interpreter's `-m k3_run`, never looked up on PATH, so the
+    recording always runs the k3 installed beside this k3-trace."""
     import subprocess
     import sys
     import tempfile
 
-    from libk3.errors import UsageError
-
     if (prompt_file is None) == (batch is None):
         raise UsageError("give exactly one of --prompt-file and --batch")
-    args = ["k3-run", model, "--trace", out, *run_args]
+    args = [sys.executable, "-m", "k3_run", model, "--trace", out, *run_args]
     with tempfile.TemporaryDirectory() as tmp:      # batch results are not kept
         if prompt_file:
             args += ["--prompt-file", prompt_file]

@@ -1,0 +1,49 @@
+"""Prompt files: the exact text of a ``--prompt-file``, or a one-line refusal.
+
+Owns: reading a prompt file as bytes (CRLF and lone CR kept: no newline translation),
+strict UTF-8 decoding (invalid bytes refused with their offset, never replaced), and the
+size bound that lets a prompt too large for the model's context be refused before it is
+read. Does not own: tokenization (``libk3.io.tokenizer``) or the context length
+(``libk3.config.context_length``).
+
+The bound: every token of a prompt (encoded without specials) is one BPE rank, at least
+one byte and at most ``longest_rank_bytes`` of the text. So a file of n bytes encodes to
+between n / longest_rank_bytes and n tokens: a file over context x longest_rank_bytes
+bytes cannot fit and is refused from its size; one at or under it is read (at most that
+many bytes) and its token count checked exactly after encoding.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import FormatError, K3IOError
+
+
+def prompt_byte_bound(context_tokens: int, longest_rank_bytes: int) -> int:
+    """The largest prompt file, in bytes, that could encode to ``context_tokens`` tokens."""
+    return context_tokens * longest_rank_bytes
+
+
+def read_prompt_file(path, max_bytes: int) -> str:
+    """The file's text exactly as stored. FormatError naming the file when it is larger
+    than ``max_bytes`` (checked before reading it; a file that grows while being read is
+    caught at max_bytes + 1) or is not valid UTF-8 (with the byte offset)."""
+    too_big = "prompt file is larger than the model's context can hold"
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise FormatError(too_big, path=path, expected=f"<= {max_bytes} bytes",
+                                  found=f"{size} bytes")
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise K3IOError(f"cannot read the prompt file: {e.strerror}", path=path) from None
+    if len(data) > max_bytes:
+        raise FormatError(too_big, path=path, expected=f"<= {max_bytes} bytes",
+                          found=f"more than {max_bytes} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"prompt file is not valid UTF-8 at byte offset {e.start}",
+                          path=path, found=repr(data[e.start:e.start + 4])) from None

@@ -1,0 +1,14 @@
+"""The package list for setuptools; every other setting is in pyproject.toml.
+
+``libk3`` and all its subpackages are found automatically, so a new subpackage can never
+be left out of a wheel (a hand-written list once omitted ``libk3.engine`` and
+``libk3.stream``). The four front ends live in ``tools/k3-*``, directory names that are
+not importable, so each is mapped to its package name here.
+"""
+
+from setuptools import find_packages, setup
+
+TOOLS = {"k3_doctor": "tools/k3-doctor", "k3_pack": "tools/k3-pack",
+         "k3_run": "tools/k3-run", "k3_trace": "tools/k3-trace"}
+
+setup(packages=find_packages(include=["libk3", "libk3.*"]) + list(TOOLS), package_dir=TOOLS)
