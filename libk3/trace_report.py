@@ -29,6 +29,7 @@ GB = 10**9
 
 def _scan(reader: TraceReader):
     """One pass over the frames: replay keys, per-phase counts and token identities."""
+    reader.require_replayable()
     ne = reader.header.n_experts
     keys, phase_counts = [], np.zeros(len(PHASE_NAMES), np.int64)
     tokens, unknown_pos = set(), 0
