@@ -120,19 +120,26 @@ def test_batch_out_drops_only_a_torn_last_line_of_k3_results(tiny_dir, tmp_path)
 
 # ---- outputs on a full disk ------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def warm(tiny_dir):
+    """One plain run first (control): the kernels are loaded before a run under a file
+    size limit, and the run itself succeeds."""
+    res = invoke(run_main, [tiny_dir, "--ids", "1,2,3", "--gen", "1"], seconds=300)
+    assert res.code == 0, res.stderr
+
+
 @pytest.mark.parametrize("flag,name,room", [
     ("--save-state", "s.k3state", 1024), ("--logits-out", "l.npy", 1024),
     ("--report-json", "r.json", 1024), ("--trace", "t.k3trace", 512)])    # header fits
-def test_output_on_a_full_disk_keeps_the_old_file_and_names_it(tiny_dir, tmp_path, flag, name,
-                                                                room):
+def test_output_on_a_full_disk_keeps_the_old_file_and_names_it(tiny_dir, tmp_path, warm, flag,
+                                                                name, room):
     """Catches an output written in place (the old file is gone and the new one is half
     written) or a disk-full error that does not say which file (exit 5)."""
     target = tmp_path / name
     target.write_bytes(b"OLD CONTENT")
-    args = [tiny_dir, "--ids", "1,2,3", "--gen", "2", flag, target, "--json"]
-    assert invoke(run_main, args[:-3], seconds=120).code == 0             # warm, control
     with disk_full_after(room):
-        res = invoke(run_main, args, seconds=120)
+        res = invoke(run_main, [tiny_dir, "--ids", "1,2,3", "--gen", "1", flag, target,
+                                "--json"], seconds=120)
     if target.read_bytes() != b"OLD CONTENT":
         fail("data-lost", f"{target} now holds {target.read_bytes()[:40]!r}")
     _no_strays(tmp_path, {name, name + tr.PARTIAL_SUFFIX})    # a failed run's trace
@@ -172,14 +179,12 @@ def _model_with_config(tiny_dir, d, text):
     return d
 
 
-@pytest.mark.parametrize("name", ["layers 1e9", "experts 65535", "nested"])
+@pytest.mark.parametrize("name", ["layers 1e9", "nested"])
 def test_process_implausible_config_is_refused_in_small_memory(tiny_dir, tmp_path, name):
-    """Catches work sized by the config's numbers before the shards are compared."""
+    """Catches work sized by the config's numbers before the shards are compared (more
+    sizes in-process: tests/test_hostile_files.py)."""
     doc = json.loads((tiny_dir / "config.json").read_text())
-    if name == "layers 1e9":
-        doc["text_config"]["num_hidden_layers"] = 10**9
-    elif name == "experts 65535":
-        doc["text_config"]["num_experts"] = 65535
+    doc["text_config"]["num_hidden_layers"] = 10**9
     text = NESTED if name == "nested" else json.dumps(doc)
     d = _model_with_config(tiny_dir, tmp_path / "m", text)
     p = run_script([script("k3-run"), d, "--ids", "1", "--gen", "1"], timeout=60)
