@@ -28,7 +28,7 @@ from libk3.model.state import State
 from libk3.trace_report import replay_report, trace_stats
 
 from .conftest import TINY
-from .hostile import call, check_clean, check_refused
+from .hostile import call, check_clean, check_refused, fail
 
 HYP = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                  HealthCheck.too_slow])
@@ -367,7 +367,8 @@ def test_trace_crashed_run_never_leaves_a_complete_trace(tmp_path, monkeypatch):
         with runner.open_run(runner.RunOptions(model="m", trace_path=str(final))) as run:
             run.session = type("S", (), {"weights": Closed(), "ckpt": Closed()})()
             raise RuntimeError("the run failed")
-    assert not final.exists(), "a failed run published its trace as complete"
+    if final.exists():
+        fail("exit0", f"a failed run published {final} as a complete trace")
     partial = final.with_name(final.name + tr.PARTIAL_SUFFIX)
     with pytest.raises(Exception, match="end marker"):
         tr.TraceReader(partial).read_all()
