@@ -6,12 +6,9 @@ whose peak RSS is read from wait4 (README "Exit codes", "Batch files"; tests/hos
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import resource
 import signal
-import struct
-import zlib
 
 import numpy as np
 import pytest
@@ -23,8 +20,8 @@ from libk3 import trace as tr
 
 from .hostile import (check_clean, check_process_refused, check_refused, fail, invoke,
                       run_script, script)
+from .hostile_inputs import NESTED, craft_state, model_with_config, small_trace
 
-NESTED = "[" * 100_000 + "]" * 100_000
 
 
 @contextlib.contextmanager
@@ -170,15 +167,6 @@ def test_trace_import_on_a_full_disk_names_the_output(tmp_path):
 
 # ---- real processes: bounded memory ---------------------------------------------------------
 
-def _model_with_config(tiny_dir, d, text):
-    d.mkdir()
-    for f in tiny_dir.iterdir():
-        if f.name != "config.json":
-            (d / f.name).symlink_to(f)
-    (d / "config.json").write_text(text)
-    return d
-
-
 @pytest.mark.parametrize("name", ["layers 1e9", "nested"])
 def test_process_implausible_config_is_refused_in_small_memory(tiny_dir, tmp_path, name):
     """Catches work sized by the config's numbers before the shards are compared (more
@@ -186,33 +174,15 @@ def test_process_implausible_config_is_refused_in_small_memory(tiny_dir, tmp_pat
     doc = json.loads((tiny_dir / "config.json").read_text())
     doc["text_config"]["num_hidden_layers"] = 10**9
     text = NESTED if name == "nested" else json.dumps(doc)
-    d = _model_with_config(tiny_dir, tmp_path / "m", text)
+    d = model_with_config(tiny_dir, tmp_path / "m", text)
     p = run_script([script("k3-run"), d, "--ids", "1", "--gen", "1"], timeout=60)
     check_process_refused(p, 3, str(d))
-
-
-def _trace_with_header(path, **over):
-    rec = np.zeros(50, tr.RECORD_DTYPE)
-    rec["layer"], rec["expert"] = np.arange(50) % 4, np.arange(50) % 8
-    header = tr.TraceHeader(checkpoint="x", expert_bytes=1000, n_layers=4, n_experts=8,
-                            top_k=2, source="k3-run", created_by="test")
-    with tr.TraceWriter(path, header) as w:
-        w.append_records(rec)
-    if over:
-        blob = path.read_bytes()
-        _, version, hlen, _ = tr.FILE_HEAD.unpack_from(blob)
-        doc = json.loads(blob[tr.FILE_HEAD.size:tr.FILE_HEAD.size + hlen])
-        doc.update(over)
-        text = json.dumps(doc).encode()
-        path.write_bytes(tr.FILE_HEAD.pack(tr.MAGIC, version, len(text), zlib.crc32(text))
-                         + text + blob[tr.FILE_HEAD.size + hlen:])
-    return path
 
 
 @pytest.mark.parametrize("cmd", ["stats", "replay"])
 def test_process_trace_header_of_65535_by_65535_stays_small(tmp_path, cmd):
     """Catches per-key arrays sized by the header's n_layers x n_experts (4.3e9 keys)."""
-    p = _trace_with_header(tmp_path / "big.k3trace", n_layers=65535, n_experts=65535)
+    p = small_trace(tmp_path / "big.k3trace", n_layers=65535, n_experts=65535)
     args = [script("k3-trace"), cmd, p] + (["--slots", "20"] if cmd == "replay" else [])
     proc = run_script(args, timeout=60)
     check_process_refused(proc, 3, str(p))
@@ -221,7 +191,7 @@ def test_process_trace_header_of_65535_by_65535_stays_small(tmp_path, cmd):
 def test_process_replay_of_1e12_slots_stays_small(tmp_path):
     """Catches per-slot arrays in replay: 10^12 slots hold every key, the answer is the
     ceiling, computed in the memory of the keys."""
-    p = _trace_with_header(tmp_path / "t.k3trace")
+    p = small_trace(tmp_path / "t.k3trace")
     proc = run_script([script("k3-trace"), "replay", p, "--slots", "1000000000000", "--json"],
                       timeout=60)
     if proc.code != 0:
@@ -242,20 +212,15 @@ def _crafted_state(tiny_dir, tmp_path, pos):
     st.pos, st.ids = 1, [1]
     good = tmp_path / "good.k3state"
     st.save(good)
-    blob = good.read_bytes()
-    magic, ver, hlen = struct.unpack_from("<8sII", blob)
-    head = json.loads(blob[16:16 + hlen])
-    head["pos"], head["ids"] = pos, [1] * min(pos, 10)
-    for a in head["arrays"]:
-        if a[0].startswith("mla"):
-            a[-1][0] = pos
-    text = json.dumps(head, sort_keys=True).encode()
-    arrays = blob[16 + hlen:len(blob) - (32 if ver >= 2 else 0)]
-    out = magic + struct.pack("<II", ver, len(text)) + text + arrays
-    if ver >= 2:
-        out += hashlib.sha256(out).digest()
+
+    def claim(head):
+        head["pos"], head["ids"] = pos, [1] * min(pos, 10)
+        for a in head["arrays"]:
+            if a[0].startswith("mla"):
+                a[-1][0] = pos
+
     bad = tmp_path / "bad.k3state"
-    bad.write_bytes(out)
+    bad.write_bytes(craft_state(good.read_bytes(), edit=claim))
     return bad
 
 

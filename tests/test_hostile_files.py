@@ -9,11 +9,9 @@ end-to-end cases with peak RSS are in tests/test_hostile_e2e.py.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import struct
-import zlib
 
 import numpy as np
 import pytest
@@ -29,26 +27,17 @@ from libk3.trace_report import replay_report, trace_stats
 
 from .conftest import TINY
 from .hostile import call, check_clean, check_refused, fail
+from .hostile_inputs import (HUGE_INT, NESTED, TRACE_HEADER, craft_state, damaged,
+                             model_with_config, rewrite_trace_header, small_trace,
+                             state_header)
 
 HYP = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                  HealthCheck.too_slow])
 MIN_TEMPERATURE = 2.0 ** -126
 MAX_GEN = 1 << 20
-NESTED = "[" * 100_000 + "]" * 100_000
-HUGE_INT = "9" * 5000                  # past Python's 4,300-digit int parsing limit
 
 
 # ---- config.json -------------------------------------------------------------------------
-
-def _model_with_config(tiny_dir, d, text):
-    """A model directory: tiny's shards and tokenizer (linked) and this config text."""
-    d.mkdir(exist_ok=True)
-    for f in tiny_dir.iterdir():
-        if f.name != "config.json" and not (d / f.name).exists():
-            (d / f.name).symlink_to(f)
-    (d / "config.json").write_text(text)
-    return d
-
 
 def _tiny_config(tiny_dir):
     return json.loads((tiny_dir / "config.json").read_text())
@@ -95,7 +84,7 @@ def test_config_random_mutations_open_or_are_refused_cleanly(tiny_dir, tmp_path_
     doc = _tiny_config(tiny_dir)
     for (where, key), value in edits:
         _set(doc, where, key, value)
-    d = _model_with_config(tiny_dir, tmp_path_factory.mktemp("cfg") / "m",
+    d = model_with_config(tiny_dir, tmp_path_factory.mktemp("cfg") / "m",
                            json.dumps(doc, allow_nan=True))
 
     def open_and_close():
@@ -123,7 +112,7 @@ def test_config_implausible_sizes_are_refused_quickly(tiny_dir, tmp_path, name, 
     before comparing the claim with the shards."""
     doc = _tiny_config(tiny_dir)
     edit(doc)
-    d = _model_with_config(tiny_dir, tmp_path / "m", json.dumps(doc, allow_nan=True))
+    d = model_with_config(tiny_dir, tmp_path / "m", json.dumps(doc, allow_nan=True))
     check_refused(call(lambda: Checkpoint.open(d).close(), seconds=10), 3, str(d))
 
 
@@ -134,7 +123,7 @@ def test_config_implausible_sizes_are_refused_quickly(tiny_dir, tmp_path, name, 
 def test_config_unparseable_is_refused_naming_the_file(tiny_dir, tmp_path, text):
     """Catches json's RecursionError and its int-digits ValueError escaping the config
     reader (only JSONDecodeError was caught)."""
-    d = _model_with_config(tiny_dir, tmp_path / "m", "")
+    d = model_with_config(tiny_dir, tmp_path / "m", "")
     (d / "config.json").write_bytes(text.encode("latin-1"))
     check_refused(call(load_config, d), 3, "config.json")
 
@@ -156,27 +145,6 @@ def saved_state(tiny_dir, tmp_path_factory):
     return cfg, path, path.read_bytes()
 
 
-def _state_parts(blob):
-    """(prefix 16 bytes, header dict, body) of a state file; body is everything after the
-    header (arrays, then the checksum trailer of format v2)."""
-    _, _, hlen = struct.unpack_from("<8sII", blob)
-    return blob[:16], json.loads(blob[16:16 + hlen]), blob[16 + hlen:]
-
-
-def _craft_state(blob, edit=None, header: bytes | None = None, version=None):
-    """A state file with the header edited (or replaced by ``header`` bytes), framed and
-    checksummed as the writer would, so only the edited part is wrong."""
-    prefix, head, body = _state_parts(blob)
-    magic, ver, _ = struct.unpack("<8sII", prefix)
-    if edit is not None:
-        edit(head)
-    text = header if header is not None else json.dumps(head, sort_keys=True).encode()
-    arrays = body[:-32] if ver >= 2 else body
-    ver = ver if version is None else version
-    out = magic + struct.pack("<II", ver, len(text)) + text + arrays
-    return out + hashlib.sha256(out).digest() if ver >= 2 else out
-
-
 def test_state_control_loads_identically(saved_state):
     """Control for every state case: the untouched file loads to the same arrays."""
     cfg, path, _ = saved_state
@@ -193,14 +161,7 @@ def test_state_any_damage_is_refused_naming_the_file(saved_state, tmp_path_facto
     """Property: truncating, flipping any one byte or appending to a state file is refused
     with exit 3 naming it (catches loading damaged arrays as numbers: v1 had no checksum)."""
     cfg, _, blob = saved_state
-    kind = data.draw(st.sampled_from(["truncate", "flip", "append"]))
-    if kind == "truncate":
-        bad = blob[:data.draw(st.integers(0, len(blob) - 1))]
-    elif kind == "flip":
-        i = data.draw(st.integers(0, len(blob) - 1))
-        bad = blob[:i] + bytes([blob[i] ^ data.draw(st.integers(1, 255))]) + blob[i + 1:]
-    else:
-        bad = blob + data.draw(st.binary(min_size=1, max_size=64))
+    bad = damaged(data, blob)
     p = tmp_path_factory.mktemp("st") / "bad.k3state"
     p.write_bytes(bad)
     check_refused(call(State.load, cfg, p), 3, str(p))
@@ -241,7 +202,7 @@ def test_state_header_field_errors_are_refused(saved_state, tmp_path, name):
     edit keeps the framing and checksum right, so only that field is wrong)."""
     cfg, _, blob = saved_state
     p = tmp_path / "crafted.k3state"
-    p.write_bytes(_craft_state(blob, edit=_header_edits(cfg)[name]))
+    p.write_bytes(craft_state(blob, edit=_header_edits(cfg)[name]))
     check_refused(call(State.load, cfg, p, seconds=10), 3, str(p))
 
 
@@ -250,11 +211,11 @@ def test_state_header_field_errors_are_refused(saved_state, tmp_path, name):
     ("magic only", lambda blob: blob[:8]),
     ("prefix only", lambda blob: blob[:16]),
     ("header length past end", lambda blob: blob[:12] + struct.pack("<I", 1 << 30) + blob[16:]),
-    ("nested header", lambda blob: _craft_state(blob, header=NESTED.encode())),
-    ("huge int header", lambda blob: _craft_state(blob, header=json.dumps(
-        _state_parts(blob)[1]).replace('"pos": 5', '"pos": ' + HUGE_INT).encode())),
-    ("version 1", lambda blob: _craft_state(blob, version=1)),
-    ("version 99", lambda blob: _craft_state(blob, version=99)),
+    ("nested header", lambda blob: craft_state(blob, header=NESTED.encode())),
+    ("huge int header", lambda blob: craft_state(blob, header=json.dumps(
+        state_header(blob)).replace('"pos": 5', '"pos": ' + HUGE_INT).encode())),
+    ("version 1", lambda blob: craft_state(blob, version=1)),
+    ("version 99", lambda blob: craft_state(blob, version=99)),
 ])
 def test_state_named_damage_is_refused(saved_state, tmp_path, name, make):
     """Catches an empty, partial, nested or old-version state slipping past the loader."""
@@ -280,30 +241,11 @@ def test_state_save_is_atomic_and_leaves_no_temporary(saved_state, tmp_path):
 
 # ---- traces --------------------------------------------------------------------------------
 
-def _trace(path, n=300, frame_records=64):
-    rec = np.zeros(n, tr.RECORD_DTYPE)
-    rec["pos"] = np.arange(n) // 8
-    rec["layer"] = np.arange(n) % 4
-    rec["expert"] = (np.arange(n) * 7) % 8
-    rec["phase"] = 1
-    header = tr.TraceHeader(checkpoint="x", expert_bytes=1000, n_layers=4, n_experts=8,
-                            top_k=2, source="k3-run", created_by="test")
-    with tr.TraceWriter(path, header, frame_records=frame_records) as w:
-        w.append_records(rec)
-    return path
-
-
 @pytest.fixture(scope="module")
 def good_trace(tmp_path_factory):
-    p = _trace(tmp_path_factory.mktemp("tr") / "good.k3trace")
+    p = small_trace(tmp_path_factory.mktemp("tr") / "good.k3trace")
     trace_stats(tr.TraceReader(p))                                       # control
     return p.read_bytes()
-
-
-def _rewrite_trace_header(blob, text: bytes):
-    _, version, hlen, _ = tr.FILE_HEAD.unpack_from(blob)
-    return (tr.FILE_HEAD.pack(tr.MAGIC, version, len(text), zlib.crc32(text)) + text
-            + blob[tr.FILE_HEAD.size + hlen:])
 
 
 @settings(max_examples=60, **HYP)
@@ -311,15 +253,7 @@ def _rewrite_trace_header(blob, text: bytes):
 def test_trace_any_damage_is_refused_naming_the_file(good_trace, tmp_path_factory, data):
     """Property: truncating, flipping a byte of or appending to a complete trace is refused
     by stats and replay with exit 3 naming it; none reads as a complete trace."""
-    blob = good_trace
-    kind = data.draw(st.sampled_from(["truncate", "flip", "append"]))
-    if kind == "truncate":
-        bad = blob[:data.draw(st.integers(0, len(blob) - 1))]
-    elif kind == "flip":
-        i = data.draw(st.integers(0, len(blob) - 1))
-        bad = blob[:i] + bytes([blob[i] ^ data.draw(st.integers(1, 255))]) + blob[i + 1:]
-    else:
-        bad = blob + data.draw(st.binary(min_size=1, max_size=64))
+    bad = damaged(data, good_trace)
     p = tmp_path_factory.mktemp("trd") / "bad.k3trace"
     p.write_bytes(bad)
     check_refused(call(lambda: trace_stats(tr.TraceReader(p))), 3, str(p))
@@ -337,7 +271,7 @@ def test_trace_unparseable_header_is_refused_naming_the_file(good_trace, tmp_pat
     """Catches json's RecursionError or int-digits ValueError escaping the trace reader
     (the header checksum is right, so only its JSON is wrong)."""
     p = tmp_path / "h.k3trace"
-    p.write_bytes(_rewrite_trace_header(good_trace, text))
+    p.write_bytes(rewrite_trace_header(good_trace, text))
     check_refused(call(lambda: tr.TraceReader(p)), 3, str(p))
 
 
@@ -347,12 +281,10 @@ def test_trace_crashed_run_never_leaves_a_complete_trace(tmp_path, monkeypatch):
     from libk3.engine import runner
 
     final = tmp_path / "run.k3trace"
-    header = tr.TraceHeader(checkpoint="x", expert_bytes=1000, n_layers=4, n_experts=8,
-                            top_k=2, source="k3-run", created_by="test")
 
     class FakeRun:
         def __init__(self, opts):
-            self.trace = tr.TraceWriter(final, header)
+            self.trace = tr.TraceWriter(final, TRACE_HEADER)
             self.trace.append(0, tr.PHASE_DECODE, 1, [3, 4])
             self.session = None
 
@@ -385,7 +317,7 @@ def test_trace_crashed_run_never_leaves_a_complete_trace(tmp_path, monkeypatch):
 def test_replay_capacity_of_1e12_slots_is_exact_and_small(tmp_path):
     """Catches a replay that allocates per slot: 10^12 slots must give the hit-rate
     ceiling (nothing is ever evicted) without allocating for them."""
-    p = _trace(tmp_path / "t.k3trace")
+    p = small_trace(tmp_path / "t.k3trace")
     out = call(lambda: replay_report(tr.TraceReader(p), policies=list(
         __import__("libk3.cache_policy", fromlist=["POLICIES"]).POLICIES),
         slots=[10**12], capacities_gb=[1e6]), seconds=300)     # the first run compiles

@@ -21,9 +21,9 @@ from k3_doctor.cli import main as doctor_main
 from k3_pack.cli import main as pack_main
 from k3_run.cli import main as run_main
 from k3_trace.cli import main as trace_main
-from libk3 import trace as tr
 
 from .hostile import check_refused, fail, invoke
+from .hostile_inputs import small_trace
 
 MIN_TEMPERATURE = 2.0 ** -126          # README: smallest normal float32
 MAX_GB = 1e6                           # README: GB options are at most 1,000,000
@@ -38,13 +38,7 @@ def env(tmp_path_factory):
     (d / "full" / "keep.txt").write_text("not empty")
     raw = d / "raw.bin"
     np.array([[1, 2], [3, 4]], "<i4").tofile(raw)
-    rec = np.zeros(64, tr.RECORD_DTYPE)
-    rec["layer"] = np.arange(64) % 4
-    rec["expert"] = np.arange(64) % 8
-    header = tr.TraceHeader(checkpoint="x", expert_bytes=1000, n_layers=4, n_experts=8,
-                            top_k=2, source="k3-run", created_by="test")
-    with tr.TraceWriter(d / "t.k3trace", header) as w:
-        w.append_records(rec)
+    small_trace(d / "t.k3trace", n=64)
     return d
 
 
