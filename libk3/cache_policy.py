@@ -694,8 +694,13 @@ class ReplayKeys:
             _ = self.hottest
 
 
-def _run(rk: ReplayKeys, slots: int, policy: str) -> dict:
+def _run(rk: ReplayKeys, requested_slots: int, policy: str) -> dict:
     keys, n_keys = rk.keys, rk.n_keys
+    # A cache with a slot for every key never evicts, under every policy here: simulating
+    # n_keys slots gives exactly the hits of any larger count (10^12 slots, say) without
+    # arrays sized by it. (pin+lru: every pin count ties, so the reported pin count is 0
+    # either way.)
+    slots = min(requested_slots, n_keys)
     extra = {}
     if policy == "lru":
         hits = _simulate_pin_lru(keys, slots, n_keys, np.zeros(n_keys, np.bool_), 0)
@@ -723,7 +728,7 @@ def _run(rk: ReplayKeys, slots: int, policy: str) -> dict:
         raise AssertionError(policy)
     n = int(keys.size)
     hits = int(hits)
-    return {"policy": policy, "slots": int(slots), "requests": n, "hits": hits,
+    return {"policy": policy, "slots": int(requested_slots), "requests": n, "hits": hits,
             "misses": n - hits, "hit_rate": hits / n if n else 0.0, **extra}
 
 

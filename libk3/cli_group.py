@@ -1,15 +1,56 @@
-"""A click group whose main form needs no subcommand name (``k3-pack CHECKPOINT OUT``).
+"""The click pieces the four front ends share (the one libk3 module that imports click).
 
-Owns: routing the first argument: a known subcommand name dispatches to it, anything
-else goes to the group's default command. Does not own: any command's options.
+Owns: the command and group classes that print a usage error as one line with exit 2
+(click prints a usage block, a hint, a blank line and the error), the group whose main
+form needs no subcommand name (``k3-pack CHECKPOINT OUT``), and the option types that
+refuse NaN, infinities and out-of-range numbers at parse time (README "Exit codes").
+Does not own: the rules themselves (a libk3 function says what a temperature or a seed
+may be; ``Rule`` applies it), any command's options, or errors raised by the work
+(``libk3.cli_support.handle_errors``).
 """
 
 from __future__ import annotations
 
+import math
+import sys
+
 import click
 
 
-class DefaultGroup(click.Group):
+class OneLineErrors:
+    """Mixin for a command or group: a usage error is ``PROG: error: MESSAGE`` on one
+    stderr line, exit 2 (click's ``exit_code`` for usage errors)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
+             **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:      # bare group: its help
+            e.show()
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            ctx = getattr(e, "ctx", None)
+            prog = ctx.command_path if ctx is not None else (prog_name or self.name)
+            text = " ".join(e.format_message().split())
+            click.echo(f"{prog}: error: {text} (see {prog} --help)", err=True)
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo(f"{prog_name or self.name}: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(rv if type(rv) is int else 0)
+
+
+class Command(OneLineErrors, click.Command):
+    pass
+
+
+class Group(OneLineErrors, click.Group):
+    pass
+
+
+class DefaultGroup(Group):
     """``prog ARGS`` runs the default command; ``prog SUBCOMMAND ARGS`` runs a subcommand."""
 
     def __init__(self, *args, default: str, **kwargs):
@@ -20,3 +61,57 @@ class DefaultGroup(click.Group):
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
             args = [self.default_command, *args]
         return super().parse_args(ctx, args)
+
+
+class Finite(click.FloatRange):
+    """A finite float, optionally within bounds (FloatRange's arguments). FloatRange alone
+    accepts NaN, for which every range comparison is false, and infinity when unbounded."""
+
+    name = "finite number"
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
+
+
+MAX_GB = 1e6          # README: no size option exceeds 1,000,000 GB (10^15 bytes)
+
+
+def gigabytes(positive: bool = False) -> Finite:
+    """A size in GB (10^9 bytes): finite, 0 (or above 0 when ``positive``) .. MAX_GB."""
+    return Finite(0, MAX_GB, min_open=positive)
+
+
+class Rule(click.ParamType):
+    """A ``base`` value (click.INT, click.FLOAT, ...) that a libk3 rule accepts:
+    ``problem(value)`` returns None or why the value is refused."""
+
+    def __init__(self, base, problem, name: str):
+        self.base, self.problem, self.name = base, problem, name
+
+    def convert(self, value, param, ctx):
+        rv = self.base.convert(value, param, ctx)
+        why = self.problem(rv)
+        if why:
+            self.fail(why, param, ctx)
+        return rv
+
+
+class NumberList(click.ParamType):
+    """Comma-separated values of ``item`` ('8,16,32'; empty items are skipped), each
+    converted and range-checked by ``item``."""
+
+    name = "list"
+
+    def __init__(self, item):
+        self.item = item
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        items = [t.strip() for t in str(value).split(",") if t.strip()]
+        if not items:
+            self.fail("expected a comma-separated list of numbers", param, ctx)
+        return [self.item.convert(t, param, ctx) for t in items]

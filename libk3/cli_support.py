@@ -10,7 +10,7 @@ import functools
 import json
 import sys
 
-from .errors import K3Error, K3IOError
+from .errors import BudgetError, K3Error, K3IOError
 
 
 def handle_errors(fn):
@@ -27,6 +27,9 @@ def handle_errors(fn):
             _report(prog, e, kwargs.get("json_out", False))
         except OSError as e:
             err = K3IOError(e.strerror or str(e), path=getattr(e, "filename", None))
+            _report(prog, err, kwargs.get("json_out", False))
+        except MemoryError:
+            err = BudgetError("out of memory", hint="choose a smaller --preset or budgets")
             _report(prog, err, kwargs.get("json_out", False))
         except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr)

@@ -31,6 +31,11 @@ L2NORM_EPS = 1e-6
 ROUTER_RENORM_EPS = 1e-20
 # MXFP4 group size (spec 4.2).
 MXFP4_GROUP = 32
+# Plausibility bounds, checked before anything is sized from the config. Layers and
+# experts: trace records and expert keys hold them in 16 bits (formats/trace.md); K3 has
+# 93 and 896. Any width or count: 2^24, over 100 times K3's largest (vocab 163,840).
+MAX_LAYERS = MAX_EXPERTS = 0xFFFF
+MAX_SIZE = 1 << 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +257,7 @@ def config_from_dict(doc: dict, source: str = "<dict>") -> K3Config:
 
 
 def _check_structure(cfg: K3Config, doc: dict, source: str) -> None:
+    _check_plausible(cfg, source)
     errs = []
     n = cfg.num_hidden_layers
     for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_heads", "head_dim",
@@ -303,6 +309,22 @@ def _check_structure(cfg: K3Config, doc: dict, source: str) -> None:
         raise ConfigError("; ".join(errs), path=source)
 
 
+def _check_plausible(cfg: K3Config, source: str) -> None:
+    """Refuse sizes no checkpoint could have before anything loops or allocates by them
+    (a config of 10^9 layers must not build 10^9 of anything)."""
+    errs = []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        limit = {"num_hidden_layers": MAX_LAYERS, "num_experts": MAX_EXPERTS}.get(f.name, MAX_SIZE)
+        if type(v) is int and v > limit:
+            errs.append(f"{f.name}={v} is implausible (at most {limit})")
+    if len(cfg.full_attn_layers) > MAX_LAYERS:
+        errs.append(f"full_attn_layers has {len(cfg.full_attn_layers)} entries "
+                    f"(at most {MAX_LAYERS})")
+    if errs:
+        raise ConfigError("; ".join(errs), path=source)
+
+
 def _quantization_config(doc: dict):
     text = doc.get("text_config") if isinstance(doc.get("text_config"), dict) else {}
     for scope in (text, doc):
@@ -344,11 +366,15 @@ def _read_doc(path):
     if not p.is_file():
         raise ConfigError("no config.json (k3 never falls back to built-in values)", path=p)
     try:
-        return json.loads(p.read_text(encoding="utf-8")), p
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"not valid JSON: {e}", path=p) from None
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"not UTF-8 ({e.reason} at byte {e.start})", path=p) from None
+    except (ValueError, RecursionError) as e:      # JSONDecodeError is a ValueError
+        raise ConfigError(f"not valid JSON: {str(e)[:200] or type(e).__name__}",
+                          path=p) from None
     except OSError as e:
         raise ConfigError(f"cannot read: {e.strerror}", path=p) from None
+    return doc, p
 
 
 def load_config(path) -> K3Config:

@@ -18,6 +18,7 @@ another; zstd removes most of the redundancy (a token's 1,472 records share a po
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,7 +29,9 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
+from .config import MAX_EXPERTS, MAX_LAYERS
 from .errors import FormatError
+from .io.atomic import fsync_dir, write_error
 
 MAGIC = b"K3TRACE\0"
 VERSION = 1
@@ -38,7 +41,11 @@ END_MARK = struct.Struct("<4sIQ")            # b"K3TE", frames, records
 FRAME_TAG = b"K3TF"
 END_TAG = b"K3TE"
 MAX_HEADER_BYTES = 1 << 20                   # invariant 3
+MAX_EXPERT_BYTES = 1 << 48                   # invariant 5 (header table)
 MAX_FRAME_RECORDS = 1 << 20                  # invariant 7
+# Replays and statistics keep a few words per key (layer x expert): a header may declare
+# up to 65535 x 65535 keys, which no replay can hold; K3 has 93 x 896 = 83,328.
+MAX_REPLAY_KEYS = 1 << 22
 DEFAULT_FRAME_RECORDS = 1 << 16
 ZSTD_LEVEL = 3
 PARTIAL_SUFFIX = ".partial"
@@ -108,10 +115,10 @@ def _check_header(doc, path) -> TraceHeader:
                               expected=f"integer {lo}..{hi}", found=repr(v))
         return v
 
-    n_layers = int_field("n_layers", 1, 0xFFFF)
-    n_experts = int_field("n_experts", 1, 0xFFFF)
+    n_layers = int_field("n_layers", 1, MAX_LAYERS)
+    n_experts = int_field("n_experts", 1, MAX_EXPERTS)
     top_k = int_field("top_k", 1, n_experts)
-    expert_bytes = int_field("expert_bytes", 1, 1 << 48)
+    expert_bytes = int_field("expert_bytes", 1, MAX_EXPERT_BYTES)
     source = doc["source"]
     if source not in SOURCES:
         raise FormatError("header field source unknown", path=path, tensor="header",
@@ -166,9 +173,22 @@ class TraceWriter:
         self.n_records = 0
         self._cctx = zstandard.ZstdCompressor(level=level)
         blob = json.dumps(self.header.to_json(), sort_keys=True).encode()
-        self._f = open(self.partial_path, "wb")
-        self._f.write(FILE_HEAD.pack(MAGIC, VERSION, len(blob), zlib.crc32(blob)))
-        self._f.write(blob)
+        self._f = None
+        self._write_failed = False
+        with self._naming_errors():
+            self._f = open(self.partial_path, "wb")
+            self._f.write(FILE_HEAD.pack(MAGIC, VERSION, len(blob), zlib.crc32(blob)))
+            self._f.write(blob)
+
+    @contextlib.contextmanager
+    def _naming_errors(self):
+        """An OSError while writing (a full disk) names the trace; a write's own OSError
+        carries no file name."""
+        try:
+            yield
+        except OSError as e:
+            self._write_failed = True
+            raise write_error(self.path, e) from None
 
     # ---- appending ---------------------------------------------------------------------
     def append(self, pos: int, phase: int, layer: int, experts, *, seq: int = 0) -> None:
@@ -213,9 +233,10 @@ class TraceWriter:
             return
         raw = self._buf[:self._n].tobytes()
         payload = self._cctx.compress(raw)
-        self._f.write(FRAME_HEAD.pack(FRAME_TAG, self._n, len(payload), zlib.crc32(raw)))
-        self._f.write(payload)
-        self._f.flush()                       # a crash of this process keeps the frame
+        with self._naming_errors():
+            self._f.write(FRAME_HEAD.pack(FRAME_TAG, self._n, len(payload), zlib.crc32(raw)))
+            self._f.write(payload)
+            self._f.flush()                   # a crash of this process keeps the frame
         self.n_frames += 1
         self.n_records += self._n
         self._n = 0
@@ -225,32 +246,42 @@ class TraceWriter:
         """Finish the file: last frame, end marker, fsync, rename into place."""
         if self._f is None:
             return self.path
-        self._flush_frame()
-        self._f.write(END_MARK.pack(END_TAG, self.n_frames, self.n_records))
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        self._f = None
-        os.replace(self.partial_path, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
         try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            self._flush_frame()
+            with self._naming_errors():
+                self._f.write(END_MARK.pack(END_TAG, self.n_frames, self.n_records))
+                self._f.flush()
+                os.fsync(self._f.fileno())
+        except BaseException:
+            self.keep_partial()
+            raise
+        with self._naming_errors():
+            self._f.close()
+            self._f = None
+            os.replace(self.partial_path, self.path)
+        fsync_dir(self.path.parent)
         return self.path
 
     def abort(self) -> None:
         """Stop and delete the partial file (nothing is left under either name)."""
         if self._f is not None:
-            self._f.close()
+            with contextlib.suppress(OSError):
+                self._f.close()
             self._f = None
         self.partial_path.unlink(missing_ok=True)
 
-    def _keep_partial(self) -> None:
+    def keep_partial(self) -> None:
+        """Stop without the end marker, as a crash would: the records so far stay in the
+        ``.partial`` file (readable with ``tolerate_truncated_tail``); the final name is
+        never written. What a failed run does with its trace."""
         if self._f is not None:
-            self._flush_frame()
-            self._f.close()
-            self._f = None
+            try:
+                if not self._write_failed:    # never append after a torn write
+                    self._flush_frame()
+            finally:
+                with contextlib.suppress(OSError):
+                    self._f.close()
+                self._f = None
 
     def __enter__(self):
         return self
@@ -259,7 +290,7 @@ class TraceWriter:
         if exc_type is None:
             self.close()
         else:
-            self._keep_partial()
+            self.keep_partial()
         return False
 
 
@@ -300,11 +331,21 @@ class TraceReader:
                               found=f"{zlib.crc32(blob):08x}")
         try:
             doc = json.loads(blob.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"trace header is not JSON ({e})", path=self.path,
-                              tensor="header") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise FormatError(f"trace header is not JSON ({str(e)[:200] or type(e).__name__})",
+                              path=self.path, tensor="header") from None
         self.header = _check_header(doc, self.path)
         self._data_start = FILE_HEAD.size + hlen
+
+    def require_replayable(self) -> None:
+        """Refuse a header whose key space (n_layers x n_experts) no replay or statistic
+        can hold in memory (MAX_REPLAY_KEYS), before anything is sized by it."""
+        h = self.header
+        if h.n_keys > MAX_REPLAY_KEYS:
+            raise FormatError("trace declares too many layer x expert keys to replay",
+                              path=self.path, tensor="header",
+                              expected=f"n_layers x n_experts <= {MAX_REPLAY_KEYS:,}",
+                              found=f"{h.n_layers} x {h.n_experts} = {h.n_keys:,}")
 
     # ---- frames ------------------------------------------------------------------------
     def _damage(self, index: int, offset: int, what: str, at_tail: bool):

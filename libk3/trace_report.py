@@ -15,11 +15,13 @@ slots is skipped, because a cache that cannot hold one layer's experts plus one 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 
 from . import cache_policy
 from .errors import FormatError, K3Error, UsageError
+from .io import atomic
 from .trace import PHASE_NAMES, TraceReader
 
 DEFAULT_LADDER_GB = (8, 16, 32, 64, 128, 192, 256)
@@ -29,6 +31,7 @@ GB = 10**9
 
 def _scan(reader: TraceReader):
     """One pass over the frames: replay keys, per-phase counts and token identities."""
+    reader.require_replayable()
     ne = reader.header.n_experts
     keys, phase_counts = [], np.zeros(len(PHASE_NAMES), np.int64)
     tokens, unknown_pos = set(), 0
@@ -283,5 +286,8 @@ def plot_replay(rep: dict, path) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        with atomic.replacing(path) as f:          # the format from the name, as savefig
+            fig.savefig(f, format=Path(path).suffix[1:] or None)
+    finally:
+        plt.close(fig)

@@ -13,6 +13,7 @@ expert bytes / random speed): the floor for a streamed run, since compute overla
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from .cache_policy import replay
@@ -26,23 +27,33 @@ from .trace import TraceReader
 def disk_speeds_from_doctor(path) -> tuple:
     """(sequential bytes/s, random bytes/s) from a `k3-doctor --json` report."""
     try:
-        rep = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise FormatError(f"not a k3-doctor JSON report: {e}", path=path) from None
+        rep = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"not a k3-doctor JSON report ({str(e)[:200] or type(e).__name__})",
+                          path=path) from None
     seq = rand = None
-    for st in rep.get("storage", []):
-        reads = st.get("reads") or {}
-        seq = seq or reads.get("seq_best_bps")
-        rand = rand or reads.get("rand_best_bps")
+    storage = rep.get("storage") if isinstance(rep, dict) else None
+    for st in storage if isinstance(storage, list) else ():
+        reads = st.get("reads") if isinstance(st, dict) else None
+        reads = reads if isinstance(reads, dict) else {}
+        seq = seq or _speed(reads.get("seq_best_bps"))
+        rand = rand or _speed(reads.get("rand_best_bps"))
     if not seq or not rand:
         raise FormatError("the doctor report holds no disk measurement (was it --quick?)",
                           path=path)
     return seq / 1e6, rand / 1e6
 
 
+def _speed(v):
+    """A measured speed in bytes/s (a finite positive number), else None."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    return v if ok else None
+
+
 def size_budget(trace_path, pack_dir, budget: float, seq_bps: float, rand_bps: float, *,
                 policy: str = "lru", steps: int = 12) -> dict:
     reader = TraceReader(trace_path)
+    reader.require_replayable()
     h = reader.header
     keys = reader.layer_expert_keys()
     layers = [lay["nbytes"] for lay in load_manifest(pack_dir)["layers"]]

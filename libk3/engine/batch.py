@@ -5,20 +5,35 @@ file (so a rerun after a crash continues), appending each result durably as it f
 Does not own: generation (``libk3.engine.generate``) or the CLI.
 
 Input line: {"id": str|int (required, unique), "prompt": str | "ids": [int] (exactly one),
-optional "gen", "temperature", "top_p", "seed", "stop" (list of str), "stop_ids"}.
-A malformed line is reported with its line number and skipped; it never stops the batch.
+optional "gen", "temperature", "top_p", "seed", "stop" (str or list of str), "stop_ids"
+([int])}. The settings follow the same rules as the options (``gen_problem``,
+``sampler.temperature_problem``, ...). A malformed line, or one with a bad setting, is
+reported with its line number and skipped; it never stops the batch.
 Lines are split on b"\n" only (U+2028 and U+2029 are legal inside a JSON string, and a
 trailing \r is JSON whitespace) and each is decoded as strict UTF-8: invalid bytes are
 that line's error, never replaced.
+
+Results file: one k3 result object per line (an object with "id", "line", "prompt_ids"
+and "generated_ids"). Before appending, the file is checked: every complete line must be a
+k3 result, else it is someone else's file and is refused untouched; a last line without
+its newline (a crash tore the write) is dropped only when it is not complete JSON.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 
-_SETTINGS = {"gen": int, "temperature": (int, float), "top_p": (int, float), "seed": int}
+from ..errors import FormatError, K3IOError
+from ..io.atomic import write_error
+from .generate import GenSettings, gen_problem, token_ids_problem
+from .sampler import seed_problem, temperature_problem, top_p_problem
+
+_RULES = {"gen": gen_problem, "temperature": temperature_problem, "top_p": top_p_problem,
+          "seed": seed_problem}
+RESULT_KEYS = ("id", "line", "prompt_ids", "generated_ids")
 
 
 class BatchLineError(ValueError):
@@ -39,6 +54,8 @@ def parse_line(line: bytes, vocab_size: int) -> dict:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise BatchLineError(f"not valid JSON ({e.msg})") from None
+    except (ValueError, RecursionError) as e:     # a 5,000-digit number, deep nesting
+        raise BatchLineError(f"not valid JSON ({str(e)[:80] or type(e).__name__})") from None
     if not isinstance(obj, dict):
         raise BatchLineError("not a JSON object")
     if "id" not in obj or not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
@@ -48,23 +65,41 @@ def parse_line(line: bytes, vocab_size: int) -> dict:
         raise BatchLineError("give exactly one of \"prompt\" and \"ids\"")
     if has_prompt and (not isinstance(obj["prompt"], str) or not obj["prompt"]):
         raise BatchLineError("\"prompt\" must be a non-empty string")
-    if has_ids:
-        ids = obj["ids"]
-        if not isinstance(ids, list) or not ids or not all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
-            raise BatchLineError(f"\"ids\" must be a non-empty list of ids in 0..{vocab_size - 1}")
-    for key, typ in _SETTINGS.items():
-        if key in obj and (not isinstance(obj[key], typ) or isinstance(obj[key], bool)):
-            raise BatchLineError(f"\"{key}\" has the wrong type")
-    if obj.get("gen", 0) < 0 or obj.get("temperature", 0) < 0 or not 0 < obj.get("top_p", 1) <= 1:
-        raise BatchLineError("gen and temperature must be >= 0 and top_p in (0, 1]")
+    if has_ids and (not obj["ids"] or token_ids_problem(obj["ids"], vocab_size)):
+        raise BatchLineError(f"\"ids\" must be a non-empty list of ids in 0..{vocab_size - 1}")
+    for key, problem in _RULES.items():
+        why = problem(obj[key]) if key in obj else None
+        if why:
+            raise BatchLineError(f"\"{key}\": {why}")
     stop = obj.get("stop", [])
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise BatchLineError("\"stop\" must be a string or a list of strings")
     obj["stop"] = stop
+    if "stop_ids" in obj and (not isinstance(obj["stop_ids"], list)
+                              or token_ids_problem(obj["stop_ids"], vocab_size)):
+        raise BatchLineError(f"\"stop_ids\" must be a list of ids in 0..{vocab_size - 1}")
     return obj
+
+
+def job_settings(job: dict, base: GenSettings) -> GenSettings:
+    """A parsed line's settings over the run's: each field the line gives replaces the
+    option's; drafting (--spec) only for a greedy line."""
+    temperature = job.get("temperature", base.temperature)
+    return dataclasses.replace(
+        base, spec=base.spec if temperature == 0 else 0, gen=job.get("gen", base.gen),
+        temperature=temperature, top_p=job.get("top_p", base.top_p),
+        seed=job.get("seed", base.seed), stop_strings=tuple(job["stop"]) or base.stop_strings,
+        stop_ids=tuple(job.get("stop_ids", base.stop_ids)))
+
+
+def _is_result(line: bytes) -> bool:
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(obj, dict) and all(k in obj for k in RESULT_KEYS)
 
 
 def done_ids(results_path) -> set:
@@ -76,7 +111,7 @@ def done_ids(results_path) -> set:
     for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(obj, dict) and "id" in obj:
             out.add(json.dumps(obj["id"]))
@@ -84,24 +119,48 @@ def done_ids(results_path) -> set:
 
 
 def repair_tail(results_path) -> None:
-    """Drop a torn final line (no newline) left by a crash, so appends stay line-aligned."""
+    """Check ``results_path`` before any append: every complete line must be a k3 result,
+    else it is someone else's file, refused (FormatError) and left untouched. A last line
+    without its newline that starts like a k3 result (``{"``) and is not complete JSON
+    other than a k3 result is a write a crash tore: it is dropped, so appends stay
+    line-aligned (its id runs again). Any other last line is refused as above."""
     p = Path(results_path)
-    if not p.exists():
-        return
-    data = p.read_bytes()
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
+    try:
+        data = p.read_bytes() if p.exists() else b""
+    except OSError as e:
+        raise K3IOError(f"cannot read the results file: {e.strerror}", path=p) from None
+    lines = data.split(b"\n")
+    tail = lines.pop()                        # b"" when the file ends with a newline
+    bad = next((i for i, line in enumerate(lines, 1) if not _is_result(line)), None)
+    torn = tail.startswith(b'{"') and (_is_result(tail) or not _parses(tail))
+    if bad is not None or (tail and not torn):
+        where = f"line {bad}" if bad is not None else f"line {len(lines) + 1}"
+        raise FormatError(f"not a k3 results file ({where} is not a k3 result); refusing "
+                          "to append to it", path=p,
+                          hint="give --out a new file or an earlier results file")
+    if tail:
         with open(p, "r+b") as f:
-            f.truncate(cut)
+            f.truncate(len(data) - len(tail))
             f.flush()
             os.fsync(f.fileno())
 
 
+def _parses(text: bytes) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
 def append_result(results_path, obj: dict) -> None:
-    with open(results_path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(obj, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(results_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(obj, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise write_error(results_path, e) from None
 
 
 def summary_text(summary: dict, results_path) -> str:

@@ -147,11 +147,15 @@ class Run:
             rep["speculative"] = res.spec
         return rep
 
-    def close(self) -> None:
-        if self.trace is not None:
-            self.trace.close()
-        self.session.weights.close()
-        self.session.ckpt.close()
+    def close(self, failed: bool = False) -> None:
+        """Release the model; finish the trace, or after a failure keep it as the
+        ``.partial`` a crash leaves, so a failed run never publishes a complete trace."""
+        try:
+            if self.trace is not None:
+                self.trace.keep_partial() if failed else self.trace.close()
+        finally:
+            self.session.weights.close()
+            self.session.ckpt.close()
 
 
 @contextlib.contextmanager
@@ -159,8 +163,10 @@ def open_run(opts: RunOptions):
     run = Run(opts)
     try:
         yield run
-    finally:
-        run.close()
+    except BaseException:
+        run.close(failed=True)
+        raise
+    run.close()
 
 
 def _load_state(run: Run, path) -> State:
@@ -246,6 +252,10 @@ def run_batch(opts: RunOptions, batch_path, out_path, base: GenSettings, warn,
 
 
 def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary) -> dict:
+    from .generate import token_ids_problem
+    why = token_ids_problem(base.stop_ids, run.cfg.vocab_size)
+    if why:
+        raise UsageError(f"--stop-id: {why}")
     batchfile.repair_tail(out_path)
     done = batchfile.done_ids(out_path)
     seen = set()
@@ -276,11 +286,7 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary) ->
         if summary["stopped"] is not None:
             summary["remaining"] += 1      # keep counting: the summary says what is left
             continue
-        settings = dataclasses.replace(
-            base, spec=base.spec if job.get("temperature", base.temperature) == 0 else 0, gen=job.get("gen", base.gen), temperature=job.get("temperature", base.temperature),
-            top_p=job.get("top_p", base.top_p), seed=job.get("seed", base.seed),
-            stop_strings=tuple(job["stop"]) or base.stop_strings,
-            stop_ids=tuple(job.get("stop_ids", base.stop_ids)))
+        settings = batchfile.job_settings(job, base)
         run.seq = lineno
         try:
             res = run_one(run, prompt_ids, settings,

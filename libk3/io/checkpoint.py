@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import json
 import os
 import threading
@@ -227,6 +228,8 @@ class Checkpoint:
             raise CheckpointError("config cannot describe MXFP4 experts: " + "; ".join(problems),
                                   path=cfg.source)
         table = self._table
+        if _inventory_count(cfg) > len(table):
+            self._refuse_missing()
         missing, wrong = [], []
         found = 0
         a_logs = []
@@ -279,6 +282,29 @@ class Checkpoint:
                                       found=f"A_log[{bad}] = {a_log[bad]!r}",
                                       hint="A_log is per head (spec 3.4)")
         self._expert_table = self._runs_from_scan(scan)
+
+    def _refuse_missing(self) -> None:
+        """Raise for a config that implies more tensors than the shards hold, in time and
+        memory bounded by the shards, not by the config's sizes (10^9 experts must not be
+        listed): the exact count from the table, the first names by a lazy walk."""
+        cfg, table = self.config, self._table
+        kinds, model = {}, {s.name for s in inventory.model_level(cfg)}
+        present = 0
+        for name in table:
+            key = names.parse_layer_key(name)
+            if key is not None and key[0] < cfg.num_hidden_layers:
+                kind = (cfg.is_mla(key[0]), cfg.is_dense(key[0]))
+                if kind not in kinds:
+                    kinds[kind] = {names.parse_layer_key(s.name)[1]
+                                   for s in inventory.layer_trunk(cfg, key[0])}
+                present += key[1] in kinds[kind] or _is_expected_expert(cfg, name)
+            else:
+                present += name in model
+        gone = list(itertools.islice((n for n in _expected_names(cfg) if n not in table), _SHOW))
+        raise CheckpointError(
+            f"{_inventory_count(cfg) - present} tensor(s) the config requires are missing, "
+            "e.g. " + ", ".join(gone), path=self.model_dir, tensor=gone[0],
+            hint=f"check that {cfg.source} belongs to this checkpoint")
 
     # ---- lookup -------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -519,6 +545,30 @@ def _check_index(model_dir: Path, weight_map: dict, table: dict, others: dict) -
         raise CheckpointError(f"tensor is in a shard header but not in {INDEX_FILE}",
                               path=table[extra].path, tensor=extra,
                               hint="the index is stale")
+
+
+def _inventory_count(cfg: K3Config) -> int:
+    """How many language_model tensors ``cfg`` implies, without listing them."""
+    per_kind = {}
+    n = len(inventory.model_level(cfg))
+    for L in range(cfg.num_hidden_layers):
+        kind = (cfg.is_mla(L), cfg.is_dense(L))
+        if kind not in per_kind:
+            per_kind[kind] = len(inventory.layer_trunk(cfg, L))
+        n += per_kind[kind]
+    return n + len(cfg.moe_layers) * cfg.num_experts * len(names.EXPERT_PARTS)
+
+
+def _expected_names(cfg: K3Config):
+    """Every tensor name ``cfg`` implies, lazily, in validation order."""
+    for spec in inventory.model_level(cfg):
+        yield spec.name
+    for L in range(cfg.num_hidden_layers):
+        for spec in inventory.layer_trunk(cfg, L):
+            yield spec.name
+    for L in cfg.moe_layers:
+        for e in range(cfg.num_experts):
+            yield from names.expert_names(L, e)
 
 
 def _is_expected_expert(cfg: K3Config, name: str) -> bool:

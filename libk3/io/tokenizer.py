@@ -223,6 +223,9 @@ def read_added_tokens(path, n_ranks: int, vocab_size=None) -> dict:
         doc = json.loads(text, object_pairs_hook=_pairs_hook)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"line {e.lineno}: invalid JSON: {e.msg}", path=path) from None
+    except (ValueError, RecursionError) as e:      # a 5,000-digit number, deep nesting
+        raise CheckpointError(f"invalid JSON: {str(e)[:200] or type(e).__name__}",
+                              path=path) from None
     if not isinstance(doc, dict) or not isinstance(doc.get("added_tokens_decoder"), dict):
         raise CheckpointError("no 'added_tokens_decoder' object", path=path,
                               hint="the special-token table is built from it (spec 8.4)")

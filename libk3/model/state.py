@@ -11,19 +11,43 @@ AttnRes blocks are not carried: they are rebuilt per token (spec 6).
 
 from __future__ import annotations
 
-import io
+import hashlib
 import json
 import os
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from ..config import K3Config
 from ..errors import FormatError
+from ..io.atomic import replacing
 
 STATE_MAGIC = b"K3STATE\0"
-STATE_VERSION = 1
+STATE_VERSION = 2
+# The trained context (spec 2.1, max_position_embeddings): the most positions a state
+# holds and the most tokens a run generates.
+MAX_POSITIONS = 1 << 20
+_PREFIX = struct.Struct("<8sII")            # magic, version, header bytes
+_DIGEST_BYTES = 32                          # sha256 of everything before it
+_HEADER_KEYS = ("arrays", "fingerprint", "ids", "pos")
+# ids of MAX_POSITIONS tokens as JSON (at most 7 digits and a separator each), with room
+MAX_HEADER_BYTES = 16 << 20
+_HASH_CHUNK = 16 << 20
+
+
+def array_layout(cfg: K3Config, pos: int) -> list:
+    """[(name, shape)] of a state file's arrays in file order (formats/state.md)."""
+    H, D, P, K = cfg.num_heads, cfg.head_dim, cfg.kda_dim, cfg.short_conv_kernel_size
+    layers = range(cfg.num_hidden_layers)
+    out = []
+    for L in (L for L in layers if not cfg.is_mla(L)):
+        out += [(f"kda_S.{L}", (H, D, D)), (f"kda_conv.{L}", (3, P, K - 1))]
+    for L in (L for L in layers if cfg.is_mla(L)):
+        out += [(f"mla_latent.{L}", (pos, cfg.kv_lora_rank)),
+                (f"mla_rope.{L}", (pos, cfg.qk_rope_head_dim))]
+    return out
 
 
 class State:
@@ -74,69 +98,127 @@ class State:
         return sum(a.nbytes for d in (self.kda_S, self.kda_conv, self.mla_latent, self.mla_rope)
                    for a in d.values())
 
+    def _array(self, name: str) -> np.ndarray:
+        """The live array a state-file array name refers to (MLA: the first pos rows)."""
+        kind, L = name.rsplit(".", 1)
+        arr = getattr(self, kind)[int(L)]
+        return arr[:self.pos] if kind.startswith("mla") else arr
+
     # ---- persistence (formats/state.md) ----------------------------------------------
     def save(self, path) -> None:
-        """Write atomically: magic, version, header JSON (fingerprint, pos, ids), arrays."""
-        meta = {"fingerprint": self.cfg.fingerprint(), "pos": self.pos, "ids": self.ids}
-        arrays = {}
-        for L in sorted(self.kda_S):
-            arrays[f"kda_S.{L}"] = self.kda_S[L]
-            arrays[f"kda_conv.{L}"] = self.kda_conv[L]
-        for L in sorted(self.mla_latent):
-            arrays[f"mla_latent.{L}"] = self.mla_latent[L][:self.pos]
-            arrays[f"mla_rope.{L}"] = self.mla_rope[L][:self.pos]
-        meta["arrays"] = [[k, list(v.shape)] for k, v in arrays.items()]
+        """Write atomically: prefix, header JSON (fingerprint, pos, ids, arrays), the
+        arrays as little-endian float32, then the sha256 of all of it."""
+        layout = array_layout(self.cfg, self.pos)
+        meta = {"fingerprint": self.cfg.fingerprint(), "pos": self.pos, "ids": self.ids,
+                "arrays": [[name, "F32", list(shape)] for name, shape in layout]}
         head = json.dumps(meta, sort_keys=True).encode()
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(STATE_MAGIC + struct.pack("<II", STATE_VERSION, len(head)) + head)
-            for v in arrays.values():
-                f.write(np.ascontiguousarray(v, dtype="<f4").tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        digest = hashlib.sha256()
+        with replacing(path) as f:
+            for part in [_PREFIX.pack(STATE_MAGIC, STATE_VERSION, len(head)) + head] + [
+                    np.ascontiguousarray(self._array(name), dtype="<f4").tobytes()
+                    for name, _ in layout]:
+                f.write(part)
+                digest.update(part)
+            f.write(digest.digest())
 
     @classmethod
     def load(cls, cfg: K3Config, path) -> "State":
+        """Read a state saved for ``cfg``. Everything is checked before any array is
+        allocated: framing and checksum, then every header field against the config
+        (formats/state.md, invariants); any failure is a FormatError naming the file."""
         path = Path(path)
         try:
-            blob = path.read_bytes()
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = _read_header(f, size, path)
+                meta = _check_meta(cfg, head, path)
+                layout = array_layout(cfg, meta["pos"])
+                need = _PREFIX.size + len(head) + sum(
+                    4 * int(np.prod(shape, dtype=np.int64)) for _, shape in layout) \
+                    + _DIGEST_BYTES
+                if size != need:
+                    raise FormatError("state file size does not match its arrays "
+                                      "(truncated or trailing bytes)", path=path,
+                                      expected=f"{need} bytes", found=f"{size} bytes")
+                st = cls(cfg, capacity=max(64, meta["pos"]))
+                st.pos, st.ids = meta["pos"], meta["ids"]
+                f.seek(_PREFIX.size + len(head))
+                for name, _ in layout:
+                    dest = st._array(name)
+                    if f.readinto(memoryview(dest).cast("B")) != dest.nbytes:
+                        raise FormatError("state file is truncated", path=path, tensor=name)
+                    if sys.byteorder == "big":
+                        dest.byteswap(inplace=True)
         except OSError as e:
-            raise FormatError(f"cannot read state file: {e.strerror}", path=path) from None
-        if len(blob) < 16 or blob[:8] != STATE_MAGIC:
-            raise FormatError("not a k3 state file (bad magic)", path=path)
-        version, hlen = struct.unpack("<II", blob[8:16])
-        if version != STATE_VERSION:
-            raise FormatError("unsupported state version", path=path,
-                              expected=STATE_VERSION, found=version)
-        try:
-            meta = json.loads(blob[16:16 + hlen])
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise FormatError("state header is not valid JSON", path=path) from None
-        if meta.get("fingerprint") != cfg.fingerprint():
-            raise FormatError("state was saved for a different model configuration", path=path,
-                              hint="load it with the model it was saved from")
-        st = cls(cfg, capacity=max(64, meta["pos"]))
-        st.pos, st.ids = meta["pos"], list(meta["ids"])
-        buf = io.BytesIO(blob[16 + hlen:])
-        for key, shape in meta["arrays"]:
-            n = int(np.prod(shape)) * 4
-            raw = buf.read(n)
-            if len(raw) != n:
-                raise FormatError("state file is truncated", path=path, tensor=key)
-            arr = np.frombuffer(raw, dtype="<f4").reshape(shape)
-            kind, L = key.rsplit(".", 1)
-            store = getattr(st, kind)
-            if int(L) not in store:
-                raise FormatError("state array for an unknown layer", path=path, tensor=key)
-            if kind.startswith("mla"):
-                store[int(L)][:st.pos] = arr
-            else:
-                if store[int(L)].shape != arr.shape:
-                    raise FormatError("state array has the wrong shape", path=path, tensor=key,
-                                      expected=store[int(L)].shape, found=arr.shape)
-                store[int(L)][...] = arr
-        if buf.read(1):
-            raise FormatError("state file has trailing bytes", path=path)
+            raise FormatError(f"cannot read state file: {e.strerror or e}", path=path) from None
         return st
+
+
+def _read_header(f, size: int, path) -> bytes:
+    """Check the prefix, the header length and the checksum; -> the header bytes."""
+    prefix = f.read(_PREFIX.size)
+    if len(prefix) < _PREFIX.size or prefix[:8] != STATE_MAGIC:
+        raise FormatError("not a k3 state file (empty, or bad magic)", path=path,
+                          expected=repr(STATE_MAGIC), found=repr(prefix[:8]))
+    _, version, hlen = _PREFIX.unpack(prefix)
+    if version != STATE_VERSION:
+        raise FormatError(f"state format version {version} is not read by this k3",
+                          path=path, expected=STATE_VERSION, found=version,
+                          hint="save the state again with this k3" if version < STATE_VERSION
+                          else "use the k3 that saved it")
+    if hlen > MAX_HEADER_BYTES or _PREFIX.size + hlen + _DIGEST_BYTES > size:
+        raise FormatError("state header length runs past the file (truncated?)", path=path,
+                          expected=f"<= {min(MAX_HEADER_BYTES, size - _PREFIX.size - 32)}",
+                          found=hlen)
+    digest = hashlib.sha256(prefix)
+    left = size - _PREFIX.size - _DIGEST_BYTES
+    while left > 0:
+        chunk = f.read(min(_HASH_CHUNK, left))
+        if not chunk:
+            raise FormatError("state file is truncated", path=path)
+        digest.update(chunk)
+        left -= len(chunk)
+    if f.read(_DIGEST_BYTES) != digest.digest():
+        raise FormatError("state checksum mismatch (the file is damaged or incomplete)",
+                          path=path)
+    f.seek(_PREFIX.size)
+    return f.read(hlen)
+
+
+def _check_meta(cfg: K3Config, head: bytes, path) -> dict:
+    """The header, every field checked against ``cfg`` (formats/state.md, invariant 4)."""
+    try:
+        meta = json.loads(head.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"state header is not valid JSON ({type(e).__name__})",
+                          path=path) from None
+    if not isinstance(meta, dict) or sorted(meta) != list(_HEADER_KEYS):
+        raise FormatError("state header fields wrong", path=path, expected=", ".join(_HEADER_KEYS),
+                          found=", ".join(sorted(meta)) if isinstance(meta, dict)
+                          else type(meta).__name__)
+    if meta["fingerprint"] != cfg.fingerprint():
+        raise FormatError("state was saved for a different model configuration", path=path,
+                          hint="load it with the model it was saved from")
+    pos, ids = meta["pos"], meta["ids"]
+    if type(pos) is not int or not 0 <= pos <= MAX_POSITIONS:
+        raise FormatError("state position out of range", path=path,
+                          expected=f"an integer 0..{MAX_POSITIONS}", found=repr(pos)[:40])
+    if not isinstance(ids, list) or len(ids) != pos or not all(
+            type(i) is int and 0 <= i < cfg.vocab_size for i in ids):
+        raise FormatError("state ids must be the pos token ids fed so far", path=path,
+                          expected=f"{pos} ids in 0..{cfg.vocab_size - 1}",
+                          found=f"{len(ids) if isinstance(ids, list) else type(ids).__name__}"
+                                " entries")
+    want = [[name, "F32", list(shape)] for name, shape in array_layout(cfg, pos)]
+    got = meta["arrays"]
+    if got != want:
+        i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None) \
+            if isinstance(got, list) else None
+        if i is None:
+            raise FormatError("state arrays do not match the model", path=path,
+                              expected=f"{len(want)} arrays",
+                              found=f"{len(got)} arrays" if isinstance(got, list)
+                              else type(got).__name__)
+        raise FormatError("state array does not match the model", path=path,
+                          tensor=want[i][0], expected=want[i], found=repr(got[i])[:80])
+    return meta

@@ -29,9 +29,9 @@ import numpy as np
 
 from .. import names
 from ..config import K3Config, config_from_dict
-from ..errors import K3Error
+from ..errors import K3IOError, UsageError
 from ..io import inventory
-from ..io.atomic import write_json
+from ..io.atomic import write_error, write_json
 from ..io.dtypes import ITEMSIZE, f32_to_bf16
 from ..io.safetensors import write_shard
 from .presets import PRESETS
@@ -249,20 +249,40 @@ def synth_checkpoint(out_dir, preset: str = "tiny", seed: int = 0, progress: boo
 
     Built in a hidden sibling directory and renamed into place at the end, so ``out_dir``
     only ever appears complete. Returns the Path of ``out_dir``."""
-    from tqdm import tqdm
-
-    from .bpe import write_tokenizer_files
-
     if preset not in PRESETS:
-        raise K3Error(f"unknown preset {preset!r}", hint=f"choose one of {', '.join(PRESETS)}")
+        raise UsageError(f"unknown preset {preset!r}", hint=f"choose one of {', '.join(PRESETS)}")
     flat, n_special, sparse, real_layout = PRESETS[preset]
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
-        raise K3Error("destination exists and is not empty; refusing to overwrite", path=out)
+        raise UsageError("destination exists and is not empty; refusing to overwrite",
+                         path=out)
     cfg = config_from_dict(dict(flat), source=f"<preset {preset}>")
     tmp = out.with_name(f".{out.name}.synth-tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
+    try:
+        _write_checkpoint(tmp, cfg, flat, n_special, sparse, real_layout, preset, seed,
+                          progress)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException as e:              # nothing half-built stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise write_error(out, e) from None
+        if isinstance(e, K3IOError):
+            raise K3IOError(e.message, path=out) from None
+        raise
+    return out
+
+
+def _write_checkpoint(tmp: Path, cfg, flat, n_special, sparse, real_layout, preset, seed,
+                      progress) -> None:
+    """Every file of the checkpoint into the (new) directory ``tmp``."""
+    from tqdm import tqdm
+
+    from .bpe import write_tokenizer_files
+
     tmp.mkdir(parents=True)
     n_ranks = cfg.vocab_size - n_special
     plan = _shard_plan(cfg, real_layout)
@@ -286,13 +306,9 @@ def synth_checkpoint(out_dir, preset: str = "tiny", seed: int = 0, progress: boo
             weight_map[name] = fname
             total += int(np.prod(shape)) * ITEMSIZE[dtype]
     write_json(tmp / "model.safetensors.index.json",
-                {"metadata": {"total_size": total}, "weight_map": weight_map})
+               {"metadata": {"total_size": total}, "weight_map": weight_map})
     write_json(tmp / "config.json", nested_config(dict(flat), n_ranks))
     write_tokenizer_files(tmp, n_ranks=n_ranks, vocab_size=cfg.vocab_size)
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
-    return out
 
 
 def summary(model_dir) -> dict:

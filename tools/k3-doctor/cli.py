@@ -11,10 +11,11 @@ import sys
 import click
 
 from libk3 import __version__
+from libk3.cli_group import Command, Finite, gigabytes
 from libk3.cli_support import handle_errors, print_json
 
 
-@click.command(help="Check the machine (and a model directory) before running K3: memory, "
+@click.command(cls=Command, help="Check the machine (and a model directory) before running K3: memory, "
                     "disk speed, checkpoint completeness, pack state; pick a preset and "
                     "print the next command. Exit 0 = can run, 1 = cannot, 2 = usage error.")
 @click.argument("model", required=False, type=click.Path(exists=True, file_okay=False))
@@ -22,9 +23,9 @@ from libk3.cli_support import handle_errors, print_json
               help="Pack directory (existing or to be created) to check and measure.")
 @click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
 @click.option("--quick", is_flag=True, help="Skip the disk and kernel measurements.")
-@click.option("--assume-memory-gb", type=click.FloatRange(min=0, min_open=True),
+@click.option("--assume-memory-gb", type=gigabytes(positive=True),
               help="Pretend the machine has this much memory available (GB = 1e9 bytes).")
-@click.option("--probe-size-mb", type=click.FloatRange(min=1), default=1000.0,
+@click.option("--probe-size-mb", type=Finite(min=1, max=1e9), default=1000.0,
               show_default=True,
               help="Size of the temporary file read when the model's own files cannot be "
                    "(MB = 1e6 bytes); it is always removed.")

@@ -9,8 +9,9 @@ from __future__ import annotations
 import click
 
 from libk3 import __version__
-from libk3.cli_group import DefaultGroup
+from libk3.cli_group import DefaultGroup, Finite, Rule
 from libk3.cli_support import handle_errors, print_json
+from libk3.engine.sampler import seed_problem
 
 
 @click.group(cls=DefaultGroup, default="pack",
@@ -24,7 +25,8 @@ def main():
 @main.command("synth")
 @click.option("--preset", type=click.Choice(["tiny", "small", "medium", "real-dims", "real-sparse"]),
               default="tiny", show_default=True, help="Size of the synthetic model.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=Rule(click.INT, seed_problem, "integer"), default=0,
+              show_default=True, help="0 .. 2^64 - 1.")
 @click.option("--json", "json_out", is_flag=True, help="Print a JSON summary.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.argument("out", type=click.Path(file_okay=False))
@@ -47,7 +49,7 @@ def synth(out, preset, seed, json_out, quiet):
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--dry-run", is_flag=True, help="Print the plan (sizes, disk needed, free) only.")
-@click.option("--throttle-mbps", type=click.FloatRange(min=0, min_open=True),
+@click.option("--throttle-mbps", type=Finite(min=0, min_open=True),
               help="Cap the copy rate (MB/s) to leave the disk to other work.")
 @click.option("--source-probe/--no-source-probe", default=None,
               help="Time the source disk's sequential read (1 s, on expert bytes the pack "

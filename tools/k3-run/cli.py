@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -10,8 +9,13 @@ import click
 import numpy as np
 
 from libk3 import __version__
+from libk3.cli_group import Command, Finite, Rule, gigabytes
 from libk3.cli_support import handle_errors, print_json
+from libk3.config import MAX_SIZE
+from libk3.engine.generate import gen_problem, token_ids_problem
+from libk3.engine.sampler import seed_problem, temperature_problem, top_p_problem
 from libk3.errors import UsageError
+from libk3.io import atomic
 
 
 def _note_order(ctx, param, value):
@@ -39,7 +43,7 @@ class _Printer:
         sys.stdout.flush()
 
 
-@click.command(help="Run Kimi K3 (or a synthetic K3 checkpoint) on a prompt, a batch file "
+@click.command(cls=Command, help="Run Kimi K3 (or a synthetic K3 checkpoint) on a prompt, a batch file "
                     "or a chat. Logits are identical at every budget.")
 @click.argument("model", type=click.Path(exists=True, file_okay=False))
 @click.option("--pack", type=click.Path(exists=True, file_okay=False),
@@ -58,24 +62,30 @@ class _Printer:
                    "of exiting with code 6.")
 @click.option("--max-prompts", type=click.IntRange(1),
               help="With --batch: stop cleanly after this many prompts (the rest: next run).")
-@click.option("--deadline", type=click.FloatRange(0, 10 ** 7, min_open=True),
+@click.option("--deadline", type=Finite(0, 10 ** 7, min_open=True),
               metavar="MINUTES",
               help="With --batch: stop cleanly this many minutes after start; the prompt in "
                    "flight is abandoned and redone by the next run.")
 @click.option("--chat", is_flag=True, help="Interactive multi-turn chat on stdin.")
-@click.option("--gen", type=click.IntRange(0), default=16, show_default=True,
-              help="Tokens to generate (per turn in --chat).")
-@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True,
-              help="0 = greedy.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
-              show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--gen", type=Rule(click.INT, gen_problem, "integer"), default=16,
+              show_default=True, help="Tokens to generate (per turn in --chat), at most "
+                                      "1,048,576 (the trained context).")
+@click.option("--temperature", type=Rule(click.FLOAT, temperature_problem, "float"),
+              default=0.0, show_default=True,
+              help="0 = greedy; else at least 2^-126 (the smallest normal float32).")
+@click.option("--top-p", type=Rule(click.FLOAT, top_p_problem, "float"), default=1.0,
+              show_default=True, help="Nucleus mass, in (0, 1].")
+@click.option("--seed", type=Rule(click.INT, seed_problem, "integer"), default=0,
+              show_default=True, help="0 .. 2^64 - 1.")
 @click.option("--stop", "stop_strings", multiple=True, help="Stop when this text appears.")
-@click.option("--stop-id", "stop_ids", type=int, multiple=True, help="Stop at this token id.")
+@click.option("--stop-id", "stop_ids", type=click.IntRange(0, MAX_SIZE - 1), multiple=True,
+              help="Stop at this token id (checked against the vocabulary).")
 @click.option("--preset", callback=_note_order, expose_value=True,
               help="Memory preset: laptop, desktop, workstation, server, max, auto.")
-@click.option("--trunk-gb", type=float, callback=_note_order, help="Trunk budget in GB (1e9).")
-@click.option("--cache-gb", type=float, callback=_note_order, help="Expert cache budget in GB.")
+@click.option("--trunk-gb", type=gigabytes(), callback=_note_order,
+              help="Trunk budget in GB (1e9).")
+@click.option("--cache-gb", type=gigabytes(), callback=_note_order,
+              help="Expert cache budget in GB.")
 @click.option("--resident", is_flag=True, help="Load every weight into RAM (small models).")
 @click.option("--cache-policy", type=click.Choice(["lru", "layer-lfu"]), default="layer-lfu",
               show_default=True, help="Expert cache eviction policy (never changes output).")
@@ -147,6 +157,9 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
             click.echo(summary_text(summary, out_path), err=True)
         return
     with runner.open_run(opts) as run:
+        why = token_ids_problem(stop_ids, run.cfg.vocab_size)
+        if why:
+            raise UsageError(f"--stop-id: {why}")
         if chat:
             runner.run_chat(run, settings, load_state=load_state, save_state=save_state,
                             emit_factory=lambda: _Printer(run.session.tokenizer),
@@ -167,12 +180,12 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         if printer is not None:
             printer.finish()
         if logits_out:
-            np.save(logits_out, res.logits)
+            npy = logits_out if logits_out.endswith(".npy") else logits_out + ".npy"
+            with atomic.replacing(npy) as f:       # np.save's own suffix rule, atomically
+                np.save(f, res.logits)
         rep = run.report(res)
     if report_json:
-        with open(report_json, "w", encoding="utf-8") as f:
-            json.dump(rep, f, indent=2, sort_keys=True)
-            f.write("\n")
+        atomic.write_json(report_json, rep)
     if json_out:
         print_json(rep)
     else:

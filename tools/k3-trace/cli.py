@@ -13,8 +13,11 @@ import os
 import click
 
 from libk3 import __version__
+from libk3.cli_group import Finite, Group, NumberList, gigabytes
 from libk3.cli_support import handle_errors, print_json
+from libk3.config import MAX_EXPERTS, MAX_LAYERS
 from libk3.errors import UsageError
+from libk3.trace import MAX_EXPERT_BYTES
 
 # The real model's shape (spec K3-MODEL.md section 2; PRIOR-ART.md section 4): defaults
 # for importing C-engine traces, which carry no header.
@@ -24,20 +27,11 @@ REAL_TOP_K = 16
 REAL_EXPERT_BYTES = 17547264
 
 
-def _number_list(kind, text):
-    if text is None:
-        return None
-    try:
-        return [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError("expected a comma-separated list of numbers", found=text) from None
-
-
 def _jobs(jobs):
     return jobs if jobs is not None else max(1, min(2, os.cpu_count() or 1))
 
 
-@click.group(help="Import, inspect and replay expert-routing traces. "
+@click.group(cls=Group, help="Import, inspect and replay expert-routing traces. "
                   "Subcommands: import, stats, replay.")
 @click.version_option(__version__, prog_name="k3-trace")
 def main():
@@ -47,10 +41,14 @@ def main():
 @main.command("import")
 @click.argument("raw", type=click.Path(exists=True, dir_okay=False))
 @click.argument("out", type=click.Path(dir_okay=False))
-@click.option("--n-layers", type=int, default=REAL_N_LAYERS, show_default=True)
-@click.option("--n-experts", type=int, default=REAL_N_EXPERTS, show_default=True)
-@click.option("--top-k", type=int, default=REAL_TOP_K, show_default=True)
-@click.option("--expert-bytes", type=int, default=REAL_EXPERT_BYTES, show_default=True)
+@click.option("--n-layers", type=click.IntRange(1, MAX_LAYERS), default=REAL_N_LAYERS,
+              show_default=True)
+@click.option("--n-experts", type=click.IntRange(1, MAX_EXPERTS), default=REAL_N_EXPERTS,
+              show_default=True)
+@click.option("--top-k", type=click.IntRange(1, MAX_EXPERTS), default=REAL_TOP_K,
+              show_default=True, help="At most --n-experts.")
+@click.option("--expert-bytes", type=click.IntRange(1, MAX_EXPERT_BYTES),
+              default=REAL_EXPERT_BYTES, show_default=True)
 @click.option("--json", "json_out", is_flag=True, help="Print a JSON summary.")
 @handle_errors
 def import_cmd(raw, out, n_layers, n_experts, top_k, expert_bytes, json_out):
@@ -58,6 +56,8 @@ def import_cmd(raw, out, n_layers, n_experts, top_k, expert_bytes, json_out):
     pairs) into a k3 trace OUT. Token positions are unknown there and recorded as such."""
     from libk3.trace import import_raw_c_trace
 
+    if top_k > n_experts:
+        raise UsageError(f"--top-k {top_k} exceeds --n-experts {n_experts}")
     info = import_raw_c_trace(raw, out, n_layers=n_layers, n_experts=n_experts,
                               expert_bytes=expert_bytes, top_k=top_k,
                               created_by=f"k3-trace {__version__} import")
@@ -86,12 +86,16 @@ def stats(trace, tolerate_truncated, json_out):
 
 @main.command("replay")
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False))
-@click.option("--capacity-gb", help="Comma-separated cache sizes in GB (10^9 bytes). "
-                                    "Default: 8,16,32,64,128,192,256.")
-@click.option("--slots", help="Comma-separated cache sizes in slots.")
-@click.option("--expert-bytes", type=int, help="Override the trace's expert size.")
+@click.option("--capacity-gb", type=NumberList(gigabytes(positive=True)),
+              help="Comma-separated cache sizes in GB (10^9 bytes). "
+                   "Default: 8,16,32,64,128,192,256.")
+@click.option("--slots", type=NumberList(click.IntRange(1)),
+              help="Comma-separated cache sizes in slots.")
+@click.option("--expert-bytes", type=click.IntRange(1, MAX_EXPERT_BYTES),
+              help="Override the trace's expert size.")
 @click.option("--policy", "policy", help="Comma-separated policies (default: all).")
-@click.option("--jobs", type=int, help="Replays run in parallel (default: up to 2).")
+@click.option("--jobs", type=click.IntRange(1, 64),
+              help="Replays run in parallel (default: up to 2).")
 @click.option("--tolerate-truncated", is_flag=True,
               help="Use the intact frames of a trace whose last frame is damaged.")
 @click.option("--plot", type=click.Path(dir_okay=False),
@@ -112,8 +116,8 @@ def replay(trace, capacity_gb, slots, expert_bytes, policy, jobs, tolerate_trunc
     policies = (cache_policy.check_policy_names(p.strip() for p in policy.split(","))
                 if policy else list(cache_policy.POLICIES))
     rep = replay_report(TraceReader(trace, tolerate_truncated_tail=tolerate_truncated),
-                        policies=policies, capacities_gb=_number_list(float, capacity_gb),
-                        slots=_number_list(int, slots), expert_bytes=expert_bytes,
+                        policies=policies, capacities_gb=capacity_gb,
+                        slots=slots, expert_bytes=expert_bytes,
                         workers=_jobs(jobs))
     if plot:
         plot_replay(rep, plot)
@@ -154,13 +158,13 @@ def record(model, out, prompt_file, batch, run_args):
 
 @main.command("size")
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False))
-@click.option("--budget-gb", type=click.FloatRange(min=0, min_open=True), required=True,
+@click.option("--budget-gb", type=gigabytes(positive=True), required=True,
               help="Total memory for trunk + expert cache (GB = 10^9 bytes).")
 @click.option("--pack", "pack_dir", type=click.Path(exists=True, file_okay=False), required=True,
               help="The pack (its trunk.json gives every layer's size).")
-@click.option("--seq-mbps", type=click.FloatRange(min=0, min_open=True),
+@click.option("--seq-mbps", type=Finite(min=0, min_open=True),
               help="Sequential read speed (trunk), MB/s.")
-@click.option("--rand-mbps", type=click.FloatRange(min=0, min_open=True),
+@click.option("--rand-mbps", type=Finite(min=0, min_open=True),
               help="Random read speed of one expert at the best queue depth, MB/s.")
 @click.option("--doctor-json", type=click.Path(exists=True, dir_okay=False),
               help="Take the disk speeds from `k3-doctor --json` output.")
