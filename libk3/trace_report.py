@@ -18,7 +18,6 @@ import importlib.util
 
 import numpy as np
 
-from . import cache_policy
 from .errors import FormatError, K3Error, UsageError
 from .trace import PHASE_NAMES, TraceReader
 
@@ -149,6 +148,8 @@ def replay_keys_report(keys, *, n_layers: int, n_experts: int, top_k: int, exper
                        tokens: int, tokens_estimated: bool, policies, capacities_gb=None,
                        slots=None, workers: int = 1) -> dict:
     """replay_report's work on a key array (also used by bench/replay.py)."""
+    from . import cache_policy      # numba: imported only by replays, not by stats
+
     policies = cache_policy.check_policy_names(policies)
     eb = int(expert_bytes)
     ladder, skipped = capacity_ladder(eb, top_k, capacities_gb=capacities_gb, slots=slots)
@@ -220,6 +221,8 @@ def format_stats(s: dict) -> str:
 
 
 def format_replay(rep: dict) -> str:
+    from .cache_policy import PIN_FRACTIONS
+
     pols = rep["policies"]
     w = max(9, max(len(p) for p in pols) + 1)
     bound = {p: ("" if rep["online"][p] else "*") for p in pols}
@@ -239,7 +242,7 @@ def format_replay(rep: dict) -> str:
         note = "* offline bound (uses the future)"
         if "pin+lru" in pols:
             note += ("; pin+lru pins the best of "
-                     f"{', '.join(f'{f:g}' for f in cache_policy.PIN_FRACTIONS)} of the slots")
+                     f"{', '.join(f'{f:g}' for f in PIN_FRACTIONS)} of the slots")
         out.append(note)
     out.append(f"compulsory misses {rep['compulsory_misses']:,}: hit-rate ceiling "
                f"{rep['hit_rate_ceiling_pct']:.2f} %; every touched expert "

@@ -20,7 +20,7 @@ from ..trace import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
 from . import chat as chatfmt
 from .generate import GenSettings, generate
-from .report import run_report
+from .report import run_report, startup_seconds
 from .session import open_session, parse_ids  # noqa: F401  (parse_ids re-exported for the CLI)
 
 
@@ -85,6 +85,8 @@ class Run:
             cache_bytes=None if opts.resident else self.budget.cache_bytes,
             cache_policy=opts.cache_policy, io_threads=opts.io_threads,
             direct_io=opts.direct_io, on_route=on_route)
+        from ..precompile import prepare
+        self.compile_seconds = prepare(["forward"] + ([] if opts.resident else ["expert-cache"]))
         self.seq = 0                       # which prompt of a batch (trace records)
         if opts.trace_path:
             from .. import __version__
@@ -124,9 +126,12 @@ class Run:
         rep = run_report(res, stats, self.budget, extra)
         rep["model"] = str(self.opts.model)
         rep["pack"] = self.opts.pack
+        rep["compile_seconds"] = round(self.compile_seconds, 6)
+        rep["startup_seconds"] = startup_seconds(self.session.forward.first_layer_time)
         tok = self.session.tokenizer
         if tok is not None:
             rep["generated_text"] = tok.decode(res.generated_ids)
+            rep["tokenizer_cache"] = tok.loaded.cache_status if tok.loaded else "not read"
         if res.spec is not None:
             rep["speculative"] = res.spec
         return rep

@@ -6,7 +6,6 @@ import json
 import sys
 
 import click
-import numpy as np
 
 from libk3 import __version__
 from libk3.cli_support import handle_errors, print_json
@@ -148,6 +147,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, chat, gen,
         if printer is not None:
             printer.finish()
         if logits_out:
+            import numpy as np
             np.save(logits_out, res.logits)
         rep = run.report(res)
     if report_json:
