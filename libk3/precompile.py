@@ -2,19 +2,22 @@
 
 Owns: the table of every numba entry point the tools call from Python, with the exact
 argument types they call it with; finding which of those numba's on-disk cache does not
-hold yet; compiling them up front under a one-line notice and a tqdm bar (or silently
-doing nothing when all are cached); and where numba keeps that cache. Does not own: the
-kernels (``libk3.kernels``, ``libk3.cache_policy``, ``libk3.hwprobe``) or when a tool
-runs (its front end, or the engine for k3-run, calls ``prepare`` with its groups).
+hold yet; compiling them up front under a one-line notice and a tqdm bar (nothing is
+printed when all are cached), then loading the rest; and where numba keeps that cache.
+Does not own: the kernels (``libk3.kernels``, ``libk3.cache_policy``, ``libk3.hwprobe``)
+or when a tool runs (its front end, or the engine for k3-run, calls ``prepare``).
 
 Why a table of signatures: numba compiles lazily at a kernel's first call, so a fresh
 install sat silent for half a minute of "prefill" (issue 19). Knowing the argument types
-up front lets a run look each one up in numba's cache index, announce and compile only
-what is missing, before the first layer and timed apart from prefill. The types must be exactly those of a real call (C-contiguous,
-writable arrays; Python ints and floats are int64 and float64), else numba files the
-compiled code under another key and compiles again at the call;
-tests/test_precompile.py runs every tool path after ``prepare`` and fails on any
-compilation the table did not foresee.
+up front lets a run look each one up in numba's cache index, then announce and compile
+only what is missing, before the first layer and timed apart from prefill. The types
+must be exactly those of a real call (C-contiguous, writable arrays; Python ints and
+floats are int64 and float64), else numba files the compiled code under another key and
+compiles again at the call: tests/test_precompile.py runs every tool path after
+``prepare`` and fails on any compilation the table did not foresee. The lookup reads
+numba's private cache index (``_cache``, ``_index_key``); if a numba release moves it,
+``is_cached`` says None, nothing is announced and numba compiles lazily as before (and
+that test fails, so it is noticed).
 
 Where the cache lives (numba's rule, README "Set up"): ``$NUMBA_CACHE_DIR`` when set;
 else ``__pycache__`` beside each kernel's source when that is writable (editable
@@ -27,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import pickle
 import sys
 import time
 
@@ -113,8 +117,8 @@ def kernels(groups=GROUPS) -> list:
 
 def is_cached(kern: Kernel):
     """True when numba's on-disk cache (or this process) holds ``kern`` for this CPU,
-    False when calling it would compile, None when this numba's cache cannot be read
-    (its internals moved: then nothing is announced and numba compiles lazily as ever)."""
+    False when calling it would compile, None when this numba's cache index cannot be
+    read (its internals moved)."""
     disp = kern.dispatcher()
     if kern.args in disp.overloads:
         return True
@@ -128,8 +132,8 @@ def is_cached(kern: Kernel):
         return name is not None and os.path.exists(cache._cache_file._data_path(name))
     except AttributeError:
         return None
-    except Exception:         # noqa: BLE001 - an unreadable index: numba recompiles too
-        return False
+    except (OSError, EOFError, ValueError, pickle.UnpicklingError):
+        return False                    # an unreadable index: numba compiles too
 
 
 def cache_dir(kern: Kernel):
@@ -137,12 +141,7 @@ def cache_dir(kern: Kernel):
     return getattr(kern.dispatcher()._cache, "cache_path", None)
 
 
-def missing(groups=GROUPS) -> list:
-    """Kernels of ``groups`` that calling would compile."""
-    return [kern for kern in kernels(groups) if is_cached(kern) is False]
-
-
-def compile_kernels(todo, *, stream=None, notice: bool = True) -> float:
+def compile_kernels(todo, *, stream=None) -> float:
     """Compile ``todo`` (Kernel list) under a notice and a tqdm bar on ``stream``
     (stderr by default); returns the seconds spent. Numba saves each to its cache."""
     if not todo:
@@ -150,14 +149,12 @@ def compile_kernels(todo, *, stream=None, notice: bool = True) -> float:
     from tqdm import tqdm
 
     stream = sys.stderr if stream is None else stream
-    where = cache_dir(todo[0])
-    if notice:
-        if where is None:
-            stream.write("compiling k3 kernels for this CPU; numba has no writable cache "
-                         "directory here, so every run compiles (set NUMBA_CACHE_DIR)…\n")
-        else:
-            stream.write("compiling k3 kernels for this CPU, first run only…\n")
-        stream.flush()
+    if cache_dir(todo[0]) is None:
+        stream.write("compiling k3 kernels for this CPU; numba has no writable cache "
+                     "directory here, so every run compiles (set NUMBA_CACHE_DIR)…\n")
+    else:
+        stream.write("compiling k3 kernels for this CPU, first run only…\n")
+    stream.flush()
     t0 = time.perf_counter()
     with tqdm(total=len(todo), unit="kernel", desc="compiling", file=stream,
               leave=False, disable=None) as bar:
@@ -192,7 +189,7 @@ def compile_all(*, stream=None) -> dict:
     todo = kernels(GROUPS)
     t0 = time.perf_counter()
     before = [kern for kern in todo if is_cached(kern) is False]
-    seconds = prepare(GROUPS, stream=stream)
+    seconds = prepare_kernels(todo, stream=stream)
     dirs = sorted({d for d in (cache_dir(kern) for kern in todo) if d is not None})
     return {"kernels": len(todo), "compiled": len(before),
             "compile_seconds": round(seconds, 3),

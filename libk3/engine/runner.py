@@ -75,6 +75,9 @@ class Run:
         try:
             if not opts.resident:
                 self.budget = resolve_run_budget(opts, ckpt)
+            from ..precompile import prepare     # before the expert cache calls its policy
+            self.compile_seconds = prepare(["forward"] + ([] if opts.resident
+                                                           else ["expert-cache"]))
         except BaseException:
             ckpt.close()
             raise
@@ -85,8 +88,6 @@ class Run:
             cache_bytes=None if opts.resident else self.budget.cache_bytes,
             cache_policy=opts.cache_policy, io_threads=opts.io_threads,
             direct_io=opts.direct_io, on_route=on_route)
-        from ..precompile import prepare
-        self.compile_seconds = prepare(["forward"] + ([] if opts.resident else ["expert-cache"]))
         self.seq = 0                       # which prompt of a batch (trace records)
         if opts.trace_path:
             from .. import __version__
