@@ -36,7 +36,8 @@ LAUNCH = "import sys; from {mod}.cli import main; sys.argv[0] = '{prog}'; main()
 
 
 def tree_shim(src: Path, shim: Path) -> Path:
-    """A directory whose entries make ``src``'s packages importable by name."""
+    """A directory whose entries make ``src``'s packages importable by name (and the
+    working directory of its runs)."""
     shim.mkdir(parents=True, exist_ok=True)
     for name, rel in TOOLS.items():
         link = shim / name
@@ -69,7 +70,8 @@ def tool(shim: Path, prog: str, args, report: Path | None = None):
         cmd += ["--report-json", str(report)]
     env = dict(os.environ, PYTHONPATH=str(shim))
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=shim)  # not ROOT:
+    # ``python -c`` puts the working directory first on sys.path
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         sys.stderr.write(p.stderr)

@@ -80,7 +80,7 @@ def test_first_run_wheel_in_read_only_site_packages(tiny_dir):
         env.update(HOME=str(home), PYTHONPATH=str(site))
         prefix = _as_unprivileged()
         where = subprocess.run([*prefix, sys.executable, "-c",
-                                "import libk3; print(libk3.__file__)"], env=env,
+                                "import libk3; print(libk3.__file__)"], env=env, cwd=base,
                                capture_output=True, text=True, check=True).stdout
         assert where.startswith(str(site)), where                # the wheel, not the tree
         out = base / "out"
