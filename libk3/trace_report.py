@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 
-from . import cache_policy
 from .errors import FormatError, K3Error, UsageError
 from .io import atomic
 from .trace import PHASE_NAMES, TraceReader
@@ -152,6 +151,8 @@ def replay_keys_report(keys, *, n_layers: int, n_experts: int, top_k: int, exper
                        tokens: int, tokens_estimated: bool, policies, capacities_gb=None,
                        slots=None, workers: int = 1) -> dict:
     """replay_report's work on a key array (also used by bench/replay.py)."""
+    from . import cache_policy      # numba: imported only by replays, not by stats
+
     policies = cache_policy.check_policy_names(policies)
     eb = int(expert_bytes)
     ladder, skipped = capacity_ladder(eb, top_k, capacities_gb=capacities_gb, slots=slots)
@@ -223,6 +224,8 @@ def format_stats(s: dict) -> str:
 
 
 def format_replay(rep: dict) -> str:
+    from .cache_policy import PIN_FRACTIONS
+
     pols = rep["policies"]
     w = max(9, max(len(p) for p in pols) + 1)
     bound = {p: ("" if rep["online"][p] else "*") for p in pols}
@@ -242,7 +245,7 @@ def format_replay(rep: dict) -> str:
         note = "* offline bound (uses the future)"
         if "pin+lru" in pols:
             note += ("; pin+lru pins the best of "
-                     f"{', '.join(f'{f:g}' for f in cache_policy.PIN_FRACTIONS)} of the slots")
+                     f"{', '.join(f'{f:g}' for f in PIN_FRACTIONS)} of the slots")
         out.append(note)
     out.append(f"compulsory misses {rep['compulsory_misses']:,}: hit-rate ceiling "
                f"{rep['hit_rate_ceiling_pct']:.2f} %; every touched expert "

@@ -6,8 +6,10 @@ human form. Does not own: measuring (the weight providers keep their own counter
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
+import time
 
 
 def peak_rss_bytes() -> int:
@@ -24,6 +26,29 @@ def peak_rss_bytes() -> int:
         pass
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(r if sys.platform == "darwin" else r * 1024)
+
+
+def process_start_time():
+    """When this process started, on the ``time.time()`` clock (Linux: /proc, to 10 ms);
+    None where /proc is absent."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")    # field 22: starttime
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - (uptime - started)
+
+
+def startup_seconds(first_layer_time):
+    """Seconds from process start to the first layer of the first forward (None when
+    either is unknown): imports, opening the model, budgets, compiling, first reads."""
+    start = process_start_time()
+    if start is None or first_layer_time is None:
+        return None
+    return round(first_layer_time - start, 3)
 
 
 def run_report(result, weights_stats: dict, budget=None, extra: dict | None = None) -> dict:
@@ -60,8 +85,12 @@ def run_report(result, weights_stats: dict, budget=None, extra: dict | None = No
 
 def short_text(rep: dict) -> str:
     n = len(rep["generated_ids"])
-    parts = [f"{n} tokens, {rep['seconds_per_token']:.3f} s/token "
-             f"(prefill {rep['prefill_seconds']:.2f} s)"]
+    times = f"prefill {rep['prefill_seconds']:.2f} s"
+    if rep.get("startup_seconds") is not None:
+        compiling = rep.get("compile_seconds")
+        times = (f"start-up {rep['startup_seconds']:.2f} s"
+                 + (f" incl. compiling {compiling:.1f} s" if compiling else "") + ", " + times)
+    parts = [f"{n} tokens, {rep['seconds_per_token']:.3f} s/token ({times})"]
     if rep.get("cache_hit_rate") is not None:
         parts.append(f"cache hit {100 * rep['cache_hit_rate']:.1f}%")
     parts.append(f"read trunk {rep['trunk_bytes_read'] / 1e6:.1f} MB, "

@@ -20,7 +20,7 @@ from ..trace import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
 from . import chat as chatfmt
 from .generate import GenSettings, generate
-from .report import run_report
+from .report import run_report, startup_seconds
 from .session import open_session, parse_ids  # noqa: F401  (parse_ids re-exported for the CLI)
 
 
@@ -75,6 +75,9 @@ class Run:
         try:
             if not opts.resident:
                 self.budget = resolve_run_budget(opts, ckpt)
+            from ..precompile import prepare     # before the expert cache calls its policy
+            self.compile_seconds = prepare(["forward"] + ([] if opts.resident
+                                                           else ["expert-cache"]))
         except BaseException:
             ckpt.close()
             raise
@@ -140,9 +143,12 @@ class Run:
         rep = run_report(res, stats, self.budget, extra)
         rep["model"] = str(self.opts.model)
         rep["pack"] = self.opts.pack
+        rep["compile_seconds"] = round(self.compile_seconds, 6)
+        rep["startup_seconds"] = startup_seconds(self.session.forward.first_layer_time)
         tok = self.session.tokenizer
         if tok is not None:
             rep["generated_text"] = tok.decode(res.generated_ids)
+            rep["tokenizer_cache"] = tok.loaded.cache_status if tok.loaded else "not read"
         if res.spec is not None:
             rep["speculative"] = res.spec
         return rep

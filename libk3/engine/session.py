@@ -31,13 +31,17 @@ class Session:
         return State(self.cfg)
 
 
-def load_tokenizer_if_present(model_dir):
-    """The model's tokenizer, or None when the directory has no tiktoken.model."""
+def load_tokenizer_if_present(model_dir, vocab_size=None, pack=None):
+    """The model's tokenizer, read on first use (its derived form cached in the pack
+    directory when there is one, else per user: ``libk3.io.tokenizer_cache``), or None
+    when the directory has no tiktoken.model."""
+    from ..io.tokenizer import TIKTOKEN_FILE, LazyTokenizer
+    from ..io.tokenizer_cache import cache_path
+
     d = Path(model_dir)
-    if not (d / "tiktoken.model").is_file():
+    if not (d / TIKTOKEN_FILE).is_file():
         return None
-    from ..io.tokenizer import K3Tokenizer
-    return K3Tokenizer.from_dir(d)
+    return LazyTokenizer(d, vocab_size, cache_path(d, pack))
 
 
 def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_bytes=None,
@@ -49,8 +53,8 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
     through the cache. The arithmetic is the same either way."""
     if ckpt is None:
         ckpt = Checkpoint.open(model_dir)
-    tok = load_tokenizer_if_present(model_dir)
     cfg = ckpt.config
+    tok = load_tokenizer_if_present(model_dir, cfg.vocab_size, pack)
     if trunk_bytes is None and cache_bytes is None and pack is None:
         weights = ResidentWeights(ckpt)
     else:

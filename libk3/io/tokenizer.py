@@ -15,11 +15,13 @@ Why these choices:
 * Injection safety: user text must never turn ``<|end_of_msg|>`` typed by a user into the
   special id. Two ``Tokenizer`` objects share ONE BPE model (sharing costs no memory or
   time, measured): ``hf`` carries the special tokens as added tokens (spec 8.5 step 5),
-  ``_plain`` has none, so ``encode(..., allow_special=False)`` cannot match them. (Toggling
+  the second has none, so ``encode(..., allow_special=False)`` cannot match them. (Toggling
   ``encode_special_tokens`` on one object would be hidden mutable state.)
-* No cache of the derived merges: building from the real 163,584 ranks takes 1.8 s
-  (read 0.3 s, rank-BPE merge derivation 1.1 s, HF construction 0.4 s; measured on the
-  synthetic real-size vocabulary, tests/test_tokenizer.py), far below model load time.
+* The derived form (rank bytes, byte-level spellings, merges) is cached on disk, keyed
+  by the files' sha256 (``libk3.io.tokenizer_cache``): deriving 163,584 merges in Python
+  and validating ``tiktoken.model`` cost seconds of every run (issue 20). The HF
+  tokenizer is built from it only when text is first encoded; decoding needs only the
+  rank bytes, so runs given ``--ids`` never build it.
 * Decoding does not use HF: its ByteLevel decoder returns ``str`` and loses the bytes of a
   token that ends mid UTF-8 character. We keep every id's raw bytes and join them.
 * ``pat_str`` is read from ``tokenization_kimi.py`` by parsing it with ``ast`` and
@@ -41,7 +43,11 @@ import operator
 import re
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import CheckpointError, K3Error
+from . import tokenizer_cache
+from .tokenizer_cache import DerivedTokenizer
 
 TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
@@ -378,21 +384,27 @@ def split_pre_tokenizer(pat_str: str, path=None):
         raise CheckpointError(f"split regex does not compile: {e}", path=path) from None
 
 
-def build_hf_tokenizer(ranks: list, specials: dict, pat_str: str, path=None):
-    """(tokenizer with specials, tokenizer without, whole-only count) per spec 8.5.
+def derive(ranks: list) -> DerivedTokenizer:
+    """The derived form of ``ranks`` (spec 8.5): each rank's byte-level spelling and the
+    merges of ``derive_merges`` as rank pairs."""
+    to_uni = byte_to_unicode()
+    vocab = ["".join([to_uni[b] for b in token]) for token in ranks]
+    merges, whole_only = derive_merges(ranks)
+    rank_of = {token: r for r, token in enumerate(ranks)}
+    pairs = np.array([(rank_of[a], rank_of[b]) for a, b in merges], np.int32).reshape(-1, 2)
+    return DerivedTokenizer(list(ranks), vocab, pairs, whole_only)
+
+
+def build_hf_tokenizer(derived: DerivedTokenizer, specials: dict, pat_str: str, path=None):
+    """(tokenizer with specials, tokenizer without) per spec 8.5.
 
     ``specials`` maps id -> content and must fill ids n_ranks.. densely: HF gives added
     tokens the next free ids, so they are added in id order and then checked."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    to_uni = byte_to_unicode()
-
-    def uni(token: bytes) -> str:
-        return "".join([to_uni[b] for b in token])
-
-    vocab = {uni(token): r for r, token in enumerate(ranks)}
-    merges, whole_only = derive_merges(ranks)
-    model = models.BPE(vocab=vocab, merges=[(uni(a), uni(b)) for a, b in merges],
+    spell = derived.vocab
+    model = models.BPE(vocab={s: r for r, s in enumerate(spell)},
+                       merges=[(spell[a], spell[b]) for a, b in derived.merges.tolist()],
                        ignore_merges=True)
     pre = pre_tokenizers.Sequence([
         split_pre_tokenizer(pat_str, path),
@@ -413,7 +425,7 @@ def build_hf_tokenizer(ranks: list, specials: dict, pat_str: str, path=None):
                         expected=token_id, found=tok.token_to_id(content),
                         hint="its text may also be a BPE token")
         built.append(tok)
-    return built[0], built[1], whole_only
+    return built[0], built[1]
 
 
 # ---- pathological-input cuts (spec 8.2, unverified) ---------------------------------
@@ -450,13 +462,15 @@ class K3Tokenizer:
     Attributes: ``n_ranks`` (BPE ranks, ids 0..n_ranks-1), ``vocab_size`` (ranks + special
     slots), ``special_ids`` {content: id}, ``pat_str`` and ``pat_source`` (where the split
     regex came from), ``pat_fallback`` (True when tokenization_kimi.py was absent and the
-    built-in K3_PAT_STR was used), ``hf`` (the spec-8.5 ``tokenizers.Tokenizer``),
-    ``whole_only_ranks`` (multi-byte ranks with no two-part BPE derivation),
-    ``longest_rank_bytes`` (bytes of the longest BPE rank: text of n bytes encodes, without
-    specials, to at least n / longest_rank_bytes tokens)."""
+    built-in K3_PAT_STR was used), ``hf`` (the spec-8.5 ``tokenizers.Tokenizer``, built
+    on first use), ``whole_only_ranks`` (multi-byte ranks with no two-part BPE
+    derivation), ``longest_rank_bytes`` (bytes of the longest BPE rank: text of n bytes
+    encodes, without specials, to at least n / longest_rank_bytes tokens), ``cache_status``
+    (what ``from_dir`` did with the derived-form cache: None without one, "hit", "written",
+    "rewritten" (it was stale or damaged) or "in-memory" (it could not be written))."""
 
     def __init__(self, ranks: list, specials: dict, pat_str: str, *, pat_source: str,
-                 pat_fallback: bool, vocab_size=None, path=None):
+                 pat_fallback: bool, vocab_size=None, path=None, derived=None):
         self.path = None if path is None else str(path)
         self.n_ranks = len(ranks)
         self.longest_rank_bytes = max(map(len, ranks), default=1)
@@ -475,33 +489,77 @@ class K3Tokenizer:
         self.pat_str = pat_str
         self.pat_source = pat_source
         self.pat_fallback = pat_fallback
+        self.cache_status = None
         self._split = split_pre_tokenizer(pat_str, path)
-        self.hf, self._plain, self.whole_only_ranks = build_hf_tokenizer(
-            ranks, slots, pat_str, path=path)
+        self._ranks = ranks
+        self._slots = slots
+        self._derived = derived
+        self._hf_pair = None
         # id -> raw bytes; specials decode to their literal UTF-8 text (spec 8.2)
         self._bytes = list(ranks) + [slots[i].encode("utf-8")
                                      for i in range(self.n_ranks, self.vocab_size)]
 
+    def derived(self) -> DerivedTokenizer:
+        """The derived form (read from the cache by ``from_dir``, else derived now)."""
+        if self._derived is None:
+            self._derived = derive(self._ranks)
+        return self._derived
+
+    def _tokenizers(self) -> tuple:
+        """(with specials, without) HF tokenizers, built on first use."""
+        if self._hf_pair is None:
+            self._hf_pair = build_hf_tokenizer(self.derived(), self._slots, self.pat_str,
+                                               path=self.path)
+        return self._hf_pair
+
+    @property
+    def hf(self):
+        return self._tokenizers()[0]
+
+    @property
+    def whole_only_ranks(self) -> int:
+        return self.derived().whole_only
+
     @classmethod
-    def from_dir(cls, model_dir, vocab_size=None) -> "K3Tokenizer":
+    def from_dir(cls, model_dir, vocab_size=None, cache=None) -> "K3Tokenizer":
         """Read ``tiktoken.model``, ``tokenizer_config.json`` and (if present)
         ``tokenization_kimi.py`` from ``model_dir``. ``vocab_size`` (the config's) bounds the
-        special ids; unnamed slots below it become ``<|reserved_token_{id}|>``."""
+        special ids; unnamed slots below it become ``<|reserved_token_{id}|>``. ``cache``:
+        the derived-form cache file (``tokenizer_cache.cache_path``) to read, or to write
+        when absent, stale or damaged; None derives in memory."""
         d = Path(model_dir)
-        ranks = read_tiktoken_model(d / TIKTOKEN_FILE)
+        kimi = d / KIMI_FILE
+        files = {TIKTOKEN_FILE: d / TIKTOKEN_FILE, CONFIG_FILE: d / CONFIG_FILE,
+                 KIMI_FILE: kimi if kimi.is_file() else None}
+        key = derived = None
+        if cache is not None:
+            try:
+                key = tokenizer_cache.cache_key(files, vocab_size)
+            except OSError:
+                key = None                 # a missing file: the readers below say which
+            derived = tokenizer_cache.load(cache, key) if key is not None else None
+        ranks = derived.ranks if derived is not None else read_tiktoken_model(files[TIKTOKEN_FILE])
         if vocab_size is not None and vocab_size < len(ranks):
             raise CheckpointError("more BPE ranks than the vocabulary has ids",
-                                  path=d / TIKTOKEN_FILE, expected=f"<= {vocab_size} ranks",
+                                  path=files[TIKTOKEN_FILE], expected=f"<= {vocab_size} ranks",
                                   found=len(ranks))
-        specials = read_added_tokens(d / CONFIG_FILE, len(ranks), vocab_size)
-        kimi = d / KIMI_FILE
-        if kimi.is_file():
+        specials = read_added_tokens(files[CONFIG_FILE], len(ranks), vocab_size)
+        if files[KIMI_FILE] is not None:
             pat_str, source, fallback = read_pat_str(kimi), str(kimi), False
         else:
             pat_str, fallback = K3_PAT_STR, True
             source = f"built-in K3_PAT_STR ({KIMI_FILE} absent)"
-        return cls(ranks, specials, pat_str, pat_source=source, pat_fallback=fallback,
-                   vocab_size=vocab_size, path=d)
+        tok = cls(ranks, specials, pat_str, pat_source=source, pat_fallback=fallback,
+                  vocab_size=vocab_size, path=d, derived=derived)
+        if derived is not None:
+            tok.cache_status = "hit"
+        elif key is not None:
+            existed = Path(cache).exists()
+            if tokenizer_cache.save(cache, key, tok.derived()):
+                tok.cache_status = "rewritten" if existed else "written"
+            else:
+                tok.cache_status = "in-memory"
+        return tok
 
     # ---- encoding ----
     def encode(self, text: str, allow_special: bool = False) -> list:
@@ -513,7 +571,7 @@ class K3Tokenizer:
         except UnicodeEncodeError:
             # lone surrogates: joined into pairs where possible, else U+FFFD, as tiktoken does
             text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-        tok = self.hf if allow_special else self._plain
+        tok = self._tokenizers()[0 if allow_special else 1]
         ids = []
         for piece in split_long_runs(text):
             ids.extend(tok.encode(piece, add_special_tokens=False).ids)
@@ -543,6 +601,40 @@ class K3Tokenizer:
     def id_of(self, content: str):
         """Id of the special token ``content``, or None."""
         return self.special_ids.get(content)
+
+    def stream_decoder(self) -> "IncrementalDecoder":
+        return IncrementalDecoder(self)
+
+
+class LazyTokenizer:
+    """A model directory's tokenizer, read on its first use (``K3Tokenizer.from_dir``
+    with ``cache``). Why: a run given ids that decodes nothing needs none of it, and a
+    run printing text needs it only at its first generated token, after the first
+    forward (issue 20). ``loaded`` is the K3Tokenizer once read, else None."""
+
+    def __init__(self, model_dir, vocab_size=None, cache=None):
+        self.model_dir, self.vocab_size, self.cache = model_dir, vocab_size, cache
+        self.loaded = None
+
+    def get(self) -> K3Tokenizer:
+        if self.loaded is None:
+            self.loaded = K3Tokenizer.from_dir(self.model_dir, self.vocab_size, self.cache)
+        return self.loaded
+
+    def encode(self, text: str, allow_special: bool = False) -> list:
+        return self.get().encode(text, allow_special)
+
+    def token_bytes(self, token_id) -> bytes:
+        return self.get().token_bytes(token_id)
+
+    def decode_bytes(self, ids) -> bytes:
+        return self.get().decode_bytes(ids) if len(ids) else b""
+
+    def decode(self, ids) -> str:
+        return self.get().decode(ids) if len(ids) else ""
+
+    def id_of(self, content: str):
+        return self.get().id_of(content)
 
     def stream_decoder(self) -> "IncrementalDecoder":
         return IncrementalDecoder(self)

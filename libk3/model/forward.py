@@ -37,10 +37,17 @@ class Forward:
         self.weights = weights
         self.on_route = on_route
         self.layer_seconds = [0.0] * cfg.num_hidden_layers    # wall time per layer (bench)
-        m = weights.model()
-        self.lm_head = m["lm_head"]
-        self.norm = m["norm"]
-        self.out_fold = K.fold_attn_res(m["output_attn_res_norm"], m["output_attn_res_proj"])
+        self.first_layer_time = None          # time.time() the first layer started (report)
+        self._head = None                     # (lm_head, norm, out_fold), asked for lazily
+
+    def head(self):
+        """(lm_head, final norm, folded output AttnRes vector). Asked for only after the
+        first pass's layers, so a provider may still be reading them (weights.py)."""
+        if self._head is None:
+            m = self.weights.model()
+            self._head = (m["lm_head"], m["norm"],
+                          K.fold_attn_res(m["output_attn_res_norm"], m["output_attn_res_proj"]))
+        return self._head
 
     def __call__(self, ids, state: State, all_logits: bool = True, phase: str = "prefill"):
         cfg = self.cfg
@@ -54,6 +61,8 @@ class Forward:
         positions = np.arange(state.pos, state.pos + T, dtype=np.int64)
         prefix = self.weights.embed(ids)                             # (T, E) f32
         blocks: list = []
+        if self.first_layer_time is None:
+            self.first_layer_time = time.time()
         for L in range(cfg.num_hidden_layers):
             t0 = time.perf_counter()
             lw = self.weights.layer(L)
@@ -62,11 +71,12 @@ class Forward:
             finally:
                 self.weights.release(L)
             self.layer_seconds[L] += time.perf_counter() - t0
-        h = K.attn_res(blocks + [prefix], self.out_fold, cfg.rms_norm_eps)
+        lm_head, norm, out_fold = self.head()
+        h = K.attn_res(blocks + [prefix], out_fold, cfg.rms_norm_eps)
         if not all_logits:
             h = h[-1:]
-        x = K.rmsnorm(h, self.norm, cfg.rms_norm_eps)
-        logits = K.bf16_matmul(self.lm_head, x)                      # (T or 1, V)
+        x = K.rmsnorm(h, norm, cfg.rms_norm_eps)
+        logits = K.bf16_matmul(lm_head, x)                           # (T or 1, V)
         state.pos += T
         state.ids.extend(int(i) for i in ids)
         return logits

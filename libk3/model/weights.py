@@ -17,6 +17,8 @@ widened to float32); vectors are float32. Every float dtype is computed exactly.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from .. import names
@@ -110,18 +112,25 @@ class ResidentWeights:
 
 class StreamedWeights:
     """Model-level tensors resident; trunk layers from a TrunkStreamer (pinned + ring);
-    experts from an ExpertCache. Same interface, same arrays, same math as resident."""
+    experts from an ExpertCache. Same interface, same arrays, same math as resident.
+
+    The model-level tensors (2.35 GB of lm_head for K3) are read by a background thread
+    started here, so the read overlaps the first forward's layers; ``model()`` waits for
+    it (and raises its error, if any). Why: read up front it was the largest share of
+    start-up on real dimensions (bench/README.md, "Start-up")."""
 
     def __init__(self, ckpt, trunk, cache):
         self.cfg = ckpt.config
-        self._model = load_model_level(ckpt)
         self._embed = ckpt.entry(names.EMBED)
         self._ckpt = ckpt
         self.trunk = trunk
         self.cache = cache
+        self._model_reader = ThreadPoolExecutor(max_workers=1,
+                                                thread_name_prefix="k3-model-read")
+        self._model = self._model_reader.submit(load_model_level, ckpt)
 
     def model(self) -> dict:
-        return self._model
+        return self._model.result()
 
     def embed(self, ids) -> np.ndarray:
         """Read just the rows of ``ids`` from the shard (positioned reads), in the
@@ -153,9 +162,10 @@ class StreamedWeights:
         return self.cache.finish(handle)
 
     def model_bytes(self) -> int:
-        return sum(a.nbytes for a in self._model.values())
+        return sum(a.nbytes for a in self.model().values())
 
     def close(self) -> None:
+        self._model_reader.shutdown(wait=True)       # before the checkpoint's files close
         self.trunk.close()
         self.cache.close()
 

@@ -43,6 +43,10 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return np.frombuffer(mm, dtype=np.uint8)
 
 
+class ReadCancelled(Exception):
+    """A background read stopped between pieces because its owner is closing."""
+
+
 def window_bytes(nbytes: int) -> int:
     """Largest aligned window any ``nbytes`` range can need."""
     return align_up(nbytes) + 2 * ALIGN
@@ -107,24 +111,28 @@ class DirectFile:
             self.fd = -1
 
     def read_window(self, offset: int, nbytes: int, buf: np.ndarray, what: str = "",
-                    yield_to: "ReadGate | None" = None, pool=None, depth: int = 1) -> int:
+                    yield_to: "ReadGate | None" = None, pool=None, depth: int = 1,
+                    cancel: "threading.Event | None" = None) -> int:
         """Read the aligned window around [offset, offset+nbytes) into ``buf`` (aligned,
         at least ``window_bytes(nbytes)``); returns where the payload starts in ``buf``.
         A short read at the end of the file is fine if it covers the payload. With
         ``yield_to``, read in YIELD_CHUNK pieces and let urgent reads go first; with a
         ``pool`` as well, keep ``depth`` pieces in flight on it (one sequential stream at
-        a time reads slower than the disk can: bench/perf.py disk)."""
+        a time reads slower than the disk can: bench/perf.py disk). With ``cancel``, a
+        piece-wise read raises ReadCancelled once it is set (a read-ahead nobody will use
+        stops within a few pieces instead of reading a whole layer at exit)."""
         start = align_down(offset)
         end = min(align_up(offset + nbytes), align_up(self.size))
         view = memoryview(buf)[:end - start]
         if yield_to is not None and pool is not None and depth > 1:
-            got = self._read_pieces(view, start, what, yield_to, pool, depth)
+            got = self._read_pieces(view, start, what, yield_to, pool, depth, cancel)
         else:
             got = 0
             while got < len(view):
                 piece = view[got:] if yield_to is None else view[got:got + YIELD_CHUNK]
                 if yield_to is not None:
                     yield_to.wait_clear()
+                    _check(cancel)
                 n = self._pread(piece, start + got, what)
                 if n == 0:
                     break
@@ -149,7 +157,8 @@ class DirectFile:
             got += n
         return got
 
-    def _read_pieces(self, view, start: int, what: str, gate: "ReadGate", pool, depth: int) -> int:
+    def _read_pieces(self, view, start: int, what: str, gate: "ReadGate", pool, depth: int,
+                     cancel=None) -> int:
         """YIELD_CHUNK pieces of ``view`` in order, ``depth`` in flight, each submitted only
         while no urgent read is waiting; returns the bytes read before the first short piece."""
         pieces = [(o, min(YIELD_CHUNK, len(view) - o)) for o in range(0, len(view), YIELD_CHUNK)]
@@ -160,6 +169,7 @@ class DirectFile:
                 while len(flight) >= depth:
                     counts.append(flight.popleft().result())
                 gate.wait_clear()
+                _check(cancel)
                 flight.append(pool.submit(self._pread, view[o:o + n], start + o, what))
             while flight:
                 counts.append(flight.popleft().result())
@@ -172,6 +182,11 @@ class DirectFile:
             if k < n:
                 break
         return got
+
+
+def _check(cancel) -> None:
+    if cancel is not None and cancel.is_set():
+        raise ReadCancelled()
 
 
 class FileSet:

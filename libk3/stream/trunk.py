@@ -29,7 +29,7 @@ from ..config import K3Config
 from ..errors import BudgetError
 from ..io import inventory
 from ..io.dtypes import bound_extra_bytes, matrix_operand, widen
-from .direct import FileSet, aligned_empty, window_bytes
+from .direct import FileSet, ReadCancelled, aligned_empty, window_bytes
 
 
 # Trunk read-ahead pieces in flight at once. Measured side by side on medium at the floor
@@ -131,6 +131,7 @@ class TrunkStreamer:
         self._expect = self.ring[0] if self.ring else None
         self._error = None
         self._stop = False
+        self._cancel = threading.Event()     # set by close(): abandon the read-ahead
         self._thread = None
         self._pool = None
         if self.n_slots >= 2:
@@ -147,7 +148,8 @@ class TrunkStreamer:
         base = self.files.get(run.path).read_window(
             run.offset, run.nbytes, buf, what=f"layer {L} trunk",
             yield_to=self.files.gate if background else None,
-            pool=self._pool if background else None, depth=READ_AHEAD_DEPTH)
+            pool=self._pool if background else None, depth=READ_AHEAD_DEPTH,
+            cancel=self._cancel if background else None)
         dt = time.perf_counter() - t0
         with self._cond:
             self.stats["bytes_read"] += run.nbytes
@@ -240,6 +242,8 @@ class TrunkStreamer:
                     self._base[i] = base
                     self._tag[i] = ("ready", L, gen) if gen == self._gen else None
                     self._cond.notify_all()
+        except ReadCancelled:               # closing: the layer being read is not needed
+            return
         except BaseException as e:          # surfaced to the forward thread in layer()
             with self._cond:
                 self._error = e
@@ -248,6 +252,7 @@ class TrunkStreamer:
     def close(self) -> None:
         with self._cond:
             self._stop = True
+            self._cancel.set()
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5)

@@ -23,6 +23,9 @@ from libk3.cli_support import handle_errors, print_json
               help="Pack directory (existing or to be created) to check and measure.")
 @click.option("--json", "json_out", is_flag=True, help="Print the report as JSON.")
 @click.option("--quick", is_flag=True, help="Skip the disk and kernel measurements.")
+@click.option("--compile", "compile_only", is_flag=True,
+              help="Compile every numba kernel the k3 tools use (a minute or more, once per "
+                   "machine; numba caches them), say where they are cached, and exit.")
 @click.option("--assume-memory-gb", type=gigabytes(positive=True),
               help="Pretend the machine has this much memory available (GB = 1e9 bytes).")
 @click.option("--probe-size-mb", type=Finite(min=1, max=1e9), default=1000.0,
@@ -31,7 +34,18 @@ from libk3.cli_support import handle_errors, print_json
                    "(MB = 1e6 bytes); it is always removed.")
 @click.version_option(__version__, prog_name="k3-doctor")
 @handle_errors
-def main(model, pack_dir, json_out, quick, assume_memory_gb, probe_size_mb):
+def main(model, pack_dir, json_out, quick, compile_only, assume_memory_gb, probe_size_mb):
+    from libk3 import precompile
+
+    if compile_only:
+        summary = precompile.compile_all()
+        if json_out:
+            print_json(summary)
+        else:
+            click.echo(precompile.render_summary(summary))
+        return
+    precompile.prepare(["probe"] + ([] if quick else ["forward"]))
+
     from libk3.doctor import diagnose, render_text
     from libk3.hwprobe import probe_memory
 

@@ -6,7 +6,6 @@ import sys
 import time
 
 import click
-import numpy as np
 
 from libk3 import __version__
 from libk3.cli_group import Command, Finite, Rule, gigabytes
@@ -180,6 +179,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         if printer is not None:
             printer.finish()
         if logits_out:
+            import numpy as np
             npy = logits_out if logits_out.endswith(".npy") else logits_out + ".npy"
             with atomic.replacing(npy) as f:       # np.save's own suffix rule, atomically
                 np.save(f, res.logits)

@@ -107,6 +107,7 @@ def replay(trace, capacity_gb, slots, expert_bytes, policy, jobs, tolerate_trunc
     """Hit rate and GB read per token of each cache policy at each capacity, replaying
     TRACE offline (routing does not depend on the cache)."""
     from libk3 import cache_policy
+    from libk3.precompile import prepare
     from libk3.trace import TraceReader
     from libk3.trace_report import (format_replay, plot_replay, replay_report,
                                     require_matplotlib)
@@ -115,6 +116,7 @@ def replay(trace, capacity_gb, slots, expert_bytes, policy, jobs, tolerate_trunc
         require_matplotlib()
     policies = (cache_policy.check_policy_names(p.strip() for p in policy.split(","))
                 if policy else list(cache_policy.POLICIES))
+    prepare(["replay"])
     rep = replay_report(TraceReader(trace, tolerate_truncated_tail=tolerate_truncated),
                         policies=policies, capacities_gb=capacity_gb,
                         slots=slots, expert_bytes=expert_bytes,
@@ -184,6 +186,8 @@ def size(trace, budget_gb, pack_dir, seq_mbps, rand_mbps, doctor_json, policy, s
     from libk3.errors import UsageError
     if not seq_mbps or not rand_mbps:
         raise UsageError("give --seq-mbps and --rand-mbps, or --doctor-json from k3-doctor --json")
+    from libk3.precompile import prepare
+    prepare(["replay"])
     rep = size_budget(trace, pack_dir, budget_gb * 1e9, seq_mbps * 1e6, rand_mbps * 1e6,
                       policy=policy, steps=steps)
     _emit(rep, json_out, format_sizing)

@@ -1,0 +1,165 @@
+"""Start-up, side by side (issue 20): the same commands from a BASE commit (default
+``main``) and from this working tree, alternated in one run.
+
+* real-dims ``k3-run MODEL --pack P --preset laptop --ids 1 --gen 0``: whole-process wall
+  time, and this tree's ``startup_seconds`` (process start to the first layer) and its
+  share of the wall time;
+* the tokenizer of the real vocabulary: derived in memory vs read from its cache;
+* ``k3-run --help``;
+* ``k3-trace stats`` on a 100k-request trace.
+
+BASE is extracted with ``git archive`` into ``scratch/startup-base/`` (its numba cache
+is compiled on its first run, once). Both trees run under this venv's Python with
+PYTHONPATH pointing at the tree, so launching costs the same. ``--threads 1`` keeps the
+shared machine's other processes from stretching the compute (start-up has no threads).
+
+    python bench/startup.py [--base main] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DATA, ROOT, checkpoint, packed, table  # noqa: E402
+
+TOOLS = {"libk3": "libk3", "k3_run": "tools/k3-run", "k3_trace": "tools/k3-trace"}
+LAUNCH = "import sys; from {mod}.cli import main; sys.argv[0] = '{prog}'; main()"
+
+
+def tree_shim(src: Path, shim: Path) -> Path:
+    """A directory whose entries make ``src``'s packages importable by name (and the
+    working directory of its runs)."""
+    shim.mkdir(parents=True, exist_ok=True)
+    for name, rel in TOOLS.items():
+        link = shim / name
+        if not link.exists():
+            link.symlink_to(src / rel)
+    return shim
+
+
+def base_tree(base: str) -> Path:
+    """``base`` extracted once into scratch/startup-base (re-extracted when it moves)."""
+    commit = subprocess.run(["git", "rev-parse", base], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout.strip()
+    out = DATA / "startup-base"
+    stamp = out / "COMMIT"
+    if not stamp.exists() or stamp.read_text() != commit:
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+        (out / "src").mkdir(parents=True)
+        archive = subprocess.run(["git", "archive", commit], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(out / "src")], input=archive, check=True)
+        stamp.write_text(commit)
+    return tree_shim(out / "src", out / "shim")
+
+
+def tool(shim: Path, prog: str, args, report: Path | None = None):
+    """(wall seconds, report dict or None) of one tool run from the tree at ``shim``."""
+    mod = prog.replace("-", "_")
+    cmd = [sys.executable, "-c", LAUNCH.format(mod=mod, prog=prog), *map(str, args)]
+    if report is not None:
+        cmd += ["--report-json", str(report)]
+    env = dict(os.environ, PYTHONPATH=str(shim))
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=shim)  # not ROOT:
+    # ``python -c`` puts the working directory first on sys.path
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        sys.stderr.write(p.stderr)
+        raise SystemExit(f"failed ({p.returncode}): {prog} {' '.join(map(str, args))}")
+    return wall, (json.loads(report.read_text()) if report is not None else None)
+
+
+def side_by_side(trees: dict, prog: str, args, runs: int, tmp: Path, with_report=False):
+    """{tree: [(wall, report)]}, the trees alternated run by run."""
+    out = {name: [] for name in trees}
+    for i in range(runs):
+        for name, shim in trees.items():
+            rep = tmp / f"{name}-{i}.json" if with_report else None
+            out[name].append(tool(shim, prog, args, rep))
+    return out
+
+
+def med(xs) -> float:
+    return statistics.median(xs)
+
+
+def tokenizer_rows(model: Path, runs: int) -> list:
+    """The real vocabulary's tokenizer ready to encode: derived in memory vs cache hit."""
+    code = ("import sys, time; from libk3.io.tokenizer import K3Tokenizer; "
+            "c = None if sys.argv[2] == 'none' else sys.argv[2]; t = time.perf_counter(); "
+            "tok = K3Tokenizer.from_dir(sys.argv[1], 163840, cache=c); tok.encode('Hi'); "
+            "print(time.perf_counter() - t, tok.cache_status)")
+    cache = Path(tempfile.mkdtemp()) / "tok.k3tok"
+    times = {"in memory (no cache)": [], "cache hit": []}
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "-c", code, model, cache], env=env, check=True,
+                   capture_output=True)                       # writes the cache
+    for _ in range(runs):
+        for label, c in (("in memory (no cache)", "none"), ("cache hit", cache)):
+            out = subprocess.run([sys.executable, "-c", code, model, c], env=env, check=True,
+                                 capture_output=True, text=True).stdout.split()
+            times[label].append(float(out[0]))
+    return [[label, f"{med(v):.2f} s"] for label, v in times.items()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default="main")
+    ap.add_argument("--runs", type=int, default=3)
+    a = ap.parse_args()
+    model, pack = checkpoint("real-dims"), packed("real-dims")
+    trees = {"base": base_tree(a.base), "head": tree_shim(ROOT, DATA / "startup-head")}
+    tmp = Path(tempfile.mkdtemp())
+    run_args = [model, "--pack", pack, "--preset", "laptop", "--ids", 1, "--gen", 0,
+                "--threads", 1]
+    print(f"[setup] warm-up run of each tree (compiles {a.base}'s kernels once) ...", flush=True)
+    side_by_side(trees, "k3-run", run_args, 1, tmp, with_report=True)
+
+    res = side_by_side(trees, "k3-run", run_args, a.runs, tmp, with_report=True)
+    rows = []
+    for name in trees:
+        walls = [w for w, _ in res[name]]
+        outside = [w - r["prefill_seconds"] for w, r in res[name]]
+        start = [r.get("startup_seconds") for _, r in res[name]]
+        rows.append([name, f"{med(walls):.2f}", f"{med(outside):.2f}",
+                     f"{med([r['prefill_seconds'] for _, r in res[name]]):.2f}",
+                     "-" if None in start else f"{med(start):.2f}",
+                     "-" if None in start else f"{med(s / w for s, (w, _) in zip(start, res[name])):.0%}"])
+    ratio = med(w for w, _ in res["head"]) / med(w for w, _ in res["base"])
+    print(f"\nreal-dims, k3-run --pack --preset laptop --ids 1 --gen 0 --threads 1 "
+          f"({a.runs} runs each, alternated; medians, seconds)")
+    print(table(rows, ["tree", "wall", "wall - prefill", "prefill", "start-up", "share"]))
+    print(f"head / base wall time: {ratio:.2f}x")
+
+    print("\nreal vocabulary (163,584 ranks): tokenizer ready to encode, in a fresh process")
+    print(table(tokenizer_rows(model, a.runs), ["tokenizer", "median"]))
+
+    res = side_by_side(trees, "k3-run", ["--help"], max(5, a.runs), tmp)
+    helps = {n: med(w for w, _ in v) for n, v in res.items()}
+
+    trace = DATA / "startup-100k.k3trace"
+    if not trace.exists():
+        from libk3.trace_synth import write_synth_trace
+        write_synth_trace(trace, 68)                # 68 tokens x 93 layers x 16 = 101,184
+    res = side_by_side(trees, "k3-trace", ["stats", trace], max(5, a.runs), tmp)
+    stats = {n: med(w for w, _ in v) for n, v in res.items()}
+    print("\nlight commands (medians of 5, seconds)")
+    print(table([["k3-run --help", f"{helps['base']:.2f}", f"{helps['head']:.2f}",
+                  f"{helps['head'] / helps['base']:.2f}x"],
+                 ["k3-trace stats (101,184 requests)", f"{stats['base']:.2f}",
+                  f"{stats['head']:.2f}", f"{stats['head'] / stats['base']:.2f}x"]],
+                ["command", "base", "head", "head / base"]))
+
+
+if __name__ == "__main__":
+    main()

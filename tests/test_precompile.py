@@ -1,0 +1,118 @@
+"""Compiling the numba kernels up front (libk3.precompile): the notice appears exactly
+when numba would compile, and the signature table covers every tool path.
+
+The slow end-to-end checks (every kernel from an empty cache, a read-only wheel
+install) are in tests/test_first_run.py, behind ``--run-slow``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from numba import njit
+from numba.core.event import install_recorder
+
+from libk3 import precompile
+
+NOTICE = "compiling k3 kernels for this CPU, first run only"
+
+TOY = '''
+from numba import njit
+
+
+@njit(cache=True)
+def twice(x):
+    return 2 * x
+'''
+
+PREPARE_TOY = '''
+import sys
+from numba import types
+from libk3 import precompile
+kern = precompile.Kernel("toykern", "twice", (types.int64,))
+before = precompile.is_cached(kern)
+seconds = precompile.prepare_kernels([kern])
+print(before, seconds > 0, kern.dispatcher()(21))
+'''
+
+
+def _prepare_toy(tmp_path: Path):
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), NUMBA_CACHE_DIR=str(tmp_path / "nc"))
+    p = subprocess.run([sys.executable, "-c", PREPARE_TOY], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.split(), p.stderr
+
+
+def test_precompile_notice_exactly_when_numba_compiles(tmp_path):
+    """Catches a notice printed on every run (a warm cache looked up under another key),
+    never printed (compiling left to the first call), or not printed again when the
+    kernel's source changed (numba's cache is then stale and it compiles)."""
+    (tmp_path / "toykern.py").write_text(TOY)
+    out, err = _prepare_toy(tmp_path)
+    assert out == ["False", "True", "42"] and NOTICE in err
+    assert list((tmp_path / "nc").rglob("*.nbi"))              # saved in NUMBA_CACHE_DIR
+    out, err = _prepare_toy(tmp_path)                           # a second process
+    assert out == ["True", "False", "42"] and "compiling" not in err
+    (tmp_path / "toykern.py").write_text(TOY.replace("2 * x", "x + x"))
+    out, err = _prepare_toy(tmp_path)
+    assert out == ["False", "True", "42"] and NOTICE in err
+
+
+def test_precompile_lookup_matches_numba_own_key():
+    """Catches a table type that differs from what a call passes (readonly, layout,
+    int32 scalars): numba would file it under another key and compile at the call."""
+    for kern in precompile.kernels():
+        disp = kern.dispatcher()
+        key = disp._cache._index_key(kern.args, disp.targetctx.codegen())
+        assert key[0] == kern.args
+    from libk3.kernels import norms
+    x = np.ones((2, 4), np.float32)
+    out = np.empty_like(x)
+    norms.rmsnorm(x, np.ones(4, np.float32), 1e-5, out)         # a real call's types
+    assert tuple(norms.rmsnorm.signatures[0]) in {k.args for k in precompile.kernels()}
+
+
+@njit
+def _fresh(x):
+    return x + 1
+
+
+def test_precompile_table_covers_every_tool_path(tiny_dir, tmp_path):
+    """Catches a kernel call with argument types the table does not list: on a fresh
+    install it would compile inside the first layer, unannounced and timed as prefill."""
+    import k3_run.cli as run_cli
+    import k3_trace.cli as trace_cli
+    from libk3 import hwprobe
+    from libk3.trace_synth import write_synth_trace
+
+    trace = tmp_path / "t.k3trace"
+    write_synth_trace(trace, 40, n_layers=4, n_experts=16, top_k=2, expert_bytes=1000)
+    subprocess.run(["k3-pack", str(tiny_dir), str(tmp_path / "pack"), "--quiet"], check=True)
+    precompile.prepare(precompile.GROUPS)
+    cli = CliRunner()
+    streamed = ["--trunk-gb", "0.002", "--cache-gb", "0.001"]
+    with install_recorder("numba:compile") as rec:
+        for args in (["--prompt", "The capital of France is", "--resident"],
+                     ["--ids", "1,2,3,1,2,3", "--spec", "3", "--resident"],
+                     ["--ids", "1,2,3,1,2,3", "--spec", "3", *streamed],
+                     ["--ids", "5", "--pack", str(tmp_path / "pack"), "--preset", "laptop",
+                      "--cache-policy", "lru"]):
+            res = cli.invoke(run_cli.main, [str(tiny_dir), "--gen", "5", *args])
+            assert res.exit_code == 0, res.output
+        res = cli.invoke(trace_cli.main, ["replay", str(trace), "--slots", "4,8", "--jobs", "1"])
+        assert res.exit_code == 0, res.output
+        hwprobe.threading_layer()
+        hwprobe.measure_kernels(seconds=0.001, rows=64, cols=64, working_set=1 << 16)
+    compiled = [(str(ev.data["dispatcher"]), ev.data["args"]) for _, ev in rec.buffer
+                if ev.is_start]
+    assert compiled == []
+    with install_recorder("numba:compile") as rec:                     # control
+        _fresh(1)
+    assert [ev for _, ev in rec.buffer if ev.is_start]
