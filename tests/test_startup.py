@@ -115,7 +115,7 @@ class _FailingCheckpoint:
     def entry(self, name):
         return self._real.entry(name)
 
-    def read_bf16(self, name):
+    def read_matrix(self, name):
         time.sleep(0.05)
         raise CheckpointError("file ends early (truncated shard?)", path="shard", tensor=name)
 
