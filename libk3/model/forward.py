@@ -19,7 +19,16 @@ import numpy as np
 
 from . import ops as K
 from ..config import K3Config, L2NORM_EPS, MLA_LATENT_NORM_EPS
+from ..errors import NonFiniteError
 from .state import State
+
+
+def _require_finite(x: np.ndarray, message: str) -> None:
+    """Stop on NaN/Inf instead of sampling from it: one read-only reduction per layer
+    output, so no value changes (bench/README.md "Pack integrity" has its cost)."""
+    if not np.isfinite(x).all():
+        raise NonFiniteError(message, hint="the weights or the loaded state are damaged: "
+                                  "k3-pack verify PACK --against MODEL names NaN/Inf tensors")
 
 
 class Forward:
@@ -61,12 +70,16 @@ class Forward:
                 prefix = self._layer(L, lw, prefix, blocks, state, positions, phase)
             finally:
                 self.weights.release(L)
+            _require_finite(prefix, f"the output of layer {L} holds NaN or Inf (every "
+                                    "earlier layer's output was finite)")
             self.layer_seconds[L] += time.perf_counter() - t0
         h = K.attn_res(blocks + [prefix], self.out_fold, cfg.rms_norm_eps)
         if not all_logits:
             h = h[-1:]
         x = K.rmsnorm(h, self.norm, cfg.rms_norm_eps)
         logits = K.bf16_matmul(self.lm_head, x)                      # (T or 1, V)
+        _require_finite(logits, "the logits hold NaN or Inf (every layer's output was "
+                                "finite: the final norm or lm_head)")
         state.pos += T
         state.ids.extend(int(i) for i in ids)
         return logits
