@@ -238,7 +238,8 @@ class _Fields:
         return v
 
     def eq(self, v, want, field: str, problem: str = "has the wrong value"):
-        if type(v) is not type(want) or v != want:
+        """``v`` equals ``want`` with the same JSON types all the way down (1.0 is not 1)."""
+        if _first_diff(want, v, field):
             self.fail(field, problem, expected=_show(want), found=v)
         return v
 
@@ -338,6 +339,10 @@ def _load_manifest(d: Path):
         cfg = config_from_dict(doc["config"], source=f"{p} (config)")
     except ConfigError as e:
         f.fail("config", e.message)
+    diff = _first_diff(cfg.to_flat_dict(), doc["config"], "config")
+    if diff:
+        f.fail(diff[0], "is not what k3-pack writes for this config (the flat config.json "
+               "form)", expected=_show(diff[1]), found=diff[2])
     f.eq(cfg.fingerprint(), doc["source"]["config_fingerprint"], "source.config_fingerprint",
          "does not match the stored config")
     ml = f.obj(doc["model_level"], "model_level", names.MODEL_LEVEL)

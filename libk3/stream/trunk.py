@@ -46,7 +46,8 @@ VERIFY_READS = ("first", "every")
 def crc_mismatch(path, layer: int, want: int, found: int) -> FormatError:
     """The one error for a packed trunk layer whose bytes differ from the manifest's CRC
     (raised here at run time and by ``k3-pack verify``)."""
-    return FormatError(f"layer {layer}: trunk bytes do not match the manifest's crc32",
+    return FormatError(f"layer {layer}: trunk bytes do not match the manifest's checksum "
+                       "(crc32)",
                        path=path, expected=f"{want:#010x}", found=f"{found:#010x}",
                        hint="the pack is damaged: re-pack (k3-pack verify names every bad layer)")
 
