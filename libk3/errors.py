@@ -72,6 +72,13 @@ class FormatError(K3Error):
     kind = "format"
 
 
+class NonFiniteError(K3Error):
+    """A layer's output became NaN or Inf: the weights (or a loaded state) hold
+    non-finite values. Exit 3 like any rejected model, because that is the cause."""
+    exit_code = 3
+    kind = "nonfinite"
+
+
 class BudgetError(K3Error):
     """The memory or disk budget cannot hold what the run needs."""
     exit_code = 4

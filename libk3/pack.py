@@ -1,9 +1,11 @@
 """Packing a checkpoint for streaming: trunk.bin, trunk.json and experts.idx (formats/pack.md).
 
-Owns: copying every layer's trunk run verbatim into one page-aligned file, the manifest,
-the compact expert index, resuming after an interruption, verification, and the short
+Owns: copying every layer's trunk run verbatim into one page-aligned file (checksumming
+it and scanning it for NaN/Inf on the way), writing the manifest and the compact expert
+index, resuming after an interruption, ``verify`` (re-reading every layer), and the short
 probe of the source disk's read rate that a pack's MB/s is reported against. Does not own:
-reading safetensors (``libk3.io``) or streaming at run time (``libk3.stream``).
+what the files must say and the checks before use (``libk3.pack_schema``), reading
+safetensors (``libk3.io``) or streaming at run time (``libk3.stream``).
 
 Why this shape: one positioned read (O_DIRECT-capable: 4096-aligned offset and length)
 loads one whole layer; the experts stay in the shards and are located through a
@@ -26,87 +28,60 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 from . import names
 from .errors import BudgetError, FormatError, K3IOError
 from .io.atomic import fsync_dir, write_bytes
+from .nonfinite import RunScan
+from .pack_schema import (EXPERT_INDEX_FILE, EXPERT_INDEX_MAGIC, MANIFEST_FILE, PACK_FORMAT,
+                          PACK_VERSION, REPACK_HINT, TRUNK_FILE,
+                          expert_index_contents, load_expert_index, load_manifest,  # noqa: F401
+                          manifest_version, model_level_entries, open_pack, plan_pack,
+                          source_identity)
 from .stream.direct import ALIGN, FileSet, align_up, aligned_empty, window_bytes
+from .stream.trunk import crc_mismatch
 
-PACK_FORMAT = "k3-pack"
-PACK_VERSION = 1
 COPY_BLOCK = 16 << 20                # 16 MiB reads and writes
 READERS = 4                          # source reads in flight at once
 WRITERS = 2                          # pack writes in flight at once
-TRUNK_FILE, MANIFEST_FILE, EXPERT_INDEX_FILE = "trunk.bin", "trunk.json", "experts.idx"
 PARTIAL_FILE, JOURNAL_FILE = "trunk.bin.partial", "pack.journal"
-EXPERT_INDEX_MAGIC = b"K3EXPIDX"
-EXPERT_RECORD = np.dtype([("shard", "<u2"), ("layer", "<u2"), ("expert", "<u4"),
-                          ("offset", "<u8"), ("nbytes", "<u8"), ("sub", "<u4", (6,))])
-
-
-@dataclasses.dataclass
-class LayerPlan:
-    layer: int
-    shard: str             # file name inside the checkpoint directory
-    run_start: int         # absolute offset of the run in the shard
-    nbytes: int            # run length (unpadded)
-    file_off: int          # offset in trunk.bin (multiple of ALIGN)
-    tensors: dict          # suffix -> {off, nbytes, dtype, shape}
-
-
-def plan_pack(ckpt) -> list:
-    """Layer runs and their places in trunk.bin; refuses non-contiguous runs."""
-    plans, off = [], 0
-    for L in range(ckpt.config.num_hidden_layers):
-        path, start, nbytes, tensors = ckpt.layer_trunk_run(L)
-        prefix = names.layer_prefix(L)
-        tmap = {name[len(prefix):]: {"off": sub, "nbytes": nb, "dtype": dt, "shape": list(sh)}
-                for name, (sub, nb, dt, sh) in tensors.items()}
-        plans.append(LayerPlan(L, Path(path).name, start, nbytes, off, tmap))
-        off += align_up(nbytes)
-    return plans
-
-
-def _source_identity(ckpt) -> dict:
-    ident = ckpt.identity()
-    return {"config_fingerprint": ident["config_fingerprint"],
-            "shards": [[name, size] for name, size in ident["shards"]]}
 
 
 def pack_state(out_dir, ckpt=None) -> str:
-    """'missing', 'partial', 'complete', or 'stale' (complete but for another checkpoint)."""
+    """'missing', 'partial', 'complete', or 'stale' (complete but for another checkpoint,
+    or in an older pack format)."""
     d = Path(out_dir)
     if (d / MANIFEST_FILE).is_file():
         if ckpt is None:
             return "complete"
         try:
             man = json.loads((d / MANIFEST_FILE).read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError, RecursionError):
             return "partial"
-        return "complete" if man.get("source") == _source_identity(ckpt) else "stale"
+        if not isinstance(man, dict) or man.get("version") != PACK_VERSION:
+            return "stale"
+        return "complete" if man.get("source") == source_identity(ckpt) else "stale"
     if (d / PARTIAL_FILE).exists() or (d / JOURNAL_FILE).exists():
         return "partial"
     return "missing"
 
 
 def _journal_read(d: Path, ident: dict) -> dict:
-    """Finished layers {L: crc} from a journal written for this same source, else {}."""
+    """Finished layers {L: (crc, [suffixes holding NaN/Inf])} from a journal written for
+    this same source, else {}."""
     p = d / JOURNAL_FILE
     if not p.is_file() or not (d / PARTIAL_FILE).is_file():
         return {}
-    done, header_ok = {}, False
+    done = {}
     for i, line in enumerate(p.read_text().splitlines()):
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+            if i == 0:
+                if rec.get("source") != ident or rec.get("version") != PACK_VERSION:
+                    return {}
+                continue
+            done[int(rec["layer"])] = (int(rec["crc32"]), list(rec["nonfinite"]))
+        except (ValueError, KeyError, TypeError, AttributeError):
             break                       # a torn last line: ignore it and what follows
-        if i == 0:
-            header_ok = rec.get("source") == ident and rec.get("version") == PACK_VERSION
-            if not header_ok:
-                return {}
-            continue
-        done[int(rec["layer"])] = int(rec["crc32"])
     return done
 
 
@@ -117,17 +92,30 @@ def _journal_append(d: Path, rec: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _crc_of_file_range(fd: int, off: int, n: int) -> int:
-    crc, buf = 0, bytearray(COPY_BLOCK)
+def _crc_of_file_range(fd: int, off: int, n: int, scan: RunScan | None = None,
+                       path=None) -> int:
+    """CRC-32 of ``n`` bytes at ``off``, feeding them to ``scan`` as well."""
+    crc, buf = 0, aligned_empty(COPY_BLOCK)
     mv = memoryview(buf)
     while n > 0:
         k = os.preadv(fd, [mv[:min(n, COPY_BLOCK)]], off)
         if k <= 0:
-            raise FormatError("pack file ends early", tensor=None)
+            raise FormatError("pack file ends early", path=path, expected=f"{n} more bytes "
+                              f"at offset {off}", hint=REPACK_HINT)
         crc = zlib.crc32(mv[:k], crc)
+        if scan is not None:
+            scan.feed(buf[:k])
         off += k
         n -= k
     return crc
+
+
+def nonfinite_error(path, tensors: list) -> FormatError:
+    """The one refusal of trunk tensors holding NaN or Inf (k3-pack and verify)."""
+    return FormatError(f"{len(tensors)} trunk tensor(s) hold NaN or Inf", path=path,
+                       tensor=tensors[0],
+                       hint="a released checkpoint has none: fetch the shard again, or pass "
+                            "--allow-nonfinite to accept them")
 
 
 @dataclasses.dataclass
@@ -139,6 +127,7 @@ class PackResult:
     bytes_written: int
     seconds: float
     already_complete: bool = False
+    nonfinite: list = dataclasses.field(default_factory=list)   # tensor names (allowed)
 
     @property
     def mb_per_s(self) -> float:
@@ -149,19 +138,26 @@ def disk_needed(plans) -> int:
     return sum(align_up(p.nbytes) for p in plans)
 
 
-def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = None) -> PackResult:
-    """Pack ``ckpt`` into ``out_dir``: resumable, never rewrites a finished pack."""
+def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = None,
+         allow_nonfinite: bool = False) -> PackResult:
+    """Pack ``ckpt`` into ``out_dir``: resumable, never rewrites a finished pack. Refuses
+    (FormatError) a trunk tensor holding NaN or Inf unless ``allow_nonfinite``; the
+    layer is journaled first, so a rerun that allows them resumes."""
     from tqdm import tqdm
 
     d = Path(out_dir)
-    ident = _source_identity(ckpt)
+    ident = source_identity(ckpt)
     state = pack_state(d, ckpt)
     plans = plan_pack(ckpt)
     if state == "complete":
         return PackResult(str(d), len(plans), 0, len(plans), 0, 0.0, already_complete=True)
     if state == "stale":
-        raise FormatError("this directory holds a finished pack of a different checkpoint",
-                          path=d, hint="choose another OUT directory")
+        old = manifest_version(d)
+        raise FormatError("this directory holds a finished pack of a different checkpoint"
+                          if old == PACK_VERSION else
+                          f"this directory holds a finished pack in format v{old} (this k3 "
+                          f"writes v{PACK_VERSION})", path=d,
+                          hint="choose another OUT directory (a pack is never rewritten)")
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -189,30 +185,43 @@ def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = 
         # verify what the journal claims, then copy the rest
         todo = []
         for p in plans:
-            if p.layer in done and _crc_of_file_range(fd_out, p.file_off, p.nbytes) == done[p.layer]:
+            if p.layer in done and _crc_of_file_range(fd_out, p.file_off, p.nbytes) == done[p.layer][0]:
                 resumed += 1
+                _check_nonfinite(ckpt, p, done[p.layer][1], allow_nonfinite)
             else:
                 todo.append(p)
     finally:
         os.close(fd_out)
     fd_out = _open_for_write(d / PARTIAL_FILE)
+    copies = None
     try:
         bar = tqdm(total=sum(p.nbytes for p in todo), unit="B", unit_scale=True,
                    desc="k3-pack", disable=not progress)
-        for p, crc in _copy_layers(ckpt.model_dir, todo, fd_out, bar, throttle_mbps):
-            _journal_append(d, {"layer": p.layer, "crc32": crc})
+        copies = _copy_layers(ckpt.model_dir, todo, fd_out, bar, throttle_mbps)
+        for p, crc, found in copies:
+            _journal_append(d, {"layer": p.layer, "crc32": crc, "nonfinite": sorted(found)})
             written += p.nbytes
+            _check_nonfinite(ckpt, p, sorted(found), allow_nonfinite)
         bar.close()
         os.fsync(fd_out)
     finally:
+        if copies is not None:
+            copies.close()                  # stops the readers and writers on an error
         os.close(fd_out)
-    crcs = _journal_read(d, ident)
-    _write_expert_index(ckpt, d)
+    journal = _journal_read(d, ident)
+    _write_expert_index(d, ckpt)
     os.replace(d / PARTIAL_FILE, d / TRUNK_FILE)
-    _write_manifest(ckpt, d, plans, crcs, ident)
+    _write_manifest(d, ckpt, plans, {L: crc for L, (crc, _) in journal.items()}, ident)
     (d / JOURNAL_FILE).unlink(missing_ok=True)
     fsync_dir(d)
-    return PackResult(str(d), len(plans), len(todo), resumed, written, time.perf_counter() - t0)
+    return PackResult(str(d), len(plans), len(todo), resumed, written, time.perf_counter() - t0,
+                      nonfinite=[names.layer(L, sfx) for L in sorted(journal)
+                                 for sfx in journal[L][1]])
+
+
+def _check_nonfinite(ckpt, p, suffixes: list, allow: bool) -> None:
+    if suffixes and not allow:
+        raise nonfinite_error(ckpt.model_dir / p.shard, [names.layer(p.layer, s) for s in suffixes])
 
 
 PROBE_MIN_BYTES = 10**9         # smaller packs end before a rate means anything
@@ -267,12 +276,14 @@ def _open_for_write(path: Path):
 
 
 def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
-    """Yield (plan, crc32) per layer once all its bytes are written.
+    """Yield (plan, crc32, {suffix: first NaN/Inf element}) per layer once all its bytes
+    are written.
 
     READERS threads read 16 MiB pieces of the layer runs in order (O_DIRECT when the
     source allows it: each read is the aligned window around the piece, and the payload
     is moved to the buffer's start so the pack's O_DIRECT write is aligned too); this
-    thread takes the pieces back in order, checksums them and hands them to WRITERS
+    thread takes the pieces back in order, checksums them, scans their float tensors for
+    NaN/Inf (``libk3.nonfinite``) and hands them to WRITERS
     write threads. With one read and one write at a time the pack ran at 53-73 % of the
     source disk's sequential read rate; with several in flight it runs at the disk's
     limit (bench/pack_throughput.py). Buffers come from a fixed pool (bounded read-ahead,
@@ -338,6 +349,7 @@ def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
     t0 = time.perf_counter()
     sent = 0
     crc = {p.layer: 0 for p in plans}
+    scans = {p.layer: RunScan(p.tensors) for p in plans}
     pending: list = []                  # (plan, futures of its pieces), in layer order
     try:
         for k, (p, pos, n) in enumerate(jobs):
@@ -348,6 +360,7 @@ def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
                     raise state["err"]
                 buf = ready.pop(k)
             crc[p.layer] = zlib.crc32(memoryview(buf)[:n], crc[p.layer])
+            scans[p.layer].feed(buf[:n])
             last = pos + n == p.nbytes
             length = align_up(n) if last else n
             if length > n:
@@ -362,7 +375,7 @@ def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
                 done_p, futs = pending.pop(0)
                 for f in futs:
                     f.result()                  # raises a failed write
-                yield done_p, crc[done_p.layer]
+                yield done_p, crc[done_p.layer], scans[done_p.layer].found
             if throttle_mbps:
                 ahead = sent / (throttle_mbps * 1e6) - (time.perf_counter() - t0)
                 if ahead > 0:
@@ -370,7 +383,7 @@ def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
         for done_p, futs in pending:            # the tail: wait for the last writes
             for f in futs:
                 f.result()
-            yield done_p, crc[done_p.layer]
+            yield done_p, crc[done_p.layer], scans[done_p.layer].found
     finally:
         with cv:
             state["stop"] = True
@@ -382,147 +395,66 @@ def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
             f.close()
 
 
-def _write_expert_index(ckpt, d: Path) -> None:
-    cfg = ckpt.config
-    shards = sorted({Path(s).name for s, _ in ckpt.identity()["shards"]})
-    shard_idx = {s: i for i, s in enumerate(shards)}
-    moe = list(cfg.moe_layers)
-    rec = np.zeros(len(moe) * cfg.num_experts, EXPERT_RECORD)
-    parts = None
-    i = 0
-    for L in moe:
-        for e in range(cfg.num_experts):
-            run = ckpt.expert_run(L, e)
-            rec[i]["shard"] = shard_idx[Path(run.path).name]
-            rec[i]["layer"], rec[i]["expert"] = L, e
-            rec[i]["offset"], rec[i]["nbytes"] = run.offset, run.nbytes
-            rec[i]["sub"] = [run.parts[k][0] for k in names.EXPERT_PARTS]
-            if parts is None:
-                parts = [[w, p, list(run.parts[(w, p)][2]), run.parts[(w, p)][1]]
-                         for w, p in names.EXPERT_PARTS]
-            i += 1
-    head = json.dumps({"version": PACK_VERSION, "shards": shards, "n_layers": cfg.num_hidden_layers,
-                       "n_experts": cfg.num_experts, "moe_layers": moe, "parts": parts,
-                       "records": int(rec.size), "record_bytes": EXPERT_RECORD.itemsize},
-                      sort_keys=True).encode()
-    blob = EXPERT_INDEX_MAGIC + len(head).to_bytes(4, "little") + head + rec.tobytes()
-    write_bytes(d / EXPERT_INDEX_FILE, blob)
+def _write_expert_index(d: Path, ckpt) -> None:
+    head, rec = expert_index_contents(ckpt)
+    blob = json.dumps(head, sort_keys=True).encode()
+    write_bytes(d / EXPERT_INDEX_FILE,
+                EXPERT_INDEX_MAGIC + len(blob).to_bytes(4, "little") + blob + rec.tobytes())
 
 
-def _write_manifest(ckpt, d: Path, plans, crcs: dict, ident: dict) -> None:
-    model_level = {}
-    for name in names.MODEL_LEVEL:
-        e = ckpt.entry(name)
-        model_level[name] = {"shard": Path(e.path).name, "offset": e.offset, "nbytes": e.nbytes,
-                             "dtype": e.dtype, "shape": list(e.shape)}
+def _write_manifest(d: Path, ckpt, plans, crcs: dict, ident: dict) -> None:
     doc = {"format": PACK_FORMAT, "version": PACK_VERSION, "align": ALIGN, "source": ident,
+           "config": ckpt.config.to_flat_dict(),
            "trunk_file": TRUNK_FILE, "trunk_bytes": disk_needed(plans),
-           "expert_index": EXPERT_INDEX_FILE, "model_level": model_level,
-           "layers": [{"layer": p.layer, "shard": p.shard, "run_start": p.run_start,
-                       "nbytes": p.nbytes, "padded": align_up(p.nbytes), "file_off": p.file_off,
-                       "crc32": crcs[p.layer], "tensors": p.tensors} for p in plans]}
+           "expert_index": EXPERT_INDEX_FILE, "model_level": model_level_entries(ckpt),
+           "layers": [p.entry(crcs[p.layer]) for p in plans]}
     write_bytes(d / MANIFEST_FILE, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
 
 
-# ---- reading and verifying a pack --------------------------------------------------
+# ---- verifying a pack -----------------------------------------------------------------
 
-def load_manifest(out_dir) -> dict:
-    """trunk.json, checked for format, version, alignment and layer layout."""
-    p = Path(out_dir) / MANIFEST_FILE
-    if not p.is_file():
-        raise FormatError("no trunk.json: not a finished pack", path=Path(out_dir),
-                          hint="run `k3-pack CHECKPOINT OUT` (it resumes an interrupted pack)")
-    try:
-        man = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"unreadable manifest: {e}", path=p) from None
-    if man.get("format") != PACK_FORMAT or man.get("version") != PACK_VERSION:
-        raise FormatError("unsupported pack format or version", path=p,
-                          expected=f"{PACK_FORMAT} v{PACK_VERSION}",
-                          found=f"{man.get('format')} v{man.get('version')}")
-    if man.get("align") != ALIGN:
-        raise FormatError("pack alignment is not 4096", path=p, found=man.get("align"))
-    end = 0
-    for i, lay in enumerate(man["layers"]):
-        if lay["layer"] != i or lay["file_off"] % ALIGN or lay["file_off"] < end:
-            raise FormatError("layer table is out of order or misaligned", path=p,
-                              tensor=f"layer {i}")
-        end = lay["file_off"] + lay["padded"]
-    size = (Path(out_dir) / TRUNK_FILE).stat().st_size if (Path(out_dir) / TRUNK_FILE).exists() else -1
-    if size != man["trunk_bytes"] or end != size:
-        raise FormatError("trunk.bin size does not match the manifest", path=Path(out_dir) / TRUNK_FILE,
-                          expected=man["trunk_bytes"], found=size)
-    return man
-
-
-def load_expert_index(out_dir):
-    """(header dict, records ndarray of EXPERT_RECORD) from experts.idx."""
-    p = Path(out_dir) / EXPERT_INDEX_FILE
-    try:
-        blob = p.read_bytes()
-    except OSError as e:
-        raise FormatError(f"cannot read the expert index: {e.strerror}", path=p) from None
-    if blob[:8] != EXPERT_INDEX_MAGIC or len(blob) < 12:
-        raise FormatError("not a k3 expert index (bad magic)", path=p)
-    hlen = int.from_bytes(blob[8:12], "little")
-    try:
-        head = json.loads(blob[12:12 + hlen])
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise FormatError("expert index header is not valid JSON", path=p) from None
-    body = blob[12 + hlen:]
-    if head.get("version") != PACK_VERSION or head.get("record_bytes") != EXPERT_RECORD.itemsize \
-            or len(body) != head.get("records", -1) * EXPERT_RECORD.itemsize:
-        raise FormatError("expert index version or size does not match its header", path=p)
-    return head, np.frombuffer(body, dtype=EXPERT_RECORD)
-
-
-def check_pack_matches(out_dir, ckpt) -> dict:
-    """The manifest, after refusing a pack built from a different checkpoint."""
-    man = load_manifest(out_dir)
-    if man["source"] != _source_identity(ckpt):
-        raise FormatError("this pack was built from a different checkpoint", path=out_dir,
-                          hint="re-run k3-pack for this checkpoint")
-    return man
-
-
-def verify(out_dir, ckpt=None, progress: bool = True) -> dict:
-    """Re-check every layer's checksum; with ``ckpt``, also every byte against its source
-    and the expert index against the shard headers. Raises FormatError naming the first
-    bad layer; returns a summary."""
+def verify(out_dir, ckpt=None, progress: bool = True, allow_nonfinite: bool = False) -> dict:
+    """Check a pack the way k3-run opens it (``open_pack``: the schema, the stored config's
+    inventory, and with ``ckpt`` the identity, every layer row, tensor entry and expert
+    record), then read every layer once: its CRC, NaN/Inf in its float tensors, and with
+    ``ckpt`` the CRC of its source bytes. Raises FormatError naming the first bad file,
+    field or layer (NaN/Inf: after the whole pass, naming the first tensor and the count,
+    unless ``allow_nonfinite``); returns a summary."""
     from tqdm import tqdm
 
     d = Path(out_dir)
-    man = check_pack_matches(d, ckpt) if ckpt is not None else load_manifest(d)
-    fd = os.open(d / TRUNK_FILE, os.O_RDONLY)
+    pk = open_pack(d, ckpt)
+    man = pk.manifest
+    trunk = d / TRUNK_FILE
+    nonfinite: list = []
+    fd = os.open(trunk, os.O_RDONLY)
     src_fds = {}
     try:
         bar = tqdm(total=sum(l["nbytes"] for l in man["layers"]), unit="B", unit_scale=True,
                    desc="verify", disable=not progress)
         for lay in man["layers"]:
-            if _crc_of_file_range(fd, lay["file_off"], lay["nbytes"]) != lay["crc32"]:
-                raise FormatError("checksum mismatch", path=d / TRUNK_FILE,
-                                  tensor=f"layer {lay['layer']}")
+            L = lay["layer"]
+            scan = RunScan(lay["tensors"])
+            crc = _crc_of_file_range(fd, lay["file_off"], lay["nbytes"], scan, path=trunk)
+            if crc != lay["crc32"]:
+                raise crc_mismatch(trunk, L, lay["crc32"], crc)
+            nonfinite += [names.layer(L, sfx) for sfx in sorted(scan.found)]
             if ckpt is not None:
-                sfd = src_fds.get(lay["shard"])
-                if sfd is None:
-                    sfd = src_fds[lay["shard"]] = os.open(ckpt.model_dir / lay["shard"], os.O_RDONLY)
-                if _crc_of_file_range(sfd, lay["run_start"], lay["nbytes"]) != lay["crc32"]:
-                    raise FormatError("bytes differ from the source checkpoint",
-                                      path=d / TRUNK_FILE, tensor=f"layer {lay['layer']}")
+                src = ckpt.model_dir / lay["shard"]        # a plain name (open_pack)
+                if src not in src_fds:
+                    src_fds[src] = os.open(src, os.O_RDONLY)
+                if _crc_of_file_range(src_fds[src], lay["run_start"], lay["nbytes"],
+                                      path=src) != lay["crc32"]:
+                    raise FormatError(f"layer {L}: trunk bytes differ from the source "
+                                      "checkpoint", path=trunk, hint=REPACK_HINT)
             bar.update(lay["nbytes"])
         bar.close()
     finally:
         os.close(fd)
         for sfd in src_fds.values():
             os.close(sfd)
-    head, rec = load_expert_index(d)
-    if ckpt is not None:
-        for r in rec:
-            run = ckpt.expert_run(int(r["layer"]), int(r["expert"]))
-            if (Path(run.path).name != head["shards"][r["shard"]] or run.offset != r["offset"]
-                    or run.nbytes != r["nbytes"]):
-                raise FormatError("expert index disagrees with the shard headers",
-                                  path=d / EXPERT_INDEX_FILE,
-                                  tensor=f"layer {r['layer']} expert {r['expert']}")
-    return {"pack": str(d), "layers": len(man["layers"]), "experts": int(rec.size),
-            "trunk_bytes": man["trunk_bytes"], "against_checkpoint": ckpt is not None, "ok": True}
+    if nonfinite and not allow_nonfinite:
+        raise nonfinite_error(trunk, nonfinite)
+    return {"pack": str(d), "layers": len(man["layers"]), "experts": int(pk.records.size),
+            "trunk_bytes": man["trunk_bytes"], "against_checkpoint": ckpt is not None,
+            "nonfinite": nonfinite, "ok": True}

@@ -38,6 +38,7 @@ class RunOptions:
     direct_io: bool = True
     trace_path: str | None = None
     memory_override: int | None = None
+    verify_reads: str = "first"
 
 
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
@@ -87,7 +88,7 @@ class Run:
             trunk_bytes=None if opts.resident else self.budget.trunk_bytes,
             cache_bytes=None if opts.resident else self.budget.cache_bytes,
             cache_policy=opts.cache_policy, io_threads=opts.io_threads,
-            direct_io=opts.direct_io, on_route=on_route)
+            direct_io=opts.direct_io, on_route=on_route, verify_reads=opts.verify_reads)
         self.seq = 0                       # which prompt of a batch (trace records)
         if opts.trace_path:
             from .. import __version__

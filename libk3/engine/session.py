@@ -46,11 +46,13 @@ def load_tokenizer_if_present(model_dir, vocab_size=None, pack=None):
 
 def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_bytes=None,
                  cache_policy: str = "layer-lfu", io_threads: int = 4, direct_io: bool = True,
-                 on_route=None) -> Session:
+                 on_route=None, verify_reads: str = "first") -> Session:
     """Open ``model_dir`` for a run (or use ``ckpt``, its already opened Checkpoint).
     Without budgets every weight is resident; with ``trunk_bytes`` and ``cache_bytes`` the
     trunk streams (from ``pack`` when given, else straight from the shards) and experts go
-    through the cache. The arithmetic is the same either way."""
+    through the cache. The arithmetic is the same either way. A pack is checked against
+    the checkpoint first (``open_pack``); ``verify_reads`` says when its layers' CRCs are
+    checked ("first" read in this process, or "every" read)."""
     if ckpt is None:
         ckpt = Checkpoint.open(model_dir)
     cfg = ckpt.config
@@ -58,7 +60,7 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
     if trunk_bytes is None and cache_bytes is None and pack is None:
         weights = ResidentWeights(ckpt)
     else:
-        from ..pack import check_pack_matches
+        from ..pack_schema import open_pack
         from ..stream.direct import FileSet
         from ..stream.experts import ExpertCache
         from ..stream.trunk import TrunkStreamer, runs_from_checkpoint, runs_from_pack
@@ -66,13 +68,13 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
             raise UsageError("a streamed run needs both a trunk and a cache budget "
                              "(--trunk-gb and --cache-gb, or --preset)")
         if pack is not None:
-            runs = runs_from_pack(pack, check_pack_matches(pack, ckpt))
+            runs = runs_from_pack(pack, open_pack(pack, ckpt).manifest)
         else:
             runs = runs_from_checkpoint(ckpt)
         files = FileSet(use_direct=direct_io)
         cache = ExpertCache(cfg, ckpt.expert_table(), cache_bytes, files, io_threads=io_threads,
                             policy=cache_policy)
-        trunk = TrunkStreamer(cfg, runs, trunk_bytes, files)
+        trunk = TrunkStreamer(cfg, runs, trunk_bytes, files, verify_reads=verify_reads)
         weights = StreamedWeights(ckpt, trunk, cache)
     return Session(ckpt, tok, weights, Forward(cfg, weights, on_route=on_route))
 

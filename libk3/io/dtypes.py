@@ -13,6 +13,8 @@ import numpy as np
 # safetensors dtype -> item size in bytes. Only these appear in K3 (spec 3.2); any other
 # dtype is an error at header-parse time.
 ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1}
+# float dtype -> (little-endian unsigned view, exponent bits): all of them set is NaN or Inf.
+EXPONENT_MASK = {"BF16": ("<u2", 0x7F80), "F16": ("<u2", 0x7C00), "F32": ("<u4", 0x7F800000)}
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:

@@ -19,7 +19,25 @@ import numpy as np
 
 from . import ops as K
 from ..config import K3Config, L2NORM_EPS, MLA_LATENT_NORM_EPS
+from ..errors import NonFiniteError
 from .state import State
+
+
+def _require_finite(x: np.ndarray, L, where: str) -> None:
+    """Stop on NaN/Inf instead of sampling from it, or routing on it (a NaN score is never
+    selected, or leaves a pick empty: id -1): one read-only reduction per layer output
+    and per router, so no value changes (bench/README.md "Pack integrity" has its cost)."""
+    if not np.isfinite(x).all():
+        raise _nonfinite(L, where)
+
+
+def _nonfinite(L, where: str) -> NonFiniteError:
+    return NonFiniteError(
+        f"layer {L} produced NaN or Inf (in {where}; every earlier layer's output was finite)"
+        if L is not None else
+        f"{where} hold NaN or Inf (every layer's output was finite: the final norm or lm_head)",
+        hint="the weights or the loaded state are damaged: k3-pack verify PACK --against "
+             "MODEL names NaN/Inf tensors")
 
 
 class Forward:
@@ -70,6 +88,7 @@ class Forward:
                 prefix = self._layer(L, lw, prefix, blocks, state, positions, phase)
             finally:
                 self.weights.release(L)
+            _require_finite(prefix, L, "its output")
             self.layer_seconds[L] += time.perf_counter() - t0
         lm_head, norm, out_fold = self.head()
         h = K.attn_res(blocks + [prefix], out_fold, cfg.rms_norm_eps)
@@ -77,6 +96,7 @@ class Forward:
             h = h[-1:]
         x = K.rmsnorm(h, norm, cfg.rms_norm_eps)
         logits = K.bf16_matmul(lm_head, x)                           # (T or 1, V)
+        _require_finite(logits, None, "the logits")
         state.pos += T
         state.ids.extend(int(i) for i in ids)
         return logits
@@ -169,8 +189,10 @@ class Forward:
         cfg = self.cfg
         T = x.shape[0]
         logits = K.bf16_matmul(lw["block_sparse_moe.gate.weight"], x)        # (T, N)
-        ids, w = K.route(logits, lw["block_sparse_moe.gate.e_score_correction_bias"],
-                         cfg.num_experts_per_token, cfg.moe_renormalize,
+        bias = lw["block_sparse_moe.gate.e_score_correction_bias"]
+        _require_finite(logits, L, "its routing scores")
+        _require_finite(bias, L, "its routing scores")
+        ids, w = K.route(logits, bias, cfg.num_experts_per_token, cfg.moe_renormalize,
                          cfg.routed_scaling_factor)                          # (T, k)
         if self.on_route is not None:
             self.on_route(L, positions, ids, phase)

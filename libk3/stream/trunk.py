@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from .. import names
 from ..config import K3Config
-from ..errors import BudgetError
+from ..errors import BudgetError, FormatError
 from ..io import inventory
 from ..io.dtypes import bound_extra_bytes, matrix_operand, widen
 from .direct import FileSet, ReadCancelled, aligned_empty, window_bytes
@@ -37,16 +38,30 @@ from .direct import FileSet, ReadCancelled, aligned_empty, window_bytes
 # 1,561 / 1,571 / 1,342 MB/s: at 4 the reads on the critical path queue behind the
 # read-ahead, so 2.
 READ_AHEAD_DEPTH = 2
+# When a packed layer's CRC is checked: the first time this process reads it (pinned
+# layers at load, ring layers on their first pass), or on every read (formats/pack.md).
+VERIFY_READS = ("first", "every")
+
+
+def crc_mismatch(path, layer: int, want: int, found: int) -> FormatError:
+    """The one error for a packed trunk layer whose bytes differ from the manifest's CRC
+    (raised here at run time and by ``k3-pack verify``)."""
+    return FormatError(f"layer {layer}: trunk bytes do not match the manifest's checksum "
+                       "(crc32)",
+                       path=path, expected=f"{want:#010x}", found=f"{found:#010x}",
+                       hint="the pack is damaged: re-pack (k3-pack verify names every bad layer)")
 
 
 class LayerRun:
-    """Where one layer's trunk run lives: file, offset, length, tensors inside it."""
+    """Where one layer's trunk run lives: file, offset, length, tensors inside it, and the
+    CRC-32 its bytes must have (a pack's manifest; None for a run read from the shards)."""
 
-    __slots__ = ("layer", "path", "offset", "nbytes", "tensors")
+    __slots__ = ("layer", "path", "offset", "nbytes", "tensors", "crc32")
 
-    def __init__(self, layer, path, offset, nbytes, tensors):
+    def __init__(self, layer, path, offset, nbytes, tensors, crc32=None):
         self.layer, self.path, self.offset, self.nbytes = layer, str(path), offset, nbytes
         self.tensors = tensors        # suffix -> (suboffset, nbytes, dtype, shape)
+        self.crc32 = crc32
 
     @property
     def held_bytes(self) -> int:
@@ -66,10 +81,11 @@ def runs_from_checkpoint(ckpt) -> list:
 
 
 def runs_from_pack(pack_dir, manifest: dict) -> list:
+    """The runs of a manifest already checked by ``libk3.pack_schema.open_pack``."""
     trunk = Path(pack_dir) / manifest["trunk_file"]
     return [LayerRun(lay["layer"], trunk, lay["file_off"], lay["nbytes"],
                      {sfx: (t["off"], t["nbytes"], t["dtype"], tuple(t["shape"]))
-                      for sfx, t in lay["tensors"].items()})
+                      for sfx, t in lay["tensors"].items()}, lay["crc32"])
             for lay in manifest["layers"]]
 
 
@@ -107,10 +123,15 @@ def plan_trunk(sizes: list, budget: int):
 class TrunkStreamer:
     """Weight-provider half for trunk layers: ``layer(L)`` / ``release(L)``."""
 
-    def __init__(self, cfg: K3Config, runs: list, budget: int, files: FileSet):
+    def __init__(self, cfg: K3Config, runs: list, budget: int, files: FileSet,
+                 verify_reads: str = "first"):
+        if verify_reads not in VERIFY_READS:
+            raise ValueError(f"verify_reads must be one of {VERIFY_READS}")
         self.cfg = cfg
         self.runs = runs
         self.files = files
+        self.verify_reads = verify_reads
+        self._verified: set = set()   # layers whose bytes matched their CRC in this process
         self.pinned_plan, capacities = plan_trunk([r.held_bytes for r in runs], budget)
         self.n_slots = len(capacities)
         self.slot_bytes = [window_bytes(c) for c in capacities]
@@ -120,7 +141,7 @@ class TrunkStreamer:
         self.pinned: dict = {}
         self.ring = [i for i in range(len(runs)) if i not in self.pinned_plan]
         self.stats = {"bytes_read": 0, "read_seconds": 0.0, "wait_seconds": 0.0, "binds": 0,
-                      "pinned_hits": 0, "ring_reads": 0}
+                      "pinned_hits": 0, "ring_reads": 0, "crc_checks": 0, "crc_seconds": 0.0}
         self._slots = [aligned_empty(b) for b in self.slot_bytes]
         # slot tag: None (free), ("reading", L, gen), ("ready", L, gen), ("inuse", L, gen)
         self._tag = [None] * self.n_slots
@@ -154,7 +175,21 @@ class TrunkStreamer:
         with self._cond:
             self.stats["bytes_read"] += run.nbytes
             self.stats["read_seconds"] += dt
+        if run.crc32 is not None and (self.verify_reads == "every" or L not in self._verified):
+            self._check_crc(run, buf, base)
         return base
+
+    def _check_crc(self, run: LayerRun, buf, base: int) -> None:
+        """Refuse bytes that differ from the manifest's CRC. On the read-ahead thread for
+        ring layers, so it overlaps compute (zlib.crc32 releases the GIL)."""
+        t0 = time.perf_counter()
+        crc = zlib.crc32(buf[base:base + run.nbytes])
+        with self._cond:
+            self.stats["crc_checks"] += 1
+            self.stats["crc_seconds"] += time.perf_counter() - t0
+        if crc != run.crc32:
+            raise crc_mismatch(run.path, run.layer, run.crc32, crc)
+        self._verified.add(run.layer)
 
     def _bind(self, L: int, buf, base: int) -> dict:
         """suffix -> array: matrices in the dtype the run records for them (views of

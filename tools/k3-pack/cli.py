@@ -55,10 +55,14 @@ def synth(out, preset, seed, json_out, quiet):
               help="Time the source disk's sequential read (1 s, on expert bytes the pack "
                    "never reads) to report the pack's MB/s against it. Default: on when "
                    "at least 1 GB is to be copied.")
+@click.option("--allow-nonfinite", is_flag=True,
+              help="Pack trunk tensors holding NaN or Inf (with a warning) instead of "
+                   "refusing them (exit 3).")
 @click.option("--json", "json_out", is_flag=True, help="Print the summary as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
-def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, json_out, quiet):
+def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, allow_nonfinite, json_out,
+             quiet):
     """Pack CHECKPOINT into OUT (trunk.bin, trunk.json, experts.idx). Resumable."""
     import shutil
     from pathlib import Path
@@ -87,14 +91,16 @@ def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, json_out, qu
             source_probe = (pack_state(out, ckpt) != "complete"
                             and sum(p.nbytes for p in plan_pack(ckpt)) >= PROBE_MIN_BYTES)
         src_bps = source_read_rate(ckpt) if source_probe else None
-        res = pack(ckpt, out, progress=not quiet, throttle_mbps=throttle_mbps)
+        res = pack(ckpt, out, progress=not quiet, throttle_mbps=throttle_mbps,
+                   allow_nonfinite=allow_nonfinite)
     of_src = res.mb_per_s * 1e6 / src_bps if src_bps and res.bytes_written else None
     info = {"out": res.out, "layers": res.layers_total, "packed": res.layers_packed,
             "resumed": res.layers_resumed, "bytes_written": res.bytes_written,
             "seconds": round(res.seconds, 3), "mb_per_s": round(res.mb_per_s, 1),
             "source_seq_read_mb_per_s": round(src_bps / 1e6, 1) if src_bps else None,
             "of_source_read": round(of_src, 3) if of_src else None,
-            "already_complete": res.already_complete}
+            "already_complete": res.already_complete, "nonfinite_tensors": res.nonfinite}
+    _warn_nonfinite(res.nonfinite)
     if json_out:
         print_json(info)
     elif res.already_complete:
@@ -111,21 +117,33 @@ def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, json_out, qu
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
 @click.option("--against", type=click.Path(exists=True, file_okay=False),
               help="Also compare every byte with this checkpoint.")
+@click.option("--allow-nonfinite", is_flag=True,
+              help="Report trunk tensors holding NaN or Inf as a warning, not an error.")
 @click.option("--json", "json_out", is_flag=True)
 @click.option("--quiet", is_flag=True)
 @handle_errors
-def verify_cmd(out, against, json_out, quiet):
-    """Re-check a pack's checksums (and, with --against, its bytes against the source)."""
+def verify_cmd(out, against, allow_nonfinite, json_out, quiet):
+    """Check a pack as k3-run opens it (every manifest and index field, the inventory of
+    its config), then every layer's checksum and NaN/Inf; with --against, also that it
+    belongs to that checkpoint, entry by entry and byte by byte."""
     from libk3.io.checkpoint import Checkpoint
     from libk3.pack import verify
 
     if against:
         with Checkpoint.open(against) as ckpt:
-            info = verify(out, ckpt, progress=not quiet)
+            info = verify(out, ckpt, progress=not quiet, allow_nonfinite=allow_nonfinite)
     else:
-        info = verify(out, None, progress=not quiet)
+        info = verify(out, None, progress=not quiet, allow_nonfinite=allow_nonfinite)
+    _warn_nonfinite(info["nonfinite"])
     if json_out:
         print_json(info)
     else:
         click.echo(f"{out}: ok ({info['layers']} layers, {info['experts']} experts"
-                   + (", bytes match the checkpoint)" if against else ")"))
+                   + (", every entry and byte match the checkpoint)" if against else
+                      "; not compared with a checkpoint: add --against MODEL)"))
+
+
+def _warn_nonfinite(tensors: list) -> None:
+    if tensors:
+        click.echo(f"warning: {len(tensors)} trunk tensor(s) hold NaN or Inf, e.g. "
+                   f"{tensors[0]} (accepted: --allow-nonfinite)", err=True)

@@ -90,6 +90,9 @@ class _Printer:
               show_default=True, help="Expert cache eviction policy (never changes output).")
 @click.option("--io-threads", type=click.IntRange(1, 64), default=4, show_default=True)
 @click.option("--buffered-io", is_flag=True, help="Do not use O_DIRECT.")
+@click.option("--verify-reads", type=click.Choice(["first", "every"]), default="first",
+              show_default=True, help="With --pack: check a trunk layer's CRC-32 the first "
+                                      "time this run reads it, or on every read.")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--spec", type=click.IntRange(0, 16), default=0, show_default=True,
               help="Speculative decoding: draft up to N tokens by prompt lookup and verify "
@@ -111,8 +114,8 @@ class _Printer:
 def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_prompts,
          deadline, chat, gen, temperature,
          top_p, seed, stop_strings, stop_ids, preset, trunk_gb, cache_gb, resident,
-         cache_policy, io_threads, buffered_io, prefill_chunk, spec, threads, save_state, load_state,
-         trace_path, logits_out, report_json, json_out):
+         cache_policy, io_threads, buffered_io, verify_reads, prefill_chunk, spec, threads,
+         save_state, load_state, trace_path, logits_out, report_json, json_out):
     started = time.monotonic()
     from libk3.engine import runner
 
@@ -139,7 +142,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         model=model, pack=pack, preset=preset, trunk_gb=trunk_gb, cache_gb=cache_gb,
         budget_order=ctx.meta.get("k3_budget_order", []), resident=resident,
         cache_policy=cache_policy, io_threads=io_threads, direct_io=not buffered_io,
-        trace_path=trace_path)
+        trace_path=trace_path, verify_reads=verify_reads)
     settings = runner.settings_from(gen=gen, temperature=temperature, top_p=top_p, seed=seed,
                                     stop_strings=stop_strings, stop_ids=stop_ids,
                                     prefill_chunk=prefill_chunk, spec=spec)

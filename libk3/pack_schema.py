@@ -1,0 +1,568 @@
+"""What a pack must say (formats/pack.md): the layout a checkpoint implies, the pack's
+identity, and the checks every pack passes before anything reads through it.
+
+Owns: the pack's file names, version and record layout; the layer plan and index records
+a checkpoint implies (the writer writes exactly these, the reader compares against
+them); the identity (config fingerprint plus sampled content of every shard); reading
+trunk.json and experts.idx and refusing, as a FormatError naming the file and field,
+anything the format does not allow; ``open_pack``, the one gate k3-run and
+``k3-pack verify`` both go through, so verify never passes a pack k3-run refuses.
+Does not own: copying or re-reading trunk bytes (``libk3.pack``), streaming
+(``libk3.stream``), the inventory a config implies (``libk3.io.inventory``).
+
+Why every field is checked before use: the manifest's numbers become file offsets and
+array shapes, and a wrong one read another tensor's bytes or failed deep in a run
+(bench/README.md "Pack integrity" counts what damaged packs did before these checks).
+Why the pack stores its config: plain ``k3-pack verify`` (no checkpoint at hand) can then
+check every layer's tensor table against the inventory that config implies.
+Why sampled shard content: names and sizes alone accept another fine-tune of the same
+architecture; hashing whole shards (1.56 TB) at every start is out of the question, four
+64 KiB blocks per shard are not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from . import names
+from .config import config_from_dict
+from .errors import ConfigError, FormatError
+from .io import inventory
+from .io.dtypes import ITEMSIZE
+from .stream.direct import ALIGN, align_up
+
+PACK_FORMAT = "k3-pack"
+PACK_VERSION = 2
+TRUNK_FILE, MANIFEST_FILE, EXPERT_INDEX_FILE = "trunk.bin", "trunk.json", "experts.idx"
+EXPERT_INDEX_MAGIC = b"K3EXPIDX"
+EXPERT_RECORD = np.dtype([("shard", "<u2"), ("layer", "<u2"), ("expert", "<u4"),
+                          ("offset", "<u8"), ("nbytes", "<u8"), ("sub", "<u4", (6,))])
+SAMPLE_BLOCK = 64 << 10          # bytes per sampled block of a shard (formats/pack.md)
+REPACK_HINT = "re-pack: k3-pack CHECKPOINT NEW_OUT (a pack is never rewritten in place)"
+
+_MANIFEST_KEYS = ("format", "version", "align", "source", "config", "trunk_file",
+                  "trunk_bytes", "expert_index", "model_level", "layers")
+_LAYER_KEYS = ("layer", "shard", "run_start", "nbytes", "padded", "file_off", "crc32", "tensors")
+_TENSOR_KEYS = ("off", "nbytes", "dtype", "shape")
+_MODEL_LEVEL_KEYS = ("shard", "offset", "nbytes", "dtype", "shape")
+_INDEX_KEYS = ("version", "shards", "n_layers", "n_experts", "moe_layers", "parts",
+               "records", "record_bytes")
+
+
+# ---- the layout a checkpoint implies (written by libk3.pack, compared here) ----------
+
+@dataclasses.dataclass
+class LayerPlan:
+    layer: int
+    shard: str             # file name inside the checkpoint directory
+    run_start: int         # absolute offset of the run in the shard
+    nbytes: int            # run length (unpadded)
+    file_off: int          # offset in trunk.bin (multiple of ALIGN)
+    tensors: dict          # suffix -> {off, nbytes, dtype, shape}
+
+    def entry(self, crc32: int) -> dict:
+        """This layer's row of trunk.json's ``layers``."""
+        return {"layer": self.layer, "shard": self.shard, "run_start": self.run_start,
+                "nbytes": self.nbytes, "padded": align_up(self.nbytes),
+                "file_off": self.file_off, "crc32": crc32, "tensors": self.tensors}
+
+
+def plan_pack(ckpt) -> list:
+    """Layer runs and their places in trunk.bin; refuses non-contiguous runs."""
+    plans, off = [], 0
+    for L in range(ckpt.config.num_hidden_layers):
+        path, start, nbytes, tensors = ckpt.layer_trunk_run(L)
+        prefix = names.layer_prefix(L)
+        tmap = {name[len(prefix):]: {"off": sub, "nbytes": nb, "dtype": dt, "shape": list(sh)}
+                for name, (sub, nb, dt, sh) in tensors.items()}
+        plans.append(LayerPlan(L, Path(path).name, start, nbytes, off, tmap))
+        off += align_up(nbytes)
+    return plans
+
+
+def model_level_entries(ckpt) -> dict:
+    """trunk.json's ``model_level``: where the tensors a pack indexes but does not copy live."""
+    out = {}
+    for name in names.MODEL_LEVEL:
+        e = ckpt.entry(name)
+        out[name] = {"shard": Path(e.path).name, "offset": e.offset, "nbytes": e.nbytes,
+                     "dtype": e.dtype, "shape": list(e.shape)}
+    return out
+
+
+def _expert_parts(cfg) -> list:
+    shapes = inventory.expert_shapes(cfg)
+    return [[w, p, list(shapes[(w, p)]), math.prod(shapes[(w, p)])] for w, p in names.EXPERT_PARTS]
+
+
+def expert_index_contents(ckpt) -> tuple:
+    """(header dict, records) of experts.idx for ``ckpt``: MoE layer-major, then expert id."""
+    cfg = ckpt.config
+    t = ckpt.expert_table()
+    moe = list(cfg.moe_layers)
+    shards = [Path(p).name for p in ckpt.shards]          # name order, as source.shards
+    rec = np.zeros(len(moe) * cfg.num_experts, EXPERT_RECORD)
+    if moe:
+        rows = np.asarray(moe)
+        shard_of_path = np.array([shards.index(Path(p).name) for p in t.paths], np.int64)
+        rec["shard"] = shard_of_path[t.shard[rows].reshape(-1)]
+        rec["layer"] = np.repeat(rows, cfg.num_experts)
+        rec["expert"] = np.tile(np.arange(cfg.num_experts), len(moe))
+        rec["offset"] = t.offset[rows].reshape(-1)
+        rec["nbytes"] = t.nbytes[rows].reshape(-1)
+        rec["sub"] = t.part_offset[rows].reshape(-1, len(names.EXPERT_PARTS))
+    head = {"version": PACK_VERSION, "shards": shards, "n_layers": cfg.num_hidden_layers,
+            "n_experts": cfg.num_experts, "moe_layers": moe, "parts": _expert_parts(cfg),
+            "records": int(rec.size), "record_bytes": EXPERT_RECORD.itemsize}
+    return head, rec
+
+
+# ---- identity ----------------------------------------------------------------------
+
+def sample_blocks(size: int, data_start: int) -> list:
+    """(offset, length) of the blocks a shard's digest covers: the first, the first data
+    bytes (after the safetensors header), the middle and the last SAMPLE_BLOCK; the whole
+    file when it is at most four blocks long."""
+    if size <= 4 * SAMPLE_BLOCK:
+        return [(0, size)]
+    starts = {0, min(max(data_start, 0), size - SAMPLE_BLOCK),
+              size // 2 - SAMPLE_BLOCK // 2, size - SAMPLE_BLOCK}
+    return [(s, SAMPLE_BLOCK) for s in sorted(starts)]
+
+
+def shard_digest(ckpt, path: str, size: int) -> str:
+    """sha256 over each sampled block's offset (u64 LE) and bytes."""
+    h = hashlib.sha256()
+    head = ckpt.read_span(path, 0, 8) if size >= 8 else b""
+    data_start = 8 + int.from_bytes(bytes(head), "little") if size >= 8 else 0
+    for off, n in sample_blocks(size, data_start):
+        h.update(off.to_bytes(8, "little"))
+        h.update(ckpt.read_span(path, off, n))
+    return h.hexdigest()
+
+
+def source_identity(ckpt) -> dict:
+    """trunk.json's ``source``: what a pack records to recognise its checkpoint."""
+    ident = ckpt.identity()
+    return {"config_fingerprint": ident["config_fingerprint"],
+            "shards": [{"name": name, "size": size, "sampled_sha256": shard_digest(ckpt, path, size)}
+                       for path, (name, size) in zip(ckpt.shards, ident["shards"])]}
+
+
+# ---- reading and checking ------------------------------------------------------------
+
+@dataclasses.dataclass
+class PackIndex:
+    """A checked pack: its manifest, the config it stores, and the expert index."""
+    dir: Path
+    manifest: dict
+    config: object
+    index_header: dict
+    records: np.ndarray
+
+
+def open_pack(pack_dir, ckpt=None) -> PackIndex:
+    """Read and check trunk.json and experts.idx; with ``ckpt``, also require that the pack
+    was made from exactly that checkpoint (identity, every layer row and tensor entry,
+    every model-level entry, every expert record). Raises FormatError naming the file and
+    field of the first problem. Trunk bytes are not read (their CRCs are checked by the
+    reader of each layer: ``libk3.stream.trunk`` and ``libk3.pack.verify``)."""
+    d = Path(pack_dir)
+    man, cfg = _load_manifest(d)
+    if ckpt is not None:
+        _check_source(d, man["source"], ckpt)
+        _check_layout(d / MANIFEST_FILE, man, ckpt)
+    head, rec = _load_expert_index(d, man, cfg)
+    if ckpt is not None:
+        _check_records(d / EXPERT_INDEX_FILE, rec, ckpt)
+    return PackIndex(d, man, cfg, head, rec)
+
+
+def load_manifest(pack_dir) -> dict:
+    """trunk.json, checked against the schema, its stored config and trunk.bin's size."""
+    return _load_manifest(Path(pack_dir))[0]
+
+
+def load_expert_index(pack_dir):
+    """(header dict, records ndarray of EXPERT_RECORD) from experts.idx, checked."""
+    d = Path(pack_dir)
+    man, cfg = _load_manifest(d)
+    return _load_expert_index(d, man, cfg)
+
+
+def manifest_version(pack_dir):
+    """The ``version`` a finished pack's trunk.json states (None when unreadable)."""
+    try:
+        doc = json.loads((Path(pack_dir) / MANIFEST_FILE).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return doc.get("version") if isinstance(doc, dict) else None
+
+
+class _Fields:
+    """Typed access to a parsed JSON document; every refusal names the file and field."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def fail(self, field: str, problem: str, expected=None, found=None):
+        raise FormatError(f"{field}: {problem}", path=self.path, expected=expected,
+                          found=None if found is None else _show(found))
+
+    def obj(self, v, field: str, keys) -> dict:
+        if type(v) is not dict:
+            self.fail(field, "must be a JSON object", found=v)
+        missing = [k for k in keys if k not in v]
+        if missing:
+            self.fail(field, f"missing key {missing[0]!r}")
+        unknown = [k for k in v if k not in keys]
+        if unknown:
+            self.fail(field, f"unknown key {unknown[0]!r}", expected=", ".join(keys))
+        return v
+
+    def int(self, v, field: str, lo: int = 0, hi: int | None = None) -> int:
+        if type(v) is not int or v < lo or (hi is not None and v > hi):
+            rng = f">= {lo}" if hi is None else f"{lo}..{hi}"
+            self.fail(field, "must be an integer " + rng, found=v)
+        return v
+
+    def list(self, v, field: str) -> list:
+        if type(v) is not list:
+            self.fail(field, "must be a JSON list", found=v)
+        return v
+
+    def eq(self, v, want, field: str, problem: str = "has the wrong value"):
+        """``v`` equals ``want`` with the same JSON types all the way down (1.0 is not 1)."""
+        if _first_diff(want, v, field):
+            self.fail(field, problem, expected=_show(want), found=v)
+        return v
+
+    def file_name(self, v, field: str) -> str:
+        """A plain file name: no directory part, so it cannot leave the pack or checkpoint."""
+        if type(v) is not str or not v or v in (".", "..") or "/" in v or "\\" in v \
+                or "\0" in v:
+            self.fail(field, "must be a plain file name (no directory, no '..')", found=v)
+        return v
+
+    def hex64(self, v, field: str) -> str:
+        if type(v) is not str or len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
+            self.fail(field, "must be 64 lowercase hex digits (sha256)", found=v)
+        return v
+
+    def tensor(self, t: dict, field: str, off_key: str, spec, cfg, room: int) -> dict:
+        """A tensor entry (keys already checked): a dtype the inventory allows, the shape,
+        the size; it ends within ``room`` bytes of where ``off_key`` counts from."""
+        if type(t["dtype"]) is not str or t["dtype"] not in spec.dtypes:
+            self.fail(f"{field}.dtype", "dtype the inventory does not allow for this tensor",
+                      expected="/".join(spec.dtypes), found=t["dtype"])
+        shape = self.list(t["shape"], f"{field}.shape")
+        for k, s in enumerate(shape):
+            self.int(s, f"{field}.shape[{k}]")
+        if spec.shape is None:                 # A_log: (n,), n >= num_heads
+            if len(shape) != 1 or shape[0] < cfg.num_heads:
+                self.fail(f"{field}.shape", "wrong shape",
+                          expected=f"[n] with n >= {cfg.num_heads}", found=shape)
+        elif tuple(shape) != spec.shape:
+            self.fail(f"{field}.shape", "wrong shape", expected=list(spec.shape), found=shape)
+        want = math.prod(shape) * ITEMSIZE[t["dtype"]]
+        self.eq(t["nbytes"], want, f"{field}.nbytes", "is not shape x dtype size")
+        self.int(t[off_key], f"{field}.{off_key}")
+        if t[off_key] + want > room:
+            self.fail(f"{field}.{off_key}", "tensor ends outside its run or file",
+                      expected=f"off + nbytes <= {room}", found=t[off_key])
+        return t
+
+
+def _show(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _no_duplicates(pairs):
+    seen = {}
+    for k, v in pairs:
+        if k in seen:
+            raise ValueError(f"key {k!r} appears twice")
+        seen[k] = v
+    return seen
+
+
+def _parse_json(blob: bytes, path: Path, what: str):
+    try:
+        return json.loads(blob, object_pairs_hook=_no_duplicates)
+    except (ValueError, RecursionError) as e:        # JSONDecodeError, bad UTF-8, duplicates
+        raise FormatError(f"{what} is not valid JSON: {' '.join(str(e).split())[:120]}",
+                          path=path) from None
+
+
+def _read(path: Path, what: str) -> bytes:
+    if not path.is_file():
+        raise FormatError(f"{what} is missing (not a finished pack?)", path=path, hint=REPACK_HINT)
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise FormatError(f"cannot read {what}: {e.strerror}", path=path) from None
+
+
+def _check_version(f: _Fields, v, field: str) -> None:
+    if type(v) is int and 1 <= v < PACK_VERSION:
+        raise FormatError(f"pack format v{v} is from an older k3 (this one reads "
+                          f"v{PACK_VERSION})", path=f.path, hint=REPACK_HINT)
+    f.eq(v, PACK_VERSION, field, "unsupported pack version")
+
+
+def _load_manifest(d: Path):
+    p = d / MANIFEST_FILE
+    if not p.is_file():
+        raise FormatError("no trunk.json: not a finished pack", path=d,
+                          hint="run `k3-pack CHECKPOINT OUT` (it resumes an interrupted pack)")
+    doc = _parse_json(_read(p, "trunk.json"), p, "trunk.json")
+    f = _Fields(p)
+    if type(doc) is not dict:
+        f.fail("trunk.json", "must be a JSON object", found=doc)
+    f.eq(doc.get("format"), PACK_FORMAT, "format", "not a k3 pack manifest")
+    _check_version(f, doc.get("version"), "version")
+    f.obj(doc, "trunk.json", _MANIFEST_KEYS)
+    f.eq(doc["align"], ALIGN, "align")
+    f.eq(doc["trunk_file"], TRUNK_FILE, "trunk_file")
+    f.eq(doc["expert_index"], EXPERT_INDEX_FILE, "expert_index")
+    sizes = _check_source_schema(f, doc["source"])
+    if type(doc["config"]) is not dict:
+        f.fail("config", "must be a JSON object", found=doc["config"])
+    try:
+        cfg = config_from_dict(doc["config"], source=f"{p} (config)")
+    except ConfigError as e:
+        f.fail("config", e.message)
+    diff = _first_diff(cfg.to_flat_dict(), doc["config"], "config")
+    if diff:
+        f.fail(diff[0], "is not what k3-pack writes for this config (the flat config.json "
+               "form)", expected=_show(diff[1]), found=diff[2])
+    f.eq(cfg.fingerprint(), doc["source"]["config_fingerprint"], "source.config_fingerprint",
+         "does not match the stored config")
+    ml = f.obj(doc["model_level"], "model_level", names.MODEL_LEVEL)
+    for spec in inventory.model_level(cfg):
+        fld = f"model_level[{spec.name}]"
+        ent = ml[spec.name]
+        f.obj(ent, fld, _MODEL_LEVEL_KEYS)
+        if f.file_name(ent["shard"], f"{fld}.shard") not in sizes:
+            f.fail(f"{fld}.shard", "not a shard of source.shards", found=ent["shard"])
+        f.tensor(ent, fld, "offset", spec, cfg, sizes[ent["shard"]])
+    layers = f.list(doc["layers"], "layers")
+    if len(layers) != cfg.num_hidden_layers:
+        f.fail("layers", "one row per layer of the config", expected=cfg.num_hidden_layers,
+               found=len(layers))
+    end = 0
+    for i, lay in enumerate(layers):
+        end = _check_layer(f, i, lay, cfg, sizes, end)
+    f.eq(doc["trunk_bytes"], end, "trunk_bytes", "is not where the last layer ends")
+    trunk = d / TRUNK_FILE
+    size = trunk.stat().st_size if trunk.is_file() else None
+    if size is None:
+        raise FormatError("trunk.bin is missing or not a file", path=trunk, hint=REPACK_HINT)
+    if size != end:
+        raise FormatError("trunk.bin size does not match the manifest", path=trunk,
+                          expected=end, found=size)
+    return doc, cfg
+
+
+def _check_source_schema(f: _Fields, src) -> dict:
+    """{shard name: size} of ``source``, after checking its form."""
+    f.obj(src, "source", ("config_fingerprint", "shards"))
+    f.hex64(src["config_fingerprint"], "source.config_fingerprint")
+    shards = f.list(src["shards"], "source.shards")
+    if not shards:
+        f.fail("source.shards", "must name at least one shard")
+    sizes, prev = {}, None
+    for i, s in enumerate(shards):
+        fld = f"source.shards[{i}]"
+        f.obj(s, fld, ("name", "size", "sampled_sha256"))
+        name = f.file_name(s["name"], f"{fld}.name")
+        if prev is not None and name <= prev:
+            f.fail(f"{fld}.name", "shard names must be unique and in name order", found=name)
+        sizes[name] = f.int(s["size"], f"{fld}.size")
+        f.hex64(s["sampled_sha256"], f"{fld}.sampled_sha256")
+        prev = name
+    return sizes
+
+
+def _check_layer(f: _Fields, i: int, lay, cfg, sizes: dict, end: int) -> int:
+    """One row of ``layers``; returns where it ends in trunk.bin."""
+    fld = f"layers[{i}]"
+    f.obj(lay, fld, _LAYER_KEYS)
+    f.eq(lay["layer"], i, f"{fld}.layer", "layers must be listed in order, from 0")
+    shard = f.file_name(lay["shard"], f"{fld}.shard")
+    if shard not in sizes:
+        f.fail(f"{fld}.shard", "not a shard of source.shards", found=shard)
+    start = f.int(lay["run_start"], f"{fld}.run_start")
+    nbytes = f.int(lay["nbytes"], f"{fld}.nbytes", lo=1)
+    if start + nbytes > sizes[shard]:
+        f.fail(f"{fld}.nbytes", "the run ends past the end of its shard",
+               expected=f"<= {sizes[shard] - start}", found=nbytes)
+    f.eq(lay["padded"], align_up(nbytes), f"{fld}.padded", "is not nbytes rounded up to 4096")
+    f.eq(lay["file_off"], end, f"{fld}.file_off",
+         "layers must follow each other in trunk.bin without gaps, 4096-aligned")
+    f.int(lay["crc32"], f"{fld}.crc32", hi=0xFFFFFFFF)
+    specs = {s.name[len(names.layer_prefix(i)):]: s for s in inventory.layer_trunk(cfg, i)}
+    tensors = f.obj(lay["tensors"], f"{fld}.tensors", tuple(specs))
+    spans = []
+    for sfx, spec in specs.items():
+        tfld = f"{fld}.tensors[{sfx}]"
+        t = f.tensor(f.obj(tensors[sfx], tfld, _TENSOR_KEYS), tfld, "off", spec, cfg, nbytes)
+        spans.append((t["off"], t["nbytes"], sfx))
+    pos = 0
+    for off, nb, sfx in sorted(spans):
+        if nb and off != pos:
+            f.fail(f"{fld}.tensors[{sfx}].off",
+                   "tensors must tile the run without gaps or overlaps", expected=pos, found=off)
+        pos = max(pos, off + nb)
+    f.eq(nbytes, pos, f"{fld}.nbytes", "is not the sum of its tensors")
+    return end + align_up(nbytes)
+
+
+def _manifest_shards(man: dict) -> list:
+    return [s["name"] for s in man["source"]["shards"]]
+
+
+def _load_expert_index(d: Path, man: dict, cfg):
+    p = d / EXPERT_INDEX_FILE
+    blob = _read(p, "experts.idx")
+    f = _Fields(p)
+    if len(blob) < 12 or blob[:8] != EXPERT_INDEX_MAGIC:
+        f.fail("magic", "not a k3 expert index", expected=EXPERT_INDEX_MAGIC, found=blob[:8])
+    hlen = int.from_bytes(blob[8:12], "little")
+    if 12 + hlen > len(blob):
+        f.fail("header length", "runs past the end of the file",
+               expected=f"<= {len(blob) - 12}", found=hlen)
+    head = _parse_json(blob[12:12 + hlen], p, "the expert index header")
+    if type(head) is not dict:
+        f.fail("header", "must be a JSON object", found=head)
+    _check_version(f, head.get("version"), "version")
+    f.obj(head, "header", _INDEX_KEYS)
+    f.eq(head["record_bytes"], EXPERT_RECORD.itemsize, "record_bytes")
+    shards = _manifest_shards(man)
+    f.eq(head["shards"], shards, "shards", "must list trunk.json's source shards in order")
+    f.eq(head["n_layers"], cfg.num_hidden_layers, "n_layers", "differs from the pack's config")
+    f.eq(head["n_experts"], cfg.num_experts, "n_experts", "differs from the pack's config")
+    moe = list(cfg.moe_layers)
+    f.eq(head["moe_layers"], moe, "moe_layers", "differs from the pack's config")
+    parts = _expert_parts(cfg)
+    f.eq(head["parts"], parts, "parts", "differs from the expert shapes of the pack's config")
+    f.eq(head["records"], len(moe) * cfg.num_experts, "records",
+         "is not one per expert of every MoE layer")
+    body = memoryview(blob)[12 + hlen:]
+    if len(body) != head["records"] * EXPERT_RECORD.itemsize:
+        f.fail("records", "file size does not match the record count",
+               expected=f"{head['records'] * EXPERT_RECORD.itemsize} bytes of records",
+               found=f"{len(body)} bytes")
+    rec = np.frombuffer(body, dtype=EXPERT_RECORD)
+    _check_record_schema(f, rec, cfg, moe, shards, man, parts)
+    return head, rec
+
+
+def _check_record_schema(f: _Fields, rec, cfg, moe, shards, man, parts) -> None:
+    """Vectorised: records in order, shard indexes in range, runs inside their shard, the
+    six parts tiling each run."""
+    if not rec.size:
+        return
+    n_exp = cfg.num_experts
+    sizes = np.array([s["size"] for s in man["source"]["shards"]], np.uint64)
+    part_nbytes = np.array([p[3] for p in parts], np.uint64)
+    in_range = rec["shard"] < len(shards)
+    shard_size = sizes[np.where(in_range, rec["shard"], 0)]
+    order = np.argsort(rec["sub"], axis=1, kind="stable")
+    sub = np.take_along_axis(rec["sub"].astype(np.uint64), order, axis=1)
+    ends = sub + part_nbytes[order]
+    checks = [
+        ("layer", rec["layer"] == np.repeat(np.asarray(moe), n_exp), "records must be MoE "
+         "layer-major"),
+        ("expert", rec["expert"] == np.tile(np.arange(n_exp), len(moe)), "records must be in "
+         "expert order within a layer"),
+        ("shard", in_range, f"shard index outside 0..{len(shards) - 1}"),
+        ("nbytes", rec["nbytes"] == np.uint64(cfg.expert_bytes), "is not the size of one expert"),
+        ("offset", (rec["offset"] <= shard_size - np.minimum(rec["nbytes"], shard_size)),
+         "the run ends past the end of its shard"),
+        ("sub", (sub[:, 0] == 0) & (sub[:, 1:] == ends[:, :-1]).all(axis=1)
+         & (ends[:, -1] == rec["nbytes"]), "the six parts must tile the run"),
+    ]
+    for field, ok, problem in checks:
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            r = rec[i]
+            f.fail(f"record {i} (layer {int(r['layer'])} expert {int(r['expert'])}).{field}",
+                   problem, found=r[field].tolist())
+
+
+def _check_source(d: Path, src: dict, ckpt) -> None:
+    ident = ckpt.identity()
+    if src["config_fingerprint"] != ident["config_fingerprint"]:
+        raise FormatError("this pack was built from a different checkpoint (its config "
+                          "differs)", path=d, hint="re-run k3-pack for this checkpoint")
+    have, want = [[s["name"], s["size"]] for s in src["shards"]], ident["shards"]
+    if have != want:
+        i = next(i for i in range(max(len(have), len(want)))
+                 if i >= len(have) or i >= len(want) or have[i] != want[i])
+        raise FormatError("this pack was built from a different checkpoint (its shard list "
+                          "or sizes differ)", path=d,
+                          expected=_show(have[i] if i < len(have) else None),
+                          found=_show(want[i] if i < len(want) else None),
+                          hint="re-run k3-pack for this checkpoint")
+    for s, path in zip(src["shards"], ckpt.shards):
+        if shard_digest(ckpt, path, s["size"]) != s["sampled_sha256"]:
+            raise FormatError(f"this pack was built from a different checkpoint: shard "
+                              f"{s['name']} has other content (sampled blocks differ)", path=d,
+                              hint="re-run k3-pack for this checkpoint")
+
+
+def _first_diff(want, got, field: str):
+    """(field, want, got) of the first difference between two JSON values, or None."""
+    if type(want) is dict and type(got) is dict:
+        for k in list(want) + [k for k in got if k not in want]:
+            if k not in got or k not in want:
+                return f"{field}[{k}]", want.get(k), got.get(k)
+            sub = _first_diff(want[k], got[k], f"{field}.{k}" if field else k)
+            if sub:
+                return sub
+        return None
+    if type(want) is list and type(got) is list and len(want) == len(got):
+        for k, (a, b) in enumerate(zip(want, got)):
+            sub = _first_diff(a, b, f"{field}[{k}]")
+            if sub:
+                return sub
+        return None
+    return None if (type(want) is type(got) and want == got) else (field, want, got)
+
+
+def _check_layout(p: Path, man: dict, ckpt) -> None:
+    """Every layer row, tensor entry and model-level entry as this checkpoint implies."""
+    for plan, lay in zip(plan_pack(ckpt), man["layers"]):
+        diff = _first_diff(plan.entry(lay["crc32"]), lay, f"layers[{plan.layer}]")
+        if diff:
+            raise FormatError(f"{diff[0]}: differs from the checkpoint", path=p,
+                              expected=_show(diff[1]), found=_show(diff[2]),
+                              hint="the pack does not belong to this checkpoint: re-pack")
+    diff = _first_diff(model_level_entries(ckpt), man["model_level"], "model_level")
+    if diff:
+        raise FormatError(f"{diff[0]}: differs from the checkpoint", path=p,
+                          expected=_show(diff[1]), found=_show(diff[2]),
+                          hint="the pack does not belong to this checkpoint: re-pack")
+
+
+def _check_records(p: Path, rec, ckpt) -> None:
+    _, want = expert_index_contents(ckpt)
+    for field in EXPERT_RECORD.names:
+        bad = want[field] != rec[field]
+        if bad.ndim > 1:
+            bad = bad.any(axis=1)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise FormatError(f"record {i} (layer {int(want[i]['layer'])} expert "
+                              f"{int(want[i]['expert'])}).{field}: differs from the checkpoint",
+                              path=p, expected=want[i][field].tolist(),
+                              found=rec[i][field].tolist(),
+                              hint="the pack does not belong to this checkpoint: re-pack")
