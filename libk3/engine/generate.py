@@ -15,7 +15,12 @@ import time
 
 import numpy as np
 
-from ..model.state import MAX_POSITIONS, State
+from typing import TYPE_CHECKING
+
+from ..config import K3_CONTEXT as MAX_POSITIONS
+
+if TYPE_CHECKING:                  # the model is not imported by option parsing (start-up)
+    from ..model.state import State
 from .sampler import Sampler
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import K3Config
+from ..config import K3_CONTEXT, K3Config
 from ..errors import FormatError
 from ..io.atomic import replacing
 
@@ -28,7 +28,7 @@ STATE_MAGIC = b"K3STATE\0"
 STATE_VERSION = 2
 # The trained context (spec 2.1, max_position_embeddings): the most positions a state
 # holds and the most tokens a run generates.
-MAX_POSITIONS = 1 << 20
+MAX_POSITIONS = K3_CONTEXT
 _PREFIX = struct.Struct("<8sII")            # magic, version, header bytes
 _DIGEST_BYTES = 32                          # sha256 of everything before it
 _HEADER_KEYS = ("arrays", "fingerprint", "ids", "pos")
