@@ -185,7 +185,8 @@ def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = 
         # verify what the journal claims, then copy the rest
         todo = []
         for p in plans:
-            if p.layer in done and _crc_of_file_range(fd_out, p.file_off, p.nbytes) == done[p.layer][0]:
+            if p.layer in done and \
+                    _crc_of_file_range(fd_out, p.file_off, p.nbytes) == done[p.layer][0]:
                 resumed += 1
                 _check_nonfinite(ckpt, p, done[p.layer][1], allow_nonfinite)
             else:

@@ -151,7 +151,8 @@ def source_identity(ckpt) -> dict:
     """trunk.json's ``source``: what a pack records to recognise its checkpoint."""
     ident = ckpt.identity()
     return {"config_fingerprint": ident["config_fingerprint"],
-            "shards": [{"name": name, "size": size, "sampled_sha256": shard_digest(ckpt, path, size)}
+            "shards": [{"name": name, "size": size,
+                        "sampled_sha256": shard_digest(ckpt, path, size)}
                        for path, (name, size) in zip(ckpt.shards, ident["shards"])]}
 
 

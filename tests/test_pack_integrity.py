@@ -313,6 +313,22 @@ def test_trunk_crc_checked_on_first_read_or_every_read(tiny_pack, verify_reads):
         s.weights.close()
 
 
+def test_run_verify_reads_option_reaches_the_trunk(tiny_pack, budget_args, tmp_path):
+    """Catches --verify-reads parsed but not passed down (every read checked either way,
+    or only the first); an unknown value is a usage error (exit 2)."""
+    checks = {}
+    for mode in ("first", "every"):
+        rep = tmp_path / f"{mode}.json"
+        code, err = _invoke(k3run_main, [TINY, "--pack", tiny_pack, "--ids", IDS, "--gen", 3,
+                                         *budget_args, "--verify-reads", mode,
+                                         "--report-json", rep])
+        assert code == 0, err
+        checks[mode] = json.loads(rep.read_text())["trunk_crc_checks"]
+    assert checks["first"] == 13 and checks["every"] > 13
+    assert _invoke(k3run_main, [TINY, "--pack", tiny_pack, "--ids", IDS,
+                                "--verify-reads", "sometimes"])[0] == 2
+
+
 @pytest.mark.parametrize("where", ["pinned", "ring"])
 def test_trunk_crc_mismatch_stops_the_run_naming_pack_file_and_layer(tiny_pack, tmp_path, where):
     """Catches a damaged pinned layer (read once, at load) or streamed layer (read by the

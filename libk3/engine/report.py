@@ -67,6 +67,8 @@ def run_report(result, weights_stats: dict, budget=None, extra: dict | None = No
         "trunk_wait_seconds": round(trunk.get("wait_seconds", 0.0), 6),
         "pinned_layers": trunk.get("pinned_layers"),
         "ring_slots": trunk.get("ring_slots"),
+        "trunk_crc_checks": trunk.get("crc_checks", 0),
+        "trunk_crc_seconds": round(trunk.get("crc_seconds", 0.0), 6),
         "expert_bytes_read": experts.get("bytes_read", 0),
         "expert_read_seconds": round(experts.get("read_seconds", 0.0), 6),
         "expert_requests": req,
