@@ -177,8 +177,12 @@ class TraceWriter:
         self._write_failed = False
         with self._naming_errors():
             self._f = open(self.partial_path, "wb")
-            self._f.write(FILE_HEAD.pack(MAGIC, VERSION, len(blob), zlib.crc32(blob)))
-            self._f.write(blob)
+            try:
+                self._f.write(FILE_HEAD.pack(MAGIC, VERSION, len(blob), zlib.crc32(blob)))
+                self._f.write(blob)
+            except OSError:
+                self.abort()                  # not even a header: nothing to keep
+                raise
 
     @contextlib.contextmanager
     def _naming_errors(self):

@@ -14,9 +14,10 @@ trailing \r is JSON whitespace) and each is decoded as strict UTF-8: invalid byt
 that line's error, never replaced.
 
 Results file: one k3 result object per line (an object with "id", "line", "prompt_ids"
-and "generated_ids"). Before appending, the file is checked: every complete line must be a
-k3 result, else it is someone else's file and is refused untouched; a last line without
-its newline (a crash tore the write) is dropped only when it is not complete JSON.
+and "generated_ids"). Before appending, the file is checked (``repair_tail``): every
+complete line must be a k3 result, else it is someone else's file and is refused untouched;
+only a last line torn by a crash (no newline, starts with ``{"``, and not complete JSON
+other than a k3 result) is dropped.
 """
 
 from __future__ import annotations
