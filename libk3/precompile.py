@@ -70,7 +70,8 @@ def _groups() -> dict:
 
     k = "libk3.kernels."
     forward = (
-        group(k + "bf16", ("matmul", (u16_2, f32_2, f32_2)))
+        # matrices stored as F32 (or F16, widened) reach the kernels as float32
+        group(k + "bf16", ("matmul", (u16_2, f32_2, f32_2)), ("matmul", (f32_2, f32_2, f32_2)))
         + group(k + "mxfp4", ("matmul", (u8_2, u8_2, f32_2, f32_2)))
         + group(k + "norms", ("rmsnorm", (f32_2, f32_1, f64, f32_2)),
               ("l2norm", (f32_2, f64, f32_2)))
@@ -80,8 +81,8 @@ def _groups() -> dict:
         + group(k + "kda", ("short_conv", (f32_2, f32_2, f32_2, f32_2)),
                 ("kda_decay", (f32_2, f32_1, f32_1, f64, f32_2, f32_2)),
                 ("kda_recurrence", (f32_3, f32_3, f32_3, f32_3, f32_2, f64, f32_3, f32_3)))
-        + group(k + "mla", ("mla_attention",
-                            (f32_3, f32_3, i64_1, f32_2, f32_2, u16_2, f64, f32_3)))
+        + group(k + "mla", *[("mla_attention", (f32_3, f32_3, i64_1, f32_2, f32_2, kv_b, f64,
+                                                 f32_3)) for kv_b in (u16_2, f32_2)])
         + group(k + "router", ("router_topk", (f32_2, f32_1, i64, nt.boolean, f64, i64_2,
                                                f32_2)))
         + group(k + "moe", ("combine_routed", (f32_3, f32_2, f32_2))))
