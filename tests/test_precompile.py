@@ -116,3 +116,22 @@ def test_precompile_table_covers_every_tool_path(tiny_dir, tmp_path):
     with install_recorder("numba:compile") as rec:                     # control
         _fresh(1)
     assert [ev for _, ev in rec.buffer if ev.is_start]
+
+
+def test_doctor_compile_reports_every_kernel_and_where_cached():
+    """Catches a --compile that skips a group (a tool would still compile on first use)
+    or does not say where numba keeps the kernels."""
+    import json
+
+    precompile.prepare(precompile.GROUPS)
+    p = subprocess.run(["k3-doctor", "--compile", "--json"], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    assert (s["kernels"], s["compiled"], s["compile_seconds"]) == \
+        (len(precompile.kernels()), 0, 0.0)
+    assert s["cached"] and s["cache_dirs"] and "compiling" not in p.stderr
+    assert {k.module for k in precompile.kernels()} == {
+        "libk3.kernels." + m for m in ("bf16", "mxfp4", "norms", "activations", "attnres",
+                                       "kda", "mla", "router", "moe")} | {
+        "libk3.cache_policy", "libk3.hwprobe"}

@@ -44,7 +44,7 @@ def main(model, pack_dir, json_out, quick, compile_only, assume_memory_gb, probe
         else:
             click.echo(precompile.render_summary(summary))
         return
-    precompile.prepare(["probe"] + ([] if quick else ["forward"]))
+    precompile.prepare(["probe"])
 
     from libk3.doctor import diagnose, render_text
     from libk3.hwprobe import probe_memory
