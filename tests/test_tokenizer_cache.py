@@ -165,6 +165,18 @@ def test_tokenizer_cache_unwritable_dir_falls_back_to_memory(model, plain, unwri
     same_behaviour(tok, plain)
 
 
+def test_tokenizer_cache_write_failure_after_mkdir_falls_back_to_memory(model, plain,
+                                                                       tmp_path):
+    """Catches a fallback that only covers the directory: here the directory exists and
+    the write itself fails (the cache's name is taken by a directory), which the atomic
+    writer reports as K3IOError, not OSError."""
+    path = tmp_path / "cache" / "tok.k3tok"
+    path.mkdir(parents=True)
+    tok = K3Tokenizer.from_dir(model, VOCAB, cache=path)
+    assert tok.cache_status == "in-memory" and path.is_dir()
+    same_behaviour(tok, plain)
+
+
 def test_tokenizer_cache_location(tmp_path):
     """Catches ignoring XDG_CACHE_HOME, honouring a relative one (the XDG rule says to
     ignore it), two model directories sharing one file, or a pack that is not used."""

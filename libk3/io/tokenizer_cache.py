@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import K3IOError
 from . import atomic
 
 MAGIC = b"K3TOKDRV"
@@ -105,7 +106,7 @@ def save(path, key: dict, derived: DerivedTokenizer) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_bytes(path, encode(key, derived))
-    except OSError:
+    except (OSError, K3IOError):      # K3IOError: atomic's write failures, file named
         return False
     return True
 
