@@ -369,7 +369,7 @@ def test_batch_line_settings_are_checked_exactly(fields):
         "stop" not in fields or isinstance(fields["stop"], str)
         or (isinstance(fields["stop"], list) and all(isinstance(s, str) for s in fields["stop"])))
     try:
-        batchfile.parse_line(line, VOCAB)
+        batchfile.parse_line(line.encode(), VOCAB)      # a line as read: bytes
     except batchfile.BatchLineError:
         assert not want, f"refused a good line {line}"
         return
@@ -389,7 +389,7 @@ def test_batch_line_settings_are_checked_exactly(fields):
 def test_batch_named_bad_lines_are_line_errors(line):
     """Catches a bad line raising past parse_line (aborting the batch) or being run."""
     try:
-        batchfile.parse_line(line, VOCAB)
+        batchfile.parse_line(line.encode(), VOCAB)      # a line as read: bytes
     except batchfile.BatchLineError:
         return
     except Exception as e:                       # noqa: BLE001
