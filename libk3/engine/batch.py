@@ -14,7 +14,7 @@ trailing \r is JSON whitespace) and each is decoded as strict UTF-8: invalid byt
 that line's error, never replaced.
 
 Results file: one k3 result object per line (an object with "id", "line", "prompt_ids"
-and "generated_ids"). Before appending, the file is checked (``repair_tail``): every
+and "generated_ids"). Before appending, the file is checked (``open_results``): every
 complete line must be a k3 result, else it is someone else's file and is refused untouched;
 only a last line torn by a crash (no newline, starts with ``{"``, and not complete JSON
 other than a k3 result) is dropped.
@@ -95,36 +95,28 @@ def job_settings(job: dict, base: GenSettings) -> GenSettings:
         stop_ids=tuple(job.get("stop_ids", base.stop_ids)))
 
 
-def _is_result(line: bytes) -> bool:
+_BAD = object()        # what _json returns for a line that is not JSON
+
+
+def _json(line: bytes):
+    """The line's JSON value, or _BAD (not JSON, a 5,000-digit number, deep nesting)."""
     try:
-        obj = json.loads(line)
+        return json.loads(line)
     except (ValueError, RecursionError):
-        return False
+        return _BAD
+
+
+def _is_result(obj) -> bool:
     return isinstance(obj, dict) and all(k in obj for k in RESULT_KEYS)
 
 
-def done_ids(results_path) -> set:
-    """Ids already in the results file (a torn last line from a crash is ignored)."""
-    p = Path(results_path)
-    if not p.exists():
-        return set()
-    out = set()
-    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            obj = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(obj, dict) and "id" in obj:
-            out.add(json.dumps(obj["id"]))
-    return out
-
-
-def repair_tail(results_path) -> None:
-    """Check ``results_path`` before any append: every complete line must be a k3 result,
-    else it is someone else's file, refused (FormatError) and left untouched. A last line
-    without its newline that starts like a k3 result (``{"``) and is not complete JSON
-    other than a k3 result is a write a crash tore: it is dropped, so appends stay
-    line-aligned (its id runs again). Any other last line is refused as above."""
+def open_results(results_path) -> set:
+    """Check ``results_path`` before any append and return the ids already in it (as
+    ``json.dumps(id)``). Every complete line must be a k3 result, else it is someone
+    else's file, refused (FormatError) and left untouched. A last line without its
+    newline that starts like a k3 result (``{"``) and is not complete JSON other than a k3
+    result is a write a crash tore: it is dropped, so appends stay line-aligned (its id
+    runs again). Any other last line is refused as above."""
     p = Path(results_path)
     try:
         data = p.read_bytes() if p.exists() else b""
@@ -132,8 +124,10 @@ def repair_tail(results_path) -> None:
         raise K3IOError(f"cannot read the results file: {e.strerror}", path=p) from None
     lines = data.split(b"\n")
     tail = lines.pop()                        # b"" when the file ends with a newline
-    bad = next((i for i, line in enumerate(lines, 1) if not _is_result(line)), None)
-    torn = tail.startswith(b'{"') and (_is_result(tail) or not _parses(tail))
+    rows = [_json(line) for line in lines]
+    bad = next((i for i, row in enumerate(rows, 1) if not _is_result(row)), None)
+    tail_row = _json(tail)
+    torn = tail.startswith(b'{"') and (_is_result(tail_row) or tail_row is _BAD)
     if bad is not None or (tail and not torn):
         where = f"line {bad}" if bad is not None else f"line {len(lines) + 1}"
         raise FormatError(f"not a k3 results file ({where} is not a k3 result); refusing "
@@ -144,14 +138,7 @@ def repair_tail(results_path) -> None:
             f.truncate(len(data) - len(tail))
             f.flush()
             os.fsync(f.fileno())
-
-
-def _parses(text: bytes) -> bool:
-    try:
-        json.loads(text)
-    except (ValueError, RecursionError):
-        return False
-    return True
+    return {json.dumps(row["id"]) for row in rows}
 
 
 def append_result(results_path, obj: dict) -> None:
@@ -166,10 +153,10 @@ def append_result(results_path, obj: dict) -> None:
 
 def summary_text(summary: dict, results_path) -> str:
     """The one stderr line a batch run ends with (cron logs keep it)."""
-    text = (f"batch: {summary['done']} done, {summary['skipped']} already in {results_path}, "
-            f"{summary['malformed']} malformed line(s)")
     if summary["stopped"] == "deadline" and summary["remaining"] is None:
         return f"batch: deadline passed while waiting for the lock on {results_path}; nothing run"
+    text = (f"batch: {summary['done']} done, {summary['skipped']} already in {results_path}, "
+            f"{summary['malformed']} malformed line(s)")
     if summary["stopped"] is not None:
         text += f"; stopped at {summary['stopped']}, {summary['remaining']} left for the next run"
     return text

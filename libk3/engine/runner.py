@@ -19,7 +19,7 @@ from ..model.state import State
 from ..trace import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
 from . import chat as chatfmt
-from .generate import GenSettings, generate
+from .generate import GenSettings, generate, token_ids_problem
 from .report import run_report, startup_seconds
 from .session import open_session, parse_ids  # noqa: F401  (parse_ids re-exported for the CLI)
 
@@ -118,6 +118,12 @@ class Run:
         if self.session.tokenizer is None:
             raise UsageError("this model has no tokenizer (tiktoken.model); use --ids")
         return self.session.tokenizer
+
+    def check_stop_ids(self, stop_ids) -> None:
+        """--stop-id values against the model's vocabulary (the option can't know it)."""
+        why = token_ids_problem(stop_ids, self.cfg.vocab_size)
+        if why:
+            raise UsageError(f"--stop-id: {why}")
 
     def encode(self, text: str) -> list:
         ids = self._tokenizer().encode(text)
@@ -259,12 +265,8 @@ def run_batch(opts: RunOptions, batch_path, out_path, base: GenSettings, warn,
 
 
 def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary) -> dict:
-    from .generate import token_ids_problem
-    why = token_ids_problem(base.stop_ids, run.cfg.vocab_size)
-    if why:
-        raise UsageError(f"--stop-id: {why}")
-    batchfile.repair_tail(out_path)
-    done = batchfile.done_ids(out_path)
+    run.check_stop_ids(base.stop_ids)
+    done = batchfile.open_results(out_path)
     seen = set()
     for lineno, line in batchfile.read_lines(batch_path):
         if not line.strip():

@@ -11,7 +11,7 @@ from libk3 import __version__
 from libk3.cli_group import Command, Finite, Rule, gigabytes
 from libk3.cli_support import handle_errors, print_json
 from libk3.config import MAX_SIZE
-from libk3.engine.generate import gen_problem, token_ids_problem
+from libk3.engine.generate import gen_problem
 from libk3.engine.sampler import seed_problem, temperature_problem, top_p_problem
 from libk3.errors import UsageError
 from libk3.io import atomic
@@ -159,9 +159,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
             click.echo(summary_text(summary, out_path), err=True)
         return
     with runner.open_run(opts) as run:
-        why = token_ids_problem(stop_ids, run.cfg.vocab_size)
-        if why:
-            raise UsageError(f"--stop-id: {why}")
+        run.check_stop_ids(stop_ids)
         if chat:
             runner.run_chat(run, settings, load_state=load_state, save_state=save_state,
                             emit_factory=lambda: _Printer(run.session.tokenizer),
