@@ -621,6 +621,10 @@ class LazyTokenizer:
             self.loaded = K3Tokenizer.from_dir(self.model_dir, self.vocab_size, self.cache)
         return self.loaded
 
+    @property
+    def longest_rank_bytes(self) -> int:
+        return self.get().longest_rank_bytes
+
     def encode(self, text: str, allow_special: bool = False) -> list:
         return self.get().encode(text, allow_special)
 
