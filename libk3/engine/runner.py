@@ -98,13 +98,14 @@ class Run:
     def cfg(self):
         return self.session.cfg
 
-    def _record(self, L, positions, ids, phase):
+    def _record(self, L, positions, ids, phase, tag=None):
         """One MoE layer's routing for a block of tokens: per token, its experts in
-        selection order (formats/trace.md: within a prefill chunk, layer-major)."""
+        selection order (formats/trace.md: within a prefill chunk, layer-major). ``tag``
+        is the prompt's line in a batch decoded in lockstep, else ``self.seq``."""
         T, k = ids.shape
         rec = np.empty(T * k, RECORD_DTYPE)
         rec["pos"] = np.repeat(np.asarray(positions, np.int64), k)
-        rec["seq"] = self.seq
+        rec["seq"] = self.seq if tag is None else tag
         rec["layer"] = L
         rec["expert"] = ids.reshape(-1)
         rec["phase"] = PHASE_PREFILL if phase == "prefill" else PHASE_DECODE
