@@ -130,18 +130,17 @@ def test_lockstep_finished_prompt_leaves_and_next_takes_its_slot(tiny_dir):
     s = open_session(tiny_dir)
     g = lambda n: GenSettings(gen=n, prefill_chunk=CHUNK)  # noqa: E731
     jobs = [Job("long", [1, 2, 3], g(12)), Job("short", [4, 5], g(1)), Job("queued", [6], g(2))]
-    order, started = [], {}
+    order, started = [], []
     pos = lambda: s.forward.passes  # noqa: E731
 
-    def source():
-        for j in jobs:
-            started[j.tag] = pos()
-            yield j
+    def new_state(n):                       # called as a job takes a slot
+        started.append(pos())
+        return State(s.cfg, capacity=n)
 
-    run_lockstep(s.forward, lambda n: State(s.cfg, capacity=n), source(), 2,
+    run_lockstep(s.forward, new_state, jobs, 2,
                  lambda job, res: order.append((job.tag, pos())), chunk=CHUNK)
     assert [t for t, _ in order] == ["short", "queued", "long"]
-    assert started["queued"] == dict(order)["short"]          # took the slot at once
+    assert started[2] == dict(order)["short"]          # took the freed slot at once
 
 
 def test_lockstep_expert_union_is_fetched_once_per_pass(small_dir):

@@ -7,10 +7,17 @@ Does not own: generation (``libk3.engine.generate``) or the CLI.
 Input line: {"id": str|int (required, unique), "prompt": str | "ids": [int] (exactly one),
 optional "gen", "temperature", "top_p", "seed", "stop" (list of str), "stop_ids"}.
 A malformed line is reported with its line number and skipped; it never stops the batch.
+
+Sharding (``--shard K/N``, README "Batch files"): a line belongs to shard
+``shard_of(id, N)`` = 1 + (the first 8 bytes, big-endian, of SHA-256 of the UTF-8 bytes of
+``json.dumps(id)``) mod N, so N machines split one file with no coordination and every
+id lands in exactly one shard. ``json.dumps`` with Python's defaults (ensure_ascii: non-ASCII
+escaped) is also the key that finished ids are matched by: "7" and 7 are different ids.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -90,3 +97,25 @@ def append_result(results_path, obj: dict) -> None:
         f.write(json.dumps(obj, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def shard_of(job_id, n: int) -> int:
+    """The shard (1..n) of a line's id (module docstring)."""
+    digest = hashlib.sha256(json.dumps(job_id).encode("utf-8")).digest()
+    return 1 + int.from_bytes(digest[:8], "big") % n
+
+
+def in_shard(job_id, k: int, n: int) -> bool:
+    return shard_of(job_id, n) == k
+
+
+def parse_shard(text: str) -> tuple:
+    """'K/N' -> (K, N) with 1 <= K <= N; ValueError otherwise."""
+    k, sep, n = text.partition("/")
+    try:
+        k, n = int(k), int(n)
+    except ValueError:
+        raise ValueError(f"--shard must be K/N (e.g. 2/8), got {text!r}") from None
+    if not sep or not 1 <= k <= n:
+        raise ValueError(f"--shard K/N needs 1 <= K <= N, got {text!r}")
+    return k, n

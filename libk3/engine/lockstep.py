@@ -126,52 +126,68 @@ def plan_pass(lanes: list, chunk: int, join_prefill: bool = True) -> list:
     return plan
 
 
-def run_lockstep(forward, new_state, jobs, width: int, on_done, *, chunk: int = 64,
-                 tokenizer=None, on_token=None, keep_logits: bool = False,
-                 join_prefill: bool = True) -> LockstepStats:
-    """Run every Job of the iterable ``jobs`` with at most ``width`` in flight.
+class Lockstep:
+    """At most ``width`` sequences in flight; ``submit`` a Job when it should start (it
+    runs passes until a slot is free), ``drain`` at the end.
 
-    ``new_state(positions)`` makes a fresh State with room for ``positions``; a job is
-    drawn from ``jobs`` only when a slot is free (so a deadline or a shard filter lives
-    in the iterable). ``on_done(job, GenResult)`` is called as each prompt finishes, in
-    finishing order; ``on_token(job, id)`` as each token is sampled. ``keep_logits``
-    collects each prompt's logits rows (prompt positions, then every generated token but
-    the last) into its result."""
-    if width < 1 or chunk < 1:
-        raise ValueError("width and chunk must be >= 1")
-    stats = LockstepStats(width)
-    t0 = time.perf_counter()
-    source = iter(jobs)
-    lanes: list[_Lane] = []
-    exhausted = False
-    while True:
-        while len(lanes) < width and not exhausted:
-            job = next(source, None)
-            if job is None:
-                exhausted = True
-                break
-            n = len(job.prompt_ids) + job.settings.gen
-            lanes.append(_Lane(job, new_state(n), time.perf_counter(), keep_logits))
-        if not lanes:
-            break
-        stats.max_active = max(stats.max_active, len(lanes))
-        plan = plan_pass(lanes, chunk, join_prefill)
-        segs = [Segment(ids, lane.state, all_logits=keep_logits or n_prompt == 0,
+    ``new_state(positions)`` makes a fresh State with room for ``positions``.
+    ``on_done(job, GenResult)`` is called as each prompt finishes, in finishing order,
+    and its slot is free from then on; ``on_token(job, id)`` as each token is sampled.
+    ``keep_logits`` collects each prompt's logits rows (prompt positions, then every
+    generated token but the last) into its result. ``chunk``: prompt tokens per pass."""
+
+    def __init__(self, forward, new_state, width: int, on_done, *, chunk: int = 64,
+                 tokenizer=None, on_token=None, keep_logits: bool = False,
+                 join_prefill: bool = True):
+        if width < 1 or chunk < 1:
+            raise ValueError("width and chunk must be >= 1")
+        self.forward, self.new_state, self.width, self.on_done = forward, new_state, width, on_done
+        self.chunk, self.tokenizer, self.on_token = chunk, tokenizer, on_token
+        self.keep_logits, self.join_prefill = keep_logits, join_prefill
+        self.lanes: list[_Lane] = []
+        self.stats = LockstepStats(width)
+
+    def submit(self, job: Job) -> None:
+        while len(self.lanes) >= self.width:
+            self.step()
+        n = len(job.prompt_ids) + job.settings.gen
+        self.lanes.append(_Lane(job, self.new_state(n), time.perf_counter(), self.keep_logits))
+
+    def drain(self) -> None:
+        while self.lanes:
+            self.step()
+
+    def step(self) -> None:
+        """One pass over every lane in flight; finished lanes leave (``on_done``)."""
+        t0 = time.perf_counter()
+        st = self.stats
+        st.max_active = max(st.max_active, len(self.lanes))
+        plan = plan_pass(self.lanes, self.chunk, self.join_prefill)
+        segs = [Segment(ids, lane.state, all_logits=self.keep_logits or n_prompt == 0,
                         phase="prefill" if n_prompt else "decode", tag=lane.job.tag)
                 for lane, ids, n_prompt in plan]
-        outs = forward.run(segs)
-        stats.passes += 1
+        outs = self.forward.run(segs)
+        st.passes += 1
         for (lane, ids, n_prompt), logits in zip(plan, outs):
-            stats.prompt_tokens += n_prompt
+            st.prompt_tokens += n_prompt
             before = len(lane.generated)
-            lane.take(logits, n_prompt, tokenizer, on_token)
-            stats.generated_tokens += len(lane.generated) - before
+            lane.take(logits, n_prompt, self.tokenizer, self.on_token)
+            st.generated_tokens += len(lane.generated) - before
         still = []
-        for lane in lanes:
+        for lane in self.lanes:
             if lane.reason is None:
                 still.append(lane)
             else:                           # leaves at once; its state is dropped
-                on_done(lane.job, lane.result(time.perf_counter()))
-        lanes = still
-    stats.seconds = time.perf_counter() - t0
-    return stats
+                self.on_done(lane.job, lane.result(time.perf_counter()))
+        self.lanes = still
+        st.seconds += time.perf_counter() - t0
+
+
+def run_lockstep(forward, new_state, jobs, width: int, on_done, **kw) -> LockstepStats:
+    """Run every Job of the iterable ``jobs`` through a ``Lockstep`` (keywords as there);
+    a job is drawn only when a slot is free."""
+    ls = Lockstep(forward, new_state, width, on_done, **kw)
+    for job in jobs:
+        ls.submit(job)
+    ls.drain()
+    return ls.stats

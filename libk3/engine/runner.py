@@ -19,6 +19,7 @@ from ..model.state import State
 from ..trace import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
 from . import chat as chatfmt
+from .batch_sink import BatchSink
 from .generate import GenSettings, generate
 from .report import run_report
 from .session import open_session, parse_ids  # noqa: F401  (parse_ids re-exported for the CLI)
@@ -38,6 +39,7 @@ class RunOptions:
     direct_io: bool = True
     trace_path: str | None = None
     memory_override: int | None = None
+    batch_width: int | str | None = None   # a batch's lockstep width: N, "auto"; None: no batch
 
 
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
@@ -47,19 +49,57 @@ def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
                        prefill_chunk=prefill_chunk, spec=spec)
 
 
+def batch_options(batch, batch_width, shard, spec) -> tuple:
+    """(width for RunOptions.batch_width, (K, N) or None) from --batch-width and --shard,
+    which only go with --batch. --spec decodes one prompt at a time: auto becomes 1, an
+    explicit width above 1 is refused (usage error)."""
+    from .batch import parse_shard
+    if not batch:
+        if batch_width is not None or shard is not None:
+            raise UsageError("--batch-width and --shard go with --batch")
+        return None, None
+    width = "auto" if batch_width in (None, "auto") else batch_width
+    if width != "auto":
+        try:
+            width = int(width)
+        except ValueError:
+            width = 0
+        if width < 1:
+            raise UsageError(f"--batch-width must be a positive integer or auto, got {batch_width!r}")
+    if spec and width != "auto" and width > 1:
+        raise UsageError("--spec decodes one prompt at a time: it cannot run with --batch-width "
+                         f"{width}", hint="use --batch-width 1, or drop --spec")
+    if spec:
+        width = 1
+    try:
+        kn = parse_shard(shard) if shard is not None else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return width, kn
+
+
 def resolve_run_budget(opts: RunOptions, ckpt):
-    """Budget from presets/flags (argv order), refused before loading when it cannot work."""
+    """Budget from presets/flags (argv order; ``auto`` sets aside a fixed --batch-width's
+    state), refused before loading when it cannot work; then the batch width
+    (``presets.batch_width``). Returns (budget or None when resident, width, reasons)."""
     from ..hwprobe import probe_memory
-    from ..presets import ModelSizes, admission_problems, resolve_budget
+    from ..presets import Budget, ModelSizes, admission_problems, batch_width, resolve_budget
 
     sizes = ModelSizes.from_checkpoint(ckpt)
     mem = probe_memory(opts.memory_override)
-    budget = resolve_budget(opts.preset, opts.trunk_gb, opts.cache_gb,
-                            order=opts.budget_order or None, mem=mem, model_sizes=sizes)
-    problems = admission_problems(budget, sizes, mem)
-    if problems:
-        raise BudgetError("; ".join(problems), hint="choose a smaller --preset or budgets")
-    return budget
+    fixed = opts.batch_width if isinstance(opts.batch_width, int) else 1
+    budget = None
+    if not opts.resident:
+        budget = resolve_budget(opts.preset, opts.trunk_gb, opts.cache_gb,
+                                order=opts.budget_order or None, mem=mem, model_sizes=sizes,
+                                width=fixed)
+        problems = admission_problems(budget, sizes, mem)
+        if problems:
+            raise BudgetError("; ".join(problems), hint="choose a smaller --preset or budgets")
+    if opts.batch_width is None:
+        return budget, 1, ()
+    held = budget or Budget(sizes.trunk_bytes, sizes.cache_all_bytes, "resident", ())
+    return (budget,) + batch_width(held, sizes, mem, opts.batch_width)
 
 
 class Run:
@@ -73,8 +113,7 @@ class Run:
         self.trace = None
         ckpt = Checkpoint.open(opts.model)       # indexed once, for the budget and the run
         try:
-            if not opts.resident:
-                self.budget = resolve_run_budget(opts, ckpt)
+            self.budget, self.width, self.width_reasons = resolve_run_budget(opts, ckpt)
         except BaseException:
             ckpt.close()
             raise
@@ -152,10 +191,14 @@ def _load_state(run: Run, path) -> State:
     return State.load(run.cfg, path) if path else run.session.new_state()
 
 
-def run_one(run: Run, prompt_ids, settings: GenSettings, *, on_token=None, keep_logits=False,
-            load_state=None, save_state=None):
+def check_stop_strings(run: Run, settings: GenSettings) -> None:
     if settings.stop_strings and run.session.tokenizer is None:
         raise UsageError("--stop needs the model's tokenizer (tiktoken.model); use --stop-id")
+
+
+def run_one(run: Run, prompt_ids, settings: GenSettings, *, on_token=None, keep_logits=False,
+            load_state=None, save_state=None):
+    check_stop_strings(run, settings)
     state = _load_state(run, load_state)
     res = generate(run.session.forward, state, prompt_ids, settings,
                    tokenizer=run.session.tokenizer, on_token=on_token, keep_logits=keep_logits,
@@ -174,14 +217,19 @@ def _prefill_bar(n: int):
     return bar.update
 
 
-def run_batch(run: Run, batch_path, out_path, base: GenSettings, warn) -> dict:
-    """Run every prompt of a JSONL file; append each result to ``out_path`` as it finishes;
-    skip ids already there; report malformed lines by number and carry on."""
+def run_batch(run: Run, batch_path, out_path, base: GenSettings, warn, shard=None) -> dict:
+    """Run every prompt of a JSONL file (``shard`` (K, N): only the ids of shard K of N),
+    ``run.width`` at a time in lockstep; append each result to ``out_path`` as it
+    finishes; skip ids already there; report malformed lines by number and carry on."""
     batchfile.repair_tail(out_path)
     done = batchfile.done_ids(out_path)
     seen = set()
-    summary = {"done": 0, "skipped": 0, "malformed": 0, "errors": []}
+    summary = {"done": 0, "skipped": 0, "malformed": 0, "other_shard": 0, "errors": []}
     lines = Path(batch_path).read_text(encoding="utf-8", errors="replace").splitlines()
+    width = min(run.width, max(1, sum(1 for ln in lines if ln.strip())))
+    summary["width_reasons"] = list(run.width_reasons) + (
+        [f"capped at {width} (the batch's lines)"] if width < run.width else [])
+    sink = BatchSink(run, out_path, width, base.prefill_chunk)
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -201,16 +249,17 @@ def run_batch(run: Run, batch_path, out_path, base: GenSettings, warn) -> dict:
         if key in done:
             summary["skipped"] += 1
             continue
+        if shard is not None and not batchfile.in_shard(job["id"], *shard):
+            summary["other_shard"] += 1
+            continue
         settings = dataclasses.replace(
             base, spec=base.spec if job.get("temperature", base.temperature) == 0 else 0, gen=job.get("gen", base.gen), temperature=job.get("temperature", base.temperature),
             top_p=job.get("top_p", base.top_p), seed=job.get("seed", base.seed),
             stop_strings=tuple(job["stop"]) or base.stop_strings,
             stop_ids=tuple(job.get("stop_ids", base.stop_ids)))
-        run.seq = lineno
-        res = run_one(run, prompt_ids, settings)
-        rep = run.report(res, {"id": job["id"], "line": lineno})
-        batchfile.append_result(out_path, rep)
-        summary["done"] += 1
+        sink.submit(lineno, job["id"], prompt_ids, settings)
+    summary.update(sink.close())
+    summary["done"] = len(summary["prompts"])
     return summary
 
 

@@ -51,6 +51,11 @@ class _Printer:
               help="JSONL prompts (id, prompt|ids, optional gen/temperature/top_p/seed/stop).")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False),
               help="With --batch: results JSONL, appended; ids already there are skipped.")
+@click.option("--batch-width", default=None, metavar="N|auto",
+              help="With --batch: prompts decoded in lockstep, sharing each weight read "
+                   "(default auto: the most whose state fits beside the budgets).")
+@click.option("--shard", metavar="K/N",
+              help="With --batch: run only the ids of shard K of N (README: Batch files).")
 @click.option("--chat", is_flag=True, help="Interactive multi-turn chat on stdin.")
 @click.option("--gen", type=click.IntRange(0), default=16, show_default=True,
               help="Tokens to generate (per turn in --chat).")
@@ -88,7 +93,8 @@ class _Printer:
 @click.version_option(__version__, prog_name="k3-run")
 @click.pass_context
 @handle_errors
-def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, chat, gen, temperature,
+def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, batch_width, shard, chat,
+         gen, temperature,
          top_p, seed, stop_strings, stop_ids, preset, trunk_gb, cache_gb, resident,
          cache_policy, io_threads, buffered_io, prefill_chunk, spec, threads, save_state, load_state,
          trace_path, logits_out, report_json, json_out):
@@ -108,6 +114,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, chat, gen,
         raise UsageError("--resident excludes --preset, --trunk-gb, --cache-gb and --pack")
     if spec and temperature > 0:
         raise UsageError("--spec keeps exactly the greedy result; it needs --temperature 0")
+    width, shard_kn = runner.batch_options(batch, batch_width, shard, spec)
     if threads:
         import numba
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -115,19 +122,21 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, chat, gen,
         model=model, pack=pack, preset=preset, trunk_gb=trunk_gb, cache_gb=cache_gb,
         budget_order=ctx.meta.get("k3_budget_order", []), resident=resident,
         cache_policy=cache_policy, io_threads=io_threads, direct_io=not buffered_io,
-        trace_path=trace_path)
+        trace_path=trace_path, batch_width=width)
     settings = runner.settings_from(gen=gen, temperature=temperature, top_p=top_p, seed=seed,
                                     stop_strings=stop_strings, stop_ids=stop_ids,
                                     prefill_chunk=prefill_chunk, spec=spec)
     with runner.open_run(opts) as run:
         if batch:
             summary = runner.run_batch(run, batch, out_path, settings,
-                                       warn=lambda m: click.echo(m, err=True))
+                                       warn=lambda m: click.echo(m, err=True), shard=shard_kn)
             if json_out:
                 print_json(summary)
             else:
+                from libk3.engine.report import batch_text
                 click.echo(f"batch: {summary['done']} done, {summary['skipped']} already in "
                            f"{out_path}, {summary['malformed']} malformed line(s)", err=True)
+                click.echo(batch_text(summary), err=True)
             return
         if chat:
             runner.run_chat(run, settings, load_state=load_state, save_state=save_state,
