@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
+
 from ..model.forward import Segment
 from .generate import GenResult, GenSettings
 from .sampler import Sampler
@@ -94,7 +96,6 @@ class _Lane:
         self.next = tok
 
     def result(self, now: float) -> GenResult:
-        import numpy as np
         logits = np.concatenate(self.rows).astype(np.float32) if self.rows else None
         return GenResult(self.prompt, self.generated, self.reason, self.t_first - self.t_enter,
                          now - self.t_first, logits)
@@ -107,7 +108,7 @@ class LockstepStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     max_active: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0            # inside passes
 
 
 def plan_pass(lanes: list, chunk: int, join_prefill: bool = True) -> list:
