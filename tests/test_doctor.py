@@ -22,7 +22,7 @@ from libk3.presets import GB, ModelSizes
 from libk3.synth.checkpoint import synth_checkpoint
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
-REAL_TRUNK = 108_811_877_376          # spec K3-MODEL.md 3.5
+REAL_TRUNK = 108_811_877_376          # model.md §3.5
 REAL_MODEL_LEVEL = 4_697_663_488
 FAST = dict(seq_seconds=0.3, rand_seconds=0.3)
 

@@ -1,4 +1,4 @@
-"""The gate ladder for the engine forward (spec 5.9, 7.4): against the float64 reference,
+"""The gate ladder for the engine forward (model.md §5.9, §7.4): against the float64 reference,
 incremental = full re-forward, save/load, thread counts."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def ref_fwd(sess):
 
 
 def _full_budget(cfg) -> float:
-    """Spec 7.4: max|got - ref| / max|ref| <= 1.2e-7 * sqrt(width) * 50 (width = hidden)."""
+    """model.md §7.4: max|got - ref| / max|ref| <= 1.2e-7 * sqrt(width) * 50 (width = hidden)."""
     return 1.2e-7 * np.sqrt(cfg.hidden_size) * 50
 
 

@@ -47,7 +47,7 @@ def test_synth_layout_experts_out_of_id_order_and_contiguous():
 
 
 def test_synth_small_vectors_use_released_dtypes():
-    """Catches all-BF16 or all-F32 small vectors (the release mixes them, spec 3.4)."""
+    """Catches all-BF16 or all-F32 small vectors (the release mixes them, model.md §3.4)."""
     with Checkpoint.open(FIXTURE) as ckpt:
         assert ckpt.entry(names.layer(1, "self_attn.A_log")).dtype == "F32"
         assert ckpt.entry(names.layer(1, "self_attn.q_conv1d.weight")).dtype == "F32"

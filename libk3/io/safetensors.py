@@ -1,6 +1,6 @@
 """One safetensors shard: its strict header reader, positioned reads, and a small writer.
 
-Owns: the container format of spec K3-MODEL.md section 3.2 (8-byte little-endian header
+Owns: the container format of model.md §3.2 (8-byte little-endian header
 length N, N bytes of UTF-8 JSON, then the data region; ``data_offsets`` are relative to
 byte 8 + N), parsed into ``TensorEntry`` rows with ABSOLUTE file offsets; ``pread_into``,
 the one positioned-read loop every reader uses; ``write_shard`` for synthetic checkpoints
@@ -44,7 +44,7 @@ from ..errors import CheckpointError, K3IOError
 from .atomic import fsync_dir
 from .dtypes import ITEMSIZE
 
-# The real shards' headers are ~800 KB each (spec 3.2: ~78 MB over 96 shards). 200 MB
+# The real shards' headers are ~800 KB each (model.md §3.2: ~78 MB over 96 shards). 200 MB
 # leaves room for any plausible re-sharding while refusing absurd length fields.
 MAX_HEADER_BYTES = 200 * 1024 * 1024
 # No real tensor comes near 2**62 elements; the cap stops a fuzzed shape from building a

@@ -7,8 +7,8 @@ Owns: the one numba-side BF16 widening (bits << 16, the same rule as
 Does not own: any model math, any summation order (``_dot.py`` fixes that).
 
 WHY a vector type at all. Numba disables LLVM's SLP vectoriser and never lets the loop
-vectoriser reassociate a floating-point reduction (no fastmath, on purpose: spec K3-MODEL.md
-section 7). A dot product written with 16 scalar f64 partial sums therefore compiles to
+vectoriser reassociate a floating-point reduction (no fastmath, on purpose:
+model.md §7). A dot product written with 16 scalar f64 partial sums therefore compiles to
 scalar code: 50 ms for the 12288 x 7168 BF16 matvec on one core, against 12 ms with the
 same 16 partial sums held in two 8-lane vectors (measured on the 2-core dev machine, see
 ``bench/kernels.py``). The vector form changes nothing numerically: lane l of the vector
@@ -76,7 +76,7 @@ def _load8(context, builder, aryty, ary, index_type, index):
 
 @intrinsic
 def widen_f32(typingctx, w):
-    """Scalar weight -> float32: uint16 BF16 bits are widened by bits << 16 (spec 5.0),
+    """Scalar weight -> float32: uint16 BF16 bits are widened by bits << 16 (model.md §5.0),
     a float32 is returned unchanged. The numba twin of ``io.dtypes.bf16_to_f32``."""
     if w not in (types.uint16, types.float32):
         return None

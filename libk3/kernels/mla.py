@@ -1,4 +1,4 @@
-"""Gated-MLA attention in the absorbed (latent) form over a latent cache (spec 5.6).
+"""Gated-MLA attention in the absorbed (latent) form over a latent cache (model.md §5.6).
 
 Owns: ``mla_attention``: for each new query position, the per-head scores against the
 cached normalised latents and raw k_rope, the causal softmax, the latent mix and the
@@ -8,7 +8,7 @@ composed in ``libk3.model``), the cache itself (the caller appends a position's 
 and k_rope BEFORE calling for that position).
 
 WHY the absorbed form: the cache holds 576 floats per position (latent 512 + k_rope 64)
-instead of 96 x 256 expanded k_nope | v: 43x less memory (spec 6). W_UK folds into the
+instead of 96 x 256 expanded k_nope | v: 43x less memory (model.md §6). W_UK folds into the
 query (q_bar_h = W_UK_h^T q_nope_h); W_UV is applied after the mix.
 
 Numerics (formats/numerics.md section 7), per new position t (absolute position p_t)

@@ -1,4 +1,4 @@
-"""The engine's K3 forward pass: spec K3-MODEL.md section 5 composed from numba kernels.
+"""The engine's K3 forward pass: model.md §5 composed from numba kernels.
 
 Owns: the order of operations of one forward call over T new tokens (prefill T > 1,
 decode T = 1) against a weight provider and a State. Does not own: where weights come
@@ -101,7 +101,7 @@ class Forward:
         state.ids.extend(int(i) for i in ids)
         return logits
 
-    # ---- one decoder layer (spec 5.3) ------------------------------------------------
+    # ---- one decoder layer (model.md §5.3) -------------------------------------------
     def _layer(self, L, lw, prefix, blocks, state, positions, phase):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
@@ -130,7 +130,7 @@ class Forward:
             m = self._moe(L, lw, h, positions, phase)
         return prefix + m
 
-    # ---- KDA (spec 5.5) --------------------------------------------------------------
+    # ---- KDA (model.md §5.5) ---------------------------------------------------------
     def _kda(self, L, lw, x, state):
         cfg = self.cfg
         T = x.shape[0]
@@ -155,7 +155,7 @@ class Forward:
         gate = K.sigmoid(K.bf16_matmul(lw["self_attn.g_proj.weight"], x))
         return K.bf16_matmul(lw["self_attn.o_proj.weight"], o.reshape(T, H * D) * gate)
 
-    # ---- gated MLA, latent form (spec 5.6) -----------------------------------------
+    # ---- gated MLA, latent form (model.md §5.6) --------------------------------------
     def _mla(self, L, lw, x, state, positions):
         cfg = self.cfg
         T = x.shape[0]
@@ -176,7 +176,7 @@ class Forward:
         gate = K.sigmoid(K.bf16_matmul(lw["self_attn.g_proj.weight"], x))
         return K.bf16_matmul(lw["self_attn.o_proj.weight"], out * gate)
 
-    # ---- MLPs (spec 5.7, 5.8) -------------------------------------------------------
+    # ---- MLPs (model.md §5.7, §5.8) --------------------------------------------------
     def _situ(self, g, u):
         return K.situ(g, u, self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
 
