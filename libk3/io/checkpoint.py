@@ -16,11 +16,9 @@ Why one dict of NamedTuples: the real checkpoint has 497,220 tensors in 96 shard
 ~78 MB of JSON headers. Each entry shares its path string, dtype string, shape tuple and
 size int with its neighbours; what remains per tensor is its name, one tuple, one offset
 int and a dict slot (a columnar layout would save memory but not the parse, which
-dominates).
-Measured on a sparse real-scale synthetic checkpoint (2 shared cores): indexing 2.8 s
-(JSON parse ~0.6 s of it), validation plus the expert table 0.9 s, ~200 MB retained
-(62 MB of it the name strings). Vision-tower and projector tensors (names not starting
-with ``language_model.``) are checked as part of their shard's header but not indexed.
+dominates; bench/README.md, "Reading the checkpoint index", has the costs). Vision-tower
+and projector tensors (names not starting with ``language_model.``) are checked as part
+of their shard's header but not indexed.
 """
 
 from __future__ import annotations
@@ -85,7 +83,7 @@ class ExpertTable(NamedTuple):
 def _gc_paused():
     """Pause the cyclic garbage collector while the table is built. Parsing allocates
     millions of containers while keeping ~500,000 entries alive, so each collection
-    rescans a growing heap: measured 7.9 s -> 4.9 s for the real-scale index. The
+    rescans a growing heap (bench/README.md, "Reading the checkpoint index"). The
     entries hold no cycles; the previous state is restored on exit."""
     was_enabled = gc.isenabled()
     gc.disable()

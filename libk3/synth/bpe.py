@@ -19,7 +19,7 @@ How a vocabulary is made (formats/tokenizer.md S1-S4):
    the corpus or ASCII, and no Unicode-table difference between Python versions can
    change a decision), its letters share one script, its text is one pre-token (so
    encoding can reach it), and it fits a length cap growing one byte per doubling of the
-   vocabulary (``_max_len``). Measured: 163,584 ranks in 6.2 s, ~8 draws per token.
+   vocabulary (``_max_len``); it takes about 8 draws per kept token.
 Every new token, in both phases, must be what rank-BPE makes of its own bytes from the
 two parts that formed it; so every multi-byte rank has a two-part derivation and the
 model.md §8.5 merges are exactly the training merges (no "whole-only" ranks).
