@@ -218,11 +218,32 @@ def test_hwprobe_never_times_holes_and_uses_real_shards_in_place(tmp_path):
     assert _probe_files(sparse) == []
 
 
-def test_hwprobe_kernel_figures_come_from_the_numba_kernels():
-    """Catches a stand-in passed off as the numba kernels' speed."""
-    k = hwprobe.measure_kernels(seconds=0.05, rows=256, cols=256)
-    assert k["bf16_bytes_per_s"] > 0 and k["mxfp4_bytes_per_s"] > 0
-    assert k["source"] == "libk3 kernels"
+def test_hwprobe_kernel_figures_come_from_the_numba_kernels(monkeypatch):
+    """Catches a stand-in (numpy, a fixed figure, another function) passed off as the
+    speed of the kernels k3-run calls, or bytes per second miscounted: with the engine's
+    two matmuls slowed by a known delay, each figure must be the bytes of one call over
+    that delay (plus the kernel's own microseconds), and every call must get the engine's
+    operands (BF16 bits [rows, cols]; MXFP4 nibbles [rows, cols/2] and scales [rows, cols/32])."""
+    import time
+    from libk3.model import ops
+    delay, rows, cols = 0.02, 256, 256
+    seen = {"bf16": [], "mxfp4": []}
+
+    def slowed(key, real):
+        def call(*args):
+            seen[key].append(tuple((a.dtype.str, a.shape) for a in args[:-1]))
+            time.sleep(delay)
+            return real(*args)
+        return call
+    monkeypatch.setattr(ops, "bf16_matmul", slowed("bf16", ops.bf16_matmul))
+    monkeypatch.setattr(ops, "mxfp4_matmul", slowed("mxfp4", ops.mxfp4_matmul))
+    k = hwprobe.measure_kernels(seconds=0.1, rows=rows, cols=cols, working_set=1 << 20)
+    for key, nbytes, operands in (
+            ("bf16", rows * cols * 2, (("<u2", (rows, cols)),)),
+            ("mxfp4", rows * cols * 17 / 32, (("|u1", (rows, cols // 2)),
+                                              ("|u1", (rows, cols // 32))))):
+        assert len(seen[key]) >= 3 and set(seen[key]) == {operands}, (key, seen[key][:3])
+        assert nbytes / (2.5 * delay) < k[f"{key}_bytes_per_s"] <= nbytes / delay, (key, k)
 
 
 def test_hwprobe_kernel_shapes_are_one_decode_step_of_the_model():
