@@ -11,6 +11,7 @@ vectors.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -37,14 +38,15 @@ def spec_sections(spec: Path = SPEC) -> set:
 
 
 def scanned_files(root: Path = ROOT):
-    """Every .py and .md file of the tree, except this checker."""
+    """Every .py and .md file of the tree, except this checker (virtualenvs, caches and
+    scratch models are not walked)."""
     me = Path(__file__).resolve()
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root)
-        if any(part in SKIP_DIRS or part.endswith(".egg-info") for part in rel.parts[:-1]):
-            continue
-        if path.suffix in (".py", ".md") and path.is_file() and path.resolve() != me:
-            yield rel
+    for top, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info"))
+        for name in sorted(files):
+            path = Path(top) / name
+            if path.suffix in (".py", ".md") and path.resolve() != me:
+                yield path.relative_to(root)
 
 
 def problems(root: Path = ROOT, spec: Path = SPEC) -> list:
