@@ -1,7 +1,7 @@
 """libk3.kernels: the numba kernels of k3 (arrays and scalars in, preallocated outputs
 written; no I/O, no model state, no imports from ``libk3.model``).
 
-One module per concern, each citing the spec section it implements and the numerics of
+One module per concern, each citing the model.md section it implements and the numerics of
 formats/numerics.md (model.md §7):
 
 * ``bf16``        dense matvec / block matmul, BF16 bits (or f32) weights, f64 sums.

@@ -88,7 +88,7 @@ def kda_decay(z, A_log, dt_bias, lower_bound, g_out, alpha_out):
 
 @njit(cache=True, parallel=True)
 def kda_recurrence(q, k, v, alpha, beta, q_scale, S, out):
-    """Delta-rule recurrence over T tokens, per head, in the spec order (5.5 step 7).
+    """Delta-rule recurrence over T tokens, per head, in the order of model.md §5.5 step 7.
 
     q, k: [T, H, Dk] float32 (q NOT pre-scaled; k used as given). v: [T, H, Dv] float32.
     alpha: [T, H, Dk] float32 (per key channel). beta: [T, H] float32 (per head).
