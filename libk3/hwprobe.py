@@ -9,7 +9,7 @@ timing of the BF16 and MXFP4 kernels. Does not own: deciding anything (``libk3.d
 
 Why these measurements:
 * k3-run reads the trunk in large sequential runs and experts as 17,547,264-byte random
-  reads (spec K3-MODEL.md 3.5) from a pool of threads, so those are what is timed, with
+  reads (model.md §3.5) from a pool of threads, so those are what is timed, with
   ``os.preadv`` into page-aligned buffers (``mmap.mmap(-1, n)``) under O_DIRECT when
   the filesystem allows it.
 * A figure the page cache could satisfy is not disk speed. With O_DIRECT the cache is
@@ -50,7 +50,7 @@ from .stream.direct import ALIGN, align_up   # O_DIRECT alignment (formats/pack.
 
 PACKAGES = ("numpy", "numba", "llvmlite", "tokenizers", "safetensors", "zstandard")
 ISA_FLAGS = ("avx2", "fma", "avx512f", "asimd", "neon")
-EXPERT_READ_BYTES = 17_547_264        # one real routed expert (spec 3.5), = 4284 x 4096
+EXPERT_READ_BYTES = 17_547_264        # one real routed expert (model.md §3.5), = 4284 x 4096
 SEQ_BLOCK = 8 << 20                   # sequential reads: 8 MiB blocks
 QUEUE_DEPTHS = (1, 4, 16)
 SEQ_DEPTHS = (1, 4)

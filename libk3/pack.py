@@ -265,9 +265,8 @@ def _start_fresh(d: Path, ident: dict) -> None:
 
 def _open_for_write(path: Path):
     """A write descriptor, O_DIRECT when the filesystem allows it. Why: layer offsets and padded
-    lengths are 4096-aligned, so trunk.bin can bypass the page cache; buffered writes of
-    a large file were throttled by dirty-page writeback to ~190 MB/s on the CI disk,
-    O_DIRECT reached ~2,100 MB/s (measured side by side, bench/pack_throughput.py)."""
+    lengths are 4096-aligned, so trunk.bin can bypass the page cache, whose dirty-page
+    writeback throttles a large buffered write (bench/README.md, "Packing")."""
     if hasattr(os, "O_DIRECT"):
         try:
             return os.open(path, os.O_WRONLY | os.O_DIRECT)
@@ -285,9 +284,8 @@ def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
     is moved to the buffer's start so the pack's O_DIRECT write is aligned too); this
     thread takes the pieces back in order, checksums them, scans their float tensors for
     NaN/Inf (``libk3.nonfinite``) and hands them to WRITERS
-    write threads. With one read and one write at a time the pack ran at 53-73 % of the
-    source disk's sequential read rate; with several in flight it runs at the disk's
-    limit (bench/pack_throughput.py). Buffers come from a fixed pool (bounded read-ahead,
+    write threads; several reads and writes in flight keep the disk busy where one at a
+    time left it idle (bench/README.md, "Packing"). Buffers come from a fixed pool (bounded read-ahead,
     READERS + WRITERS + 4 blocks); a reader takes its buffer before its piece, so the
     piece this thread waits for always has one. Each layer's last piece is zero-padded
     to 4096, which writes the layer's padding. A layer is yielded (and journaled by the

@@ -22,7 +22,7 @@ from libk3.presets import GB, ModelSizes
 from libk3.synth.checkpoint import synth_checkpoint
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
-REAL_TRUNK = 108_811_877_376          # spec K3-MODEL.md 3.5
+REAL_TRUNK = 108_811_877_376          # model.md §3.5
 REAL_MODEL_LEVEL = 4_697_663_488
 FAST = dict(seq_seconds=0.3, rand_seconds=0.3)
 
@@ -218,11 +218,40 @@ def test_hwprobe_never_times_holes_and_uses_real_shards_in_place(tmp_path):
     assert _probe_files(sparse) == []
 
 
-def test_hwprobe_kernel_figures_come_from_the_numba_kernels():
-    """Catches a stand-in passed off as the numba kernels' speed."""
-    k = hwprobe.measure_kernels(seconds=0.05, rows=256, cols=256)
-    assert k["bf16_bytes_per_s"] > 0 and k["mxfp4_bytes_per_s"] > 0
-    assert k["source"] == "libk3 kernels"
+def test_hwprobe_kernel_figures_come_from_the_numba_kernels(monkeypatch):
+    """Catches a stand-in (numpy, a fixed figure, another function) passed off as the
+    speed of the kernels k3-run calls, or bytes per second miscounted. The engine's two
+    matmuls are wrapped so that each call advances the probe's clock by exactly ``tick``
+    (the only time that passes): each figure must then be the bytes of one call over
+    ``tick``, and every call must get the engine's operands (BF16 bits [rows, cols]; MXFP4
+    nibbles [rows, cols/2] and scales [rows, cols/32])."""
+    import types
+    from libk3.model import ops
+    tick, rows, cols = 0.01, 256, 256
+    clock = {"now": 0.0, "reads": 0}
+    seen = {"bf16": [], "mxfp4": []}
+
+    def ticking(key, real):
+        def call(*args):
+            seen[key].append(tuple((a.dtype.str, a.shape) for a in args[:-1]))
+            clock["now"], clock["reads"] = clock["now"] + tick, 0
+            return real(*args)
+        return call
+
+    def perf_counter():
+        clock["reads"] += 1       # a probe timing something else would wait here forever
+        assert clock["reads"] < 1000, "the probe's clock ran without a kernel call"
+        return clock["now"]
+    monkeypatch.setattr(ops, "bf16_matmul", ticking("bf16", ops.bf16_matmul))
+    monkeypatch.setattr(ops, "mxfp4_matmul", ticking("mxfp4", ops.mxfp4_matmul))
+    monkeypatch.setattr(hwprobe, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    k = hwprobe.measure_kernels(seconds=0.1, rows=rows, cols=cols, working_set=1 << 20)
+    for key, nbytes, operands in (
+            ("bf16", rows * cols * 2, (("<u2", (rows, cols)),)),
+            ("mxfp4", rows * cols * 17 / 32, (("|u1", (rows, cols // 2)),
+                                              ("|u1", (rows, cols // 32))))):
+        assert len(seen[key]) >= 3 and set(seen[key]) == {operands}, (key, seen[key][:3])
+        assert k[f"{key}_bytes_per_s"] == pytest.approx(nbytes / tick, rel=1e-9), (key, k)
 
 
 def test_hwprobe_kernel_shapes_are_one_decode_step_of_the_model():

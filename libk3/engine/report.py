@@ -16,7 +16,7 @@ def peak_rss_bytes() -> int:
     """Peak resident set size of this process: VmHWM from /proc/self/status on Linux,
     getrusage elsewhere. Why not getrusage on Linux: its ru_maxrss survives exec, so a
     k3-run started by a large parent (a Python script holding a model, a batch driver)
-    reported the parent's peak: 3.03 GB for a 0.2 GB run under a 3 GB parent."""
+    would report the parent's peak (tests/test_run_cli.py runs one under a big parent)."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:

@@ -33,10 +33,8 @@ from ..io.dtypes import bound_extra_bytes, matrix_operand, widen
 from .direct import FileSet, ReadCancelled, aligned_empty, window_bytes
 
 
-# Trunk read-ahead pieces in flight at once. Measured side by side on medium at the floor
-# budget (3 runs each, medians): depth 1 0.461 s/token, 2 0.435, 4 0.421; expert reads
-# 1,561 / 1,571 / 1,342 MB/s: at 4 the reads on the critical path queue behind the
-# read-ahead, so 2.
+# Trunk read-ahead pieces in flight at once: deeper queues the expert reads on the
+# critical path behind the read-ahead (bench/README.md, "Disk and read-ahead").
 READ_AHEAD_DEPTH = 2
 # When a packed layer's CRC is checked: the first time this process reads it (pinned
 # layers at load, ring layers on their first pass), or on every read (formats/pack.md).
