@@ -32,11 +32,13 @@ from . import names
 from .errors import BudgetError, FormatError, K3IOError
 from .io.atomic import fsync_dir, write_bytes
 from .nonfinite import RunScan
-from .pack_schema import (EXPERT_INDEX_FILE, EXPERT_INDEX_MAGIC, MANIFEST_FILE, PACK_FORMAT,
+from .pack_schema import (BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, COMPRESSED_VERSION,
+                          EXPERT_INDEX_FILE, EXPERT_INDEX_MAGIC, MANIFEST_FILE, PACK_FORMAT,
                           PACK_VERSION, REPACK_HINT, TRUNK_FILE,
                           expert_index_contents, load_expert_index, load_manifest,  # noqa: F401
-                          manifest_version, model_level_entries, open_pack, plan_pack,
-                          source_identity)
+                          layer_block_plan, manifest_version, model_level_entries, open_pack,
+                          plan_pack, source_identity)
+from .stream import trunk_codec
 from .stream.direct import ALIGN, FileSet, align_up, aligned_empty, window_bytes
 from .stream.trunk import crc_mismatch
 
@@ -44,6 +46,7 @@ COPY_BLOCK = 16 << 20                # 16 MiB reads and writes
 READERS = 4                          # source reads in flight at once
 WRITERS = 2                          # pack writes in flight at once
 PARTIAL_FILE, JOURNAL_FILE = "trunk.bin.partial", "pack.journal"
+KZ_PARTIAL_FILE, KZ_JOURNAL_FILE = "trunk.kz.partial", "compress.journal"
 
 
 def pack_state(out_dir, ckpt=None) -> str:
@@ -57,7 +60,8 @@ def pack_state(out_dir, ckpt=None) -> str:
             man = json.loads((d / MANIFEST_FILE).read_text())
         except (OSError, ValueError, RecursionError):
             return "partial"
-        if not isinstance(man, dict) or man.get("version") != PACK_VERSION:
+        if not isinstance(man, dict) or man.get("version") not in (PACK_VERSION,
+                                                                   COMPRESSED_VERSION):
             return "stale"
         return "complete" if man.get("source") == source_identity(ckpt) else "stale"
     if (d / PARTIAL_FILE).exists() or (d / JOURNAL_FILE).exists():
@@ -154,7 +158,7 @@ def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = 
     if state == "stale":
         old = manifest_version(d)
         raise FormatError("this directory holds a finished pack of a different checkpoint"
-                          if old == PACK_VERSION else
+                          if old in (PACK_VERSION, COMPRESSED_VERSION) else
                           f"this directory holds a finished pack in format v{old} (this k3 "
                           f"writes v{PACK_VERSION})", path=d,
                           hint="choose another OUT directory (a pack is never rewritten)")
@@ -418,25 +422,31 @@ def verify(out_dir, ckpt=None, progress: bool = True, allow_nonfinite: bool = Fa
     """Check a pack the way k3-run opens it (``open_pack``: the schema, the stored config's
     inventory, and with ``ckpt`` the identity, every layer row, tensor entry and expert
     record), then read every layer once: its CRC, NaN/Inf in its float tensors, and with
-    ``ckpt`` the CRC of its source bytes. Raises FormatError naming the first bad file,
-    field or layer (NaN/Inf: after the whole pass, naming the first tensor and the count,
-    unless ``allow_nonfinite``); returns a summary."""
+    ``ckpt`` the CRC of its source bytes. A compressed trunk's layers are decoded, each
+    block checked against its own CRC first (a bad block is named). Raises FormatError
+    naming the first bad file, field, layer or block (NaN/Inf: after the whole pass,
+    naming the first tensor and the count, unless ``allow_nonfinite``); returns a
+    summary."""
     from tqdm import tqdm
 
     d = Path(out_dir)
     pk = open_pack(d, ckpt)
     man = pk.manifest
-    trunk = d / TRUNK_FILE
+    trunk = d / man["trunk_file"]
     nonfinite: list = []
     fd = os.open(trunk, os.O_RDONLY)
     src_fds = {}
+    decoded = _DecodedLayers(pk, fd, trunk) if pk.compressed else None
     try:
         bar = tqdm(total=sum(l["nbytes"] for l in man["layers"]), unit="B", unit_scale=True,
                    desc="verify", disable=not progress)
         for lay in man["layers"]:
             L = lay["layer"]
             scan = RunScan(lay["tensors"])
-            crc = _crc_of_file_range(fd, lay["file_off"], lay["nbytes"], scan, path=trunk)
+            if decoded is not None:
+                crc = decoded.crc(L, scan)
+            else:
+                crc = _crc_of_file_range(fd, lay["file_off"], lay["nbytes"], scan, path=trunk)
             if crc != lay["crc32"]:
                 raise crc_mismatch(trunk, L, lay["crc32"], crc)
             nonfinite += [names.layer(L, sfx) for sfx in sorted(scan.found)]
@@ -454,8 +464,38 @@ def verify(out_dir, ckpt=None, progress: bool = True, allow_nonfinite: bool = Fa
         os.close(fd)
         for sfd in src_fds.values():
             os.close(sfd)
+        if decoded is not None:
+            decoded.codec.close()
     if nonfinite and not allow_nonfinite:
         raise nonfinite_error(trunk, nonfinite)
     return {"pack": str(d), "layers": len(man["layers"]), "experts": int(pk.records.size),
             "trunk_bytes": man["trunk_bytes"], "against_checkpoint": ckpt is not None,
-            "nonfinite": nonfinite, "ok": True}
+            "compressed": pk.compressed, "nonfinite": nonfinite, "ok": True}
+
+
+class _DecodedLayers:
+    """verify's reader of a compressed trunk: one layer's stored bytes at a time, every
+    block checked against its CRC and decoded (buffers sized once for the largest)."""
+
+    def __init__(self, pk, fd: int, path):
+        import numba
+
+        lays = pk.manifest["layers"]
+        self.pk, self.fd, self.path = pk, fd, path
+        self.codec = trunk_codec.Codec(numba.get_num_threads())
+        self.stored = aligned_empty(max(l["stored"] for l in lays))
+        self.run = aligned_empty(max(l["nbytes"] for l in lays))
+
+    def crc(self, L: int, scan: RunScan) -> int:
+        """CRC-32 of layer L's decoded run (fed to ``scan`` too)."""
+        lay, plan = self.pk.manifest["layers"][L], self.pk.blocks[L]
+        src = self.stored[:lay["stored"]]
+        got = os.preadv(self.fd, [memoryview(src)], lay["file_off"])
+        if got != lay["stored"]:
+            raise FormatError(f"layer {L}: the compressed trunk ends early", path=self.path,
+                              expected=f"{lay['stored']} bytes at offset {lay['file_off']}",
+                              found=got, hint=REPACK_HINT)
+        run = self.run[:lay["nbytes"]]
+        self.codec.decode(plan, 0, len(plan), src, 0, run, True, self.path, L)
+        scan.feed(run)
+        return zlib.crc32(run)

@@ -69,6 +69,8 @@ def run_report(result, weights_stats: dict, budget=None, extra: dict | None = No
         "ring_slots": trunk.get("ring_slots"),
         "trunk_crc_checks": trunk.get("crc_checks", 0),
         "trunk_crc_seconds": round(trunk.get("crc_seconds", 0.0), 6),
+        "trunk_bytes_decoded": trunk.get("bytes_decoded", 0),
+        "trunk_decode_seconds": round(trunk.get("decode_seconds", 0.0), 6),
         "expert_bytes_read": experts.get("bytes_read", 0),
         "expert_read_seconds": round(experts.get("read_seconds", 0.0), 6),
         "expert_requests": req,
