@@ -1,21 +1,18 @@
-"""Lossless BF16 block codec: the exponent byte Huffman-coded, sign and mantissa stored raw.
-
-Owns: the kernels that split a block of BF16 values into planes and encode them, and that
-decode a layer's blocks back into the exact bytes (formats/pack.md "trunk.kz"). Does not
-own: which tensors are coded, block boundaries, checksums or files
-(``libk3.stream.trunk_codec``).
+"""The codec candidate we measured against zstd (bench/trunk_compress.py; not used by k3):
+a numba canonical Huffman decoder for the BF16 exponent plane.
 
 A coded block of k values stores: 256 code lengths (one byte per exponent value, 0 =
 absent), the k sign+mantissa bytes ``(v >> 8 & 0x80) | (v & 0x7f)``, then the k exponents
 ``v >> 7 & 0xff`` as canonical Huffman codes of at most MAX_BITS bits, packed LSB first.
-Why only the exponent: in trained (near-Gaussian) weights it carries ~2.6 bits, the
-sign and mantissa bits are close to uniform (bench/README.md "Trunk compression").
-Why MAX_BITS = 12: every code then decodes with one lookup in a 4096-entry table.
+MAX_BITS = 12: every code decodes with one lookup in a 4096-entry table, and each table
+entry holds up to 3 whole codes (codes average ~2.6 bits). Per core it decoded at about
+0.4 of zstd's rate on the same bytes (bench/README.md "Trunk compression").
 """
 
 from __future__ import annotations
 
 import heapq
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numba import njit
@@ -254,3 +251,46 @@ def decode_blocks(src, kind, in_off, in_len, out, out_off, out_len, lo, hi, stat
         else:
             status[b] = _decode_coded(src, a, n_in, out16, o // 2, n_out // 2, single, table,
                                       codes)
+
+
+BLOCK_VALUES = 1 << 17           # 256 KiB of output per block, as the chosen codec
+
+
+class Encoded:
+    def __init__(self, src, in_off, in_len, n):
+        self.src, self.in_off, self.in_len = src, in_off, in_len
+        self.stored = int(in_len.sum())
+        nb = in_off.size
+        self.kind = np.full(nb, CODED, np.uint8)
+        self.out_off = np.arange(nb, dtype=np.int64) * 2 * BLOCK_VALUES
+        self.out_len = np.minimum(2 * BLOCK_VALUES, 2 * n - self.out_off)
+
+
+def encode_all(u16) -> Encoded:
+    n = u16.size
+    nb = -(-n // BLOCK_VALUES)
+    buf = np.empty(nb * coded_bound(BLOCK_VALUES), np.uint8)
+    in_off, in_len = np.zeros(nb, np.int64), np.zeros(nb, np.int64)
+    codes, pos = np.zeros(256, np.uint32), 0
+    for b in range(nb):
+        blk = u16[b * BLOCK_VALUES:(b + 1) * BLOCK_VALUES]
+        c = np.zeros(256, np.int64)
+        exponent_counts(blk, c)
+        lengths = code_lengths(c)
+        canonical_codes(lengths, codes)
+        k = encode_block(blk, lengths, codes, buf[pos:])
+        in_off[b], in_len[b] = pos, k
+        pos += k
+    return Encoded(buf[:pos], in_off, in_len, n)
+
+
+def decode_all(e: Encoded, out16, threads: int) -> None:
+    out = out16.view(np.uint8)
+    st = np.zeros(e.in_off.size, np.uint8)
+    nb = e.in_off.size
+    cuts = [nb * t // threads for t in range(threads + 1)]
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(lambda r: decode_blocks(e.src, e.kind, e.in_off, e.in_len, out, e.out_off,
+                                            e.out_len, r[0], r[1], st),
+                    zip(cuts[:-1], cuts[1:])))
+    assert not st.any()
