@@ -6,6 +6,10 @@
   (the largest BF16 tensor of real-dims layer 1, up to 64 MiB);
 * pack: the whole real-dims trunk compressed (fraction of raw), decode rate of whole
   layers on every core, and the O_DIRECT sequential read rate of the raw trunk.bin;
+* mxfp4-derived: the same codec figures on BF16 values built from the released MXFP4
+  conformance bytes (``../shared/conformance/mxfp4.json``, read in place, never copied):
+  each of its 229,376 values is drawn uniformly inside the E2M1 rounding interval of its
+  code, times its group's scale (section text says what that assumes);
 * run: ``k3-run --pack`` at the floor budget (a ring of two layers: the whole trunk read
   every token) raw vs compressed, rounds alternating, same tokens required.
 
@@ -18,6 +22,7 @@ deleted at the end unless --keep.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -36,6 +41,10 @@ from libk3.presets import ModelSizes, minimum_budget  # noqa: E402
 from libk3.stream.trunk_codec import Codec, plan_blocks  # noqa: E402
 
 SAMPLE_MAX = 64 << 20
+CONFORMANCE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "mxfp4.json"
+# each E2M1 magnitude's rounding interval (the top code, 6, is taken as [5, 7))
+E2M1_LO = np.array([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+E2M1_HI = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0])
 
 
 def _best(fn, n=3) -> float:
@@ -57,6 +66,26 @@ def sample_tensor(ckpt_dir: Path) -> tuple:
         n = min(nb, SAMPLE_MAX) // 2 * 2
         raw = np.frombuffer(bytes(ck.read_span(run_.path, run_.offset + off, n)), np.uint8)
     return name, raw.copy()
+
+
+def mxfp4_derived(copies: int = 64) -> np.ndarray | None:
+    """uint8 BF16 bytes: ``copies`` draws over the released MXFP4 sample (module doc)."""
+    if not CONFORMANCE.is_file():
+        return None
+    d = json.loads(CONFORMANCE.read_text())
+    packed = np.array(d["packed"]["data"], np.uint8).reshape(d["packed"]["shape"])
+    scales = np.array(d["scales"]["data"], np.int64).reshape(d["scales"]["shape"])
+    nib = np.empty((packed.shape[0], packed.shape[1] * 2), np.uint8)
+    nib[:, 0::2], nib[:, 1::2] = packed & 15, packed >> 4
+    mag, sign = nib & 7, np.where(nib & 8, -1.0, 1.0)
+    scale = 2.0 ** (np.repeat(scales, d["group_size"], axis=1) - 127)
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(copies):
+        f = (rng.uniform(E2M1_LO[mag], E2M1_HI[mag]) * sign * scale).astype(np.float32)
+        u = f.view(np.uint32).astype(np.uint64)
+        out.append(((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16))   # round to BF16
+    return np.concatenate([o.ravel() for o in out]).view(np.uint8)
 
 
 def codec_section(raw: np.ndarray, name: str) -> None:
@@ -84,14 +113,18 @@ def codec_section(raw: np.ndarray, name: str) -> None:
         t = _best(lambda: hc.decode_all(hb, out16, threads))
         rows.append(["numba Huffman table (candidate)", threads, f"{hb.stored / raw.size:.4f}",
                      f"{raw.size / t / 1e9:.2f}", "-"])
-    e = (raw.view(np.uint16) >> 7) & 0xFF
-    p = np.bincount(e, minlength=256) / e.size
-    p = p[p > 0]
-    ent = float(-(p * np.log2(p)).sum())
+    ent = _exponent_entropy(raw)
     print(f"\n== codec, {raw.size / 2**20:.0f} MiB of {name} (exponent entropy {ent:.2f} bits: "
           f"entropy bound {(8 + ent) / 16:.4f} of raw)")
     print(table(rows, ["codec", "threads", "stored / raw", "decode GB/s (output)",
                        "with CRC check"]))
+
+
+def _exponent_entropy(raw: np.ndarray) -> float:
+    e = (raw.view(np.uint16) >> 7) & 0xFF
+    p = np.bincount(e, minlength=256) / e.size
+    p = p[p > 0]
+    return float(-(p * np.log2(p)).sum())
 
 
 def pack_section(raw_pack: Path, kz_pack: Path) -> dict:
@@ -169,6 +202,11 @@ def main() -> None:
         print(f"[setup] k3-pack compress: {time.perf_counter() - t0:.1f} s", flush=True)
     name, raw = sample_tensor(ck)
     codec_section(raw, name)
+    derived = mxfp4_derived()
+    if derived is None:
+        print("\n== mxfp4-derived: the conformance data is not present; skipped")
+    else:
+        codec_section(derived, "BF16 drawn from the released MXFP4 sample (64 draws)")
     pack_section(raw_pack, kz)
     if not args.skip_run:
         run_section(ck, raw_pack, kz, args.rounds, args.gen)
