@@ -32,12 +32,11 @@ from . import names
 from .errors import BudgetError, FormatError, K3IOError
 from .io.atomic import fsync_dir, write_bytes
 from .nonfinite import RunScan
-from .pack_schema import (BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, COMPRESSED_VERSION,
-                          EXPERT_INDEX_FILE, EXPERT_INDEX_MAGIC, MANIFEST_FILE, PACK_FORMAT,
-                          PACK_VERSION, REPACK_HINT, TRUNK_FILE,
+from .pack_schema import (COMPRESSED_VERSION, EXPERT_INDEX_FILE, EXPERT_INDEX_MAGIC,
+                          MANIFEST_FILE, PACK_FORMAT, PACK_VERSION, REPACK_HINT, TRUNK_FILE,
                           expert_index_contents, load_expert_index, load_manifest,  # noqa: F401
-                          layer_block_plan, manifest_version, model_level_entries, open_pack,
-                          plan_pack, source_identity)
+                          manifest_version, model_level_entries, open_pack, plan_pack,
+                          source_identity)
 from .stream import trunk_codec
 from .stream.direct import ALIGN, FileSet, align_up, aligned_empty, window_bytes
 from .stream.trunk import crc_mismatch
@@ -46,7 +45,6 @@ COPY_BLOCK = 16 << 20                # 16 MiB reads and writes
 READERS = 4                          # source reads in flight at once
 WRITERS = 2                          # pack writes in flight at once
 PARTIAL_FILE, JOURNAL_FILE = "trunk.bin.partial", "pack.journal"
-KZ_PARTIAL_FILE, KZ_JOURNAL_FILE = "trunk.kz.partial", "compress.journal"
 
 
 def pack_state(out_dir, ckpt=None) -> str:
@@ -474,28 +472,35 @@ def verify(out_dir, ckpt=None, progress: bool = True, allow_nonfinite: bool = Fa
 
 
 class _DecodedLayers:
-    """verify's reader of a compressed trunk: one layer's stored bytes at a time, every
-    block checked against its CRC and decoded (buffers sized once for the largest)."""
+    """verify's reader of a compressed trunk: COPY_BLOCK of stored bytes at a time, every
+    block checked against its CRC, decoded, and its output fed on in run order."""
 
     def __init__(self, pk, fd: int, path):
         import numba
 
-        lays = pk.manifest["layers"]
         self.pk, self.fd, self.path = pk, fd, path
         self.codec = trunk_codec.Codec(numba.get_num_threads())
-        self.stored = aligned_empty(max(l["stored"] for l in lays))
-        self.run = aligned_empty(max(l["nbytes"] for l in lays))
+        self.groups = [pl.groups(COPY_BLOCK) for pl in pk.blocks]
+        spans = [(pl.span(lo, hi)[1], pl.span(lo, hi, stored=False)[1])
+                 for pl, gs in zip(pk.blocks, self.groups) for lo, hi in gs]
+        self.stored = aligned_empty(max(s for s, _ in spans))
+        self.out = aligned_empty(max(o for _, o in spans) + 1)
 
     def crc(self, L: int, scan: RunScan) -> int:
         """CRC-32 of layer L's decoded run (fed to ``scan`` too)."""
-        lay, plan = self.pk.manifest["layers"][L], self.pk.blocks[L]
-        src = self.stored[:lay["stored"]]
-        got = os.preadv(self.fd, [memoryview(src)], lay["file_off"])
-        if got != lay["stored"]:
-            raise FormatError(f"layer {L}: the compressed trunk ends early", path=self.path,
-                              expected=f"{lay['stored']} bytes at offset {lay['file_off']}",
-                              found=got, hint=REPACK_HINT)
-        run = self.run[:lay["nbytes"]]
-        self.codec.decode(plan, 0, len(plan), src, 0, run, True, self.path, L)
-        scan.feed(run)
-        return zlib.crc32(run)
+        lay, plan, crc = self.pk.manifest["layers"][L], self.pk.blocks[L], 0
+        for lo, hi in self.groups[L]:
+            a, n = plan.span(lo, hi)
+            got = os.preadv(self.fd, [memoryview(self.stored)[:n]], lay["file_off"] + a)
+            if got != n:
+                raise FormatError(f"layer {L}: the compressed trunk ends early",
+                                  path=self.path, expected=f"{n} bytes at offset "
+                                  f"{lay['file_off'] + a}", found=got, hint=REPACK_HINT)
+            oa, on = plan.span(lo, hi, stored=False)
+            base = oa - oa % 2                    # coded blocks sit at even run offsets
+            self.codec.decode(plan, lo, hi, self.stored, 0, self.out, True, self.path, L,
+                              out_base=base)
+            piece = self.out[oa - base:oa - base + on]
+            scan.feed(piece)
+            crc = zlib.crc32(piece, crc)
+        return crc

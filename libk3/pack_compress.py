@@ -33,6 +33,7 @@ from .stream.direct import DirectFile, align_up, aligned_empty, window_bytes
 from .stream.trunk import crc_mismatch
 
 KZ_PARTIAL_FILE, KZ_JOURNAL_FILE = "trunk.kz.partial", "compress.journal"
+ENCODE_BYTES = 64 << 20        # raw bytes read and encoded at a time (RAM: ~2x this)
 
 
 @dataclasses.dataclass
@@ -81,27 +82,31 @@ def compress(pack_dir, *, threads: int = 1, progress: bool = True) -> CompressRe
                           found=f"{free} bytes free")
     codec = trunk_codec.Codec(threads)
     src = DirectFile(d / TRUNK_FILE)
-    run = aligned_empty(window_bytes(max(l["nbytes"] for l in lays)))
+    buf = aligned_empty(window_bytes(ENCODE_BYTES))
     fd = os.open(d / KZ_PARTIAL_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     off = sum(align_up(int(r["stored"].sum())) for r in done)
     try:
         bar = tqdm(total=raw_total, initial=sum(l["nbytes"] for l in lays[:len(done)]),
                    unit="B", unit_scale=True, desc="k3-pack compress", disable=not progress)
         for lay, plan in zip(lays[len(done):], plans[len(done):]):
-            L = lay["layer"]
-            base = src.read_window(lay["file_off"], lay["nbytes"], run, what=f"layer {L} trunk")
-            raw = run[base:base + lay["nbytes"]]
-            crc = zlib.crc32(raw)
-            if crc != lay["crc32"]:                  # never compress damaged bytes
+            L, crc, recs = lay["layer"], 0, []
+            for lo, hi in plan.groups(ENCODE_BYTES, stored=False):
+                a, n = plan.span(lo, hi, stored=False)
+                at = src.read_window(lay["file_off"] + a, n, buf, what=f"layer {L} trunk")
+                crc = zlib.crc32(buf[at:at + n], crc)
+                blob, rec = codec.encode(buf, plan, lo, hi, at)
+                _write_at(fd, blob, off, d / KZ_PARTIAL_FILE)
+                off += len(blob)
+                recs.append(rec)
+                bar.update(n)
+            if crc != lay["crc32"]:       # journaled only if intact: never compress damage
                 raise crc_mismatch(d / TRUNK_FILE, L, lay["crc32"], crc)
-            blob, rec = codec.encode(raw, plan)
-            _write_at(fd, blob + bytes(align_up(len(blob)) - len(blob)), off,
-                      d / KZ_PARTIAL_FILE)
+            _write_at(fd, bytes(align_up(off) - off), off, d / KZ_PARTIAL_FILE)
+            off = align_up(off)
             os.fsync(fd)
+            rec = np.concatenate(recs)
             _journal_append(d, {"layer": L, "index": rec.tobytes().hex()})
             done.append(rec)
-            off += align_up(len(blob))
-            bar.update(lay["nbytes"])
         bar.close()
         os.ftruncate(fd, off)
         os.fsync(fd)

@@ -16,12 +16,11 @@ from hypothesis import strategies as st
 from libk3.errors import FormatError
 from libk3.io.checkpoint import Checkpoint
 from libk3.kernels.bf16_planes import merge_planes, split_planes
-from libk3.pack import pack
 from libk3.pack_schema import (BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, MANIFEST_FILE,
                                TRUNK_FILE, open_pack)
 from libk3.stream.trunk_codec import CODED, RAW, Codec, plan_blocks
 
-from .test_run_cli import PROMPT, _budgets, _reference, k3
+from .test_run_cli import PROMPT, _budgets, _pack, _reference, k3
 
 
 def k3pack(*args):
@@ -38,10 +37,7 @@ def _compressed_copy(raw_pack, dest):
 
 @pytest.fixture(scope="module")
 def small_raw(small_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("raw") / "small.pack"
-    with Checkpoint.open(small_dir) as ckpt:
-        pack(ckpt, out, progress=False)
-    return out
+    return _pack(small_dir, tmp_path_factory.mktemp("raw") / "small.pack")
 
 
 @pytest.fixture(scope="module")
@@ -169,9 +165,7 @@ def test_run_compressed_pack_same_logits_at_every_budget_and_thread_count(
 def test_run_compressed_tiny_pack_same_logits(tiny_dir, tmp_path):
     """Catches a compressed pack whose layers hold only raw blocks (every tiny tensor is
     below the coded size) decoding wrongly: logits equal the resident forward's."""
-    raw = tmp_path / "tiny.pack"
-    with Checkpoint.open(tiny_dir) as ckpt:
-        pack(ckpt, raw, progress=False)
+    raw = _pack(tiny_dir, tmp_path / "tiny.pack")
     kz, info = _compressed_copy(raw, tmp_path / "tiny-kz.pack")
     assert info["stored_bytes"] == info["raw_bytes"]
     r = _run_same_logits(tiny_dir, kz, _reference(tiny_dir), _budgets(tiny_dir)[1], "2",
@@ -241,11 +235,11 @@ def test_compress_resumes_after_interruption(small_raw, small_kz, tmp_path, monk
     shutil.copytree(small_raw, d)
     real, calls = Codec.encode, []
 
-    def failing(self, run, plan):
+    def failing(self, *args):                 # one call per layer here (layers < 64 MiB)
         calls.append(1)
         if len(calls) == 4:
             raise KeyboardInterrupt
-        return real(self, run, plan)
+        return real(self, *args)
 
     monkeypatch.setattr(Codec, "encode", failing)
     with pytest.raises(KeyboardInterrupt):
@@ -261,3 +255,27 @@ def test_compress_resumes_after_interruption(small_raw, small_kz, tmp_path, monk
         (small_kz / COMPRESSED_TRUNK_FILE).read_bytes()
     assert (d / BLOCK_INDEX_FILE).read_bytes() == (small_kz / BLOCK_INDEX_FILE).read_bytes()
     assert not (d / TRUNK_FILE).exists() and not (d / pack_compress.KZ_JOURNAL_FILE).exists()
+
+
+def test_compress_and_verify_in_small_pieces_give_the_same_result(small_raw, small_kz,
+                                                                  small_dir, tmp_path,
+                                                                  monkeypatch):
+    """Catches piece boundaries that change the stored bytes, the index, a layer's CRC or
+    the NaN/Inf scan: compressing and verifying in pieces of a few blocks (odd offsets
+    included) gives the same pack, and verify still passes it."""
+    import libk3.pack as pack_mod
+    from libk3 import pack_compress
+
+    monkeypatch.setattr(pack_compress, "ENCODE_BYTES", 300_000)
+    monkeypatch.setattr(pack_mod, "COPY_BLOCK", 200_000)
+    d = tmp_path / "pieces.pack"
+    shutil.copytree(small_raw, d)
+    pack_compress.compress(d, threads=2, progress=False)
+    assert (d / COMPRESSED_TRUNK_FILE).read_bytes() == \
+        (small_kz / COMPRESSED_TRUNK_FILE).read_bytes()
+    assert (d / BLOCK_INDEX_FILE).read_bytes() == (small_kz / BLOCK_INDEX_FILE).read_bytes()
+    reader = pack_mod._DecodedLayers(open_pack(d), -1, d)
+    reader.codec.close()
+    assert len(reader.groups[1]) > 3                       # verify read layer 1 in pieces
+    with Checkpoint.open(small_dir) as ckpt:
+        assert pack_mod.verify(d, ckpt, progress=False)["ok"]

@@ -89,15 +89,21 @@ class BlockPlan:
         return b, ("a raw block's stored length is not its length" if raw[b] else
                    "a coded block's stored length is outside what its values can take")
 
-    def groups(self, max_bytes: int) -> list:
-        """(first, end) block ranges in order whose stored bytes are at most ``max_bytes``
-        (or one block)."""
+    def groups(self, max_bytes: int, stored: bool = True) -> list:
+        """(first, end) block ranges in order whose stored bytes (or, with ``stored``
+        False, output bytes) are at most ``max_bytes`` (or one block)."""
+        off, size = (self.in_off, self.in_len) if stored else (self.out_off, self.out_len)
         out, lo = [], 0
         for b in range(1, len(self) + 1):
-            if b == len(self) or self.in_off[b] + self.in_len[b] - self.in_off[lo] > max_bytes:
+            if b == len(self) or off[b] + size[b] - off[lo] > max_bytes:
                 out.append((lo, b))
                 lo = b
         return out
+
+    def span(self, lo: int, hi: int, stored: bool = True) -> tuple:
+        """(offset, length) of blocks lo..hi-1's stored bytes (or output bytes)."""
+        off, size = (self.in_off, self.in_len) if stored else (self.out_off, self.out_len)
+        return int(off[lo]), int(off[hi - 1] + size[hi - 1] - off[lo])
 
     def where(self, layer: int, b: int) -> str:
         return (f"layer {layer} tensor {self.tensor[b]} block {int(self.part[b])} of "
@@ -170,36 +176,41 @@ class Codec:
         return list(self._pool.map(lambda r: fn(*r), zip(cuts[:-1], cuts[1:])))
 
     # ---- encoding (k3-pack) --------------------------------------------------------
-    def encode(self, run: np.ndarray, plan: BlockPlan) -> tuple:
-        """(stored bytes of every block concatenated, INDEX_RECORD rows) for the layer
-        ``run`` (uint8, the whole run)."""
-        blobs: list = [None] * len(plan)
+    def encode(self, src: np.ndarray, plan: BlockPlan, lo: int = 0, hi: int | None = None,
+               src_at: int = 0) -> tuple:
+        """(stored bytes of blocks ``lo..hi-1`` concatenated, their INDEX_RECORD rows).
+        Block b's bytes are at ``src[src_at + out_off[b] - out_off[lo]]`` (default: ``src``
+        is the whole run)."""
+        hi = len(plan) if hi is None else hi
+        blobs: list = [None] * (hi - lo)
+        base = src_at - (int(plan.out_off[lo]) if hi > lo else 0)
 
-        def work(lo, hi):
+        def work(a, z_hi):
             z = self._zstd()
-            for b in range(lo, hi):
-                o, n = int(plan.out_off[b]), int(plan.out_len[b])
-                raw = run[o:o + n]
+            for b in range(lo + a, lo + z_hi):
+                o, n = base + int(plan.out_off[b]), int(plan.out_len[b])
+                raw = src[o:o + n]
                 if plan.kind[b] == RAW:
-                    blobs[b] = raw.tobytes()
+                    blobs[b - lo] = raw.tobytes()
                     continue
                 k = n // 2
                 split_planes(raw.view(np.uint16), z.exp[:k], z.sm[:k])
-                blobs[b] = z.sm[:k].tobytes() + z.c.compress(z.exp[:k])
+                blobs[b - lo] = z.sm[:k].tobytes() + z.c.compress(z.exp[:k])
 
-        self._map(work, len(plan), plan.out_len)
-        rec = np.zeros(len(plan), INDEX_RECORD)
+        self._map(work, hi - lo, plan.out_len[lo:hi])
+        rec = np.zeros(hi - lo, INDEX_RECORD)
         rec["stored"] = [len(x) for x in blobs]
         rec["crc32"] = [zlib.crc32(x) for x in blobs]
         return b"".join(blobs), rec
 
     # ---- decoding (k3-run, verify) --------------------------------------------------
     def decode(self, plan: BlockPlan, lo: int, hi: int, src: np.ndarray, src_at: int,
-               out: np.ndarray, check: bool, path, layer: int) -> None:
-        """Decode blocks ``lo..hi-1`` of ``plan`` into ``out`` (uint8, the run at offset
-        0). Block b's stored bytes are at ``src[src_at + in_off[b] - in_off[lo]]``. With
-        ``check``, each block's CRC-32 is compared first. Raises ``block_error`` for the
-        first bad block (in block order) after every thread has stopped."""
+               out: np.ndarray, check: bool, path, layer: int, out_base: int = 0) -> None:
+        """Decode blocks ``lo..hi-1`` of ``plan`` into ``out`` (uint8; ``out[0]`` is the
+        run's byte ``out_base``, an even offset). Block b's stored bytes are at
+        ``src[src_at + in_off[b] - in_off[lo]]``. With ``check``, each block's CRC-32 is
+        compared first. Raises ``block_error`` for the first bad block (in block order)
+        after every thread has stopped."""
         base = src_at - int(plan.in_off[lo])
 
         def work(a, z_hi):
@@ -211,7 +222,7 @@ class Codec:
                     if crc != plan.crc32[b]:
                         return b, "stored bytes do not match their checksum (crc32)", \
                             f"{int(plan.crc32[b]):#010x}", f"{crc:#010x}"
-                o, n = int(plan.out_off[b]), int(plan.out_len[b])
+                o, n = int(plan.out_off[b]) - out_base, int(plan.out_len[b])
                 if plan.kind[b] == RAW:
                     out[o:o + n] = s
                     continue
