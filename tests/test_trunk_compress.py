@@ -5,6 +5,7 @@ verify and refused by k3-run (exit 3), and compressing resumes after an interrup
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 
@@ -279,3 +280,37 @@ def test_compress_and_verify_in_small_pieces_give_the_same_result(small_raw, sma
     assert len(reader.groups[1]) > 3                       # verify read layer 1 in pieces
     with Checkpoint.open(small_dir) as ckpt:
         assert pack_mod.verify(d, ckpt, progress=False)["ok"]
+
+
+def _edit_manifest(d, fn):
+    doc = json.loads((d / MANIFEST_FILE).read_text())
+    fn(doc)
+    (d / MANIFEST_FILE).write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("case, edit, field", [
+    ("codec name", lambda doc: doc["trunk_codec"].update(name="bf16-exponent-lz4"),
+     "trunk_codec.name"),
+    ("block size", lambda doc: doc["trunk_codec"].update(block_bytes=131072),
+     "trunk_codec.block_bytes"),
+    ("stored", lambda doc: doc["layers"][3].update(stored=doc["layers"][3]["stored"] - 8),
+     "layer 3: its blocks' stored lengths do not add up"),
+    ("no codec", lambda doc: doc.pop("trunk_codec"), "missing key 'trunk_codec'"),
+    ("raw file name", lambda doc: doc.update(trunk_file="trunk.bin"), "trunk_file"),
+])
+def test_compressed_manifest_lies_refused_at_open(case, edit, field, small_kz, small_raw,
+                                                  tmp_path):
+    """Catches a v3 manifest read without its codec fields checked (another codec or
+    block size would decode garbage; a wrong stored length misplaces every later layer),
+    and a v2 pack that claims v3 (control: both untouched packs open)."""
+    bad = tmp_path / "bad.pack"
+    shutil.copytree(small_kz, bad)
+    _edit_manifest(bad, edit)
+    with pytest.raises(FormatError, match=re.escape(field)):
+        open_pack(bad)
+    v2 = tmp_path / "v2.pack"
+    shutil.copytree(small_raw, v2)
+    _edit_manifest(v2, lambda doc: doc.update(version=3))
+    with pytest.raises(FormatError, match="missing key 'trunk_codec'"):
+        open_pack(v2)
+    assert open_pack(small_kz).compressed and not open_pack(small_raw).compressed

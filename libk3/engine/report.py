@@ -97,7 +97,10 @@ def short_text(rep: dict) -> str:
     parts = [f"{n} tokens, {rep['seconds_per_token']:.3f} s/token ({times})"]
     if rep.get("cache_hit_rate") is not None:
         parts.append(f"cache hit {100 * rep['cache_hit_rate']:.1f}%")
-    parts.append(f"read trunk {rep['trunk_bytes_read'] / 1e6:.1f} MB, "
-                 f"experts {rep['expert_bytes_read'] / 1e6:.1f} MB")
+    parts.append(f"read trunk {rep['trunk_bytes_read'] / 1e6:.1f} MB"
+                 + (f" (decoded to {rep['trunk_bytes_decoded'] / 1e6:.1f} MB in "
+                    f"{rep['trunk_decode_seconds']:.2f} s)" if rep.get("trunk_bytes_decoded")
+                    else "")
+                 + f", experts {rep['expert_bytes_read'] / 1e6:.1f} MB")
     parts.append(f"peak RSS {rep['peak_rss_bytes'] / 1e9:.2f} GB")
     return "; ".join(parts)
