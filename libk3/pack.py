@@ -2,9 +2,10 @@
 
 Owns: copying every layer's trunk run verbatim into one page-aligned file (checksumming
 it and scanning it for NaN/Inf on the way), writing the manifest and the compact expert
-index, resuming after an interruption, ``verify`` (re-reading every layer), and the short
-probe of the source disk's read rate that a pack's MB/s is reported against. Does not own:
-what the files must say and the checks before use (``libk3.pack_schema``), reading
+index, resuming after an interruption, ``verify`` (re-reading every layer, decoding a
+compressed trunk's blocks), and the short probe of the source disk's read rate that a
+pack's MB/s is reported against. Does not own: what the files must say and the checks
+before use (``libk3.pack_schema``), compressing a pack (``libk3.pack_compress``), reading
 safetensors (``libk3.io``) or streaming at run time (``libk3.stream``).
 
 Why this shape: one positioned read (O_DIRECT-capable: 4096-aligned offset and length)

@@ -1,7 +1,8 @@
 """What a pack must say (formats/pack.md): the layout a checkpoint implies, the pack's
 identity, and the checks every pack passes before anything reads through it.
 
-Owns: the pack's file names, version and record layout; the layer plan and index records
+Owns: the pack's file names, versions (v2 raw trunk, v3 compressed) and record layout,
+the compressed trunk's block index (trunk.blocks); the layer plan and index records
 a checkpoint implies (the writer writes exactly these, the reader compares against
 them); the identity (config fingerprint plus sampled content of every shard); reading
 trunk.json and experts.idx and refusing, as a FormatError naming the file and field,

@@ -3,7 +3,8 @@ streamed through a ring of layer slots filled by a read-ahead thread.
 
 Owns: choosing which layers to pin, the ring and its reader thread, binding a layer's
 bytes to named arrays. Does not own: the math (a bound layer is exactly what
-``ResidentWeights.layer`` returns) or the expert cache.
+``ResidentWeights.layer`` returns), the expert cache, or reading and decoding a
+compressed pack's layer (``libk3.stream.coded_reader``).
 
 Why largest-first pinning: every token visits layers 0..n-1 in order, a cyclic scan on
 which LRU scores zero; a pinned layer is a hit on every token, so the hit rate is the
