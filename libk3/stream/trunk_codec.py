@@ -12,9 +12,9 @@ output. A block of a BF16 tensor of at least MIN_CODED_BYTES (at an even offset)
 CODED: its k sign+mantissa bytes, then one zstd frame of its k exponent bytes; every
 other block is RAW (its bytes as they are). Blocks are independent, so any split of a
 layer's blocks across threads decodes the same bytes.
-Why zstd and not a numba Huffman decoder: per core, zstd decoded the exponent plane
-about 2.5x faster than the best numba table decoder we wrote (bench/README.md "Trunk
-compression"; the candidate is bench/huffman_candidate.py), and zstd releases the GIL.
+Why zstd and not a numba Huffman decoder: per core, zstd decoded 1.7-2.3x faster than
+the best numba table decoder we wrote, for 0.025 more stored bytes (bench/README.md
+"Trunk compression"; the candidate is bench/huffman_candidate.py), and releases the GIL.
 """
 
 from __future__ import annotations
