@@ -480,3 +480,46 @@ def test_doctor_probe_file_removed_on_sigterm(tmp_path, when):
             proc.kill()
     assert proc.returncode != 0 and "interrupted" in err
     assert not probe.exists() and _probe_files(d) == []
+
+
+def test_doctor_compression_advice_both_ways(real_sizes):
+    """Catches advice that ignores the disk, the decoder or pinning: laptop at 8 GB with a
+    slow disk says compress (and its s/token falls); a disk faster than the decoder, or
+    memory that pins the whole trunk, says do not."""
+    k = {"bf16_bytes_per_s": 1e10, "mxfp4_bytes_per_s": 2e10, "source": "test"}
+    dec = {"decode_bytes_per_s": 4e9, "fraction": 0.67}
+
+    def advice(mem_gb, seq_bps):
+        d = doctor.decide(real_sizes, hwprobe.assumed_memory(int(mem_gb * 1e9)),
+                          seq_bps=seq_bps, rand_bps=1e9, kernels=k)
+        return doctor.compression_advice(d["presets"][d["pick"]]["estimate"], seq_bps, dec)
+
+    slow = advice(8, 1e9)
+    assert slow["recommend"] is True
+    streamed = slow["trunk_streamed_bytes"]
+    assert slow["seconds_per_token_raw"] - slow["seconds_per_token_compressed"] == \
+        pytest.approx(streamed / 1e9 - max(0.67 * streamed / 1e9, streamed / 4e9))
+    fast = advice(8, 8e9)
+    assert fast["recommend"] is False and "would not beat" in fast["why"]
+    pinned = advice(2000, 1e9)
+    assert pinned["recommend"] is False and pinned["trunk_streamed_bytes"] == 0
+    assert doctor.compression_advice(None, 1e9, dec)["recommend"] is None
+
+
+def test_doctor_cli_recommends_compressing_with_a_slow_disk_override(small_ckpt, tmp_path):
+    """Catches --assume-read-mbps / --assume-decode-mbps not reaching the advice or the
+    next command: a 1 MB/s disk and a fast decoder say compress (k3-pack ...
+    --compress-trunk), a fast disk and a slow decoder say not."""
+    def run(read, decode):
+        p = subprocess.run(["k3-doctor", str(small_ckpt), "--pack", str(tmp_path / "p"),
+                            "--json", "--assume-memory-gb", "0.38", "--assume-read-mbps",
+                            str(read), "--assume-decode-mbps", str(decode),
+                            "--probe-size-mb", "48"],
+                           capture_output=True, text=True, timeout=600)
+        rep = json.loads(p.stdout)
+        return rep["decision"]["compression"], rep["next_commands"]
+
+    yes, cmds = run(1, 10_000)
+    assert yes["recommend"] is True and "--compress-trunk" in cmds[0], yes
+    no, cmds = run(100_000, 1)
+    assert no["recommend"] is False and "--compress-trunk" not in cmds[0], no

@@ -69,6 +69,8 @@ def run_report(result, weights_stats: dict, budget=None, extra: dict | None = No
         "ring_slots": trunk.get("ring_slots"),
         "trunk_crc_checks": trunk.get("crc_checks", 0),
         "trunk_crc_seconds": round(trunk.get("crc_seconds", 0.0), 6),
+        "trunk_bytes_decoded": trunk.get("bytes_decoded", 0),
+        "trunk_decode_seconds": round(trunk.get("decode_seconds", 0.0), 6),
         "expert_bytes_read": experts.get("bytes_read", 0),
         "expert_read_seconds": round(experts.get("read_seconds", 0.0), 6),
         "expert_requests": req,
@@ -95,8 +97,11 @@ def short_text(rep: dict) -> str:
     parts = [f"{n} tokens, {rep['seconds_per_token']:.3f} s/token ({times})"]
     if rep.get("cache_hit_rate") is not None:
         parts.append(f"cache hit {100 * rep['cache_hit_rate']:.1f}%")
-    parts.append(f"read trunk {rep['trunk_bytes_read'] / 1e6:.1f} MB, "
-                 f"experts {rep['expert_bytes_read'] / 1e6:.1f} MB")
+    parts.append(f"read trunk {rep['trunk_bytes_read'] / 1e6:.1f} MB"
+                 + (f" (decoded to {rep['trunk_bytes_decoded'] / 1e6:.1f} MB in "
+                    f"{rep['trunk_decode_seconds']:.2f} s)" if rep.get("trunk_bytes_decoded")
+                    else "")
+                 + f", experts {rep['expert_bytes_read'] / 1e6:.1f} MB")
     parts.append(f"peak RSS {rep['peak_rss_bytes'] / 1e9:.2f} GB")
     return "; ".join(parts)
 
