@@ -7,7 +7,8 @@
 * pack: the whole real-dims trunk compressed (fraction of raw), decode rate of whole
   layers on every core, and the O_DIRECT sequential read rate of the raw trunk.bin;
 * mxfp4-derived: the same codec figures on BF16 values built from the released MXFP4
-  conformance bytes (``../shared/conformance/mxfp4.json``, read in place, never copied):
+  conformance bytes (``mxfp4.json`` of the conformance vectors, found by ``tests/conformance.py``
+  and read in place, never copied):
   each of its 229,376 values is drawn uniformly inside the E2M1 rounding interval of its
   code, times its group's scale (section text says what that assumes);
 * run: ``k3-run --pack`` at the floor budget (a ring of two layers: the whole trunk read
@@ -32,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # tests.conformance
 from common import DATA, checkpoint, k3_run_report, packed, run, table  # noqa: E402
 
 from libk3.hwprobe import sequential_read_rate  # noqa: E402
@@ -39,9 +41,10 @@ from libk3.io.checkpoint import Checkpoint  # noqa: E402
 from libk3.pack_schema import open_pack  # noqa: E402
 from libk3.presets import ModelSizes, minimum_budget  # noqa: E402
 from libk3.stream.trunk_codec import Codec, plan_blocks  # noqa: E402
+from tests.conformance import ROOT as CONFORMANCE_DIR  # noqa: E402  (where the vectors live)
 
 SAMPLE_MAX = 64 << 20
-CONFORMANCE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "mxfp4.json"
+CONFORMANCE = CONFORMANCE_DIR / "mxfp4.json"
 # each E2M1 magnitude's rounding interval (the top code, 6, is taken as [5, 7))
 E2M1_LO = np.array([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 E2M1_HI = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0])
