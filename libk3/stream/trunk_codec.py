@@ -28,7 +28,6 @@ import numpy as np
 
 from .. import names
 from ..errors import FormatError
-from ..kernels.bf16_planes import merge_planes, split_planes
 
 CODEC = "bf16-exponent-zstd"
 BLOCK_BYTES = 256 << 10            # output bytes per block (the last of a tensor: fewer)
@@ -181,6 +180,8 @@ class Codec:
         """(stored bytes of blocks ``lo..hi-1`` concatenated, their INDEX_RECORD rows).
         Block b's bytes are at ``src[src_at + out_off[b] - out_off[lo]]`` (default: ``src``
         is the whole run)."""
+        from ..kernels.bf16_planes import split_planes  # numba: not for manifest checks
+
         hi = len(plan) if hi is None else hi
         blobs: list = [None] * (hi - lo)
         base = src_at - (int(plan.out_off[lo]) if hi > lo else 0)
@@ -211,6 +212,8 @@ class Codec:
         ``src[src_at + in_off[b] - in_off[lo]]``. With ``check``, each block's CRC-32 is
         compared first. Raises ``block_error`` for the first bad block (in block order)
         after every thread has stopped."""
+        from ..kernels.bf16_planes import merge_planes  # numba: not for manifest checks
+
         base = src_at - int(plan.in_off[lo])
 
         def work(a, z_hi):
