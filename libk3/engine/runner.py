@@ -18,7 +18,6 @@ from ..errors import BudgetError, FormatError, UsageError
 from ..model.state import State
 from ..trace import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
-from . import chat as chatfmt
 from .generate import GenSettings, generate, token_ids_problem
 from .report import run_report, startup_seconds
 from .session import open_session, parse_ids  # noqa: F401  (parse_ids re-exported for the CLI)
@@ -311,16 +310,21 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary) ->
 
 
 def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_factory,
-             prompt_fn) -> None:
-    """A multi-turn REPL: the state carries every earlier turn (no re-prefill). An empty
+             prompt_fn, warn=None, template_kwargs=None) -> None:
+    """A multi-turn REPL in the model's chat template (``chat.Conversation``): the state
+    carries every earlier turn, each turn feeds only what the template adds. An empty
     line or end of input ends the chat; the state is saved then if asked."""
+    from .chat import Conversation
+    from .chat_request import ChatEncoder
+
     tok = run.session.tokenizer
     if tok is None:
         raise UsageError("--chat needs the model's tokenizer (tiktoken.model)")
     state = _load_state(run, load_state)
-    stops = tuple(settings.stop_ids) + chatfmt.stop_ids(tok) if chatfmt.has_xtml(tok) \
-        else tuple(settings.stop_ids)
-    turn_settings = dataclasses.replace(settings, stop_ids=stops)
+    chat = ChatEncoder(run.opts.model, tok, warn)
+    convo = Conversation(tok, chat.template, template_kwargs)
+    turn_settings = dataclasses.replace(
+        settings, stop_ids=tuple(dict.fromkeys(tuple(settings.stop_ids) + chat.stop_ids())))
     import click
     while True:
         try:
@@ -329,10 +333,13 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
             break
         if not text:
             break
-        ids = chatfmt.user_turn_ids(tok, text)
+        ids, fresh = convo.add_user(text)
+        if fresh:
+            state = run.session.new_state()
         printer = emit_factory()
-        generate(run.session.forward, state, ids, turn_settings, tokenizer=tok,
-                 on_token=printer)
+        res = generate(run.session.forward, state, ids, turn_settings, tokenizer=tok,
+                       on_token=printer)
         printer.finish()
+        convo.add_reply(res.generated_ids)
     if save_state:
         state.save(save_state)

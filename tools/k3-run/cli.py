@@ -163,6 +163,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         if chat:
             runner.run_chat(run, settings, load_state=load_state, save_state=save_state,
                             emit_factory=lambda: _Printer(run.session.tokenizer),
+                            warn=lambda m: click.echo(m, err=True),
                             prompt_fn=lambda: click.prompt("you", prompt_suffix="> ",
                                                            default="", show_default=False,
                                                            err=True))
