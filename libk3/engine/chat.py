@@ -15,7 +15,6 @@ continuation: each message's text is fed as typed.
 
 from __future__ import annotations
 
-from .chat_parse import parse_reply, pieces
 from .chat_template import ChatTemplate
 
 
@@ -48,11 +47,6 @@ class Conversation:
             return self.tokenizer.encode(after[len(before):], allow_special=True), False
         return self.tokenizer.encode(after, allow_special=True), True
 
-    def add_reply(self, generated_ids) -> dict:
-        """Record the model's reply (as parsed from its channels); returns the message."""
-        if self.template is None:
-            message = {"role": "assistant", "content": self.tokenizer.decode(generated_ids)}
-        else:
-            message = parse_reply(pieces(self.tokenizer, generated_ids)).message()
+    def add_reply(self, message: dict) -> None:
+        """Record the model's reply (the message parsed from its ids)."""
         self.messages.append(message)
-        return message

@@ -89,6 +89,7 @@ class Run:
             cache_policy=opts.cache_policy, io_threads=opts.io_threads,
             direct_io=opts.direct_io, on_route=on_route, verify_reads=opts.verify_reads)
         self.seq = 0                       # which prompt of a batch (trace records)
+        self._chat = None
         if opts.trace_path:
             from .. import __version__
             from ..trace import TraceWriter, header_for_config
@@ -143,6 +144,33 @@ class Run:
             raise FormatError("prompt is longer than the model's context", path=path,
                               expected=f"<= {context} tokens", found=f"{len(ids)} tokens")
         return ids
+
+    def chat(self, warn=None):
+        """Conversations' prompt ids and turn ends for this model (``chat_request``)."""
+        if self._chat is None:
+            from .chat_request import ChatEncoder
+            self._chat = ChatEncoder(self.opts.model, self._tokenizer(), warn)
+        return self._chat
+
+    def encode_messages(self, request: dict, warn=None) -> list:
+        """Prompt ids of a request's "messages" (with its "tools", "template_kwargs")."""
+        ids = self.chat(warn).encode(request["messages"], request.get("tools"),
+                                     request.get("template_kwargs"))
+        if not ids:
+            raise UsageError("the conversation encodes to no tokens")
+        return ids
+
+    def chat_settings(self, settings: GenSettings, warn=None) -> GenSettings:
+        """``settings`` that also stop at the assistant turn's end."""
+        stops = tuple(dict.fromkeys(tuple(settings.stop_ids) + self.chat(warn).stop_ids()))
+        return dataclasses.replace(settings, stop_ids=stops)
+
+    def reply_message(self, generated_ids) -> dict:
+        """The assistant message parsed from a reply's ids (formats/chat.md)."""
+        from .chat_parse import parse_reply, pieces
+        if self.chat().template is None:
+            return {"role": "assistant", "content": self._tokenizer().decode(generated_ids)}
+        return parse_reply(pieces(self._tokenizer(), generated_ids)).message()
 
     def report(self, res, extra=None) -> dict:
         stats = self.session.weights.stats()
@@ -276,7 +304,8 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary) ->
             if key in seen:
                 raise batchfile.BatchLineError(f"duplicate id {job['id']!r}")
             seen.add(key)
-            prompt_ids = job["ids"] if "ids" in job else run.encode(job["prompt"])
+            prompt_ids = job["ids"] if "ids" in job else \
+                run.encode_messages(job, warn) if "messages" in job else run.encode(job["prompt"])
         except (batchfile.BatchLineError, UsageError) as e:
             msg = e.one_line() if isinstance(e, UsageError) else str(e)
             warn(f"{batch_path}:{lineno}: skipped: {msg}")
@@ -295,6 +324,8 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary) ->
             summary["remaining"] += 1      # keep counting: the summary says what is left
             continue
         settings = batchfile.job_settings(job, base)
+        if "messages" in job:
+            settings = run.chat_settings(settings, warn)
         run.seq = lineno
         try:
             res = run_one(run, prompt_ids, settings,
@@ -304,6 +335,8 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary) ->
             summary["remaining"] += 1
             continue
         rep = run.report(res, {"id": job["id"], "line": lineno})
+        if "messages" in job:
+            rep["message"] = run.reply_message(res.generated_ids)
         batchfile.append_result(out_path, rep)
         summary["done"] += 1
     return summary
@@ -315,16 +348,13 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
     carries every earlier turn, each turn feeds only what the template adds. An empty
     line or end of input ends the chat; the state is saved then if asked."""
     from .chat import Conversation
-    from .chat_request import ChatEncoder
 
     tok = run.session.tokenizer
     if tok is None:
         raise UsageError("--chat needs the model's tokenizer (tiktoken.model)")
     state = _load_state(run, load_state)
-    chat = ChatEncoder(run.opts.model, tok, warn)
-    convo = Conversation(tok, chat.template, template_kwargs)
-    turn_settings = dataclasses.replace(
-        settings, stop_ids=tuple(dict.fromkeys(tuple(settings.stop_ids) + chat.stop_ids())))
+    convo = Conversation(tok, run.chat(warn).template, template_kwargs)
+    turn_settings = run.chat_settings(settings, warn)
     import click
     while True:
         try:
@@ -340,6 +370,6 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
         res = generate(run.session.forward, state, ids, turn_settings, tokenizer=tok,
                        on_token=printer)
         printer.finish()
-        convo.add_reply(res.generated_ids)
+        convo.add_reply(run.reply_message(res.generated_ids))
     if save_state:
         state.save(save_state)
