@@ -342,6 +342,19 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary) ->
     return summary
 
 
+def parse_template_kwargs(text):
+    """--template-kwargs: a JSON object (None when not given)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"--template-kwargs is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise UsageError("--template-kwargs must be a JSON object")
+    return value
+
+
 def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_factory,
              prompt_fn, warn=None, template_kwargs=None) -> None:
     """A multi-turn REPL in the model's chat template (``chat.Conversation``): the state

@@ -65,7 +65,15 @@ class _Printer:
               metavar="MINUTES",
               help="With --batch: stop cleanly this many minutes after start; the prompt in "
                    "flight is abandoned and redone by the next run.")
-@click.option("--chat", is_flag=True, help="Interactive multi-turn chat on stdin.")
+@click.option("--chat", is_flag=True, help="Interactive multi-turn chat on stdin, in the "
+                                           "model's chat template.")
+@click.option("--template-kwargs", metavar="JSON",
+              help="With --chat: extra chat-template variables, e.g. '{\"thinking\": false}'.")
+@click.option("--serve", "serve_address", metavar="[HOST:]PORT",
+              help="Serve an OpenAI-compatible API (needs the serve extra); HOST defaults "
+                   "to 127.0.0.1, any other address needs --api-key.")
+@click.option("--api-key", envvar="K3_API_KEY", show_envvar=True,
+              help="With --serve: the key every request must send (Authorization: Bearer).")
 @click.option("--gen", type=Rule(click.INT, gen_problem, "integer"), default=16,
               show_default=True, help="Tokens to generate (per turn in --chat), at most "
                                       "1,048,576 (the trained context).")
@@ -112,7 +120,7 @@ class _Printer:
 @click.pass_context
 @handle_errors
 def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_prompts,
-         deadline, chat, gen, temperature,
+         deadline, chat, template_kwargs, serve_address, api_key, gen, temperature,
          top_p, seed, stop_strings, stop_ids, preset, trunk_gb, cache_gb, resident,
          cache_policy, io_threads, buffered_io, verify_reads, prefill_chunk, spec, threads,
          save_state, load_state, trace_path, logits_out, report_json, json_out):
@@ -120,10 +128,12 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
     from libk3.engine import runner
 
     modes = [o for o, v in (("--prompt", prompt), ("--prompt-file", prompt_file),
-                            ("--ids", ids), ("--batch", batch), ("--chat", chat or None))
+                            ("--ids", ids), ("--batch", batch), ("--chat", chat or None),
+                            ("--serve", serve_address))
              if v is not None]
     if len(modes) != 1:
-        raise UsageError("give exactly one of --prompt, --prompt-file, --ids, --batch, --chat"
+        raise UsageError("give exactly one of --prompt, --prompt-file, --ids, --batch, --chat, "
+                         "--serve"
                          + (f" (got {', '.join(modes)})" if modes else ""))
     if batch and not out_path:
         raise UsageError("--batch needs --out RESULTS.jsonl")
@@ -133,6 +143,13 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         raise UsageError("--wait, --max-prompts and --deadline go with --batch")
     if resident and (preset or trunk_gb is not None or cache_gb is not None or pack):
         raise UsageError("--resident excludes --preset, --trunk-gb, --cache-gb and --pack")
+    if template_kwargs is not None and not chat:
+        raise UsageError("--template-kwargs goes with --chat")
+    if api_key is not None and not serve_address:
+        raise UsageError("--api-key goes with --serve")
+    if serve_address:
+        from libk3.serve.app import check_address
+        check_address(serve_address, api_key)        # before the model is opened
     if spec and temperature > 0:
         raise UsageError("--spec keeps exactly the greedy result; it needs --temperature 0")
     if threads:
@@ -151,7 +168,8 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
             max_prompts=max_prompts, wait=wait,
             deadline=None if deadline is None else started + 60.0 * deadline)
         summary = runner.run_batch(opts, batch, out_path, settings,
-                                   warn=lambda m: click.echo(m, err=True), limits=limits)
+                                   warn=lambda m: click.echo(m, err=True),
+                            template_kwargs=runner.parse_template_kwargs(template_kwargs), limits=limits)
         if json_out:
             print_json(summary)
         else:
@@ -160,10 +178,16 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         return
     with runner.open_run(opts) as run:
         run.check_stop_ids(stop_ids)
+        if serve_address:
+            from libk3.serve.app import serve
+            serve(run, serve_address, settings, api_key=api_key,
+                  log=lambda m: click.echo(m, err=True))
+            return
         if chat:
             runner.run_chat(run, settings, load_state=load_state, save_state=save_state,
                             emit_factory=lambda: _Printer(run.session.tokenizer),
                             warn=lambda m: click.echo(m, err=True),
+                            template_kwargs=runner.parse_template_kwargs(template_kwargs),
                             prompt_fn=lambda: click.prompt("you", prompt_suffix="> ",
                                                            default="", show_default=False,
                                                            err=True))
