@@ -90,6 +90,26 @@ def test_serve_chat_matches_the_template_and_a_plain_run(server, tiny_dir):
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
+def test_serve_turn_two_resumes_turn_one_with_fresh_results(server, tiny_dir):
+    """Catches turn 2 of a chat prefilled again from the start, or resumed from a state
+    that gives other tokens than a fresh run on the whole conversation."""
+    c = _client(server)
+    turn1 = [{"role": "system", "content": "You answer questions about capitals. " * 8},
+             {"role": "user", "content": "France?"}]
+    r1 = c.chat.completions.create(model="tiny", messages=turn1, max_tokens=2)
+    turn2 = turn1 + [r1.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "And Italy?"}]
+    r2 = c.chat.completions.create(model="tiny", messages=turn2, max_tokens=3).model_extra["k3"]
+    p1 = r1.model_extra["k3"]["prompt_ids"]
+    assert r1.model_extra["k3"]["reused_tokens"] == 0 and r2["reused_tokens"] >= len(p1)
+    assert r2["prompt_ids"][:len(p1)] == p1 and r2["prompt_ids"] == _rendered(tiny_dir, turn2)
+    tok = K3Tokenizer.from_dir(tiny_dir)
+    fresh = k3(tiny_dir, "--ids", ",".join(map(str, r2["prompt_ids"])), "--gen", 3, "--json",
+               "--stop-id", tok.id_of("[EOS]"), "--stop-id", tok.id_of("<|end_of_msg|>"))
+    assert json.loads(fresh.stdout)["generated_ids"] == r2["generated_ids"]
+    assert _health(server)["turn_reuse"]["hits"] >= 1
+
+
 def test_serve_stream_sends_the_same_reply_as_whole(server):
     """Catches streamed deltas that lose, repeat or reorder text, or no finish chunk."""
     c = _client(server)

@@ -218,18 +218,21 @@ class Abandoned(Exception):
 
 
 def run_one(run: Run, prompt_ids, settings: GenSettings, *, on_token=None, keep_logits=False,
-            load_state=None, save_state=None, should_stop=None):
+            load_state=None, save_state=None, should_stop=None, state=None,
+            after_prefill=None):
     """One prompt. ``should_stop()``, if given, is asked at every prefill chunk and token;
-    when it answers True the prompt is abandoned (Abandoned is raised, nothing saved)."""
+    when it answers True the prompt is abandoned (Abandoned is raised, nothing saved).
+    ``state``: continue this state (else a new one, or ``load_state``'s)."""
     if settings.stop_strings and run.session.tokenizer is None:
         raise UsageError("--stop needs the model's tokenizer (tiktoken.model); use --stop-id")
-    state = _load_state(run, load_state)
+    if state is None:
+        state = _load_state(run, load_state)
     progress = _prefill_bar(len(prompt_ids))
     if should_stop is not None:
         progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
     res = generate(run.session.forward, state, prompt_ids, settings,
                    tokenizer=run.session.tokenizer, on_token=on_token, keep_logits=keep_logits,
-                   progress=progress)
+                   progress=progress, after_prefill=after_prefill)
     if save_state:
         state.save(save_state)
     return res

@@ -132,8 +132,10 @@ class Server:
 
     async def health(self, request):
         from aiohttp import web
+        turns = self.worker.turns.summary() if self.worker.turns else None
         return web.json_response({"status": "ok", "queued": self.worker.queued(),
-                                  "busy": self.worker.busy, **self.worker.counts})
+                                  "busy": self.worker.busy, **self.worker.counts,
+                                  "turn_reuse": turns})
 
     async def chat(self, request):
         req = check_request(parse_body(await request.read()), True, self.run.cfg.vocab_size)
@@ -197,7 +199,8 @@ class Server:
     async def _whole(self, req, job, rid, model, reader):
         from aiohttp import web
         res = await self._finished(job, [])
-        k3 = {"prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids}
+        k3 = {"prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids,
+              "reused_tokens": job.reused}
         use = usage(len(res.prompt_ids), len(res.generated_ids))
         if req.chat:
             reply = reader.read(res.generated_ids, final=True)
@@ -254,8 +257,10 @@ class Server:
         return resp
 
 
-def serve(run, address: str, base_settings, *, api_key=None, log=print) -> None:
-    """Serve ``run`` on ``address`` until SIGINT or SIGTERM (then exit cleanly)."""
+def serve(run, address: str, base_settings, *, api_key=None, log=print,
+          reuse_ram_bytes: int = 0, reuse_disk_bytes: int = 0) -> None:
+    """Serve ``run`` on ``address`` until SIGINT or SIGTERM (then exit cleanly). States
+    of finished requests are kept for reuse within the two byte budgets (0: none)."""
     try:
         from aiohttp import web
     except ImportError:
@@ -264,7 +269,10 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print) -> None:
     host, port = check_address(address, api_key)
     if run.session.tokenizer is not None:
         run.session.tokenizer.get()            # read once, before two threads use it
-    worker = Worker(run, log)
+    from ..engine.turn_cache import TurnCache
+    turns = TurnCache(run.cfg, reuse_ram_bytes, reuse_disk_bytes) \
+        if reuse_ram_bytes or reuse_disk_bytes else None
+    worker = Worker(run, log, turns)
     server = Server(run, worker, base_settings, api_key=api_key, log=log,
                     model_name=os.path.basename(os.path.normpath(str(run.opts.model))))
 
@@ -293,3 +301,5 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print) -> None:
         asyncio.run(main())
     finally:
         worker.close()
+        if turns is not None:
+            turns.close()

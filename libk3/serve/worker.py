@@ -35,6 +35,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    reused: int = 0               # prompt tokens resumed from a kept state, not prefilled
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -47,9 +48,10 @@ class Worker:
     """Decodes submitted jobs in arrival order on its own thread; ``log(line)`` gets one
     line per finished request (tokens, s/token, cache hits: ``Run.report``)."""
 
-    def __init__(self, run, log=None):
+    def __init__(self, run, log=None, turns=None):
         self.run = run
         self.log = log
+        self.turns = turns              # a TurnCache (reuse of earlier turns), or None
         self.queue: queue.Queue = queue.Queue()
         self.counts = {"served": 0, "cancelled": 0, "failed": 0, "generated_tokens": 0}
         self.busy = False
@@ -104,9 +106,13 @@ class Worker:
             return
         self.busy = True
         started = time.monotonic()
+        state, reused = self.turns.take(job.prompt_ids) if self.turns else (None, 0)
+        state = state if state is not None else self.run.session.new_state()
+        job.reused = reused
         try:
-            res = run_one(self.run, job.prompt_ids, job.settings, on_token=job._send,
-                          should_stop=job.cancelled.is_set)
+            res = run_one(self.run, job.prompt_ids[reused:], job.settings, on_token=job._send,
+                          should_stop=job.cancelled.is_set, state=state,
+                          after_prefill=self.turns.offer if self.turns else None)
         except Abandoned:
             self.counts["cancelled"] += 1
             job._send(("cancelled", None))
@@ -121,6 +127,9 @@ class Worker:
             return
         finally:
             self.busy = False
+        res.prompt_ids = list(job.prompt_ids)        # what the client sent, reused or not
+        if self.turns:
+            self.turns.offer(state)                  # the conversation with this reply
         self.counts["served"] += 1
         self.counts["generated_tokens"] += len(res.generated_ids)
         job._send(("done", res))
@@ -128,4 +137,5 @@ class Worker:
             from ..engine.report import short_text
             rep = self.run.report(res)
             rep["startup_seconds"] = None          # said once, when the server started
-            self.log(f"request: {len(res.prompt_ids)} prompt tokens; {short_text(rep)}")
+            self.log(f"request: {len(res.prompt_ids)} prompt tokens ({reused} reused); "
+                     f"{short_text(rep)}")

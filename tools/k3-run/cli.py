@@ -74,6 +74,12 @@ class _Printer:
                    "to 127.0.0.1, any other address needs --api-key.")
 @click.option("--api-key", envvar="K3_API_KEY", show_envvar=True,
               help="With --serve: the key every request must send (Authorization: Bearer).")
+@click.option("--reuse-gb", type=gigabytes(), default=1.0, show_default=True,
+              help="With --serve: RAM for states of earlier requests, resumed when a prompt "
+                   "extends one (least recently used out; 0 = off).")
+@click.option("--reuse-disk-gb", type=gigabytes(), default=0.0, show_default=True,
+              help="With --serve: disk (a private temp directory) for states spilled from "
+                   "--reuse-gb.")
 @click.option("--gen", type=Rule(click.INT, gen_problem, "integer"), default=16,
               show_default=True, help="Tokens to generate (per turn in --chat), at most "
                                       "1,048,576 (the trained context).")
@@ -120,7 +126,8 @@ class _Printer:
 @click.pass_context
 @handle_errors
 def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_prompts,
-         deadline, chat, template_kwargs, serve_address, api_key, gen, temperature,
+         deadline, chat, template_kwargs, serve_address, api_key, reuse_gb, reuse_disk_gb,
+         gen, temperature,
          top_p, seed, stop_strings, stop_ids, preset, trunk_gb, cache_gb, resident,
          cache_policy, io_threads, buffered_io, verify_reads, prefill_chunk, spec, threads,
          save_state, load_state, trace_path, logits_out, report_json, json_out):
@@ -181,7 +188,8 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         if serve_address:
             from libk3.serve.app import serve
             serve(run, serve_address, settings, api_key=api_key,
-                  log=lambda m: click.echo(m, err=True))
+                  log=lambda m: click.echo(m, err=True),
+                  reuse_ram_bytes=int(reuse_gb * 1e9), reuse_disk_bytes=int(reuse_disk_gb * 1e9))
             return
         if chat:
             runner.run_chat(run, settings, load_state=load_state, save_state=save_state,
