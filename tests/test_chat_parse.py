@@ -6,20 +6,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from libk3.engine.chat_parse import Reply, parse_reply, pieces, pieces_of_text
-from libk3.engine.chat_template import load_chat_template
-from libk3.io.tokenizer import K3Tokenizer
 
 USER = [{"role": "user", "content": "q"}]
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_dir):
-    return K3Tokenizer.from_dir(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def template(tiny_dir):
-    return load_chat_template(tiny_dir)
 
 
 def _written(template, tok, message) -> list:

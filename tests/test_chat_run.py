@@ -83,3 +83,23 @@ def test_chat_repl_without_template_is_plain_continuation_said_once(tiny_dir, tm
         ids = State.load(ckpt.config, st).ids
     typed = K3Tokenizer.from_dir(d).encode("Hi there")
     assert ids[:len(typed)] == typed
+
+
+def test_chat_repl_template_kwargs_reach_the_template(tiny_dir, tmp_path):
+    """Catches --template-kwargs ignored (the thinking switch never rendered) or accepted
+    without --chat."""
+    st = tmp_path / "s.k3state"
+    p = k3(tiny_dir, "--chat", "--gen", 1, "--save-state", st,
+           "--template-kwargs", '{"thinking": false}', input="Hi there\n\n")
+    assert p.returncode == 0, p.stderr
+    from libk3.io.checkpoint import Checkpoint
+    from libk3.model.state import State
+    with Checkpoint.open(tiny_dir) as ckpt:
+        ids = State.load(ckpt.config, st).ids
+    msgs = [{"role": "user", "content": "Hi there"}]
+    off = _ids(tiny_dir, msgs, template_kwargs={"thinking": False})
+    assert ids[:len(off)] == off and off != _ids(tiny_dir, msgs)              # control
+    bad = k3(tiny_dir, "--ids", "1", "--template-kwargs", "{}")
+    assert bad.returncode == 2 and "--template-kwargs goes with --chat" in bad.stderr
+    bad = k3(tiny_dir, "--chat", "--template-kwargs", "[1]", input="\n")
+    assert bad.returncode == 2 and "must be a JSON object" in bad.stderr

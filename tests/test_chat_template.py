@@ -44,16 +44,6 @@ CONVERSATIONS = {
 KWARGS = [{}, {"thinking": False}, {"thinking": True}]
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_dir):
-    return K3Tokenizer.from_dir(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def template(tiny_dir):
-    return load_chat_template(tiny_dir)
-
-
 def _hf_tokenizer(tok, tiny_dir):
     transformers = pytest.importorskip("transformers")
     doc = json.loads((tiny_dir / "tokenizer_config.json").read_text(encoding="utf-8"))

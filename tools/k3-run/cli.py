@@ -152,8 +152,10 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         raise UsageError("--resident excludes --preset, --trunk-gb, --cache-gb and --pack")
     if template_kwargs is not None and not chat:
         raise UsageError("--template-kwargs goes with --chat")
-    if api_key is not None and not serve_address:
+    from click.core import ParameterSource
+    if not serve_address and ctx.get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
         raise UsageError("--api-key goes with --serve")
+    chat_kwargs = runner.parse_template_kwargs(template_kwargs)
     if serve_address:
         from libk3.serve.app import check_address
         check_address(serve_address, api_key)        # before the model is opened
@@ -175,8 +177,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
             max_prompts=max_prompts, wait=wait,
             deadline=None if deadline is None else started + 60.0 * deadline)
         summary = runner.run_batch(opts, batch, out_path, settings,
-                                   warn=lambda m: click.echo(m, err=True),
-                            template_kwargs=runner.parse_template_kwargs(template_kwargs), limits=limits)
+                                   warn=lambda m: click.echo(m, err=True), limits=limits)
         if json_out:
             print_json(summary)
         else:
@@ -195,7 +196,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
             runner.run_chat(run, settings, load_state=load_state, save_state=save_state,
                             emit_factory=lambda: _Printer(run.session.tokenizer),
                             warn=lambda m: click.echo(m, err=True),
-                            template_kwargs=runner.parse_template_kwargs(template_kwargs),
+                            template_kwargs=chat_kwargs,
                             prompt_fn=lambda: click.prompt("you", prompt_suffix="> ",
                                                            default="", show_default=False,
                                                            err=True))
