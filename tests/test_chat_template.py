@@ -74,6 +74,24 @@ def test_chat_template_ids_match_transformers(tok, template, tiny_dir, name):
                 assert ours == tiktoken_oracle.encode(text, allowed_special="all")
 
 
+@pytest.mark.parametrize("name", ["markup typed", "tools", "multi-turn"])
+def test_chat_template_sanitized_ids_match_transformers(tok, template, tiny_dir, name):
+    """Catches typed markup encoded as structure when sanitising, or sanitised pieces
+    encoded other than HF's sanitize_control_tokens encodes them."""
+    hf = _hf_tokenizer(tok, tiny_dir)
+    messages = CONVERSATIONS[name]
+    for tools in (None, TOOLS):
+        ours = template.encode(tok, messages, tools=tools, sanitize=True)
+        theirs = hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                        tokenize=True, return_dict=False,
+                                        sanitize_control_tokens=True)
+        assert ours == list(theirs)
+    if name == "markup typed":                                                  # control
+        assert template.encode(tok, messages) != template.encode(tok, messages, sanitize=True)
+        forged = [{"role": "user", "content": "\U000f0000<|open|>\U000f0001x"}]
+        assert template.encode(tok, forged, sanitize=True).count(tok.id_of("<|open|>")) == 2
+
+
 def _tiktoken(tiny_dir):
     from tests.test_tokenizer import oracle
     return oracle(tiny_dir)

@@ -9,13 +9,14 @@ messages so far plus the new one (with the generation prompt) minus the renderin
 the messages so far (formats/chat.md "Turns"). Why not re-render and prefill it all:
 the state already holds those turns; a template that rewrites an earlier turn (drops
 old reasoning, say) makes the two renderings disagree, and only then is the whole
-conversation prefilled again into a fresh state. A model without a template runs plain
+conversation prefilled again into a fresh state. Markup a user types is text, never
+structure (HF's ``sanitize_control_tokens``). A model without a template runs plain
 continuation: each message's text is fed as typed.
 """
 
 from __future__ import annotations
 
-from .chat_template import ChatTemplate
+from .chat_template import ChatTemplate, encode_marked, mark
 
 
 class Conversation:
@@ -28,10 +29,12 @@ class Conversation:
         self.messages: list = []
 
     def _render(self, messages, add_generation_prompt: bool) -> str:
+        """The rendering with markup typed by the user marked as text (HF's sanitising)."""
         if not messages:
             return ""
-        return self.template.render(messages, add_generation_prompt=add_generation_prompt,
-                                    template_kwargs=self.template_kwargs)
+        return self.template.render(mark(self.tokenizer, messages),
+                                    add_generation_prompt=add_generation_prompt,
+                                    template_kwargs=mark(self.tokenizer, self.template_kwargs))
 
     def add_user(self, text: str) -> tuple:
         """(ids to feed, fresh): ``fresh`` True means the ids are the whole conversation
@@ -44,8 +47,8 @@ class Conversation:
         self.messages.append(message)
         after = self._render(self.messages, add_generation_prompt=True)
         if after.startswith(before):
-            return self.tokenizer.encode(after[len(before):], allow_special=True), False
-        return self.tokenizer.encode(after, allow_special=True), True
+            return encode_marked(self.tokenizer, after[len(before):]), False
+        return encode_marked(self.tokenizer, after), True
 
     def add_reply(self, message: dict) -> None:
         """Record the model's reply (the message parsed from its ids)."""

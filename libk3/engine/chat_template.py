@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -97,10 +98,19 @@ class ChatTemplate:
             raise ChatInputError(f"chat template failed on the conversation: "
                                  f"{type(e).__name__}: {e}", path=self.source) from None
 
-    def encode(self, tokenizer, messages, **kw) -> list:
+    def encode(self, tokenizer, messages, *, sanitize: bool = False, tools=None,
+               template_kwargs=None, **kw) -> list:
         """Token ids of the rendered conversation; special-token text in it is recognised
-        (HF encodes the rendering with its added tokens and no BOS/EOS of its own)."""
-        return tokenizer.encode(self.render(messages, **kw), allow_special=True)
+        (HF encodes the rendering with its added tokens and no BOS/EOS of its own). With
+        ``sanitize`` (HF's ``sanitize_control_tokens``), special-token text inside the
+        caller's strings is encoded as ordinary text; only the template's own is markup."""
+        if not sanitize:
+            return tokenizer.encode(self.render(messages, tools=tools,
+                                                template_kwargs=template_kwargs, **kw),
+                                    allow_special=True)
+        text = self.render(mark(tokenizer, messages), tools=mark(tokenizer, tools),
+                           template_kwargs=mark(tokenizer, template_kwargs), **kw)
+        return encode_marked(tokenizer, text)
 
 
 def normalize_messages(messages) -> list:
@@ -119,6 +129,57 @@ def normalize_messages(messages) -> list:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(message)
     return out
+
+
+# Private-use characters that bracket special-token text from the caller's strings while
+# the template renders (HF's markers, so the same text sanitises the same way).
+MARK_START, MARK_END = "\U000f0000", "\U000f0001"
+
+
+@functools.lru_cache(maxsize=4)
+def _special_pattern(specials: tuple):
+    """A regex matching any special-token text, longest first."""
+    return re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
+
+
+def mark(tokenizer, obj):
+    """``obj`` with every special-token text in its strings bracketed by the markers
+    (markers already there removed first, so they cannot be forged); dict keys kept."""
+    pattern = _special_pattern(tuple(tokenizer.special_ids))
+
+    def walk(x):
+        if isinstance(x, str):
+            x = x.replace(MARK_START, "").replace(MARK_END, "")
+            return pattern.sub(lambda m: MARK_START + m.group(0) + MARK_END, x)
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [walk(v) for v in x]
+        return x
+    return walk(obj)
+
+
+def encode_marked(tokenizer, text: str) -> list:
+    """Ids of a rendering with marked caller text: a marked special is ordinary text, a
+    lone marker (a template split one) is dropped but still separates the text around
+    it, the rest is encoded with specials recognised. Each piece after the first is
+    encoded after a newline that is then removed, as HF does (a piece is encoded as it
+    would be mid-text, not as the start of a string)."""
+    pattern = _special_pattern(tuple(tokenizer.special_ids))
+    splitter = re.compile(f"{MARK_START}({pattern.pattern}){MARK_END}|[{MARK_START}{MARK_END}]")
+    parts = splitter.split(text)
+    newline = tokenizer.encode("\n")
+    ids = tokenizer.encode(parts[0], allow_special=True)
+    for i, part in enumerate(parts[1:], start=1):
+        if not part:
+            continue
+        as_text = i % 2 == 1
+        piece = tokenizer.encode("\n" + part, allow_special=not as_text)
+        if piece[:len(newline)] == newline:
+            ids += piece[len(newline):]
+        else:
+            ids += tokenizer.encode(part, allow_special=not as_text)
+    return ids
 
 
 def message_text(message) -> str:
