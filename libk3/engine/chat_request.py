@@ -8,7 +8,8 @@ Does not own: the template semantics (``chat_template``), batch lines or HTTP.
 
 from __future__ import annotations
 
-from .chat_template import load_chat_template, plain_text, turn_stop_ids
+from .chat_template import (ChatInputError, check_conversation, load_chat_template,
+                            plain_text, turn_stop_ids)
 
 NO_TEMPLATE = ("this model ships no chat template (tokenizer_config.json chat_template or "
                "chat_template.jinja): conversations run as plain continuation of their "
@@ -16,22 +17,12 @@ NO_TEMPLATE = ("this model ships no chat template (tokenizer_config.json chat_te
 
 
 def conversation_problem(obj: dict) -> str | None:
-    """Why the request's conversation fields are malformed, or None: "messages" a
-    non-empty list of objects with a string "role"; "tools" a list of objects;
-    "template_kwargs" an object."""
-    messages = obj.get("messages")
-    if not isinstance(messages, list) or not messages:
-        return "\"messages\" must be a non-empty list of message objects"
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            return f"\"messages\"[{i}] must be an object with a string \"role\""
-    tools = obj.get("tools")
-    if tools is not None and (not isinstance(tools, list)
-                              or not all(isinstance(t, dict) for t in tools)):
-        return "\"tools\" must be a list of objects"
-    kwargs = obj.get("template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        return "\"template_kwargs\" must be an object"
+    """Why the request's "messages", "tools" and "template_kwargs" cannot be rendered
+    (``chat_template.check_conversation``), or None."""
+    try:
+        check_conversation(obj.get("messages"), obj.get("tools"), obj.get("template_kwargs"))
+    except ChatInputError as e:
+        return e.message
     return None
 
 

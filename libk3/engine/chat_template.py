@@ -77,15 +77,9 @@ class ChatTemplate:
         template beside the named special tokens and override them, as in HF."""
         import jinja2
 
+        check_conversation(messages, tools, template_kwargs)
         messages = normalize_messages(messages)
-        if tools is not None and (not isinstance(tools, list)
-                                  or not all(isinstance(t, dict) for t in tools)):
-            raise ChatInputError("\"tools\" must be a list of JSON objects")
-        kwargs = dict(template_kwargs or {})
-        for key in ("messages", "tools", "documents", "add_generation_prompt"):
-            if key in kwargs:
-                raise ChatInputError(f"template keyword {key!r} is set by the request itself")
-        variables = {**self.special_tokens, **kwargs}
+        variables = {**self.special_tokens, **(template_kwargs or {})}
         template = _compile(self.pick(name, tools), self.source)
         try:
             return template.render(messages=messages, tools=tools, documents=documents,
@@ -113,16 +107,31 @@ class ChatTemplate:
         return encode_marked(tokenizer, text)
 
 
-def normalize_messages(messages) -> list:
-    """HF's view of a conversation: a non-empty list of objects each with a string
-    "role"; keys whose value is null dropped (templates test presence, not null); the
-    reasoning, under any of its names, also given as "reasoning_content" and "thinking"."""
+def check_conversation(messages, tools=None, template_kwargs=None) -> None:
+    """ChatInputError unless ``messages`` is a non-empty list of objects with a string
+    "role", ``tools`` None or a list of objects, ``template_kwargs`` None or an object
+    not naming a variable the request sets itself."""
     if not isinstance(messages, list) or not messages:
         raise ChatInputError("\"messages\" must be a non-empty list of message objects")
-    out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ChatInputError(f"message {i} must be an object with a string \"role\"")
+            raise ChatInputError(f"\"messages\"[{i}] must be an object with a string \"role\"")
+    if tools is not None and (not isinstance(tools, list)
+                              or not all(isinstance(t, dict) for t in tools)):
+        raise ChatInputError("\"tools\" must be a list of objects")
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise ChatInputError("\"template_kwargs\" must be an object")
+    for key in ("messages", "tools", "documents", "add_generation_prompt"):
+        if key in (template_kwargs or {}):
+            raise ChatInputError(f"\"template_kwargs\" may not set {key!r} (the request does)")
+
+
+def normalize_messages(messages) -> list:
+    """HF's view of checked messages: keys whose value is null dropped (templates test
+    presence, not null); the reasoning, under any of its names, also given as
+    "reasoning_content" and "thinking"."""
+    out = []
+    for message in messages:
         message = {k: v for k, v in message.items() if v is not None}
         reasoning = next((message[k] for k in REASONING_FIELDS if k in message), None)
         if reasoning is not None:
@@ -196,6 +205,7 @@ def message_text(message) -> str:
 def plain_text(messages) -> str:
     """A conversation as plain continuation (a model without a template): the messages'
     texts, concatenated, nothing added."""
+    check_conversation(messages)
     return "".join(message_text(m) for m in normalize_messages(messages))
 
 

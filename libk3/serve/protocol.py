@@ -104,8 +104,8 @@ def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
         why = conversation_problem({"messages": body.get("messages"),
                                     "tools": body.get("tools"),
                                     "template_kwargs": body.get("chat_template_kwargs")})
-        if why:
-            param = why.split('"')[1] if '"' in why else "messages"
+        if why:                                  # the field is named first, in quotes
+            param = why.split('"')[1].replace("template_kwargs", "chat_template_kwargs")
             raise ApiError(422, why.replace("template_kwargs", "chat_template_kwargs"),
                            param=param, code="invalid_value")
         req.messages, req.tools = body["messages"], body.get("tools")
