@@ -55,6 +55,7 @@ class Worker:
         self.queue: queue.Queue = queue.Queue()
         self.counts = {"served": 0, "cancelled": 0, "failed": 0, "generated_tokens": 0}
         self.busy = False
+        self.current = None             # the job being decoded
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
 
@@ -65,7 +66,9 @@ class Worker:
         return self.queue.qsize()
 
     def close(self) -> None:
-        """Stop after the job in hand (queued jobs are cancelled) and join the thread."""
+        """Cancel the job in hand and every queued one, then join the thread."""
+        if self.current is not None:
+            self.current.cancel()
         while True:
             try:
                 job = self.queue.get_nowait()
@@ -104,7 +107,7 @@ class Worker:
             self.counts["cancelled"] += 1
             job._send(("cancelled", None))
             return
-        self.busy = True
+        self.busy, self.current = True, job
         started = time.monotonic()
         state, reused = self.turns.take(job.prompt_ids) if self.turns else (None, 0)
         state = state if state is not None else self.run.session.new_state()
@@ -126,7 +129,7 @@ class Worker:
                 self.log(f"request failed: {e.one_line() if isinstance(e, K3Error) else repr(e)}")
             return
         finally:
-            self.busy = False
+            self.busy, self.current = False, None
         res.prompt_ids = list(job.prompt_ids)        # what the client sent, reused or not
         if self.turns:
             self.turns.offer(state)                  # the conversation with this reply
