@@ -32,7 +32,7 @@ SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad
 # The names a message's reasoning arrives under; templates read the first (HF fills it,
 # and "thinking", from whichever is given).
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-# K3's turn ends (spec K3-MODEL.md 8.4: the sources disagree which one is usual, so both).
+# K3's turn ends (model.md §8.4: the sources disagree which one is usual, so both).
 K3_TURN_ENDS = ("<|end_of_msg|>", "[EOS]")
 
 
