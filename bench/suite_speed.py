@@ -37,7 +37,7 @@ def setup(tree: Path, ref: str) -> Path:
     sh(["git", "-C", ROOT, "worktree", "add", "--detach", tree, ref])
     sh([sys.executable, "-m", "venv", tree / ".venv"])
     py = tree / ".venv" / "bin" / "python"
-    sh([py, "-m", "pip", "install", "-q", "-e", ".[test]"], cwd=tree)
+    sh([py, "-m", "pip", "install", "-q", "-e", ".[test,serve]"], cwd=tree)
     return py
 
 

@@ -15,6 +15,20 @@ def tiny_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tok(tiny_dir):
+    """The tiny checkpoint's tokenizer."""
+    from libk3.io.tokenizer import K3Tokenizer
+    return K3Tokenizer.from_dir(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def template(tiny_dir):
+    """The tiny checkpoint's chat template (the synthetic one, libk3.synth.bpe)."""
+    from libk3.engine.chat_template import load_chat_template
+    return load_chat_template(tiny_dir)
+
+
+@pytest.fixture(scope="session")
 def small_dir(tmp_path_factory) -> Path:
     from libk3.synth.checkpoint import synth_checkpoint
     return synth_checkpoint(tmp_path_factory.mktemp("small") / "small", "small", seed=0,

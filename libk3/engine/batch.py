@@ -4,8 +4,9 @@ Owns: parsing and validating batch lines, skipping ids already present in the re
 file (so a rerun after a crash continues), appending each result durably as it finishes.
 Does not own: generation (``libk3.engine.generate``) or the CLI.
 
-Input line: {"id": str|int (required, unique), "prompt": str | "ids": [int] (exactly one),
-optional "gen", "temperature", "top_p", "seed", "stop" (str or list of str), "stop_ids"
+Input line: {"id": str|int (required, unique), "prompt": str | "ids": [int] | "messages":
+[message] (exactly one; "messages" with optional "tools" and "template_kwargs", rendered
+with the model's chat template, formats/chat.md), optional "gen", "temperature", "top_p", "seed", "stop" (str or list of str), "stop_ids"
 ([int])}. The settings follow the same rules as the options (``gen_problem``,
 ``sampler.temperature_problem``, ...). A malformed line, or one with a bad setting, is
 reported with its line number and skipped; it never stops the batch.
@@ -36,6 +37,7 @@ from pathlib import Path
 
 from ..errors import FormatError, K3IOError
 from ..io.atomic import write_error
+from .chat_request import conversation_problem
 from .generate import GenSettings, gen_problem, token_ids_problem
 from .sampler import seed_problem, temperature_problem, top_p_problem
 
@@ -69,8 +71,11 @@ def parse_line(line: bytes, vocab_size: int) -> dict:
     if "id" not in obj or not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
         raise BatchLineError("missing or invalid \"id\" (a string or integer)")
     has_prompt, has_ids = "prompt" in obj, "ids" in obj
-    if has_prompt == has_ids:
-        raise BatchLineError("give exactly one of \"prompt\" and \"ids\"")
+    if has_prompt + has_ids + ("messages" in obj) != 1:
+        raise BatchLineError("give exactly one of \"prompt\", \"ids\" and \"messages\"")
+    why = conversation_problem(obj) if "messages" in obj else None
+    if why:
+        raise BatchLineError(why)
     if has_prompt and (not isinstance(obj["prompt"], str) or not obj["prompt"]):
         raise BatchLineError("\"prompt\" must be a non-empty string")
     if has_ids and (not obj["ids"] or token_ids_problem(obj["ids"], vocab_size)):

@@ -33,6 +33,7 @@ class BatchSink:
         self.generated = 0
         self.bar = _bar()
         self.ids = {}                       # line -> the line's id
+        self.chats = set()                  # lines given as "messages"
         self.lockstep = None
         if width > 1:
             cfg = run.cfg
@@ -41,11 +42,14 @@ class BatchSink:
                                      tokenizer=run.session.tokenizer, on_token=self._token,
                                      should_stop=should_stop)
 
-    def submit(self, lineno: int, job_id, prompt_ids, settings) -> bool:
-        """Run the prompt (width 1) or queue it for the next free slot. False when the
+    def submit(self, lineno: int, job_id, prompt_ids, settings, chat: bool = False) -> bool:
+        """Run the prompt (width 1) or queue it for the next free slot; ``chat``: a
+        "messages" line, whose result also carries the parsed reply. False when the
         deadline passed meanwhile: this prompt and every one in flight are dropped."""
         from .runner import check_stop_strings, run_one
         self.ids[lineno] = job_id
+        if chat:
+            self.chats.add(lineno)
         job = Job(lineno, prompt_ids, settings)          # the tag is the trace's seq
         try:
             if self.lockstep is None:
@@ -77,6 +81,9 @@ class BatchSink:
         lineno = job.tag
         job_id = self.ids.pop(lineno)
         rep = self.run.report(res, {"id": job_id, "line": lineno, "batch_width": self.width})
+        if lineno in self.chats:
+            self.chats.discard(lineno)
+            rep["message"] = self.run.reply_message(res.generated_ids)
         batchfile.append_result(self.out_path, rep)
         if self.lockstep is None:
             self.generated += len(res.generated_ids)

@@ -1,35 +1,55 @@
-"""K3 chat turns: XTML markup when the tokenizer defines it, plain continuation otherwise.
+"""A conversation the engine carries turn by turn (the ``--chat`` REPL).
 
-Owns: turning one user message into token ids (markup encoded WITH special-token
-recognition, the user's text WITHOUT it, so typed markup cannot inject structure) and
-the stop ids of an assistant turn. Does not own: the REPL or generation.
+Owns: which ids each new message adds to a state that already holds the earlier turns,
+and the messages so far. Does not own: rendering (``chat_template``), parsing the
+replies (``chat_parse``), the REPL's input and output, or generation.
 
-XTML details are unverified (model.md §8.4): a message is
-``<|open|>{role}<|sep|>{text}<|close|>{role}<|sep|><|end_of_msg|>`` and the assistant's
-turn is opened with ``<|open|>assistant<|sep|>``. Generation stops at ``<|end_of_msg|>``
-or ``[EOS]`` (the sources disagree on the usual turn end, so both; model.md §10).
+Each turn feeds the text the template adds for the new message: the rendering of the
+messages so far plus the new one (with the generation prompt) minus the rendering of
+the messages so far (formats/chat.md "Turns"). Why not re-render and prefill it all:
+the state already holds those turns; a template that rewrites an earlier turn (drops
+old reasoning, say) makes the two renderings disagree, and only then is the whole
+conversation prefilled again into a fresh state. Markup a user types is text, never
+structure (HF's ``sanitize_control_tokens``). A model without a template runs plain
+continuation: each message's text is fed as typed.
 """
 
 from __future__ import annotations
 
-MARKUP = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
-STOPS = ("<|end_of_msg|>", "[EOS]")
+from .chat_template import ChatTemplate, encode_marked, mark
 
 
-def has_xtml(tokenizer) -> bool:
-    return tokenizer is not None and all(tokenizer.id_of(t) is not None for t in MARKUP)
+class Conversation:
+    """The messages of one chat and how each new one is fed (``template`` None: plain)."""
 
+    def __init__(self, tokenizer, template: ChatTemplate | None, template_kwargs=None):
+        self.tokenizer = tokenizer
+        self.template = template
+        self.template_kwargs = dict(template_kwargs or {})
+        self.messages: list = []
 
-def stop_ids(tokenizer) -> tuple:
-    if tokenizer is None:
-        return ()
-    return tuple(i for i in (tokenizer.id_of(t) for t in STOPS) if i is not None)
+    def _render(self, messages, add_generation_prompt: bool) -> str:
+        """The rendering with markup typed by the user marked as text (HF's sanitising)."""
+        if not messages:
+            return ""
+        return self.template.render(mark(self.tokenizer, messages),
+                                    add_generation_prompt=add_generation_prompt,
+                                    template_kwargs=mark(self.tokenizer, self.template_kwargs))
 
+    def add_user(self, text: str) -> tuple:
+        """(ids to feed, fresh): ``fresh`` True means the ids are the whole conversation
+        and go into a new state (the template changed an earlier turn)."""
+        message = {"role": "user", "content": text}
+        if self.template is None:
+            self.messages.append(message)
+            return self.tokenizer.encode(text), False
+        before = self._render(self.messages, add_generation_prompt=False)
+        self.messages.append(message)
+        after = self._render(self.messages, add_generation_prompt=True)
+        if after.startswith(before):
+            return encode_marked(self.tokenizer, after[len(before):]), False
+        return encode_marked(self.tokenizer, after), True
 
-def user_turn_ids(tokenizer, text: str) -> list:
-    """Token ids for one user message plus the opening of the assistant's reply."""
-    if not has_xtml(tokenizer):
-        return tokenizer.encode(text)
-    markup = lambda s: tokenizer.encode(s, allow_special=True)  # noqa: E731
-    return (markup("<|open|>user<|sep|>") + tokenizer.encode(text)
-            + markup("<|close|>user<|sep|><|end_of_msg|><|open|>assistant<|sep|>"))
+    def add_reply(self, message: dict) -> None:
+        """Record the model's reply (the message parsed from its ids)."""
+        self.messages.append(message)

@@ -88,13 +88,17 @@ def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=
 
 
 def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokenizer=None,
-             on_token=None, keep_logits: bool = False, progress=None) -> GenResult:
-    """Run one prompt. ``on_token(id)`` is called as each token is produced."""
+             on_token=None, keep_logits: bool = False, progress=None,
+             after_prefill=None) -> GenResult:
+    """Run one prompt. ``on_token(id)`` is called as each token is produced;
+    ``after_prefill(state)`` once the prompt is in the state (reuse of earlier turns)."""
     sampler = Sampler(settings.temperature, settings.top_p, settings.seed)
     prompt_ids = [int(i) for i in prompt_ids]
     t0 = time.perf_counter()
     all_rows, last = prefill(forward, state, prompt_ids, settings.prefill_chunk, keep_logits,
                              progress)
+    if after_prefill is not None:
+        after_prefill(state)
     t1 = time.perf_counter()
     rows = [all_rows] if keep_logits else []
     generated: list[int] = []

@@ -18,7 +18,6 @@ from ..errors import BudgetError, FormatError, UsageError
 from ..model.state import State
 from ..trace import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
-from . import chat as chatfmt
 from .batch_sink import BatchSink
 from .generate import Abandoned, GenSettings, generate, token_ids_problem
 from .report import run_report, startup_seconds
@@ -129,6 +128,7 @@ class Run:
             cache_policy=opts.cache_policy, io_threads=opts.io_threads,
             direct_io=opts.direct_io, on_route=on_route, verify_reads=opts.verify_reads)
         self.seq = 0                       # which prompt of a batch (trace records)
+        self._chat = None
         if opts.trace_path:
             from .. import __version__
             from ..trace import TraceWriter, header_for_config
@@ -185,6 +185,33 @@ class Run:
                               expected=f"<= {context} tokens", found=f"{len(ids)} tokens")
         return ids
 
+    def chat(self, warn=None):
+        """Conversations' prompt ids and turn ends for this model (``chat_request``)."""
+        if self._chat is None:
+            from .chat_request import ChatEncoder
+            self._chat = ChatEncoder(self.opts.model, self._tokenizer(), warn)
+        return self._chat
+
+    def encode_messages(self, request: dict, warn=None) -> list:
+        """Prompt ids of a request's "messages" (with its "tools", "template_kwargs")."""
+        ids = self.chat(warn).encode(request["messages"], request.get("tools"),
+                                     request.get("template_kwargs"))
+        if not ids:
+            raise UsageError("the conversation encodes to no tokens")
+        return ids
+
+    def chat_settings(self, settings: GenSettings, warn=None) -> GenSettings:
+        """``settings`` that also stop at the assistant turn's end."""
+        stops = tuple(dict.fromkeys(tuple(settings.stop_ids) + self.chat(warn).stop_ids()))
+        return dataclasses.replace(settings, stop_ids=stops)
+
+    def reply_message(self, generated_ids) -> dict:
+        """The assistant message parsed from a reply's ids (formats/chat.md)."""
+        from .chat_parse import parse_reply, pieces
+        if self.chat().template is None:
+            return {"role": "assistant", "content": self._tokenizer().decode(generated_ids)}
+        return parse_reply(pieces(self._tokenizer(), generated_ids)).message()
+
     def report(self, res, extra=None) -> dict:
         stats = self.session.weights.stats()
         rep = run_report(res, stats, self.budget, extra)
@@ -232,17 +259,20 @@ def check_stop_strings(run: Run, settings: GenSettings) -> None:
 
 
 def run_one(run: Run, prompt_ids, settings: GenSettings, *, on_token=None, keep_logits=False,
-            load_state=None, save_state=None, should_stop=None):
+            load_state=None, save_state=None, should_stop=None, state=None,
+            after_prefill=None):
     """One prompt. ``should_stop()``, if given, is asked at every prefill chunk and token;
-    when it answers True the prompt is abandoned (Abandoned is raised, nothing saved)."""
+    when it answers True the prompt is abandoned (Abandoned is raised, nothing saved).
+    ``state``: continue this state (else a new one, or ``load_state``'s)."""
     check_stop_strings(run, settings)
-    state = _load_state(run, load_state)
+    if state is None:
+        state = _load_state(run, load_state)
     progress = _prefill_bar(len(prompt_ids))
     if should_stop is not None:
         progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
     res = generate(run.session.forward, state, prompt_ids, settings,
                    tokenizer=run.session.tokenizer, on_token=on_token, keep_logits=keep_logits,
-                   progress=progress)
+                   progress=progress, after_prefill=after_prefill)
     if save_state:
         state.save(save_state)
     return res
@@ -327,7 +357,8 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
             if key in seen:
                 raise batchfile.BatchLineError(f"duplicate id {job['id']!r}")
             seen.add(key)
-            prompt_ids = job["ids"] if "ids" in job else run.encode(job["prompt"])
+            prompt_ids = job["ids"] if "ids" in job else \
+                run.encode_messages(job, warn) if "messages" in job else run.encode(job["prompt"])
         except (batchfile.BatchLineError, UsageError) as e:
             msg = e.one_line() if isinstance(e, UsageError) else str(e)
             warn(f"{batch_path}:{lineno}: skipped: {msg}")
@@ -348,8 +379,11 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
         if summary["stopped"] is not None:
             summary["remaining"] += 1      # keep counting: the summary says what is left
             continue
+        settings = batchfile.job_settings(job, base)
+        if "messages" in job:
+            settings = run.chat_settings(settings, warn)
         started += 1
-        if not sink.submit(lineno, job["id"], prompt_ids, batchfile.job_settings(job, base)):
+        if not sink.submit(lineno, job["id"], prompt_ids, settings, chat="messages" in job):
             summary["stopped"] = "deadline"
     summary.update(sink.close())
     if sink.abandoned:
@@ -359,17 +393,32 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     return summary
 
 
+def parse_template_kwargs(text):
+    """--template-kwargs: a JSON object (None when not given)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"--template-kwargs is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise UsageError("--template-kwargs must be a JSON object")
+    return value
+
+
 def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_factory,
-             prompt_fn) -> None:
-    """A multi-turn REPL: the state carries every earlier turn (no re-prefill). An empty
+             prompt_fn, warn=None, template_kwargs=None) -> None:
+    """A multi-turn REPL in the model's chat template (``chat.Conversation``): the state
+    carries every earlier turn, each turn feeds only what the template adds. An empty
     line or end of input ends the chat; the state is saved then if asked."""
+    from .chat import Conversation
+
     tok = run.session.tokenizer
     if tok is None:
         raise UsageError("--chat needs the model's tokenizer (tiktoken.model)")
     state = _load_state(run, load_state)
-    stops = tuple(settings.stop_ids) + chatfmt.stop_ids(tok) if chatfmt.has_xtml(tok) \
-        else tuple(settings.stop_ids)
-    turn_settings = dataclasses.replace(settings, stop_ids=stops)
+    convo = Conversation(tok, run.chat(warn).template, template_kwargs)
+    turn_settings = run.chat_settings(settings, warn)
     import click
     while True:
         try:
@@ -378,10 +427,13 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
             break
         if not text:
             break
-        ids = chatfmt.user_turn_ids(tok, text)
+        ids, fresh = convo.add_user(text)
+        if fresh:
+            state = run.session.new_state()
         printer = emit_factory()
-        generate(run.session.forward, state, ids, turn_settings, tokenizer=tok,
-                 on_token=printer)
+        res = generate(run.session.forward, state, ids, turn_settings, tokenizer=tok,
+                       on_token=printer)
         printer.finish()
+        convo.add_reply(run.reply_message(res.generated_ids))
     if save_state:
         state.save(save_state)

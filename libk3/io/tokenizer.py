@@ -640,6 +640,10 @@ class LazyTokenizer:
     def id_of(self, content: str):
         return self.get().id_of(content)
 
+    @property
+    def special_ids(self) -> dict:
+        return self.get().special_ids
+
     def stream_decoder(self) -> "IncrementalDecoder":
         return IncrementalDecoder(self)
 

@@ -94,6 +94,16 @@ class State:
             self.kda_S[L][...] = S[L]
             self.kda_conv[L][...] = conv[L]
 
+    def copy(self) -> "State":
+        """An independent state at the same position (MLA caches trimmed to ``pos``)."""
+        new = State.__new__(State)
+        new.cfg, new.pos, new.ids = self.cfg, self.pos, list(self.ids)
+        new.kda_S = {L: a.copy() for L, a in self.kda_S.items()}
+        new.kda_conv = {L: a.copy() for L, a in self.kda_conv.items()}
+        new.mla_latent = {L: a[:self.pos].copy() for L, a in self.mla_latent.items()}
+        new.mla_rope = {L: a[:self.pos].copy() for L, a in self.mla_rope.items()}
+        return new
+
     def nbytes(self) -> int:
         return sum(a.nbytes for d in (self.kda_S, self.kda_conv, self.mla_latent, self.mla_rope)
                    for a in d.values())

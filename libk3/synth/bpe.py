@@ -59,15 +59,58 @@ SPECIAL_OFFSETS = {
     21: "<|media_pad|>",
 }
 
-# A minimal chat template for synthetic checkpoints only: XTML-like markers of model.md §8.4;
-# the release's template is unverified and k3 does not read this field.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "<|open|>{{ message['role'] }}<|sep|>{{ message['content'] }}"
-    "<|close|>{{ message['role'] }}<|sep|><|end_of_msg|>"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|open|>assistant<|sep|>{%- endif -%}"
-)
+# The chat template of synthetic checkpoints (formats/chat.md "The synthetic template"):
+# XTML-like markup of model.md §8.4, not the release's (unverified). It exercises what a real
+# template uses: roles in a loop, a macro, loop controls, raise_exception, tojson, tools,
+# tool calls, reasoning, a keyword (`thinking`) and add_generation_prompt, and writes an
+# assistant turn in exactly the markup libk3.engine.chat_parse reads back.
+CHAT_TEMPLATE = """\
+{%- macro text(content) -%}
+  {%- if content is string -%}
+    {{- content -}}
+  {%- elif content is iterable -%}
+    {%- for part in content -%}
+      {%- if part.type != 'text' -%}{%- continue -%}{%- endif -%}
+      {{- part.text -}}
+    {%- endfor -%}
+  {%- endif -%}
+{%- endmacro -%}
+{%- if tools -%}
+<|open|>system name="tools"<|sep|>{{ tools | tojson }}<|close|>system<|sep|><|end_of_msg|>
+{%- endif -%}
+{% for message in messages %}
+  {% if message.role not in ['system', 'user', 'assistant', 'tool'] %}
+    {{- raise_exception('unknown role ' ~ message.role) -}}
+  {% endif %}
+<|open|>{{ message.role }}
+  {%- if message.role == 'tool' and message.tool_call_id %} id="{{ message.tool_call_id }}"{% endif -%}
+  <|sep|>
+  {%- if message.role == 'assistant' -%}
+    {%- if message.reasoning_content -%}
+      <|open|>think<|sep|>{{ message.reasoning_content }}<|close|>think<|sep|>
+    {%- endif -%}
+    {%- if message.content -%}
+      <|open|>response<|sep|>{{ text(message.content) }}<|close|>response<|sep|>
+    {%- endif -%}
+    {%- if message.tool_calls -%}
+      <|open|>tools<|sep|>
+      {%- for call in message.tool_calls -%}
+        {%- set f = call.function if call.function is defined else call -%}
+        <|open|>call name="{{ f.name }}"{% if call.id %} id="{{ call.id }}"{% endif %}<|sep|>
+        {{- f.arguments if f.arguments is string else f.arguments | tojson -}}
+        <|close|>call<|sep|>
+      {%- endfor -%}
+      <|close|>tools<|sep|>
+    {%- endif -%}
+  {%- else -%}
+    {{- text(message.content) -}}
+  {%- endif -%}
+<|close|>{{ message.role }}<|sep|><|end_of_msg|>{% endfor %}
+{%- if add_generation_prompt -%}
+  <|open|>assistant<|sep|>
+  {%- if thinking is defined and not thinking -%}<|open|>think<|sep|><|close|>think<|sep|>{%- endif -%}
+{%- endif -%}
+"""
 
 # Seed corpus written for k3: English with contractions in every case, code, numbers,
 # CJK, kana, Hangul, other scripts, combining marks, emoji with ZWJ sequences, whitespace

@@ -70,7 +70,21 @@ class _Printer:
                    "(default auto: the most whose state fits beside the budgets).")
 @click.option("--shard", metavar="K/N",
               help="With --batch: run only the ids of shard K of N (README: Batch files).")
-@click.option("--chat", is_flag=True, help="Interactive multi-turn chat on stdin.")
+@click.option("--chat", is_flag=True, help="Interactive multi-turn chat on stdin, in the "
+                                           "model's chat template.")
+@click.option("--template-kwargs", metavar="JSON",
+              help="With --chat: extra chat-template variables, e.g. '{\"thinking\": false}'.")
+@click.option("--serve", "serve_address", metavar="[HOST:]PORT",
+              help="Serve an OpenAI-compatible API (needs the serve extra); HOST defaults "
+                   "to 127.0.0.1, any other address needs --api-key.")
+@click.option("--api-key", envvar="K3_API_KEY", show_envvar=True,
+              help="With --serve: the key every request must send (Authorization: Bearer).")
+@click.option("--reuse-gb", type=gigabytes(), default=1.0, show_default=True,
+              help="With --serve: RAM for states of earlier requests, resumed when a prompt "
+                   "extends one (least recently used out; 0 = off).")
+@click.option("--reuse-disk-gb", type=gigabytes(), default=0.0, show_default=True,
+              help="With --serve: disk (a private temp directory) for states spilled from "
+                   "--reuse-gb.")
 @click.option("--gen", type=Rule(click.INT, gen_problem, "integer"), default=16,
               show_default=True, help="Tokens to generate (per turn in --chat), at most "
                                       "1,048,576 (the trained context).")
@@ -117,7 +131,8 @@ class _Printer:
 @click.pass_context
 @handle_errors
 def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_prompts,
-         deadline, batch_width, shard, chat, gen, temperature,
+         deadline, batch_width, shard, chat, template_kwargs, serve_address, api_key, reuse_gb,
+         reuse_disk_gb, gen, temperature,
          top_p, seed, stop_strings, stop_ids, preset, trunk_gb, cache_gb, resident,
          cache_policy, io_threads, buffered_io, verify_reads, prefill_chunk, spec, threads,
          save_state, load_state, trace_path, logits_out, report_json, json_out):
@@ -125,10 +140,12 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
     from libk3.engine import runner
 
     modes = [o for o, v in (("--prompt", prompt), ("--prompt-file", prompt_file),
-                            ("--ids", ids), ("--batch", batch), ("--chat", chat or None))
+                            ("--ids", ids), ("--batch", batch), ("--chat", chat or None),
+                            ("--serve", serve_address))
              if v is not None]
     if len(modes) != 1:
-        raise UsageError("give exactly one of --prompt, --prompt-file, --ids, --batch, --chat"
+        raise UsageError("give exactly one of --prompt, --prompt-file, --ids, --batch, --chat, "
+                         "--serve"
                          + (f" (got {', '.join(modes)})" if modes else ""))
     if batch and not out_path:
         raise UsageError("--batch needs --out RESULTS.jsonl")
@@ -138,6 +155,15 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         raise UsageError("--wait, --max-prompts and --deadline go with --batch")
     if resident and (preset or trunk_gb is not None or cache_gb is not None or pack):
         raise UsageError("--resident excludes --preset, --trunk-gb, --cache-gb and --pack")
+    if template_kwargs is not None and not chat:
+        raise UsageError("--template-kwargs goes with --chat")
+    from click.core import ParameterSource
+    if not serve_address and ctx.get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
+        raise UsageError("--api-key goes with --serve")
+    chat_kwargs = runner.parse_template_kwargs(template_kwargs)
+    if serve_address:
+        from libk3.serve.app import check_address
+        check_address(serve_address, api_key)        # before the model is opened
     if spec and temperature > 0:
         raise UsageError("--spec keeps exactly the greedy result; it needs --temperature 0")
     width, shard_kn = runner.batch_options(batch, batch_width, shard, spec)
@@ -170,9 +196,17 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         return
     with runner.open_run(opts) as run:
         run.check_stop_ids(stop_ids)
+        if serve_address:
+            from libk3.serve.app import serve
+            serve(run, serve_address, settings, api_key=api_key,
+                  log=lambda m: click.echo(m, err=True),
+                  reuse_ram_bytes=int(reuse_gb * 1e9), reuse_disk_bytes=int(reuse_disk_gb * 1e9))
+            return
         if chat:
             runner.run_chat(run, settings, load_state=load_state, save_state=save_state,
                             emit_factory=lambda: _Printer(run.session.tokenizer),
+                            warn=lambda m: click.echo(m, err=True),
+                            template_kwargs=chat_kwargs,
                             prompt_fn=lambda: click.prompt("you", prompt_suffix="> ",
                                                            default="", show_default=False,
                                                            err=True))

@@ -1,0 +1,98 @@
+"""Turn 2 of a chat through ``k3-run --serve``: prefill work when the server resumes turn
+1's state, against the same conversation sent to a server that keeps no state
+(``--reuse-gb 0``). Both servers run one after the other on loopback with the same model
+and budgets; each serves turn 1 first (so both are equally warm), then turn 2 is timed.
+
+Prints the prompt tokens each server prefilled for turn 2 and the prefill seconds from
+its log line, and their ratios (issue 14 asks for at most 0.3x on the medium model).
+
+    python bench/turn_reuse.py [--preset medium] [--system-words 300] [--run-args ARGS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import checkpoint  # noqa: E402
+
+
+def start(model, log: Path, reuse_gb: str, run_args):
+    err = open(log, "w")
+    proc = subprocess.Popen(["k3-run", str(model), "--serve", "127.0.0.1:0", "--gen", "8",
+                             "--reuse-gb", reuse_gb, *run_args], stderr=err,
+                            stdout=subprocess.DEVNULL)
+    while proc.poll() is None:
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", log.read_text())
+        if m:
+            return proc, f"http://127.0.0.1:{m.group(1)}"
+        time.sleep(0.5)
+    raise SystemExit(log.read_text())
+
+
+def chat(url, messages, max_tokens):
+    body = json.dumps({"model": "m", "messages": messages, "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        return json.loads(r.read())
+
+
+def prefill_seconds(log: Path) -> float:
+    """Prefill seconds of the last request in a server log."""
+    return float(re.findall(r"prefill ([0-9.]+) s", log.read_text())[-1])
+
+
+def serve_two_turns(model, reuse_gb, tmp: Path, system: str, run_args):
+    log = tmp / f"serve-{reuse_gb}.log"
+    proc, url = start(model, log, reuse_gb, run_args)
+    try:
+        turn1 = [{"role": "system", "content": system},
+                 {"role": "user", "content": "What is the capital of France?"}]
+        r1 = chat(url, turn1, 8)
+        turn2 = turn1 + [r1["choices"][0]["message"],
+                         {"role": "user", "content": "And of Italy?"}]
+        r2 = chat(url, turn2, 8)
+        return r2, prefill_seconds(log)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=300)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--system-words", type=int, default=300)
+    ap.add_argument("--run-args", default="--resident",
+                    help="k3-run options of both servers (budgets), e.g. '--preset laptop'")
+    args = ap.parse_args()
+    run_args = args.run_args.split()
+    model = checkpoint(args.preset)
+    words = ("You are a careful assistant who answers questions about geography, "
+             "history and languages. ").split()
+    system = " ".join(words[i % len(words)] for i in range(args.system_words))
+    with tempfile.TemporaryDirectory() as d:
+        reuse, reuse_s = serve_two_turns(model, "1", Path(d), system, run_args)
+        fresh, fresh_s = serve_two_turns(model, "0", Path(d), system, run_args)
+    assert reuse["k3"]["prompt_ids"] == fresh["k3"]["prompt_ids"]
+    assert reuse["k3"]["generated_ids"] == fresh["k3"]["generated_ids"], "results differ"
+    n = len(fresh["k3"]["prompt_ids"])
+    fed = n - reuse["k3"]["reused_tokens"]
+    print(f"model {args.preset} ({args.run_args}); turn 2 prompt {n} tokens; "
+          "same generated ids: yes")
+    print(f"{'':24}{'reuse':>10}{'fresh':>10}{'ratio':>8}")
+    print(f"{'prefilled tokens':24}{fed:>10}{n - fresh['k3']['reused_tokens']:>10}"
+          f"{fed / n:>8.3f}")
+    print(f"{'prefill seconds':24}{reuse_s:>10.2f}{fresh_s:>10.2f}{reuse_s / fresh_s:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""A conversation as a request gives it (a batch line, an HTTP body) turned into prompt ids.
+
+Owns: checking the request's "messages", "tools" and "template_kwargs" fields; encoding
+them with the model's template (read once per run), or as plain continuation when the
+model has none (said once, through ``warn``); the stop ids of the assistant turn.
+Does not own: the template semantics (``chat_template``), batch lines or HTTP.
+"""
+
+from __future__ import annotations
+
+from .chat_template import (ChatInputError, check_conversation, load_chat_template,
+                            plain_text, turn_stop_ids)
+
+NO_TEMPLATE = ("this model ships no chat template (tokenizer_config.json chat_template or "
+               "chat_template.jinja): conversations run as plain continuation of their "
+               "messages' text")
+
+
+def conversation_problem(obj: dict) -> str | None:
+    """Why the request's "messages", "tools" and "template_kwargs" cannot be rendered
+    (``chat_template.check_conversation``), or None."""
+    try:
+        check_conversation(obj.get("messages"), obj.get("tools"), obj.get("template_kwargs"))
+    except ChatInputError as e:
+        return e.message
+    return None
+
+
+class ChatEncoder:
+    """Prompt ids of conversations for one model (its template read on first use)."""
+
+    def __init__(self, model_dir, tokenizer, warn=None):
+        self.model_dir, self.tokenizer, self.warn = model_dir, tokenizer, warn
+        self._template = None
+        self._read = False
+
+    @property
+    def template(self):
+        if not self._read:
+            self._template = load_chat_template(self.model_dir)
+            self._read = True
+            if self._template is None and self.warn is not None:
+                self.warn(NO_TEMPLATE)
+        return self._template
+
+    def encode(self, messages, tools=None, template_kwargs=None) -> list:
+        """Ids of the conversation with the generation prompt (the assistant's turn next)."""
+        if self.template is None:
+            return self.tokenizer.encode(plain_text(messages))
+        return self.template.encode(self.tokenizer, messages, tools=tools,
+                                    template_kwargs=template_kwargs)
+
+    def stop_ids(self) -> tuple:
+        return turn_stop_ids(self.tokenizer, self.template)

@@ -1,0 +1,305 @@
+"""``k3-run MODEL --serve [HOST:]PORT``: an OpenAI-compatible HTTP endpoint (aiohttp).
+
+Owns: the address rule (loopback by default; any other address needs an API key,
+checked on every request), the routes (POST /v1/chat/completions and /v1/completions,
+streamed as server-sent events or not; GET /v1/models and /health), turning every
+refusal into an OpenAI-style error body while the server keeps serving, and cancelling a
+job whose client disconnects. Does not own: the wire format's checks (``protocol``),
+the queue and the engine thread (``worker``), templates or generation.
+
+Needs the optional ``serve`` extra (``pip install 'k3[serve]'``): the core install stays
+lean, and HTTP is left to a maintained server library rather than written by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import itertools
+import os
+import signal
+
+from ..engine.batch import job_settings
+from ..errors import K3Error, UsageError
+from .protocol import (ApiError, check_request, envelope, finish_reason, parse_body, sse,
+                       usage)
+from .replies import ReplyReader
+from .worker import Job, Worker
+
+MAX_BODY_BYTES = 32 * 2 ** 20        # a larger request body is refused with 413
+DEFAULT_HOST = "127.0.0.1"
+
+
+def parse_address(text: str) -> tuple:
+    """"[HOST:]PORT" -> (host, port); an IPv6 host in brackets ("[::1]:8080")."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not port.isdigit() or not 0 <= int(port) <= 65535 or (sep and not host):
+        raise UsageError(f"--serve takes [HOST:]PORT with PORT 0..65535, got {text!r}")
+    return host or DEFAULT_HOST, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_address(address: str, api_key) -> tuple:
+    """(host, port) of ``--serve``; UsageError for a malformed address or a
+    non-loopback one without an API key."""
+    host, port = parse_address(address)
+    if not is_loopback(host) and not api_key:
+        raise UsageError(f"--serve on {host} would let other machines run the model: give "
+                         "--api-key (checked on every request), or serve on 127.0.0.1")
+    return host, port
+
+
+def _error(status: int, message: str, code=None, kind="invalid_request_error"):
+    from aiohttp import web
+    return web.json_response(ApiError(status, message, code=code, kind=kind).body,
+                             status=status)
+
+
+class Server:
+    """The routes over one ``Worker`` and the run it decodes with."""
+
+    def __init__(self, run, worker: Worker, base_settings, *, model_name: str,
+                 api_key=None, log=None):
+        self.run, self.worker, self.base = run, worker, base_settings
+        self.model_name, self.api_key, self.log = model_name, api_key, log
+        self.ids = itertools.count(1)
+        from ..config import context_length
+        self.context = context_length(run.opts.model)
+
+    def app(self):
+        from aiohttp import web
+        app = web.Application(client_max_size=MAX_BODY_BYTES,
+                              middlewares=[self._errors, self._auth])
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        return app
+
+    # ---- middlewares ----
+    @property
+    def _auth(self):
+        from aiohttp import web
+
+        @web.middleware
+        async def auth(request, handler):
+            if self.api_key is not None:
+                given = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                    return _error(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                  code="invalid_api_key")
+            return await handler(request)
+        return auth
+
+    @property
+    def _errors(self):
+        from aiohttp import web
+
+        @web.middleware
+        async def errors(request, handler):
+            try:
+                return await handler(request)
+            except ApiError as e:
+                return web.json_response(e.body, status=e.status)
+            except web.HTTPRequestEntityTooLarge:
+                return _error(413, f"the request body is over {MAX_BODY_BYTES} bytes",
+                              code="request_too_large")
+            except web.HTTPException as e:
+                if e.status >= 400:
+                    return _error(e.status, e.reason, kind="invalid_request_error")
+                raise
+            except UsageError as e:        # the template refused the conversation, ...
+                return _error(422, e.one_line(), code="invalid_value")
+            except K3Error as e:
+                return _error(500, e.one_line(), kind="server_error")
+        return errors
+
+    # ---- routes ----
+    async def models(self, request):
+        from aiohttp import web
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "k3"}]})
+
+    async def health(self, request):
+        from aiohttp import web
+        turns = self.worker.turns.summary() if self.worker.turns else None
+        return web.json_response({"status": "ok", "queued": self.worker.queued(),
+                                  "busy": self.worker.busy, **self.worker.counts,
+                                  "turn_reuse": turns})
+
+    async def chat(self, request):
+        req = check_request(parse_body(await request.read()), True, self.run.cfg.vocab_size)
+        ids = self.run.encode_messages({"messages": req.messages, "tools": req.tools,
+                                        "template_kwargs": req.template_kwargs}, self.log)
+        settings = self.run.chat_settings(self._settings(req), self.log)
+        reader = ReplyReader(self.run.session.tokenizer, self.run.chat().template is not None,
+                             req.stop)
+        return await self._answer(request, req, ids, settings, reader)
+
+    async def completions(self, request):
+        req = check_request(parse_body(await request.read()), False, self.run.cfg.vocab_size)
+        ids = req.prompt_ids if req.prompt_ids is not None else self.run.encode(req.prompt)
+        return await self._answer(request, req, ids, self._settings(req),
+                                  ReplyReader(self.run.session.tokenizer, False, req.stop))
+
+    def _settings(self, req):
+        fields = {"gen": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+                  "seed": req.seed}
+        job = {k: v for k, v in fields.items() if v is not None}
+        job["stop"] = list(req.stop)
+        if req.stop and self.run.session.tokenizer is None:
+            raise ApiError(422, "'stop' needs the model's tokenizer", param="stop")
+        return job_settings(job, self.base)
+
+    async def _answer(self, request, req, ids, settings, reader):
+        if len(ids) > self.context:
+            raise ApiError(413, f"the prompt is {len(ids)} tokens, over the model's context "
+                                f"of {self.context}", param="messages" if req.chat else "prompt",
+                           code="context_length_exceeded")
+        job = Job(list(ids), settings, asyncio.get_running_loop())
+        self.worker.submit(job)
+        rid = f"{'chatcmpl' if req.chat else 'cmpl'}-k3-{next(self.ids)}"
+        model = req.model or self.model_name
+        try:
+            if req.stream:
+                return await self._stream(request, req, job, rid, model, reader)
+            return await self._whole(req, job, rid, model, reader)
+        finally:
+            job.cancel()            # the client went away (or we are done): stop decoding
+
+    async def _finished(self, job, generated, on_token=None):
+        """Wait for the job's end, collecting its tokens; the GenResult."""
+        while True:
+            item = await job.events.get()
+            if isinstance(item, int):
+                generated.append(item)
+                if on_token is not None:
+                    await on_token()
+                continue
+            kind, value = item
+            if kind == "done":
+                return value
+            if kind == "cancelled":
+                raise ApiError(503, "the server is shutting down", kind="server_error")
+            if isinstance(value, UsageError):
+                raise ApiError(422, value.one_line(), code="invalid_value")
+            raise ApiError(500, value.one_line() if isinstance(value, K3Error)
+                           else f"generation failed: {value!r}", kind="server_error")
+
+    async def _whole(self, req, job, rid, model, reader):
+        from aiohttp import web
+        res = await self._finished(job, [])
+        k3 = {"prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids,
+              "reused_tokens": job.reused}
+        use = usage(len(res.prompt_ids), len(res.generated_ids))
+        if req.chat:
+            reply = reader.read(res.generated_ids, final=True)
+            choice = {"index": 0, "message": reply.message(), "logprobs": None,
+                      "finish_reason": finish_reason(res.stop_reason, bool(reply.tool_calls))}
+            body = envelope("chat.completion", rid, model, [choice], {"usage": use, "k3": k3})
+        else:
+            choice = {"index": 0, "text": reader.text(res.generated_ids), "logprobs": None,
+                      "finish_reason": finish_reason(res.stop_reason, False)}
+            body = envelope("text_completion", rid, model, [choice], {"usage": use, "k3": k3})
+        return web.json_response(body)
+
+    async def _stream(self, request, req, job, rid, model, reader):
+        from aiohttp import web
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        kind = "chat.completion.chunk" if req.chat else "text_completion"
+        generated = []
+
+        def chunk(delta=None, finish=None, text=None):
+            c = {"index": 0, "logprobs": None, "finish_reason": finish}
+            if req.chat:
+                c["delta"] = delta or {}
+            else:
+                c["text"] = text or ""
+            return sse(envelope(kind, rid, model, [c]))
+
+        async def send_new(final=False):
+            if req.chat:
+                delta = reader.delta(generated, final)
+                if delta:
+                    await resp.write(chunk(delta=delta))
+            else:
+                text = reader.text_delta(generated, final)
+                if text:
+                    await resp.write(chunk(text=text))
+
+        if req.chat:
+            await resp.write(chunk(delta={"role": "assistant", "content": ""}))
+        try:
+            res = await self._finished(job, generated, send_new)
+        except ApiError as e:
+            await resp.write(sse(e.body))
+            await resp.write(sse("[DONE]"))
+            return resp
+        await send_new(final=True)
+        await resp.write(chunk(finish=finish_reason(res.stop_reason, reader.sent_calls > 0)))
+        if req.include_usage:
+            await resp.write(sse(envelope(kind, rid, model, [], {
+                "usage": usage(len(res.prompt_ids), len(res.generated_ids))})))
+        await resp.write(sse("[DONE]"))
+        await resp.write_eof()
+        return resp
+
+
+def serve(run, address: str, base_settings, *, api_key=None, log=print,
+          reuse_ram_bytes: int = 0, reuse_disk_bytes: int = 0) -> None:
+    """Serve ``run`` on ``address`` until SIGINT or SIGTERM (then exit cleanly). States
+    of finished requests are kept for reuse within the two byte budgets (0: none)."""
+    try:
+        from aiohttp import web
+    except ImportError:
+        raise UsageError("--serve needs the serve extra: pip install 'k3[serve]' "
+                         "(or -e '.[serve]' in a checkout)") from None
+    host, port = check_address(address, api_key)
+    if run.session.tokenizer is not None:
+        run.session.tokenizer.get()            # read once, before two threads use it
+    from ..engine.turn_cache import TurnCache
+    turns = TurnCache(run.cfg, reuse_ram_bytes, reuse_disk_bytes) \
+        if reuse_ram_bytes or reuse_disk_bytes else None
+    worker = Worker(run, log, turns)
+    server = Server(run, worker, base_settings, api_key=api_key, log=log,
+                    model_name=os.path.basename(os.path.normpath(str(run.opts.model))))
+
+    async def main():
+        runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as e:
+            raise UsageError(f"--serve cannot listen on {host}:{port}: {e.strerror}") from None
+        bound = runner.addresses[0][1] if runner.addresses else port
+        shown = f"[{host}]" if ":" in host else host
+        log(f"k3 serving {server.model_name} on http://{shown}:{bound}/v1 "
+            "(chat/completions, completions, models; /health); Ctrl-C stops")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+        if turns is not None:
+            turns.close()

@@ -1,0 +1,171 @@
+"""The OpenAI-compatible wire format of ``k3-run --serve``, without any HTTP.
+
+Owns: checking a request body into a ``Request`` (or an ``ApiError`` with the status and
+OpenAI-style error body), and building the response objects and stream chunks.
+Does not own: sockets and routing (``app``), queueing and generation (``worker``),
+rendering and parsing conversations (``libk3.engine.chat_*``).
+
+Fields a client may send that k3 does not use (``user``, ``logprobs`` false,
+``frequency_penalty`` 0, ...) are ignored, as the OpenAI API ignores what it does not
+know; a field k3 uses with the wrong type or range is refused (422), so a request never
+runs with settings other than those asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+from ..engine.chat_request import conversation_problem
+from ..engine.generate import gen_problem, token_ids_problem
+from ..engine.sampler import seed_problem, temperature_problem, top_p_problem
+
+MAX_STOP = 4                     # stop sequences per request (as the OpenAI API)
+
+
+class ApiError(Exception):
+    """A refused request: HTTP ``status`` and the OpenAI error object."""
+
+    def __init__(self, status: int, message: str, *, param=None, code=None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": kind, "param": param,
+                               "code": code}}
+
+
+@dataclasses.dataclass
+class Request:
+    """One checked request: ``chat`` (messages) or a completion (``prompt`` text or
+    ``prompt_ids``); sampling fields None when the request leaves them to the server."""
+    chat: bool
+    model: str | None = None
+    messages: list | None = None
+    tools: list | None = None
+    template_kwargs: dict | None = None
+    prompt: str | None = None
+    prompt_ids: list | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple = ()
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the body is not valid JSON ({str(e)[:80]})",
+                       code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _field(body, name, check, expected):
+    """``body[name]`` when present and not null, refused (422) when ``check`` says no."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not check(value):
+        raise ApiError(422, f"'{name}' must be {expected}, got {json.dumps(value)[:60]}",
+                       param=name, code="invalid_type")
+    return value
+
+
+def _rule(body, name, problem):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(422, f"'{name}' must be a number", param=name, code="invalid_type")
+    why = problem(value)
+    if why:
+        raise ApiError(422, f"'{name}': {why}", param=name, code="invalid_value")
+    return value
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
+    """The body of POST /v1/chat/completions (``chat``) or /v1/completions, checked."""
+    req = Request(chat=chat)
+    req.model = _field(body, "model", lambda v: isinstance(v, str), "a string")
+    if _field(body, "n", _is_int, "an integer") not in (None, 1):
+        raise ApiError(422, "'n' must be 1 (one choice per request)", param="n",
+                       code="invalid_value")
+    if chat:
+        why = conversation_problem({"messages": body.get("messages"),
+                                    "tools": body.get("tools"),
+                                    "template_kwargs": body.get("chat_template_kwargs")})
+        if why:                                  # the field is named first, in quotes
+            param = why.split('"')[1].replace("template_kwargs", "chat_template_kwargs")
+            raise ApiError(422, why.replace("template_kwargs", "chat_template_kwargs"),
+                           param=param, code="invalid_value")
+        req.messages, req.tools = body["messages"], body.get("tools")
+        req.template_kwargs = body.get("chat_template_kwargs")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            req.prompt = prompt
+        elif isinstance(prompt, list) and prompt and not token_ids_problem(prompt, vocab_size):
+            req.prompt_ids = list(prompt)
+        else:
+            raise ApiError(422, "'prompt' must be a non-empty string or a non-empty list of "
+                                f"token ids 0..{vocab_size - 1}", param="prompt",
+                           code="invalid_value")
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = _field(body, name, _is_int, "an integer")
+        if value is not None:
+            why = gen_problem(value)
+            if why:
+                raise ApiError(422, f"'{name}': {why}", param=name, code="invalid_value")
+            req.max_tokens = value
+            break
+    req.temperature = _rule(body, "temperature", temperature_problem)
+    req.top_p = _rule(body, "top_p", top_p_problem)
+    req.seed = _field(body, "seed", _is_int, "an integer")
+    if req.seed is not None and seed_problem(req.seed):
+        raise ApiError(422, f"'seed': {seed_problem(req.seed)}", param="seed",
+                       code="invalid_value")
+    stop = _field(body, "stop", lambda v: isinstance(v, str) or (
+        isinstance(v, list) and len(v) <= MAX_STOP and all(isinstance(s, str) and s for s in v)),
+        f"a string or a list of at most {MAX_STOP} non-empty strings")
+    req.stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    req.stream = bool(_field(body, "stream", lambda v: isinstance(v, bool), "a boolean"))
+    options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
+    req.include_usage = options.get("include_usage") is True
+    return req
+
+
+def finish_reason(stop_reason: str, tool_calls: bool) -> str:
+    if tool_calls:
+        return "tool_calls"
+    return "length" if stop_reason == "length" else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def envelope(kind: str, rid: str, model: str, choices: list, extra=None) -> dict:
+    """An OpenAI response or stream chunk of ``kind`` ("chat.completion", ...)."""
+    out = {"id": rid, "object": kind, "created": int(time.time()), "model": model,
+           "choices": choices}
+    out.update(extra or {})
+    return out
+
+
+def sse(obj) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON (or the literal [DONE])."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode("utf-8")

@@ -1,0 +1,75 @@
+"""A reply as the client sees it: generated ids to a final message or to stream deltas.
+
+Owns: the assistant message of a chat reply (parsed from its channels when the model
+has a template, its text otherwise), a completion's text, stop sequences cut from the
+text, and the deltas a stream sends as tokens arrive (what changed since the last
+delta). Does not own: the parsing rules (``libk3.engine.chat_parse``) or HTTP.
+"""
+
+from __future__ import annotations
+
+from ..engine.chat_parse import Reply, parse_reply, pieces
+
+REPLACEMENT = "\ufffd"          # a UTF-8 character whose last bytes have not arrived yet
+
+
+def _cut(text: str, stops) -> str:
+    """``text`` up to the first stop sequence (the OpenAI API leaves it out)."""
+    cuts = [text.find(s) for s in stops if s in text]
+    return text[:min(cuts)] if cuts else text
+
+
+class ReplyReader:
+    """Reads one request's generated ids; ``templated`` False: the reply is plain text."""
+
+    def __init__(self, tokenizer, templated: bool, stops=()):
+        self.tokenizer, self.templated, self.stops = tokenizer, templated, tuple(stops)
+        self.sent = Reply()
+        self.sent_calls = 0
+
+    def read(self, ids, final: bool) -> Reply:
+        if self.templated:
+            reply = parse_reply(pieces(self.tokenizer, ids), final=final)
+        else:
+            reply = Reply(content=self.tokenizer.decode(ids))
+        reply.content = _cut(reply.content, self.stops)
+        return reply
+
+    def text(self, ids) -> str:
+        """A completion's text (no parsing: /v1/completions continues text)."""
+        return _cut(self.tokenizer.decode(ids), self.stops)
+
+    def delta(self, ids, final: bool = False) -> dict:
+        """What a stream sends now: new reasoning and content text (``reasoning_content``,
+        ``content``) and newly closed tool calls (``tool_calls`` with their index); {} when
+        nothing is new. Text that would change what was already sent (an incomplete
+        character, a stop sequence still being written) waits."""
+        now = self.read(ids, final)
+        out = {}
+        for key, attr in (("reasoning_content", "reasoning"), ("content", "content")):
+            grown = self._grown(getattr(self.sent, attr) or "", getattr(now, attr) or "", final)
+            if grown is not None:
+                out[key] = grown[len(getattr(self.sent, attr) or ""):]
+                setattr(self.sent, attr, grown)
+        calls = now.tool_calls[self.sent_calls:]
+        if calls:
+            out["tool_calls"] = [dict(c, index=self.sent_calls + i) for i, c in enumerate(calls)]
+            self.sent_calls += len(calls)
+        return out
+
+    def text_delta(self, ids, final: bool = False) -> str:
+        """The same for a completion's plain text."""
+        old = self.sent.content
+        grown = self._grown(old, self.text(ids), final)
+        if grown is None:
+            return ""
+        self.sent.content = grown
+        return grown[len(old):]
+
+    def _grown(self, old: str, new: str, final: bool):
+        """``new`` when it extends what was sent (held back while it may still change)."""
+        if not final:
+            hold = max((len(s) - 1 for s in self.stops), default=0)
+            new = new.rstrip(REPLACEMENT)
+            new = new[:max(len(old), len(new) - hold)]
+        return new if len(new) > len(old) and new.startswith(old) else None

@@ -1,0 +1,270 @@
+"""k3-run --serve: the OpenAI-compatible endpoint on loopback with the tiny model, driven
+by the official ``openai`` client (test extra) and raw HTTP; skipped without the serve
+extra (aiohttp) or the client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("aiohttp")
+openai = pytest.importorskip("openai")
+
+from libk3.engine.chat_template import load_chat_template  # noqa: E402
+from libk3.io.tokenizer import K3Tokenizer  # noqa: E402
+from tests.test_run_cli import k3  # noqa: E402
+
+KEY = "test-key-k3"
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    """A live server (with an API key) and its base URL; stopped by SIGTERM at the end."""
+    log = tmp_path_factory.mktemp("serve") / "stderr.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(["k3-run", str(tiny_dir), "--serve", "127.0.0.1:0",
+                                 "--api-key", KEY, "--gen", "3"], stderr=err,
+                                stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    port = None
+    while port is None and time.monotonic() < deadline and proc.poll() is None:
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", log.read_text())
+        port = int(m.group(1)) if m else time.sleep(0.2)
+    assert port is not None, log.read_text()
+    yield {"url": f"http://127.0.0.1:{port}", "port": port, "log": log, "proc": proc}
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, log.read_text()
+
+
+def _client(server, key=KEY):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key=key, max_retries=0,
+                         timeout=300)
+
+
+def _post(server, path, body: bytes, key=KEY):
+    """(status, parsed JSON body) of a raw POST."""
+    req = urllib.request.Request(server["url"] + path, data=body, method="POST",
+                                 headers={"Authorization": f"Bearer {key}",
+                                          "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _health(server):
+    req = urllib.request.Request(server["url"] + "/health",
+                                 headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def _rendered(tiny_dir, messages, **kw):
+    return load_chat_template(tiny_dir).encode(K3Tokenizer.from_dir(tiny_dir), messages, **kw)
+
+
+def test_serve_chat_matches_the_template_and_a_plain_run(server, tiny_dir):
+    """Catches a server that renders the conversation differently from the template, or
+    generates other tokens than k3-run does from the same ids and turn ends."""
+    r = _client(server).chat.completions.create(model="tiny", messages=MSGS, max_tokens=3)
+    k3x = r.model_extra["k3"]
+    assert k3x["prompt_ids"] == _rendered(tiny_dir, MSGS)
+    tok = K3Tokenizer.from_dir(tiny_dir)
+    stops = [str(tok.id_of("[EOS]")), str(tok.id_of("<|end_of_msg|>"))]
+    alone = k3(tiny_dir, "--ids", ",".join(map(str, k3x["prompt_ids"])), "--gen", 3, "--json",
+               "--stop-id", stops[0], "--stop-id", stops[1])
+    assert json.loads(alone.stdout)["generated_ids"] == k3x["generated_ids"]
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(k3x["prompt_ids"])
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_serve_turn_two_resumes_turn_one_with_fresh_results(server, tiny_dir):
+    """Catches turn 2 of a chat prefilled again from the start, or resumed from a state
+    that gives other tokens than a fresh run on the whole conversation."""
+    c = _client(server)
+    turn1 = [{"role": "system", "content": "You answer questions about capitals. " * 8},
+             {"role": "user", "content": "France?"}]
+    r1 = c.chat.completions.create(model="tiny", messages=turn1, max_tokens=2)
+    turn2 = turn1 + [r1.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "And Italy?"}]
+    r2 = c.chat.completions.create(model="tiny", messages=turn2, max_tokens=3).model_extra["k3"]
+    p1 = r1.model_extra["k3"]["prompt_ids"]
+    assert r1.model_extra["k3"]["reused_tokens"] == 0 and r2["reused_tokens"] >= len(p1)
+    assert r2["prompt_ids"][:len(p1)] == p1 and r2["prompt_ids"] == _rendered(tiny_dir, turn2)
+    tok = K3Tokenizer.from_dir(tiny_dir)
+    fresh = k3(tiny_dir, "--ids", ",".join(map(str, r2["prompt_ids"])), "--gen", 3, "--json",
+               "--stop-id", tok.id_of("[EOS]"), "--stop-id", tok.id_of("<|end_of_msg|>"))
+    assert json.loads(fresh.stdout)["generated_ids"] == r2["generated_ids"]
+    assert _health(server)["turn_reuse"]["hits"] >= 1
+
+
+def test_serve_stream_sends_the_same_reply_as_whole(server):
+    """Catches streamed deltas that lose, repeat or reorder text, or no finish chunk."""
+    c = _client(server)
+    whole = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=3)
+    chunks = list(c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=3,
+                                            stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and finishes.count(None) == len(finishes) - 1
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_serve_tool_call_round_trip_renders_tools_and_results(server, tiny_dir):
+    """Catches tools, an assistant's tool calls or a tool result dropped on the way to
+    the template (the prompt must be the template's rendering of all of them)."""
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object",
+                                              "properties": {"city": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+    r = _client(server).chat.completions.create(model="tiny", messages=msgs, tools=tools,
+                                                max_tokens=2,
+                                                extra_body={"chat_template_kwargs":
+                                                            {"thinking": False}})
+    expected = _rendered(tiny_dir, msgs, tools=tools, template_kwargs={"thinking": False})
+    assert r.model_extra["k3"]["prompt_ids"] == expected
+    assert expected != _rendered(tiny_dir, msgs, template_kwargs={"thinking": False})  # control
+
+
+def test_serve_completions_and_models(server):
+    """Catches /v1/completions or /v1/models missing or shaped unlike the OpenAI API."""
+    c = _client(server)
+    r = c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2)
+    assert r.model_extra["k3"]["prompt_ids"] == [5, 6, 7] and r.usage.completion_tokens == 2
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+
+
+def test_serve_20_concurrent_requests_answer_as_alone(server):
+    """Catches requests that share state or interleave tokens: 20 at once, each gets
+    the ids the same request gets alone."""
+    c = _client(server)
+    convos = [[{"role": "user", "content": f"question {i}"}] for i in range(4)]
+    alone = [c.chat.completions.create(model="tiny", messages=m, max_tokens=2)
+             .model_extra["k3"]["generated_ids"] for m in convos]
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        futs = [pool.submit(c.chat.completions.create, model="tiny", messages=convos[i % 4],
+                            max_tokens=2) for i in range(20)]
+        got = [f.result().model_extra["k3"]["generated_ids"] for f in futs]
+    assert got == [alone[i % 4] for i in range(20)]
+
+
+def test_serve_killed_client_cancels_its_generation(server):
+    """Catches a generation that runs on after its client is gone, holding the engine."""
+    before = _health(server)["cancelled"]
+    body = json.dumps({"model": "tiny", "messages": MSGS, "max_tokens": 100000,
+                       "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", server["port"]), timeout=60)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+              b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    s.close()
+    deadline = time.monotonic() + 120
+    while _health(server)["cancelled"] == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    h = _health(server)
+    assert h["cancelled"] == before + 1 and not h["busy"]
+    r = _client(server).chat.completions.create(model="tiny", messages=MSGS, max_tokens=1)
+    assert r.usage.completion_tokens == 1                                      # still serving
+
+
+MALFORMED = [
+    ("/v1/chat/completions", b"{not json", 400),
+    ("/v1/chat/completions", b"[1, 2]", 400),
+    ("/v1/chat/completions", b"\xff\xfe", 400),
+    ("/v1/chat/completions", b"", 400),
+    ("/v1/chat/completions", b'{"messages": "hi"}', 422),
+    ("/v1/chat/completions", b'{"messages": []}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": 5}]}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "robot", "content": "x"}]}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "max_tokens": "9"}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "max_tokens": -1}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "max_tokens": 1.5}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "temperature": "hot"}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "temperature": -1}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "top_p": 0}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "top_p": true}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "seed": -5}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "seed": "x"}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "stop": 3}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "stop": ["a","b","c","d","e"]}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "stream": "yes"}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "n": 2}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "tools": {"a": 1}}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "tools": [1]}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "chat_template_kwargs": 1}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "model": 7}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "chat_template_kwargs": '
+                             b'{"messages": 1}}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "stream_options": 1}', 422),
+    ("/v1/chat/completions", b'{"messages": [[]]}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "max_tokens": 1e400}', 422),
+    ("/v1/chat/completions", b'[' * 100000, 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "max_tokens": 99999999999}', 422),
+    ("/v1/completions", b'{}', 422),
+    ("/v1/completions", b'{"prompt": ""}', 422),
+    ("/v1/completions", b'{"prompt": []}', 422),
+    ("/v1/completions", b'{"prompt": [1, -2]}', 422),
+    ("/v1/completions", b'{"prompt": [1, 99999999]}', 422),
+    ("/v1/completions", b'{"prompt": [1, true]}', 422),
+    ("/v1/completions", b'{"prompt": ["a", "b"]}', 422),
+    ("/v1/completions", b'{"prompt": {"a": 1}}', 422),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": null, "top_p": 2}', 422),
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e-300}', 422),
+    ("/v1/completions", b'{"prompt": "x", "seed": 18446744073709551616}', 422),
+    ("/v1/completions", b'{"prompt": "x", "stop": [""]}', 422),
+    ("/v1/completions", b'nul\x00l', 400),
+    ("/v1/nothing", b'{}', 404),
+    ("/v1/models", b'{}', 405),
+    ("/health", b'{}', 405),
+]
+
+
+def test_serve_50_malformed_requests_get_openai_errors_and_it_keeps_serving(server):
+    """Catches a traceback, a 500, a dropped connection or a dead server on bad input:
+    each malformed request gets its 4xx with an OpenAI error body."""
+    big = b'{"prompt": "' + b"a" * (32 * 2 ** 20) + b'"}'
+    over = json.dumps({"prompt": [1] * (2 ** 20 + 1), "max_tokens": 1}).encode()
+    cases = MALFORMED + [("/v1/completions", big, 413), ("/v1/completions", over, 413)]
+    assert len(cases) >= 50
+    for path, body, status in cases:
+        got, err = _post(server, path, body)
+        assert got == status, (path, body[:80], err)
+        assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
+    got, err = _post(server, "/v1/chat/completions", b'{"messages": [{"role": "user"}]}',
+                     key="wrong")
+    assert got == 401 and err["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, key="wrong").models.list()
+    assert _health(server)["status"] == "ok"
+    r = _client(server).chat.completions.create(model="tiny", messages=MSGS, max_tokens=1)
+    assert r.usage.completion_tokens == 1                                      # control
+
+
+def test_serve_refuses_a_public_address_without_api_key(tiny_dir):
+    """Catches a server that would listen beyond loopback with nobody's key checked."""
+    p = k3(tiny_dir, "--serve", "0.0.0.0:0")
+    assert p.returncode == 2 and "--api-key" in p.stderr
+    p = k3(tiny_dir, "--serve", "localhost:99999")
+    assert p.returncode == 2 and "PORT 0..65535" in p.stderr
+    p = k3(tiny_dir, "--ids", "1", "--api-key", "k")
+    assert p.returncode == 2 and "--api-key goes with --serve" in p.stderr
