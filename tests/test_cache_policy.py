@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libk3 import cache_policy as cp
+from libk3.policies import layer_lfu, lru, s3fifo
 from libk3.errors import UsageError
 from libk3.trace_synth import synth_keys, synth_recompute_keys
 
@@ -113,8 +114,8 @@ def s3fifo_brute(keys, slots, small_target, ghost_cap, max_freq=3):
 
 def run(policy, keys, slots, n_layers=NL, n_experts=NE):
     if policy == "lfu":       # layer-lfu without its distance term (kernel alpha = 0)
-        return cp._simulate_llfu(np.asarray(keys, np.int64), n_layers, n_experts, slots, 0,
-                                 cp.LFU_HALF_LIFE_VISITS)
+        return layer_lfu.simulate(np.asarray(keys, np.int64), n_layers, n_experts, slots, 0,
+                                  layer_lfu.HALF_LIFE_VISITS)
     return cp.replay(np.asarray(keys, np.int64), slots, policy, n_layers=n_layers,
                      n_experts=n_experts)["hits"]
 
@@ -187,7 +188,7 @@ def test_pin_lru_simulator_matches_brute_force(keys, slots, n_pinned):
     order = np.argsort(-counts, kind="stable")[:n_pinned]
     pinned = np.zeros(NL * NE, np.bool_)
     pinned[order] = True
-    got = cp._simulate_pin_lru(np.asarray(keys, np.int64), slots, NL * NE, pinned, n_pinned)
+    got = lru.simulate_pin_lru(np.asarray(keys, np.int64), slots, NL * NE, pinned, n_pinned)
     assert got == pin_lru_brute(keys, slots, n_pinned)
 
 
@@ -212,8 +213,8 @@ def test_pin_lru_is_never_below_lru(keys, slots):
 # ---- S3-FIFO -----------------------------------------------------------------------------
 
 def s3(keys, slots, small_target, ghost_cap):
-    return cp._simulate_s3fifo(np.asarray(keys, np.int64), slots, NL * NE, small_target,
-                               ghost_cap, cp.S3FIFO_MAX_FREQ)
+    return s3fifo.simulate(np.asarray(keys, np.int64), slots, NL * NE, small_target,
+                           ghost_cap, s3fifo.MAX_FREQ)
 
 
 def test_s3fifo_hand_checked_small_queue_promotion_and_ghost():
@@ -342,25 +343,22 @@ def test_replay_grid_does_not_depend_on_thread_count():
 
 @pytest.mark.parametrize("policy", cp.ONLINE_OBJECT_POLICIES)
 def test_online_object_matches_the_simulator(policy):
-    """Catches the object k3-run drives diverging from what replay measures."""
+    """Catches the object k3-run drives (one call per layer visit) diverging from what
+    replay measures (one pass over the whole stream)."""
     n_layers, n_experts, top_k = 5, 30, 4
     keys = synth_keys(25, n_layers=n_layers, n_experts=n_experts, top_k=top_k, seed=5)
     for slots in (top_k + 1, 23, 70):
         obj = cp.make_cache_policy(policy, slots, n_layers=n_layers, n_experts=n_experts)
-        hits = 0
-        for k in keys:
-            if obj.lookup(k) >= 0:
-                hits += 1
-            else:
-                obj.admit(k)
+        hits = sum(int(obj.access(visit)[2].sum()) for visit in keys.reshape(-1, top_k))
         assert hits == run(policy, keys, slots, n_layers, n_experts)
 
 
 @pytest.mark.parametrize("policy", cp.ONLINE_OBJECT_POLICIES)
 def test_online_object_keeps_a_whole_layer_resident_k3_run_style(policy):
-    """k3-run looks up a layer's top_k experts, then admits the misses, then computes: with
-    top_k + 1 slots every one of them must still be resident, and (slot, evicted) must
-    describe the cache exactly. Catches evicting a key of the current visit."""
+    """k3-run hands a layer's top_k experts to ``access``, then computes: with top_k + 1
+    slots every one of them must be resident afterwards, no admission may evict a key the
+    visit already placed, and (slot, evicted) must describe the cache exactly. Catches
+    evicting a key of the current visit."""
     n_layers, n_experts, top_k = 4, 24, 6
     layer, expert = synth_routing_small(n_layers, n_experts, top_k)
     obj = cp.make_cache_policy(policy, top_k + 1, n_layers=n_layers, n_experts=n_experts)
@@ -368,12 +366,14 @@ def test_online_object_keeps_a_whole_layer_resident_k3_run_style(policy):
     for t in range(layer.shape[0]):
         for L in range(n_layers):
             group = [L * n_experts + int(e) for e in expert[t, L]]
-            missing = [k for k in group if obj.lookup(k) < 0]
-            for k in missing:
-                s, ev = obj.admit(k)
-                assert s >= 0 and ev not in group
-                assert mirror.get(s, -1) == ev
-                mirror[s] = k
+            slots, evicted, hit = obj.access(group)
+            for i, (k, s, ev, h) in enumerate(zip(group, slots, evicted, hit)):
+                assert s >= 0 and ev not in group[:i]
+                if h:
+                    assert mirror[s] == k and ev == -1
+                else:
+                    assert mirror.get(s, -1) == ev
+                    mirror[s] = k
             resident = obj.resident()
             assert set(group) <= set(resident.tolist())
             assert {s: k for s, k in enumerate(resident.tolist()) if k >= 0} == mirror
@@ -390,4 +390,4 @@ def test_online_object_refuses_offline_policies():
     """Catches offering k3-run a policy that needs the future."""
     with pytest.raises(UsageError, match="cannot drive a live cache"):
         cp.make_cache_policy("belady", 20, n_layers=NL, n_experts=NE)
-    assert cp.make_cache_policy("lru", 20, n_layers=NL, n_experts=NE).lookup(3) == -1
+    assert not cp.make_cache_policy("lru", 20, n_layers=NL, n_experts=NE).access([3])[2][0]

@@ -1,0 +1,238 @@
+"""adaptive: follow whichever of four online policies reads least on this trace, live.
+
+Owns: the adaptive policy's state and steps. Four shadow caches of the same size replay
+every request: LRU, S3-FIFO, full-history LFU and layer-lfu (``CANDIDATES``); they hold
+keys only, no expert bytes. Every ``WINDOW`` requests each shadow's misses in the window
+are added to a decayed score (``DECAY`` per window); the leader changes only when another
+shadow's score is below ``1 - MARGIN`` times the leader's (hysteresis). The real cache
+follows the leader: on a miss it evicts a key the leader no longer holds (the leader's
+own victims, oldest first), so it converges to the leader's contents and then makes
+exactly the leader's choices; a switch queues every resident the new leader lacks.
+
+Why four whole policies and not one layer-lfu with a learned half life (bench/README.md,
+"Cache policies"): on stable popularity full-history LFU reads least, on shifting
+popularity a short half life does, but where consecutive tokens share experts LRU (one
+cycle of cache) or S3-FIFO (several cycles) beats every half life of layer-lfu by 5 to
+10 %. Following the best whole policy costs the sum of the four shadows, about
+0.3 us per request.
+
+Like every online policy here it never evicts a key requested in the current layer
+visit while another key is resident: a leader's victim from the current visit stays
+queued, and with nothing else queued the real cache evicts its own least recent key
+outside the visit.
+
+state: (lru state, s3fifo state, lfu state, layer-lfu state, (sl, rk, rq, rs, rf))
+  sl (slots, 3) int64   the real cache's slots: [prev, next, key], most recent first
+  rk (n_keys, 3) int64  per key: real slot or -1, visit id of its last request, queued
+  rq (slots + 1,)       ring of keys to evict first (residents the leader lacks)
+  rs int64              scalars below, then each shadow's misses in the window
+  rf float64            each shadow's decayed miss score
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from . import layer_lfu, lfu, lru, s3fifo
+from .lists import KEY, PREV, push_front, unlink
+
+CANDIDATES = ("lru", "s3fifo", "lfu", "layer-lfu")     # shadow order; the state's order
+FIRST_LEADER = 3                # layer-lfu, the previous default, until a window says more
+WINDOW = 4096                   # requests per scoring window
+DECAY = 0.97                    # a window's weight in the score halves after ~23 windows
+MARGIN = 0.01                   # switch only to a shadow with 1 % fewer (decayed) misses
+
+_LRU, _S3, _LFU, _LLFU = 0, 1, 2, 3
+_N_SHADOWS = 4
+_R_SLOT, _R_VISIT, _R_QUEUED = 0, 1, 2
+(_HEAD, _TAIL, _USED, _SLOTS, _QHEAD, _QTAIL, _CUR, _VISIT, _LEADER, _NE, _WCOUNT,
+ _SWITCHES) = range(12)
+_WMISS = 12
+
+
+@njit(cache=True, nogil=True)
+def new(n_layers, n_experts, slots):
+    n_keys = n_layers * n_experts
+    small, ghost = s3fifo.sizes(slots)
+    sl = np.full((max(slots, 1), 3), -1, np.int64)
+    rk = np.full((n_keys, 3), -1, np.int64)
+    rk[:, _R_QUEUED] = 0
+    rq = np.full(max(slots, 0) + 1, -1, np.int64)
+    rs = np.zeros(_WMISS + _N_SHADOWS, np.int64)
+    rs[_HEAD] = -1
+    rs[_TAIL] = -1
+    rs[_SLOTS] = max(slots, 0)
+    rs[_CUR] = -1
+    rs[_VISIT] = -1
+    rs[_LEADER] = FIRST_LEADER
+    rs[_NE] = n_experts
+    rf = np.zeros(_N_SHADOWS, np.float64)
+    return (lru.new(n_keys, slots),
+            s3fifo.new(n_keys, slots, small, ghost, s3fifo.MAX_FREQ),
+            lfu.new(n_layers, n_experts, slots),
+            layer_lfu.new(n_layers, n_experts, slots, 1, layer_lfu.HALF_LIFE_VISITS),
+            (sl, rk, rq, rs, rf))
+
+
+@njit(cache=True, nogil=True, inline='always')
+def _holds(st, j, key):
+    """Does shadow j hold key?"""
+    if j == _LRU:
+        return lru.holds(st[0], key)
+    if j == _S3:
+        return s3fifo.holds(st[1], key)
+    if j == _LFU:
+        return lfu.holds(st[2], key)
+    return layer_lfu.holds(st[3], key)
+
+
+@njit(cache=True, nogil=True, inline='always')
+def _enqueue(rk, rq, rs, key):
+    rk[key, _R_QUEUED] = 1
+    rq[rs[_QHEAD]] = key
+    rs[_QHEAD] = (rs[_QHEAD] + 1) % rq.size
+
+
+@njit(cache=True, nogil=True, inline='always')
+def _shadow_missed(rk, rq, rs, j, evicted):
+    """Shadow j missed and evicted ``evicted``: count it, and if j leads, queue the key
+    for eviction from the real cache."""
+    rs[_WMISS + j] += 1
+    if j == rs[_LEADER] and evicted >= 0 and rk[evicted, _R_SLOT] >= 0 \
+            and rk[evicted, _R_QUEUED] == 0:
+        _enqueue(rk, rq, rs, evicted)
+
+
+@njit(cache=True, nogil=True)
+def _end_window(st):
+    """Fold the window's misses into the scores; switch leader with hysteresis."""
+    sl, rk, rq, rs, rf = st[4]
+    leader = rs[_LEADER]
+    best = leader
+    for j in range(_N_SHADOWS):
+        rf[j] = rf[j] * DECAY + rs[_WMISS + j]
+        rs[_WMISS + j] = 0
+    for j in range(_N_SHADOWS):
+        if rf[j] < rf[best]:
+            best = j
+    rs[_WCOUNT] = 0
+    if best == leader or rf[best] >= (1.0 - MARGIN) * rf[leader]:
+        return
+    rs[_LEADER] = best
+    rs[_SWITCHES] += 1
+    while rs[_QTAIL] != rs[_QHEAD]:                 # drop the old leader's queue
+        rk[rq[rs[_QTAIL]], _R_QUEUED] = 0
+        rs[_QTAIL] = (rs[_QTAIL] + 1) % rq.size
+    s = rs[_TAIL]                                   # least recent first
+    while s >= 0:
+        k = sl[s, KEY]
+        if not _holds(st, best, k):
+            _enqueue(rk, rq, rs, k)
+        s = sl[s, PREV]
+
+
+@njit(cache=True, nogil=True)
+def lookup(st, key):
+    """Record a request in every shadow and the real cache: -> the real slot or -1."""
+    sl, rk, rq, rs, rf = st[4]
+    if lru.lookup(st[0], key) < 0:
+        _shadow_missed(rk, rq, rs, _LRU, lru.admit(st[0], key)[1])
+    if s3fifo.lookup(st[1], key) < 0:
+        _shadow_missed(rk, rq, rs, _S3, s3fifo.admit(st[1], key)[1])
+    if lfu.lookup(st[2], key) < 0:
+        _shadow_missed(rk, rq, rs, _LFU, lfu.admit(st[2], key)[1])
+    if layer_lfu.lookup(st[3], key) < 0:
+        _shadow_missed(rk, rq, rs, _LLFU, layer_lfu.admit(st[3], key)[1])
+    rs[_WCOUNT] += 1
+    if rs[_WCOUNT] == WINDOW:
+        _end_window(st)
+    L = key // rs[_NE]
+    if L != rs[_CUR]:
+        rs[_CUR] = L
+        rs[_VISIT] += 1
+    rk[key, _R_VISIT] = rs[_VISIT]
+    s = rk[key, _R_SLOT]
+    if s >= 0 and rs[_HEAD] != s:
+        unlink(sl, rs, _HEAD, s)
+        push_front(sl, rs, _HEAD, s)
+    return s
+
+
+@njit(cache=True, nogil=True)
+def _victim(st):
+    """The real cache's key to evict: the oldest queued key the leader lacks, outside the
+    current visit; else the least recent key outside it; else the least recent."""
+    sl, rk, rq, rs, rf = st[4]
+    leader = rs[_LEADER]
+    for _ in range((rs[_QHEAD] - rs[_QTAIL]) % rq.size):
+        k = rq[rs[_QTAIL]]
+        rs[_QTAIL] = (rs[_QTAIL] + 1) % rq.size
+        rk[k, _R_QUEUED] = 0
+        if rk[k, _R_SLOT] < 0 or _holds(st, leader, k):
+            continue                                # gone, or the leader took it back
+        if rk[k, _R_VISIT] != rs[_VISIT]:
+            return k
+        _enqueue(rk, rq, rs, k)                     # in use now: later
+    s = rs[_TAIL]
+    while s >= 0:
+        k = sl[s, KEY]
+        if rk[k, _R_VISIT] != rs[_VISIT]:
+            return k
+        s = sl[s, PREV]
+    return sl[rs[_TAIL], KEY]
+
+
+@njit(cache=True, nogil=True)
+def admit(st, key):
+    """Place a missing key (call lookup first) in a free slot, else in the victim's.
+    -> (slot, evicted key or -1); (-1, -1) when there are no slots."""
+    sl, rk, rq, rs, rf = st[4]
+    if rs[_SLOTS] == 0:
+        return -1, -1
+    evicted = -1
+    if rs[_USED] < rs[_SLOTS]:
+        s = rs[_USED]
+        rs[_USED] += 1
+    else:
+        evicted = _victim(st)
+        s = rk[evicted, _R_SLOT]
+        rk[evicted, _R_SLOT] = -1
+        unlink(sl, rs, _HEAD, s)
+    sl[s, KEY] = key
+    rk[key, _R_SLOT] = s
+    push_front(sl, rs, _HEAD, s)
+    return s, evicted
+
+
+@njit(cache=True, nogil=True)
+def access(st, keys, out):
+    """k3-run's batch: each key in order looked up, and admitted on a miss.
+    out (n, 3) int64 rows [slot, evicted key or -1, 1 if hit]. -> hits."""
+    hits = 0
+    for i in range(keys.size):
+        s = lookup(st, keys[i])
+        ev = -1
+        if s >= 0:
+            hits += 1
+            out[i, 2] = 1
+        else:
+            s, ev = admit(st, keys[i])
+            out[i, 2] = 0
+        out[i, 0] = s
+        out[i, 1] = ev
+    return hits
+
+
+def resident(st, slots):
+    """(slots,) int64: the key held by each slot, -1 for a never-used slot."""
+    return st[4][0][:slots, KEY].copy()
+
+
+def leader(st) -> str:
+    """The candidate the real cache follows now."""
+    return CANDIDATES[int(st[4][3][_LEADER])]
+
+
+def switches(st) -> int:
+    return int(st[4][3][_SWITCHES])
