@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from .cache_policy import replay
+from .policy_registry import DEFAULT_POLICY
 from .errors import BudgetError, FormatError
 from .pack import load_manifest
 from .stream.direct import window_bytes
@@ -41,7 +42,7 @@ def disk_speeds_from_doctor(path) -> tuple:
 
 
 def size_budget(trace_path, pack_dir, budget: float, seq_bps: float, rand_bps: float, *,
-                policy: str = "lru", steps: int = 12) -> dict:
+                policy: str = DEFAULT_POLICY, steps: int = 12) -> dict:
     reader = TraceReader(trace_path)
     h = reader.header
     keys = reader.layer_expert_keys()
