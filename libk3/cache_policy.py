@@ -83,6 +83,11 @@ class ReplayKeys:
             _ = self.hottest
 
 
+def _row(policy: str, slots: int, n: int, hits: int, **extra) -> dict:
+    return {"policy": policy, "slots": int(slots), "requests": n, "hits": hits,
+            "misses": n - hits, "hit_rate": hits / n if n else 0.0, **extra}
+
+
 def _run(rk: ReplayKeys, slots: int, policy: str) -> dict:
     keys, n_keys, nl, ne = rk.keys, rk.n_keys, rk.n_layers, rk.n_experts
     extra = {}
@@ -114,13 +119,11 @@ def _run(rk: ReplayKeys, slots: int, policy: str) -> dict:
         hits = obj.replay_hits(keys)
         extra["followed"] = obj.leader
         extra["switches"] = obj.switches
+        extra["shadow_misses"] = obj.shadow_misses
     else:
         check_policy_names([policy])
         raise AssertionError(policy)
-    n = int(keys.size)
-    hits = int(hits)
-    return {"policy": policy, "slots": int(slots), "requests": n, "hits": hits,
-            "misses": n - hits, "hit_rate": hits / n if n else 0.0, **extra}
+    return _row(policy, slots, int(keys.size), int(hits), **extra)
 
 
 def replay(keys, slots: int, policy: str, *, n_layers: int, n_experts: int) -> dict:
@@ -145,7 +148,9 @@ def replay_grid(keys, slots_list, policies, *, n_layers: int, n_experts: int,
     rk = keys if isinstance(keys, ReplayKeys) else ReplayKeys(keys, n_layers=n_layers,
                                                                n_experts=n_experts)
     rk.prepare(policies)
-    jobs = [(p, int(s)) for p in policies for s in slots_list]
+    # adaptive's shadows are these policies, replayed exactly: take them from its rows
+    derived = set(adaptive.CANDIDATES) & set(policies) if "adaptive" in policies else set()
+    jobs = [(p, int(s)) for p in policies if p not in derived for s in slots_list]
 
     def one(job):
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -155,12 +160,21 @@ def replay_grid(keys, slots_list, policies, *, n_layers: int, n_experts: int,
         return row
 
     if workers <= 1:
-        return [one(j) for j in jobs]
-    # longest jobs first keeps both threads busy to the end
-    order = sorted(range(len(jobs)), key=lambda i: -_COST[jobs[i][0]])
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        done = dict(zip(order, pool.map(one, [jobs[i] for i in order])))
-    return [done[i] for i in range(len(jobs))]
+        rows = [one(j) for j in jobs]
+    else:
+        # longest jobs first keeps both threads busy to the end
+        order = sorted(range(len(jobs)), key=lambda i: -_COST[jobs[i][0]])
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            done = dict(zip(order, pool.map(one, [jobs[i] for i in order])))
+        rows = [done[i] for i in range(len(jobs))]
+    by = {(r["policy"], r["slots"]): r for r in rows}
+    for p in derived:
+        for s in slots_list:
+            a = by[("adaptive", int(s))]
+            misses = a["shadow_misses"][p] if s > 0 else a["requests"]
+            by[(p, int(s))] = _row(p, s, a["requests"], a["requests"] - misses,
+                                   seconds=0.0, cpu_seconds=0.0, shadow_of="adaptive")
+    return [by[(p, int(s))] for p in policies for s in slots_list]
 
 
 # rough relative replay cost per policy, only used to schedule the longest jobs first
@@ -228,6 +242,11 @@ class OnlinePolicy:
     def leader(self):
         """adaptive: the candidate policy the cache follows now (else None)."""
         return adaptive.leader(self._state) if self.name == "adaptive" else None
+
+    @property
+    def shadow_misses(self):
+        """adaptive: {candidate: its shadow's misses so far} (else None)."""
+        return adaptive.shadow_misses(self._state) if self.name == "adaptive" else None
 
     @property
     def switches(self):

@@ -391,3 +391,16 @@ def test_online_object_refuses_offline_policies():
     with pytest.raises(UsageError, match="cannot drive a live cache"):
         cp.make_cache_policy("belady", 20, n_layers=NL, n_experts=NE)
     assert not cp.make_cache_policy("lru", 20, n_layers=NL, n_experts=NE).access([3])[2][0]
+
+
+def test_replay_grid_takes_adaptives_candidates_from_its_shadows_exactly():
+    """Catches a shadow that is not the policy it stands for (a grid with adaptive
+    reports the candidates from adaptive's shadows instead of replaying them again)."""
+    keys = synth_keys(12, n_layers=5, n_experts=30, top_k=4, seed=6)
+    kw = dict(n_layers=5, n_experts=30)
+    cands = ["lru", "s3fifo", "lfu", "layer-lfu"]
+    alone = cp.replay_grid(keys, [5, 17, 40], cands, **kw)
+    with_adaptive = cp.replay_grid(keys, [5, 17, 40], cands + ["adaptive"], **kw)
+    assert [r["misses"] for r in alone] == [r["misses"] for r in with_adaptive[:len(alone)]]
+    assert all(r.get("shadow_of") == "adaptive" for r in with_adaptive[:len(alone)])
+    assert all("shadow_of" not in r for r in alone)          # control: replayed alone

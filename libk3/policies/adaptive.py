@@ -25,7 +25,8 @@ state: (lru state, s3fifo state, lfu state, layer-lfu state, (sl, rk, rq, rs, rf
   sl (slots, 3) int64   the real cache's slots: [prev, next, key], most recent first
   rk (n_keys, 3) int64  per key: real slot or -1, visit id of its last request, queued
   rq (slots + 1,)       ring of keys to evict first (residents the leader lacks)
-  rs int64              scalars below, then each shadow's misses in the window
+  rs int64              scalars below, then each shadow's misses in the window and
+                        since the start
   rf float64            each shadow's decayed miss score
 """
 
@@ -48,7 +49,8 @@ _N_SHADOWS = 4
 _R_SLOT, _R_VISIT, _R_QUEUED = 0, 1, 2
 (_HEAD, _TAIL, _USED, _SLOTS, _QHEAD, _QTAIL, _CUR, _VISIT, _LEADER, _NE, _WCOUNT,
  _SWITCHES) = range(12)
-_WMISS = 12
+_WMISS = 12                     # then each shadow's misses in the window
+_TOTAL = _WMISS + 4              # then each shadow's misses since the start
 
 
 @njit(cache=True, nogil=True)
@@ -59,7 +61,7 @@ def new(n_layers, n_experts, slots):
     rk = np.full((n_keys, 3), -1, np.int64)
     rk[:, _R_QUEUED] = 0
     rq = np.full(max(slots, 0) + 1, -1, np.int64)
-    rs = np.zeros(_WMISS + _N_SHADOWS, np.int64)
+    rs = np.zeros(_TOTAL + _N_SHADOWS, np.int64)
     rs[_HEAD] = -1
     rs[_TAIL] = -1
     rs[_SLOTS] = max(slots, 0)
@@ -99,6 +101,7 @@ def _shadow_missed(rk, rq, rs, j, evicted):
     """Shadow j missed and evicted ``evicted``: count it, and if j leads, queue the key
     for eviction from the real cache."""
     rs[_WMISS + j] += 1
+    rs[_TOTAL + j] += 1
     if j == rs[_LEADER] and evicted >= 0 and rk[evicted, _R_SLOT] >= 0 \
             and rk[evicted, _R_QUEUED] == 0:
         _enqueue(rk, rq, rs, evicted)
@@ -132,7 +135,7 @@ def _end_window(st):
         s = sl[s, PREV]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline='always')
 def lookup(st, key):
     """Record a request in every shadow and the real cache: -> the real slot or -1."""
     sl, rk, rq, rs, rf = st[4]
@@ -159,7 +162,7 @@ def lookup(st, key):
     return s
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline='always')
 def _victim(st):
     """The real cache's key to evict: the oldest queued key the leader lacks, outside the
     current visit; else the least recent key outside it; else the least recent."""
@@ -183,7 +186,7 @@ def _victim(st):
     return sl[rs[_TAIL], KEY]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline='always')
 def admit(st, key):
     """Place a missing key (call lookup first) in a free slot, else in the victim's.
     -> (slot, evicted key or -1); (-1, -1) when there are no slots."""
@@ -236,3 +239,10 @@ def leader(st) -> str:
 
 def switches(st) -> int:
     return int(st[4][3][_SWITCHES])
+
+
+def shadow_misses(st) -> dict:
+    """{candidate: misses since the start}: each shadow replays exactly as that policy
+    alone would (same steps, same requests, same slots)."""
+    rs = st[4][3]
+    return {name: int(rs[_TOTAL + j]) for j, name in enumerate(CANDIDATES)}
