@@ -18,13 +18,15 @@ cycle of cache) or S3-FIFO (several cycles) beats every half life of layer-lfu b
 
 Like every online policy here it never evicts a key requested in the current layer
 visit while another key is resident: a leader's victim from the current visit stays
-queued, and with nothing else queued the real cache evicts its own least recent key
-outside the visit.
+queued, and with nothing else queued (rare: the real cache and the leader differ only
+after a switch) the real cache evicts the next key outside the visit under a clock hand
+over its slots.
 
-state: (lru state, s3fifo state, lfu state, layer-lfu state, (sl, rk, rq, rs, rf))
-  sl (slots, 3) int64   the real cache's slots: [prev, next, key], most recent first
-  rk (n_keys, 3) int64  per key: real slot or -1, visit id of its last request, queued
-  rq (slots + 1,)       ring of keys to evict first (residents the leader lacks)
+state: (lru state, s3fifo state, lfu state, layer-lfu state, (ks, rk, rq, rs, rf))
+  ks (slots,) int32     the key in each real slot
+  rk (n_keys, 3) int32  per key: real slot or -1, visit id of its last request, queued
+                        (columns of the shared per-key rows, see ``new``)
+  rq (slots + 1,) int32 ring of keys to evict first (residents the leader lacks)
   rs int64              scalars below, then each shadow's misses in the window and
                         since the start
   rf float64            each shadow's decayed miss score
@@ -36,7 +38,6 @@ import numpy as np
 from numba import njit
 
 from . import layer_lfu, lfu, lru, s3fifo
-from .lists import KEY, PREV, push_front, unlink
 
 CANDIDATES = ("lru", "s3fifo", "lfu", "layer-lfu")     # shadow order; the state's order
 FIRST_LEADER = 3                # layer-lfu, the previous default, until a window says more
@@ -47,34 +48,54 @@ MARGIN = 0.01                   # switch only to a shadow with 1 % fewer (decaye
 _LRU, _S3, _LFU, _LLFU = 0, 1, 2, 3
 _N_SHADOWS = 4
 _R_SLOT, _R_VISIT, _R_QUEUED = 0, 1, 2
-(_HEAD, _TAIL, _USED, _SLOTS, _QHEAD, _QTAIL, _CUR, _VISIT, _LEADER, _NE, _WCOUNT,
- _SWITCHES) = range(12)
-_WMISS = 12                     # then each shadow's misses in the window
+_R_COLUMNS = 3
+(_HAND, _USED, _SLOTS, _QHEAD, _QTAIL, _CUR, _VISIT, _LEADER, _NE, _WCOUNT,
+ _SWITCHES) = range(11)
+_WMISS = 11                     # then each shadow's misses in the window
 _TOTAL = _WMISS + 4              # then each shadow's misses since the start
 
 
-@njit(cache=True, nogil=True)
+_COLUMNS = (lru.KEY_COLUMNS, s3fifo.KEY_COLUMNS, lfu.KEY_COLUMNS, layer_lfu.KEY_COLUMNS,
+            _R_COLUMNS)
+
+
 def new(n_layers, n_experts, slots):
+    """The state. Every per-key column of the four shadows and the real cache shares one
+    64-byte row per key, so a request touches one cache line for all five."""
+    width = 16                                  # int32: one 64-byte line
+    assert sum(_COLUMNS) <= width
     n_keys = n_layers * n_experts
+    flat = np.empty(n_keys * width + 16, np.int32)
+    skip = (-flat.ctypes.data % 64) // 4
+    rows = flat[skip:skip + n_keys * width].reshape(n_keys, width)
+    return _new_on(rows, n_layers, n_experts, slots)
+
+
+@njit(cache=True, nogil=True)
+def _new_on(rows, n_layers, n_experts, slots):
+    c0 = lru.KEY_COLUMNS
+    c1 = c0 + s3fifo.KEY_COLUMNS
+    c2 = c1 + lfu.KEY_COLUMNS
+    c3 = c2 + layer_lfu.KEY_COLUMNS
     small, ghost = s3fifo.sizes(slots)
-    sl = np.full((max(slots, 1), 3), -1, np.int64)
-    rk = np.full((n_keys, 3), -1, np.int64)
+    ks = np.full(max(slots, 1), -1, np.int32)
+    rk = rows[:, c3:c3 + _R_COLUMNS]
+    rk[:, :] = -1
     rk[:, _R_QUEUED] = 0
-    rq = np.full(max(slots, 0) + 1, -1, np.int64)
+    rq = np.full(max(slots, 0) + 1, -1, np.int32)
     rs = np.zeros(_TOTAL + _N_SHADOWS, np.int64)
-    rs[_HEAD] = -1
-    rs[_TAIL] = -1
     rs[_SLOTS] = max(slots, 0)
     rs[_CUR] = -1
     rs[_VISIT] = -1
     rs[_LEADER] = FIRST_LEADER
     rs[_NE] = n_experts
     rf = np.zeros(_N_SHADOWS, np.float64)
-    return (lru.new(n_keys, slots),
-            s3fifo.new(n_keys, slots, small, ghost, s3fifo.MAX_FREQ),
-            lfu.new(n_layers, n_experts, slots),
-            layer_lfu.new(n_layers, n_experts, slots, 1, layer_lfu.HALF_LIFE_VISITS),
-            (sl, rk, rq, rs, rf))
+    return (lru.new_on(rows[:, 0:c0], slots),
+            s3fifo.new_on(rows[:, c0:c1], slots, small, ghost, s3fifo.MAX_FREQ),
+            lfu.new_on(rows[:, c1:c2], n_experts, slots),
+            layer_lfu.new_on(rows[:, c2:c3], n_layers, n_experts, slots, 1,
+                             layer_lfu.HALF_LIFE_VISITS),
+            (ks, rk, rq, rs, rf))
 
 
 @njit(cache=True, nogil=True, inline='always')
@@ -110,7 +131,7 @@ def _shadow_missed(rk, rq, rs, j, evicted):
 @njit(cache=True, nogil=True)
 def _end_window(st):
     """Fold the window's misses into the scores; switch leader with hysteresis."""
-    sl, rk, rq, rs, rf = st[4]
+    ks, rk, rq, rs, rf = st[4]
     leader = rs[_LEADER]
     best = leader
     for j in range(_N_SHADOWS):
@@ -127,18 +148,15 @@ def _end_window(st):
     while rs[_QTAIL] != rs[_QHEAD]:                 # drop the old leader's queue
         rk[rq[rs[_QTAIL]], _R_QUEUED] = 0
         rs[_QTAIL] = (rs[_QTAIL] + 1) % rq.size
-    s = rs[_TAIL]                                   # least recent first
-    while s >= 0:
-        k = sl[s, KEY]
-        if not _holds(st, best, k):
-            _enqueue(rk, rq, rs, k)
-        s = sl[s, PREV]
+    for s in range(rs[_USED]):
+        if not _holds(st, best, ks[s]):
+            _enqueue(rk, rq, rs, ks[s])
 
 
 @njit(cache=True, nogil=True, inline='always')
 def lookup(st, key):
     """Record a request in every shadow and the real cache: -> the real slot or -1."""
-    sl, rk, rq, rs, rf = st[4]
+    ks, rk, rq, rs, rf = st[4]
     if lru.lookup(st[0], key) < 0:
         _shadow_missed(rk, rq, rs, _LRU, lru.admit(st[0], key)[1])
     if s3fifo.lookup(st[1], key) < 0:
@@ -153,20 +171,16 @@ def lookup(st, key):
     L = key // rs[_NE]
     if L != rs[_CUR]:
         rs[_CUR] = L
-        rs[_VISIT] += 1
+        rs[_VISIT] = (rs[_VISIT] + 1) & 0x7FFFFFFF     # rk holds int32
     rk[key, _R_VISIT] = rs[_VISIT]
-    s = rk[key, _R_SLOT]
-    if s >= 0 and rs[_HEAD] != s:
-        unlink(sl, rs, _HEAD, s)
-        push_front(sl, rs, _HEAD, s)
-    return s
+    return rk[key, _R_SLOT]
 
 
 @njit(cache=True, nogil=True, inline='always')
 def _victim(st):
     """The real cache's key to evict: the oldest queued key the leader lacks, outside the
-    current visit; else the least recent key outside it; else the least recent."""
-    sl, rk, rq, rs, rf = st[4]
+    current visit; else the next key outside it under the clock hand; else the hand's."""
+    ks, rk, rq, rs, rf = st[4]
     leader = rs[_LEADER]
     for _ in range((rs[_QHEAD] - rs[_QTAIL]) % rq.size):
         k = rq[rs[_QTAIL]]
@@ -177,20 +191,19 @@ def _victim(st):
         if rk[k, _R_VISIT] != rs[_VISIT]:
             return k
         _enqueue(rk, rq, rs, k)                     # in use now: later
-    s = rs[_TAIL]
-    while s >= 0:
-        k = sl[s, KEY]
+    for _ in range(rs[_SLOTS]):
+        k = ks[rs[_HAND]]
+        rs[_HAND] = (rs[_HAND] + 1) % rs[_SLOTS]
         if rk[k, _R_VISIT] != rs[_VISIT]:
             return k
-        s = sl[s, PREV]
-    return sl[rs[_TAIL], KEY]
+    return ks[rs[_HAND]]
 
 
 @njit(cache=True, nogil=True, inline='always')
 def admit(st, key):
     """Place a missing key (call lookup first) in a free slot, else in the victim's.
     -> (slot, evicted key or -1); (-1, -1) when there are no slots."""
-    sl, rk, rq, rs, rf = st[4]
+    ks, rk, rq, rs, rf = st[4]
     if rs[_SLOTS] == 0:
         return -1, -1
     evicted = -1
@@ -201,10 +214,8 @@ def admit(st, key):
         evicted = _victim(st)
         s = rk[evicted, _R_SLOT]
         rk[evicted, _R_SLOT] = -1
-        unlink(sl, rs, _HEAD, s)
-    sl[s, KEY] = key
+    ks[s] = key
     rk[key, _R_SLOT] = s
-    push_front(sl, rs, _HEAD, s)
     return s, evicted
 
 
@@ -229,7 +240,7 @@ def access(st, keys, out):
 
 def resident(st, slots):
     """(slots,) int64: the key held by each slot, -1 for a never-used slot."""
-    return st[4][0][:slots, KEY].copy()
+    return st[4][0][:slots].astype(np.int64)
 
 
 def leader(st) -> str:

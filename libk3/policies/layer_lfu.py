@@ -43,11 +43,9 @@ _MIN_COUNT = 1e-300             # a count this small scores "never again"
 # heap (the LRFU trick). When scale_L passes 2^400 the layer's scale and counts are
 # divided by 2^400, exactly, keeping every order and every p.
 #
-# state (5 arrays, see the module docstring for why so few):
-#   kk (n_keys, 5) int64   per key: [slot, heap position, last visit id, heap entry,
-#                          layer]; layer L's min-heap (by count) lives in column 3 of
-#                          rows L*n_experts .. L*n_experts + heap size - 1
-#   sl (slots, 3) int64    per slot: [prev, next, key]; prev/next link the current
+# state (6 arrays, see the package docstring for why so few):
+#   kk (n_keys, 4) int32   per key: [slot, heap position, last visit id, layer]
+#   sl (slots, 3) int32    per slot: [prev, next, key]; prev/next link the current
 #                          visit's resident keys, most recent first
 #   si int64               [0:_SI_N] scalars, then hsize[n_layers]
 #   ka (n_keys,) float64   g_k, the scaled decayed count of each key
@@ -57,9 +55,12 @@ _MIN_COUNT = 1e-300             # a count this small scores "never again"
 #                          alpha * L part becomes dist() in the victim scan. A linear scan
 #                          of 93 contiguous scores per miss measured faster than a segment
 #                          tree's two range queries.
+#   hh (n_keys, 2) float64 layer L's min-heap of its evictable residents in rows
+#                          L*n_experts .. L*n_experts + heap size - 1: [g_k, k] (a key's
+#                          count does not change while it is in the heap)
 # ======================================================================================
 
-_K_SLOT, _K_HPOS, _K_VISIT, _K_HEAP, _K_LAYER = 0, 1, 2, 3, 4
+_K_SLOT, _K_HPOS, _K_VISIT, _K_LAYER = 0, 1, 2, 3
 # si scalars: visit id, current layer, used slots, visit list head, visit list tail, ...
 _S_VISIT, _S_CUR, _S_USED, _S_HEAD, _S_TAIL = 0, 1, 2, 3, 4
 _S_NL, _S_NE, _S_SLOTS, _S_ALPHA = 5, 6, 7, 8
@@ -68,12 +69,17 @@ _F_STEP, _F_OMB = 0, 1
 _FL_N = 2
 
 
+KEY_COLUMNS = 4
+
+
 @njit(cache=True, nogil=True)
-def new(n_layers, n_experts, slots, alpha, half_life_visits):
+def new_on(kk, n_layers, n_experts, slots, alpha, half_life_visits):
+    """A state over the per-key array kk (n_keys, KEY_COLUMNS) int32, which may be a view
+    into a block shared with other policies (``libk3.policies.adaptive``)."""
     n_keys = n_layers * n_experts
-    kk = np.full((n_keys, 5), -1, np.int64)
+    kk[:, :] = -1
     kk[:, _K_LAYER] = np.arange(n_keys) // n_experts
-    sl = np.full((max(slots, 1), 3), -1, np.int64)
+    sl = np.full((max(slots, 1), 3), -1, np.int32)
     si = np.zeros(_SI_N + n_layers, np.int64)
     si[_S_VISIT] = -1
     si[_S_CUR] = -1
@@ -88,86 +94,71 @@ def new(n_layers, n_experts, slots, alpha, half_life_visits):
     fl[_F_STEP] = 2.0 ** (1.0 / half_life_visits)
     fl[_F_OMB] = 1.0 - 1.0 / fl[_F_STEP]
     fl[_FL_N:_FL_N + n_layers] = 1.0
-    return kk, sl, si, ka, fl
+    hh = np.zeros((n_keys, 2), np.float64)
+    return kk, sl, si, ka, fl, hh
 
 
-@njit(cache=True, nogil=True, inline='always')
-def _heap_less(kk, ka, x, y):
-    return ka[x] < ka[y] or (ka[x] == ka[y] and x < y)
+@njit(cache=True, nogil=True)
+def new(n_layers, n_experts, slots, alpha, half_life_visits):
+    return new_on(np.empty((n_layers * n_experts, KEY_COLUMNS), np.int32), n_layers,
+                  n_experts, slots, alpha, half_life_visits)
 
 
-@njit(cache=True, nogil=True, inline='always')
-def _heap_up(kk, ka, base, p):
-    k = kk[base + p, _K_HEAP]
+@njit(cache=True, nogil=True)
+def _place(kk, hh, base, p, size, val, key):
+    """Put (val, key) at position p's place in the heap at rows base.. of hh: up or
+    down. The heap rows hold their keys' counts, so ordering reads no other array."""
     while p > 0:
         q = (p - 1) >> 1
-        kq = kk[base + q, _K_HEAP]
-        if not _heap_less(kk, ka, k, kq):
+        if not (val < hh[base + q, 0] or (val == hh[base + q, 0] and key < hh[base + q, 1])):
             break
-        kk[base + p, _K_HEAP] = kq
-        kk[kq, _K_HPOS] = p
+        hh[base + p, 0], hh[base + p, 1] = hh[base + q, 0], hh[base + q, 1]
+        kk[int(hh[base + p, 1]), _K_HPOS] = p
         p = q
-    kk[base + p, _K_HEAP] = k
-    kk[k, _K_HPOS] = p
-
-
-@njit(cache=True, nogil=True, inline='always')
-def _heap_down(kk, ka, base, p, size):
-    k = kk[base + p, _K_HEAP]
     while True:
         c = 2 * p + 1
         if c >= size:
             break
-        kc = kk[base + c, _K_HEAP]
-        if c + 1 < size:
-            kc1 = kk[base + c + 1, _K_HEAP]
-            if _heap_less(kk, ka, kc1, kc):
-                c += 1
-                kc = kc1
-        if not _heap_less(kk, ka, kc, k):
+        if c + 1 < size and (hh[base + c + 1, 0] < hh[base + c, 0] or (
+                hh[base + c + 1, 0] == hh[base + c, 0] and hh[base + c + 1, 1] < hh[base + c, 1])):
+            c += 1
+        if not (hh[base + c, 0] < val or (hh[base + c, 0] == val and hh[base + c, 1] < key)):
             break
-        kk[base + p, _K_HEAP] = kc
-        kk[kc, _K_HPOS] = p
+        hh[base + p, 0], hh[base + p, 1] = hh[base + c, 0], hh[base + c, 1]
+        kk[int(hh[base + p, 1]), _K_HPOS] = p
         p = c
-    kk[base + p, _K_HEAP] = k
-    kk[k, _K_HPOS] = p
+    hh[base + p, 0], hh[base + p, 1] = val, key
+    kk[int(key), _K_HPOS] = p
 
 
 @njit(cache=True, nogil=True, inline='always')
-def _heap_push(kk, si, ka, key):
+def _heap_push(kk, si, ka, hh, key):
     L = kk[key, _K_LAYER]
-    base = L * si[_S_NE]
     size = si[_SI_N + L]
-    kk[base + size, _K_HEAP] = key
     si[_SI_N + L] = size + 1
-    _heap_up(kk, ka, base, size)
+    _place(kk, hh, L * si[_S_NE], size, size + 1, ka[key], float(key))
 
 
 @njit(cache=True, nogil=True, inline='always')
-def _heap_remove(kk, si, ka, key):
+def _heap_remove(kk, si, hh, key):
     L = kk[key, _K_LAYER]
     base = L * si[_S_NE]
     p = kk[key, _K_HPOS]
     kk[key, _K_HPOS] = -1
     last = si[_SI_N + L] - 1
     si[_SI_N + L] = last
-    moved = kk[base + last, _K_HEAP]
-    kk[base + last, _K_HEAP] = -1
     if p != last:
-        kk[base + p, _K_HEAP] = moved
-        kk[moved, _K_HPOS] = p
-        _heap_up(kk, ka, base, p)
-        _heap_down(kk, ka, base, kk[moved, _K_HPOS], last)
+        _place(kk, hh, base, p, last, hh[base + last, 0], hh[base + last, 1])
 
 
 @njit(cache=True, nogil=True, inline='always')
-def _score_set(kk, si, ka, fl, L):
+def _score_set(si, hh, fl, L):
     """Refresh layer L's eviction score from its least valuable heap key."""
     n_layers, n_experts = si[_S_NL], si[_S_NE]
     if si[_SI_N + L] == 0:
         fl[_FL_N + n_layers + L] = -np.inf
     else:
-        g = max(ka[kk[L * n_experts, _K_HEAP]], _MIN_COUNT)         # 1/p = scale/(omb g)
+        g = max(hh[L * n_experts, 0], _MIN_COUNT)         # 1/p = scale/(omb g)
         fl[_FL_N + n_layers + L] = (n_layers * (fl[_FL_N + L] / (fl[_F_OMB] * g) - 1.0)
                                     + si[_S_ALPHA] * L)
 
@@ -197,34 +188,36 @@ def _victim_layer(si, fl):
 @njit(cache=True, nogil=True)
 def _new_visit(st, L):
     """Layer L starts a visit: the previous visit's keys return to their heap."""
-    kk, sl, si, ka, fl = st
+    kk, sl, si, ka, fl, hh = st
     old = si[_S_CUR]
     s = si[_S_HEAD]
     while s >= 0:
         nxt = sl[s, NEXT]
-        _heap_push(kk, si, ka, sl[s, KEY])
+        _heap_push(kk, si, ka, hh, sl[s, KEY])
         sl[s, PREV] = -1
         sl[s, NEXT] = -1
         s = nxt
     si[_S_HEAD] = -1
     si[_S_TAIL] = -1
     if old >= 0:
-        _score_set(kk, si, ka, fl, old)
-    si[_S_VISIT] += 1
+        _score_set(si, hh, fl, old)
+    si[_S_VISIT] = (si[_S_VISIT] + 1) & 0x7FFFFFFF      # kk holds int32
     si[_S_CUR] = L
     fl[_FL_N + L] *= fl[_F_STEP]              # the layer's clock ticks: older counts decay
     if fl[_FL_N + L] > _RESCALE:
         fl[_FL_N + L] /= _RESCALE
-        n_experts = si[_S_NE]
-        for k in range(L * n_experts, (L + 1) * n_experts):
+        base = L * si[_S_NE]
+        for k in range(base, base + si[_S_NE]):
             ka[k] /= _RESCALE
+        for p in range(si[_SI_N + L]):
+            hh[base + p, 0] /= _RESCALE
 
 
 @njit(cache=True, nogil=True)
 def lookup(st, key):
     """Record a request: -> the key's slot or -1. Counts the key once per visit of its
     layer and protects it (out of its heap) until the visit ends."""
-    kk, sl, si, ka, fl = st
+    kk, sl, si, ka, fl, hh = st
     L = kk[key, _K_LAYER]
     if L != si[_S_CUR]:
         _new_visit(st, L)
@@ -233,7 +226,7 @@ def lookup(st, key):
         kk[key, _K_VISIT] = si[_S_VISIT]
         ka[key] += fl[_FL_N + L]
         if s >= 0:                              # the current layer's tree leaf is
-            _heap_remove(kk, si, ka, key)       # refreshed when admit needs it
+            _heap_remove(kk, si, hh, key)       # refreshed when admit needs it
             push_front(sl, si, _S_HEAD, s)
     elif s >= 0:
         unlink(sl, si, _S_HEAD, s)
@@ -252,7 +245,7 @@ def admit(st, key):
     with the largest expected number of layer visits to its next request; a key of the
     current visit (the least recent) only when no other key is resident.
     -> (slot, evicted key or -1); (-1, -1) when there are no slots."""
-    kk, sl, si, ka, fl = st
+    kk, sl, si, ka, fl, hh = st
     if si[_S_SLOTS] == 0:
         return -1, -1
     if kk[key, _K_LAYER] != si[_S_CUR] or kk[key, _K_VISIT] != si[_S_VISIT]:
@@ -262,12 +255,12 @@ def admit(st, key):
         s = si[_S_USED]
         si[_S_USED] += 1
     else:
-        _score_set(kk, si, ka, fl, si[_S_CUR])
+        _score_set(si, hh, fl, si[_S_CUR])
         Lv = _victim_layer(si, fl)
         if Lv >= 0:
-            evicted = kk[Lv * si[_S_NE], _K_HEAP]
-            _heap_remove(kk, si, ka, evicted)
-            _score_set(kk, si, ka, fl, Lv)
+            evicted = int(hh[Lv * si[_S_NE], 1])
+            _heap_remove(kk, si, hh, evicted)
+            _score_set(si, hh, fl, Lv)
             s = kk[evicted, _K_SLOT]
         else:
             s = si[_S_TAIL]
@@ -316,4 +309,4 @@ def access(st, keys, out):
 
 def resident(st, slots):
     """(slots,) int64: the key held by each slot, -1 for a never-used slot."""
-    return st[1][:slots, KEY].copy()
+    return st[1][:slots, KEY].astype(np.int64)

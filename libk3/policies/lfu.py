@@ -2,19 +2,21 @@
 
 Owns: the LFU state and steps. Every request of a key counts, from the start of the
 trace (evicted keys keep their counts); on a miss with a full cache, evict the resident
-key with the fewest requests, ties to the least recent. Under independent requests this
+key with the fewest requests, ties to the one whose last request is oldest (by layer
+visit, then the smaller key). Under independent requests this
 keeps the most popular keys, the best an online policy can do there. Like every online
 policy here it never evicts a key requested in the current layer visit while another key
 is resident (k3-run computes a layer from all of its experts at once): those keys leave
 the heap when requested and return when the visit ends. O(log slots) per request.
 
-state: (kv, hv, sc)
-  kv (n_keys, 5) int64   per key: requests, time of the last request, heap position
-                         (-1 outside the heap), visit id of the last request, slot
-  hv (3, slots) int64    min-heap of evictable residents by (requests, last request);
-                         the current visit's resident keys, oldest first; key per slot
-  sc int64               heap size, visit keys, used slots, slots, clock, current
-                         layer, visit id, n_experts
+state: (kv, hv, hp, sc)
+  kv (n_keys, 4) int32   per key: requests, visit id of the last request, heap
+                         position (-1 outside the heap), slot (-1 not resident)
+  hv (2, slots) int32    the current visit's resident keys, oldest first; key per slot
+  hp (slots, 2) int64    min-heap of the evictable residents: [requests << 31 | last
+                         visit, key] (the order is read from the heap rows alone)
+  sc int64               heap size, visit keys, used slots, slots, current layer, visit
+                         id, n_experts
 """
 
 from __future__ import annotations
@@ -22,93 +24,98 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-_COUNT, _LAST, _HPOS, _VISIT, _SLOT = range(5)
-_HEAP, _VIS, _KEY = range(3)
-_HSIZE, _NVIS, _USED, _SLOTS, _CLOCK, _CUR, _VISIT_ID, _NE = range(8)
+_COUNT, _VISIT, _HPOS, _SLOT = range(4)
+_VIS, _KEY = range(2)
+_HSIZE, _NVIS, _USED, _SLOTS, _CUR, _VISIT_ID, _NE = range(7)
+
+
+KEY_COLUMNS = 4
+
+
+@njit(cache=True, nogil=True)
+def new_on(kv, n_experts, slots):
+    """A state over the per-key array kv (n_keys, KEY_COLUMNS) int32, which may be a view
+    into a block shared with other policies (``libk3.policies.adaptive``)."""
+    kv[:, :] = -1
+    kv[:, _COUNT] = 0
+    hv = np.full((2, max(slots, 1)), -1, np.int32)
+    hp = np.zeros((max(slots, 1), 2), np.int64)
+    sc = np.zeros(7, np.int64)
+    sc[_SLOTS] = max(slots, 0)
+    sc[_CUR] = -1
+    sc[_NE] = n_experts
+    return kv, hv, hp, sc
 
 
 @njit(cache=True, nogil=True)
 def new(n_layers, n_experts, slots):
-    kv = np.full((n_layers * n_experts, 5), -1, np.int64)
-    kv[:, _COUNT] = 0
-    hv = np.full((3, max(slots, 1)), -1, np.int64)
-    sc = np.zeros(8, np.int64)
-    sc[_SLOTS] = max(slots, 0)
-    sc[_CUR] = -1
-    sc[_NE] = n_experts
-    return kv, hv, sc
+    return new_on(np.empty((n_layers * n_experts, KEY_COLUMNS), np.int32), n_experts, slots)
 
 
 @njit(cache=True, nogil=True, inline='always')
-def _less(kv, a, b):
-    return kv[a, _COUNT] < kv[b, _COUNT] or (kv[a, _COUNT] == kv[b, _COUNT]
-                                             and kv[a, _LAST] < kv[b, _LAST])
+def _before(hp, p, prio, key):
+    """Is heap entry p less valuable than (prio, key)?"""
+    return hp[p, 0] < prio or (hp[p, 0] == prio and hp[p, 1] < key)
 
 
 @njit(cache=True, nogil=True)
-def _sift(kv, heap, p, size):
-    """Move heap[p] up or down to its place."""
-    k = heap[p]
+def _place(kv, hp, p, size, prio, key):
+    """Put (prio, key) at heap position p's place: up or down."""
     while p > 0:
         q = (p - 1) >> 1
-        if not _less(kv, k, heap[q]):
+        if not (prio < hp[q, 0] or (prio == hp[q, 0] and key < hp[q, 1])):
             break
-        heap[p] = heap[q]
-        kv[heap[p], _HPOS] = p
+        hp[p, 0], hp[p, 1] = hp[q, 0], hp[q, 1]
+        kv[hp[p, 1], _HPOS] = p
         p = q
     while True:
         c = 2 * p + 1
         if c >= size:
             break
-        if c + 1 < size and _less(kv, heap[c + 1], heap[c]):
+        if c + 1 < size and _before(hp, c + 1, hp[c, 0], hp[c, 1]):
             c += 1
-        if not _less(kv, heap[c], k):
+        if not _before(hp, c, prio, key):
             break
-        heap[p] = heap[c]
-        kv[heap[p], _HPOS] = p
+        hp[p, 0], hp[p, 1] = hp[c, 0], hp[c, 1]
+        kv[hp[p, 1], _HPOS] = p
         p = c
-    heap[p] = k
-    kv[k, _HPOS] = p
+    hp[p, 0], hp[p, 1] = prio, key
+    kv[key, _HPOS] = p
 
 
 @njit(cache=True, nogil=True, inline='always')
-def _heap_push(kv, hv, sc, k):
+def _heap_push(kv, hp, sc, k):
     p = sc[_HSIZE]
     sc[_HSIZE] = p + 1
-    hv[_HEAP, p] = k
-    _sift(kv, hv[_HEAP], p, p + 1)
+    _place(kv, hp, p, p + 1, (np.int64(kv[k, _COUNT]) << 31) | kv[k, _VISIT], k)
 
 
 @njit(cache=True, nogil=True, inline='always')
-def _heap_remove(kv, hv, sc, k):
+def _heap_remove(kv, hp, sc, k):
     p = kv[k, _HPOS]
     kv[k, _HPOS] = -1
     last = sc[_HSIZE] - 1
     sc[_HSIZE] = last
     if p != last:
-        hv[_HEAP, p] = hv[_HEAP, last]
-        kv[hv[_HEAP, p], _HPOS] = p
-        _sift(kv, hv[_HEAP], p, last)
+        _place(kv, hp, p, last, hp[last, 0], hp[last, 1])
 
 
 @njit(cache=True, nogil=True)
 def lookup(st, key):
     """Record a request: -> the key's slot or -1. A new layer ends the visit: its keys
     return to the heap."""
-    kv, hv, sc = st
+    kv, hv, hp, sc = st
     L = key // sc[_NE]
     if L != sc[_CUR]:
         for i in range(sc[_NVIS]):
-            _heap_push(kv, hv, sc, hv[_VIS, i])
+            _heap_push(kv, hp, sc, hv[_VIS, i])
         sc[_NVIS] = 0
         sc[_CUR] = L
-        sc[_VISIT_ID] += 1
+        sc[_VISIT_ID] = (sc[_VISIT_ID] + 1) & 0x7FFFFFFF     # kv holds int32
     kv[key, _COUNT] += 1
-    kv[key, _LAST] = sc[_CLOCK]
-    sc[_CLOCK] += 1
     s = kv[key, _SLOT]
     if s >= 0 and kv[key, _VISIT] != sc[_VISIT_ID]:
-        _heap_remove(kv, hv, sc, key)
+        _heap_remove(kv, hp, sc, key)
         hv[_VIS, sc[_NVIS]] = key
         sc[_NVIS] += 1
     kv[key, _VISIT] = sc[_VISIT_ID]
@@ -123,9 +130,9 @@ def holds(st, key):
 @njit(cache=True, nogil=True)
 def admit(st, key):
     """Place a missing key (call lookup first): a free slot, else evict the evictable
-    key with the fewest requests (ties: least recent); the oldest key of the current
+    key with the fewest requests (ties: oldest last visit, smaller key); the oldest key of the current
     visit only when every resident belongs to it. -> (slot, evicted key or -1)."""
-    kv, hv, sc = st
+    kv, hv, hp, sc = st
     if sc[_SLOTS] == 0:
         return -1, -1
     evicted = -1
@@ -134,8 +141,8 @@ def admit(st, key):
         sc[_USED] += 1
     else:
         if sc[_HSIZE] > 0:
-            evicted = hv[_HEAP, 0]
-            _heap_remove(kv, hv, sc, evicted)
+            evicted = hp[0, 1]
+            _heap_remove(kv, hp, sc, evicted)
         else:
             evicted = hv[_VIS, 0]
             sc[_NVIS] -= 1

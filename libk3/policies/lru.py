@@ -5,7 +5,8 @@ key -> slot map) and the pin+LRU simulator. With more slots than one layer visit
 experts, LRU never evicts a key requested in the current visit (they are the most
 recent), which k3-run needs.
 
-state: (sl, slot_of_key, sc); sl[s] = [prev, next, key]; sc = [head, tail, used, slots]
+state: (sl, kv, sc); sl[s] = [prev, next, key] int32; kv (n_keys, KEY_COLUMNS) int32
+holds each key's slot (-1: not resident); sc = [head, tail, used, slots] int64
 """
 
 from __future__ import annotations
@@ -16,19 +17,29 @@ from numba import njit
 from .lists import KEY, push_front, unlink
 
 
+KEY_COLUMNS = 1
+
+
+@njit(cache=True, nogil=True)
+def new_on(kv, slots):
+    """A state over the per-key array kv (n_keys, KEY_COLUMNS) int32, which may be a view
+    into a block shared with other policies (``libk3.policies.adaptive``)."""
+    kv[:, 0] = -1
+    sl = np.full((max(slots, 1), 3), -1, np.int32)
+    sc = np.array([-1, -1, 0, max(slots, 0)], np.int64)
+    return sl, kv, sc
+
+
 @njit(cache=True, nogil=True)
 def new(n_keys, slots):
-    sl = np.full((max(slots, 1), 3), -1, np.int64)
-    slot_of_key = np.full(n_keys, -1, np.int64)
-    sc = np.array([-1, -1, 0, max(slots, 0)], np.int64)
-    return sl, slot_of_key, sc
+    return new_on(np.empty((n_keys, KEY_COLUMNS), np.int32), slots)
 
 
 @njit(cache=True, nogil=True)
 def lookup(st, key):
     """Record a request: -> the key's slot (now most recent) or -1."""
-    sl, slot_of_key, sc = st
-    s = slot_of_key[key]
+    sl, kv, sc = st
+    s = kv[key, 0]
     if s >= 0 and sc[0] != s:
         unlink(sl, sc, 0, s)
         push_front(sl, sc, 0, s)
@@ -37,14 +48,14 @@ def lookup(st, key):
 
 @njit(cache=True, nogil=True, inline='always')
 def holds(st, key):
-    return st[1][key] >= 0
+    return st[1][key, 0] >= 0
 
 
 @njit(cache=True, nogil=True)
 def admit(st, key):
     """Place a missing key in a free slot, else the least recent one. -> (slot, evicted
     key or -1); (-1, -1) when there are no slots."""
-    sl, slot_of_key, sc = st
+    sl, kv, sc = st
     if sc[3] == 0:
         return -1, -1
     evicted = -1
@@ -55,9 +66,9 @@ def admit(st, key):
         s = sc[1]
         unlink(sl, sc, 0, s)
         evicted = sl[s, KEY]
-        slot_of_key[evicted] = -1
+        kv[evicted, 0] = -1
     sl[s, KEY] = key
-    slot_of_key[key] = s
+    kv[key, 0] = s
     push_front(sl, sc, 0, s)
     return s, evicted
 
@@ -83,7 +94,7 @@ def access(st, keys, out):
 
 def resident(st, slots):
     """(slots,) int64: the key held by each slot, -1 for a never-used slot."""
-    return st[0][:slots, KEY].copy()
+    return st[0][:slots, KEY].astype(np.int64)
 
 
 @njit(cache=True, nogil=True)

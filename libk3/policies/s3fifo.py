@@ -12,10 +12,10 @@ No slots are tracked (S3-FIFO is replayed and run as a shadow, never as k3-run's
 ``lookup`` returns 0 on a hit, ``admit`` returns (0, evicted key or -1).
 
 state: (q, kv, sc)
-  q (4, cap) int64    rings: S keys, M keys, G keys, G entry stamps (each ``*_tail`` is
-                      the oldest)
-  kv (n_keys, 3)      per key: stamp of its live ghost entry or -1, where (0 absent,
-                      1 in S, 2 in M), frequency
+  q (3, cap) int32    rings of keys: S, M, G (S and M: the oldest at ``*_TAIL``)
+  kv (n_keys, 3) int32 per key: index of its latest G entry or -1 (live while that
+                      entry still holds the key), where (0 absent, 1 in S, 2 in M),
+                      frequency
   sc int64            scalars below
 """
 
@@ -27,10 +27,10 @@ from numba import njit
 SMALL_FRACTION = 0.1     # S3-FIFO paper: the small queue holds 10 % of the cache
 MAX_FREQ = 3             # 2-bit frequency counter
 
-_Q_S, _Q_M, _Q_G, _Q_GSTAMP = 0, 1, 2, 3
+_Q_S, _Q_M, _Q_G = 0, 1, 2
 _K_GHOST, _K_WHERE, _K_FREQ = 0, 1, 2
-(_S_HEAD, _S_TAIL, _S_SIZE, _M_HEAD, _M_TAIL, _M_SIZE, _G_HEAD, _STAMP, _SLOTS, _SMALL,
- _GCAP, _MAXF, _CAP) = range(13)
+(_S_HEAD, _S_TAIL, _S_SIZE, _M_HEAD, _M_TAIL, _M_SIZE, _G_HEAD, _SLOTS, _SMALL, _GCAP,
+ _MAXF, _CAP) = range(12)
 
 
 @njit(cache=True, nogil=True)
@@ -40,21 +40,31 @@ def sizes(slots):
     return small, max(slots - small, 1)
 
 
+KEY_COLUMNS = 3
+
+
 @njit(cache=True, nogil=True)
-def new(n_keys, slots, small_target, ghost_cap, max_freq):
+def new_on(kv, slots, small_target, ghost_cap, max_freq):
+    """A state over the per-key array kv (n_keys, KEY_COLUMNS) int32, which may be a view
+    into a block shared with other policies (``libk3.policies.adaptive``)."""
     cap = max(slots, 0) + 1
     gcap = max(ghost_cap, 1)
-    q = np.full((4, max(cap, gcap)), -1, np.int64)
-    q[_Q_GSTAMP, :] = 0
-    kv = np.zeros((n_keys, 3), np.int64)
+    q = np.full((3, max(cap, gcap)), -1, np.int32)
+    kv[:, :] = 0
     kv[:, _K_GHOST] = -1
-    sc = np.zeros(13, np.int64)
+    sc = np.zeros(12, np.int64)
     sc[_SLOTS] = max(slots, 0)
     sc[_SMALL] = small_target
     sc[_GCAP] = gcap
     sc[_MAXF] = max_freq
     sc[_CAP] = cap
     return q, kv, sc
+
+
+@njit(cache=True, nogil=True)
+def new(n_keys, slots, small_target, ghost_cap, max_freq):
+    return new_on(np.empty((n_keys, KEY_COLUMNS), np.int32), slots, small_target, ghost_cap,
+                  max_freq)
 
 
 @njit(cache=True, nogil=True, inline='always')
@@ -107,12 +117,10 @@ def admit(st, key):
                 evicted = t
                 g = sc[_G_HEAD]
                 old = q[_Q_G, g]
-                if old >= 0 and kv[old, _K_GHOST] == q[_Q_GSTAMP, g]:
+                if old >= 0 and kv[old, _K_GHOST] == g:
                     kv[old, _K_GHOST] = -1            # its ghost entry is overwritten
-                sc[_STAMP] += 1
                 q[_Q_G, g] = t
-                q[_Q_GSTAMP, g] = sc[_STAMP]
-                kv[t, _K_GHOST] = sc[_STAMP]
+                kv[t, _K_GHOST] = g
                 sc[_G_HEAD] = (g + 1) % sc[_GCAP]
         else:
             t = _pop(q, sc, _Q_M, _M_TAIL, _M_SIZE)
