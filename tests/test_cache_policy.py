@@ -7,7 +7,7 @@ and the brute-force versions stay fast; hypothesis keeps the examples modest.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -15,27 +15,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libk3 import cache_policy as cp
-from libk3.policies import layer_lfu, lru, s3fifo
 from libk3.errors import UsageError
+from libk3.policies import drive, layer_lfu, lru, s3fifo
 from libk3.trace_synth import synth_keys, synth_recompute_keys
 
+from .policy_brute import NE, NL, LruBrute, S3Brute, brute_hits
+
 SETTINGS = settings(max_examples=60, deadline=None)
-NL, NE = 3, 4                      # hypothesis traces: keys 0..11, layer = key // 4
 
 
 # ---- brute-force references ------------------------------------------------------------
 
 def lru_brute(keys, slots):
-    cache, hits = OrderedDict(), 0
-    for k in keys:
-        if k in cache:
-            hits += 1
-            cache.move_to_end(k)
-        elif slots > 0:
-            if len(cache) >= slots:
-                cache.popitem(last=False)
-            cache[k] = True
-    return hits
+    return sum(brute_hits(LruBrute(slots), keys))
 
 
 def belady_brute(keys, slots):
@@ -80,42 +72,14 @@ def pin_lru_brute(keys, slots, n_pinned):
     return hits
 
 
-def s3fifo_brute(keys, slots, small_target, ghost_cap, max_freq=3):
-    """The documented S3-FIFO rules with deques (oldest on the left)."""
-    S, M, G, freq, hits = deque(), deque(), deque(), {}, 0
-    for k in keys:
-        if k in S or k in M:
-            hits += 1
-            freq[k] = min(freq[k] + 1, max_freq)
-            continue
-        while len(S) + len(M) >= slots:
-            if len(S) >= small_target or not M:
-                t = S.popleft()
-                if freq[t] > 0:
-                    freq[t] = 0
-                    M.append(t)
-                else:
-                    G.append(t)
-                    if len(G) > ghost_cap:
-                        G.popleft()
-            else:
-                t = M.popleft()
-                if freq[t] > 0:
-                    freq[t] -= 1
-                    M.append(t)
-        freq[k] = 0
-        if k in G:
-            G.remove(k)
-            M.append(k)
-        else:
-            S.append(k)
-    return hits
+def s3fifo_brute(keys, slots, small_target, ghost_cap):
+    return sum(brute_hits(S3Brute(slots, small=small_target, ghost_cap=ghost_cap), keys))
 
 
 def run(policy, keys, slots, n_layers=NL, n_experts=NE):
     if policy == "lfu":       # layer-lfu without its distance term (kernel alpha = 0)
-        return layer_lfu.simulate(np.asarray(keys, np.int64), n_layers, n_experts, slots, 0,
-                                  layer_lfu.HALF_LIFE_VISITS)
+        return drive.hits(layer_lfu.new(n_layers, n_experts, slots, 0,
+                                        layer_lfu.HALF_LIFE_VISITS), np.asarray(keys, np.int64))
     return cp.replay(np.asarray(keys, np.int64), slots, policy, n_layers=n_layers,
                      n_experts=n_experts)["hits"]
 
@@ -349,7 +313,7 @@ def test_online_object_matches_the_simulator(policy):
     keys = synth_keys(25, n_layers=n_layers, n_experts=n_experts, top_k=top_k, seed=5)
     for slots in (top_k + 1, 23, 70):
         obj = cp.make_cache_policy(policy, slots, n_layers=n_layers, n_experts=n_experts)
-        hits = sum(int(obj.access(visit)[2].sum()) for visit in keys.reshape(-1, top_k))
+        hits = sum(int(obj.access(visit)[:, 2].sum()) for visit in keys.reshape(-1, top_k))
         assert hits == run(policy, keys, slots, n_layers, n_experts)
 
 
@@ -366,8 +330,9 @@ def test_online_object_keeps_a_whole_layer_resident_k3_run_style(policy):
     for t in range(layer.shape[0]):
         for L in range(n_layers):
             group = [L * n_experts + int(e) for e in expert[t, L]]
-            slots, evicted, hit = obj.access(group)
-            for i, (k, s, ev, h) in enumerate(zip(group, slots, evicted, hit)):
+            out = obj.access(group)
+            assert cp.evicts_its_own_batch(np.array(group), out) == -1
+            for i, (k, (s, ev, h)) in enumerate(zip(group, out.tolist())):
                 assert s >= 0 and ev not in group[:i]
                 if h:
                     assert mirror[s] == k and ev == -1
@@ -390,7 +355,7 @@ def test_online_object_refuses_offline_policies():
     """Catches offering k3-run a policy that needs the future."""
     with pytest.raises(UsageError, match="cannot drive a live cache"):
         cp.make_cache_policy("belady", 20, n_layers=NL, n_experts=NE)
-    assert not cp.make_cache_policy("lru", 20, n_layers=NL, n_experts=NE).access([3])[2][0]
+    assert cp.make_cache_policy("lru", 20, n_layers=NL, n_experts=NE).access([3])[0, 2] == 0
 
 
 def test_replay_grid_takes_adaptives_candidates_from_its_shadows_exactly():
@@ -404,3 +369,20 @@ def test_replay_grid_takes_adaptives_candidates_from_its_shadows_exactly():
     assert [r["misses"] for r in alone] == [r["misses"] for r in with_adaptive[:len(alone)]]
     assert all(r.get("shadow_of") == "adaptive" for r in with_adaptive[:len(alone)])
     assert all("shadow_of" not in r for r in alone)          # control: replayed alone
+
+
+def test_evicts_its_own_batch_flags_an_eviction_of_a_key_the_batch_placed():
+    """Catches a guard that never fires (k3-run would hand one slot to two experts)."""
+    keys = np.array([5, 6, 7])
+    out = np.array([[0, -1, 0], [1, -1, 0], [0, 5, 0]])
+    assert cp.evicts_its_own_batch(keys, out) == 2
+    out[2, 1] = 9                                  # control: a key outside the batch
+    assert cp.evicts_its_own_batch(keys, out) == -1
+
+
+def test_online_object_refuses_keys_outside_the_model():
+    """Catches an unchecked key reaching the numba state (it would write out of bounds)."""
+    obj = cp.make_cache_policy("adaptive", 5, n_layers=NL, n_experts=NE)
+    with pytest.raises(ValueError, match="outside"):
+        obj.access([3, NL * NE])
+    assert obj.access([NL * NE - 1])[0, 2] == 0     # control: the last key is fine

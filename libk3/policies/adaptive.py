@@ -41,17 +41,18 @@ from . import layer_lfu, lfu, lru, s3fifo
 
 CANDIDATES = ("lru", "s3fifo", "lfu", "layer-lfu")     # shadow order; the state's order
 FIRST_LEADER = 3                # layer-lfu, the previous default, until a window says more
-WINDOW = 4096                   # requests per scoring window
-DECAY = 0.97                    # a window's weight in the score halves after ~23 windows
+WINDOW_MIN, WINDOW_MAX = 256, 4096   # requests per scoring window: the slots, within these
+DECAY = 0.99                    # a window's weight in the score halves after ~69 windows
 MARGIN = 0.01                   # switch only to a shadow with 1 % fewer (decayed) misses
 
 _LRU, _S3, _LFU, _LLFU = 0, 1, 2, 3
 _N_SHADOWS = 4
 _R_SLOT, _R_VISIT, _R_QUEUED = 0, 1, 2
+_DECAY, _MARGIN = _N_SHADOWS, _N_SHADOWS + 1     # in rf, after the scores
 _R_COLUMNS = 3
 (_HAND, _USED, _SLOTS, _QHEAD, _QTAIL, _CUR, _VISIT, _LEADER, _NE, _WCOUNT,
- _SWITCHES) = range(11)
-_WMISS = 11                     # then each shadow's misses in the window
+ _SWITCHES, _WINDOW) = range(12)
+_WMISS = 12                     # then each shadow's misses in the window
 _TOTAL = _WMISS + 4              # then each shadow's misses since the start
 
 
@@ -59,7 +60,7 @@ _COLUMNS = (lru.KEY_COLUMNS, s3fifo.KEY_COLUMNS, lfu.KEY_COLUMNS, layer_lfu.KEY_
             _R_COLUMNS)
 
 
-def new(n_layers, n_experts, slots):
+def new(n_layers, n_experts, slots, window=None, decay=DECAY, margin=MARGIN):
     """The state. Every per-key column of the four shadows and the real cache shares one
     64-byte row per key, so a request touches one cache line for all five."""
     width = 16                                  # int32: one 64-byte line
@@ -68,11 +69,13 @@ def new(n_layers, n_experts, slots):
     flat = np.empty(n_keys * width + 16, np.int32)
     skip = (-flat.ctypes.data % 64) // 4
     rows = flat[skip:skip + n_keys * width].reshape(n_keys, width)
-    return _new_on(rows, n_layers, n_experts, slots)
+    if window is None:
+        window = min(max(slots, WINDOW_MIN), WINDOW_MAX)
+    return _new_on(rows, n_layers, n_experts, slots, window, decay, margin)
 
 
 @njit(cache=True, nogil=True)
-def _new_on(rows, n_layers, n_experts, slots):
+def _new_on(rows, n_layers, n_experts, slots, window, decay, margin):
     c0 = lru.KEY_COLUMNS
     c1 = c0 + s3fifo.KEY_COLUMNS
     c2 = c1 + lfu.KEY_COLUMNS
@@ -89,7 +92,10 @@ def _new_on(rows, n_layers, n_experts, slots):
     rs[_VISIT] = -1
     rs[_LEADER] = FIRST_LEADER
     rs[_NE] = n_experts
-    rf = np.zeros(_N_SHADOWS, np.float64)
+    rs[_WINDOW] = window
+    rf = np.zeros(_N_SHADOWS + 2, np.float64)
+    rf[_DECAY] = decay
+    rf[_MARGIN] = margin
     return (lru.new_on(rows[:, 0:c0], slots),
             s3fifo.new_on(rows[:, c0:c1], slots, small, ghost, s3fifo.MAX_FREQ),
             lfu.new_on(rows[:, c1:c2], n_experts, slots),
@@ -112,9 +118,12 @@ def _holds(st, j, key):
 
 @njit(cache=True, nogil=True, inline='always')
 def _enqueue(rk, rq, rs, key):
-    rk[key, _R_QUEUED] = 1
-    rq[rs[_QHEAD]] = key
-    rs[_QHEAD] = (rs[_QHEAD] + 1) % rq.size
+    """Queue a resident key for eviction (a full ring drops it: the clock hand covers)."""
+    head = (rs[_QHEAD] + 1) % rq.size
+    if head != rs[_QTAIL]:
+        rk[key, _R_QUEUED] = 1
+        rq[rs[_QHEAD]] = key
+        rs[_QHEAD] = head
 
 
 @njit(cache=True, nogil=True, inline='always')
@@ -135,13 +144,13 @@ def _end_window(st):
     leader = rs[_LEADER]
     best = leader
     for j in range(_N_SHADOWS):
-        rf[j] = rf[j] * DECAY + rs[_WMISS + j]
+        rf[j] = rf[j] * rf[_DECAY] + rs[_WMISS + j]
         rs[_WMISS + j] = 0
     for j in range(_N_SHADOWS):
         if rf[j] < rf[best]:
             best = j
     rs[_WCOUNT] = 0
-    if best == leader or rf[best] >= (1.0 - MARGIN) * rf[leader]:
+    if best == leader or rf[best] >= (1.0 - rf[_MARGIN]) * rf[leader]:
         return
     rs[_LEADER] = best
     rs[_SWITCHES] += 1
@@ -166,7 +175,7 @@ def lookup(st, key):
     if layer_lfu.lookup(st[3], key) < 0:
         _shadow_missed(rk, rq, rs, _LLFU, layer_lfu.admit(st[3], key)[1])
     rs[_WCOUNT] += 1
-    if rs[_WCOUNT] == WINDOW:
+    if rs[_WCOUNT] == rs[_WINDOW]:
         _end_window(st)
     L = key // rs[_NE]
     if L != rs[_CUR]:
@@ -218,24 +227,6 @@ def admit(st, key):
     rk[key, _R_SLOT] = s
     return s, evicted
 
-
-@njit(cache=True, nogil=True)
-def access(st, keys, out):
-    """k3-run's batch: each key in order looked up, and admitted on a miss.
-    out (n, 3) int64 rows [slot, evicted key or -1, 1 if hit]. -> hits."""
-    hits = 0
-    for i in range(keys.size):
-        s = lookup(st, keys[i])
-        ev = -1
-        if s >= 0:
-            hits += 1
-            out[i, 2] = 1
-        else:
-            s, ev = admit(st, keys[i])
-            out[i, 2] = 0
-        out[i, 0] = s
-        out[i, 1] = ev
-    return hits
 
 
 def resident(st, slots):

@@ -273,38 +273,6 @@ def admit(st, key):
     return s, evicted
 
 
-@njit(cache=True, nogil=True)
-def simulate(keys, n_layers, n_experts, slots, alpha, half_life_visits):
-    if slots <= 0:
-        return 0
-    st = new(n_layers, n_experts, slots, alpha, half_life_visits)
-    hits = 0
-    for i in range(keys.size):
-        k = keys[i]
-        if lookup(st, k) >= 0:
-            hits += 1
-        else:
-            admit(st, k)
-    return hits
-
-
-@njit(cache=True, nogil=True)
-def access(st, keys, out):
-    """k3-run's batch: each key in order looked up, and admitted on a miss.
-    out (n, 3) int64 rows [slot, evicted key or -1, 1 if hit]. -> hits."""
-    hits = 0
-    for i in range(keys.size):
-        s = lookup(st, keys[i])
-        ev = -1
-        if s >= 0:
-            hits += 1
-            out[i, 2] = 1
-        else:
-            s, ev = admit(st, keys[i])
-            out[i, 2] = 0
-        out[i, 0] = s
-        out[i, 1] = ev
-    return hits
 
 
 def resident(st, slots):

@@ -155,15 +155,3 @@ def admit(st, key):
     sc[_NVIS] += 1
     return s, evicted
 
-
-@njit(cache=True, nogil=True)
-def simulate(keys, n_layers, n_experts, slots):
-    """Replay keys: -> hits."""
-    st = new(n_layers, n_experts, slots)
-    hits = 0
-    for i in range(keys.size):
-        if lookup(st, keys[i]) >= 0:
-            hits += 1
-        else:
-            admit(st, keys[i])
-    return hits

@@ -73,24 +73,6 @@ def admit(st, key):
     return s, evicted
 
 
-@njit(cache=True, nogil=True)
-def access(st, keys, out):
-    """k3-run's batch: each key in order looked up, and admitted on a miss.
-    out (n, 3) int64 rows [slot, evicted key or -1, 1 if hit]. -> hits."""
-    hits = 0
-    for i in range(keys.size):
-        s = lookup(st, keys[i])
-        ev = -1
-        if s >= 0:
-            hits += 1
-            out[i, 2] = 1
-        else:
-            s, ev = admit(st, keys[i])
-            out[i, 2] = 0
-        out[i, 0] = s
-        out[i, 1] = ev
-    return hits
-
 
 def resident(st, slots):
     """(slots,) int64: the key held by each slot, -1 for a never-used slot."""

@@ -12,7 +12,9 @@ the same for every policy (tested).
 
 from __future__ import annotations
 
-from ..cache_policy import make_cache_policy
+import numpy as np
+
+from ..cache_policy import evicts_its_own_batch, make_cache_policy
 from ..errors import UsageError
 from ..policy_registry import ONLINE_OBJECT_POLICIES
 
@@ -26,18 +28,16 @@ class CachePolicy:
         self._p = make_cache_policy(name, n_slots, n_layers=n_layers, n_experts=n_experts)
 
     def access(self, keys) -> list:
-        """-> [(slot, evicted key or -1, hit)] per key of one layer visit, in order."""
-        slots, evicted, hit = self._p.access(keys)
-        rows = list(zip(slots.tolist(), evicted.tolist(), hit.tolist()))
-        placed = set()
-        for k, (_, ev, _) in zip(keys, rows):
-            if ev >= 0 and ev in placed:
-                # the policies guarantee this cannot happen for batches <= slots (tested);
-                # if it did, two experts of one batch would share a slot: refuse loudly.
-                raise RuntimeError(f"cache policy {self.name} evicted expert key {ev} "
-                                   "that the current batch is using")
-            placed.add(k)
-        return rows
+        """-> [[slot, evicted key or -1, hit 0/1]] per key of one layer visit, in order."""
+        keys = np.asarray(keys, dtype=np.int64)
+        out = self._p.access(keys)
+        i = evicts_its_own_batch(keys, out)
+        if i >= 0:
+            # the policies guarantee this cannot happen for batches <= slots (tested);
+            # if it did, two experts of one batch would share a slot: refuse loudly.
+            raise RuntimeError(f"cache policy {self.name} evicted expert key {out[i, 1]} "
+                               "that the current batch is using")
+        return out.tolist()
 
 
 def make_policy(name: str, n_slots: int, n_layers: int, n_experts: int) -> CachePolicy:
