@@ -213,7 +213,7 @@ def _new_visit(st, L):
             hh[base + p, 0] /= _RESCALE
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline='always')
 def lookup(st, key):
     """Record a request: -> the key's slot or -1. Counts the key once per visit of its
     layer and protects it (out of its heap) until the visit ends."""
@@ -239,7 +239,7 @@ def holds(st, key):
     return st[0][key, _K_SLOT] >= 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline='always')
 def admit(st, key):
     """Place a missing key (call lookup first): a free slot, else evict the unprotected key
     with the largest expected number of layer visits to its next request; a key of the

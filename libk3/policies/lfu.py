@@ -100,7 +100,7 @@ def _heap_remove(kv, hp, sc, k):
         _place(kv, hp, p, last, hp[last, 0], hp[last, 1])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline='always')
 def lookup(st, key):
     """Record a request: -> the key's slot or -1. A new layer ends the visit: its keys
     return to the heap."""
@@ -127,7 +127,7 @@ def holds(st, key):
     return st[0][key, _SLOT] >= 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline='always')
 def admit(st, key):
     """Place a missing key (call lookup first): a free slot, else evict the evictable
     key with the fewest requests (ties: oldest last visit, smaller key); the oldest key of the current

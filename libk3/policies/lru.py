@@ -35,7 +35,7 @@ def new(n_keys, slots):
     return new_on(np.empty((n_keys, KEY_COLUMNS), np.int32), slots)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline='always')
 def lookup(st, key):
     """Record a request: -> the key's slot (now most recent) or -1."""
     sl, kv, sc = st
@@ -51,7 +51,7 @@ def holds(st, key):
     return st[1][key, 0] >= 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline='always')
 def admit(st, key):
     """Place a missing key in a free slot, else the least recent one. -> (slot, evicted
     key or -1); (-1, -1) when there are no slots."""

@@ -82,7 +82,7 @@ def _pop(q, sc, row, tail, size):
     return k
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline='always')
 def lookup(st, key):
     """Record a request: -> 0 on a hit (frequency + 1), -1 on a miss."""
     q, kv, sc = st
@@ -98,7 +98,7 @@ def holds(st, key):
     return st[1][key, _K_WHERE] != 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline='always')
 def admit(st, key):
     """Insert a missing key after freeing one slot. -> (0, evicted key or -1)."""
     q, kv, sc = st
