@@ -193,6 +193,8 @@ def decide(sizes: ModelSizes, memory, *, seq_bps=None, rand_bps=None, kernels=No
     except BudgetError as e:
         rows["auto"] = {"budget": None, "description": table["auto"].description,
                         "peak_bytes": None, "problems": [e.one_line()], "estimate": None}
+    for row in rows.values():
+        row["batch_width"] = _batch_width(row, sizes, memory, rules)
     fitting = [n for n in presets.NAMED if n not in AUTO_EXCLUDED and not rows[n]["problems"]]
     pick, why, problems = None, None, []
     allowed = rules.headroom_fraction * usable
@@ -227,8 +229,41 @@ def decide(sizes: ModelSizes, memory, *, seq_bps=None, rand_bps=None, kernels=No
             f"{floor_total / rules.headroom_fraction / GB:.2f} GB available")
     return {"memory_usable_bytes": usable, "memory_plannable_bytes": int(allowed),
             "overhead_bytes": presets.overhead_bytes(sizes, rules),
+            "sequence_bytes": presets.sequence_bytes(sizes, rules.context_positions),
+            "context_positions": rules.context_positions,
+            "batch": _batch_pick(rows, sizes),
             "minimum_budget": floor.to_json(), "minimum_memory_bytes": floor_total,
             "presets": rows, "pick": pick, "why": why, "problems": problems}
+
+
+def _batch_width(row: dict, sizes: ModelSizes, memory, rules) -> int | None:
+    """The width ``k3-run --batch`` picks (``--batch-width auto``) beside a preset's
+    budget, or None when the preset does not fit or no sequence fits beside it."""
+    if row["budget"] is None or row["problems"]:
+        return None
+    b = row["budget"]
+    budget = presets.Budget(b["trunk_bytes"], b["cache_bytes"], b["preset"], ())
+    try:
+        return presets.batch_width(budget, sizes, memory, "auto", rules=rules)[0]
+    except BudgetError:
+        return None
+
+
+def _batch_pick(rows: dict, sizes: ModelSizes) -> dict | None:
+    """For batch work: the preset and width that read the fewest trunk bytes per generated
+    token (a lockstep pass streams the unpinned trunk once for its W tokens; experts are
+    read per token either way, less what the W tokens share), ties to the wider."""
+    best = None
+    for name, row in rows.items():
+        if not row["batch_width"]:
+            continue
+        b = row["budget"]
+        streamed = presets.trunk_plan(sizes, b["trunk_bytes"]).streamed_bytes
+        key = (streamed / row["batch_width"], -row["batch_width"])
+        if best is None or key < best[0]:
+            best = (key, {"preset": name, "width": row["batch_width"],
+                          "trunk_bytes_per_token": int(key[0])})
+    return best[1] if best else None
 
 
 # ---- the whole report ------------------------------------------------------------------
@@ -439,8 +474,15 @@ def render_text(report: dict) -> str:
     w(f"memory to plan with: {_gb(d['memory_plannable_bytes'])} of {_gb(d['memory_usable_bytes'])}; "
       f"overhead {_gb(d['overhead_bytes'])}; smallest working budget "
       f"{_gb(d['minimum_memory_bytes'])} in all")
+    w(f"batch: each sequence holds {_gb(d['sequence_bytes'])} (recurrent state + MLA cache "
+      f"for {d['context_positions']} positions); 'batch' is the --batch-width auto beside "
+      "each preset")
+    bp = d.get("batch")
+    if bp:
+        w(f"for batch work: --preset {bp['preset']} --batch-width {bp['width']} (trunk read "
+          f"per generated token {_gb(bp['trunk_bytes_per_token'])}, the fewest)")
     w(f"{'preset':<12}{'trunk':>11}{'cache':>11}{'peak':>11}{'fits':>6}{'s/token':>10}"
-      f"{'pinned':>8}")
+      f"{'pinned':>8}{'batch':>7}")
     for name, row in d["presets"].items():
         b = row["budget"]
         est = row["estimate"]
@@ -449,9 +491,10 @@ def render_text(report: dict) -> str:
             continue
         spt = f"{est['seconds_per_token']:.2f}" if est else "-"
         pinned = str(est["pinned_layers"]) if est else "-"
+        width = str(row["batch_width"]) if row["batch_width"] else "-"
         w(f"{name:<12}{_gb(b['trunk_bytes']):>11}{_gb(b['cache_bytes']):>11}"
           f"{_gb(row['peak_bytes']):>11}{'yes' if not row['problems'] else 'no':>6}"
-          f"{spt:>10}{pinned:>8}")
+          f"{spt:>10}{pinned:>8}{width:>7}")
     if not any(r["estimate"] for r in d["presets"].values()):
         w("s/token: not estimated" + (" (--quick)" if report["quick"] else
                                       " (read speed or kernels not measured)"))

@@ -355,14 +355,21 @@ def expert_slots(sizes: ModelSizes, cache_bytes: int) -> int:
     return cache_bytes // sizes.expert_slot_bytes if sizes.expert_slot_bytes else 0
 
 
+def sequence_bytes(sizes: ModelSizes, positions: int) -> int:
+    """What one sequence holds: its recurrent state (KDA S and conv history, every KDA
+    layer) and its MLA cache for ``positions`` positions (formats/presets.md 2, 5)."""
+    return sizes.state_bytes + positions * sizes.kv_bytes_per_position
+
+
 def overhead_bytes(sizes: ModelSizes, rules: Rules | None = None,
-                   context_positions: int | None = None) -> int:
+                   context_positions: int | None = None, width: int = 1) -> int:
     """Bytes a run needs besides its two budgets: resident model-level tensors, the
-    recurrent state, the MLA cache for ``context_positions`` (default: the preset
-    file's) and the runtime reserve."""
+    state of ``width`` sequences (a batch decoded in lockstep holds one per slot) with
+    MLA caches for ``context_positions`` (default: the preset file's) and the runtime
+    reserve."""
     rules = rules or load_rules()
     ctx = rules.context_positions if context_positions is None else context_positions
-    return (sizes.resident_bytes + sizes.state_bytes + ctx * sizes.kv_bytes_per_position
+    return (sizes.resident_bytes + width * sequence_bytes(sizes, ctx)
             + rules.runtime_reserve_bytes)
 
 
@@ -385,11 +392,13 @@ def minimum_memory(sizes: ModelSizes, rules: Rules | None = None) -> int:
     return m.trunk_bytes + m.cache_bytes + overhead_bytes(sizes, rules)
 
 
-def peak_bytes(budget: Budget, sizes: ModelSizes, rules: Rules | None = None) -> int:
-    """Planned peak: both budgets (clamped to the model) plus the overhead."""
+def peak_bytes(budget: Budget, sizes: ModelSizes, rules: Rules | None = None,
+               width: int = 1) -> int:
+    """Planned peak: both budgets (clamped to the model) plus the overhead of ``width``
+    sequences."""
     trunk = min(budget.trunk_bytes, sizes.trunk_bytes)
     cache = min(budget.cache_bytes, sizes.cache_all_bytes)
-    return trunk + cache + overhead_bytes(sizes, rules)
+    return trunk + cache + overhead_bytes(sizes, rules, width=width)
 
 
 def usable_memory(mem) -> int:
@@ -400,7 +409,8 @@ def usable_memory(mem) -> int:
 def admission_problems(budget: Budget, sizes: ModelSizes, mem,
                        rules: Rules | None = None) -> list:
     """Why ``budget`` cannot run this model on a machine with ``mem``: [] when it can.
-    Planned peak must stay within headroom_fraction of usable memory."""
+    Planned peak must stay within headroom_fraction of usable memory (a batch's width
+    is judged on top by ``batch_width``)."""
     rules = rules or load_rules()
     problems = []
     floor = minimum_budget(sizes, rules)
@@ -419,23 +429,30 @@ def admission_problems(budget: Budget, sizes: ModelSizes, mem,
 
 
 def auto_budget(mem, sizes: ModelSizes, rules: Rules | None = None,
-                fixed_trunk: int | None = None, fixed_cache: int | None = None) -> Budget:
+                fixed_trunk: int | None = None, fixed_cache: int | None = None,
+                width: int = 1) -> Budget:
     """The ``auto`` rule (formats/presets.md 3): plan headroom_fraction x usable memory
     minus the overhead; the trunk gets it first (up to the whole trunk), the cache keeps
     max(floor, cache_floor) and takes the rest (up to every expert). A budget the caller
     fixed (a later flag) is kept and auto sizes only the other. BudgetError when even
-    the minimum does not fit."""
+    the minimum does not fit. ``width`` sequences' state is set aside first (a batch
+    with a fixed ``--batch-width``)."""
     rules = rules or load_rules()
     usable = usable_memory(mem)
-    over = overhead_bytes(sizes, rules)
+    over = overhead_bytes(sizes, rules, width=width)
     plan = int(rules.headroom_fraction * usable) - over
     floor = minimum_budget(sizes, rules)
     if plan < floor.trunk_bytes + floor.cache_bytes:
         raise BudgetError(
-            "not enough memory for the smallest working budget",
+            "not enough memory for the smallest working budget"
+            + (f" beside batch width {width}" if width > 1 else ""),
             expected=f">= {_gb(floor.trunk_bytes + floor.cache_bytes + over)} "
                      f"(ring {_gb(floor.trunk_bytes)} + cache {_gb(floor.cache_bytes)} + "
-                     f"overhead {_gb(over)}) within {rules.headroom_fraction:.0%} of memory",
+                     f"overhead {_gb(over)}"
+                     + (f", {width} sequences of "
+                        f"{_gb(sequence_bytes(sizes, rules.context_positions))}"
+                        if width > 1 else "")
+                     + f") within {rules.headroom_fraction:.0%} of memory",
             found=f"{_gb(usable)} available",
             hint="free memory or run on a larger machine")
     reasons = [f"auto: {rules.headroom_fraction:.0%} of {_gb(usable)} available minus "
@@ -468,7 +485,8 @@ def _gb_to_bytes(flag: str, value) -> int:
 
 def resolve_budget(name: str | None, trunk_gb: float | None = None,
                    cache_gb: float | None = None, order=None, mem=None,
-                   model_sizes: ModelSizes | None = None, *, path=None) -> Budget:
+                   model_sizes: ModelSizes | None = None, *, path=None,
+                   width: int = 1) -> Budget:
     """The budget a run gets from ``--preset NAME``, ``--trunk-gb`` and ``--cache-gb``.
 
     ``order`` lists the given flags as they appeared in argv, as tokens of FLAG_KEYS
@@ -479,7 +497,8 @@ def resolve_budget(name: str | None, trunk_gb: float | None = None,
     ``hwprobe.MemoryInfo`` or bytes) and ``model_sizes``. With ``model_sizes`` budgets
     are clamped to the model (never more trunk than its trunk, nor more cache than all
     its experts) and a budget below ``minimum_budget`` raises BudgetError. Unknown
-    presets and negative sizes raise UsageError."""
+    presets and negative sizes raise UsageError. ``width``: sequences a batch holds at
+    once, whose state ``auto`` sets aside."""
     presets = load_presets(path)
     rules = load_rules(path)
     if name is not None and name not in presets:
@@ -513,7 +532,7 @@ def resolve_budget(name: str | None, trunk_gb: float | None = None,
         if mem is None or model_sizes is None:
             raise ValueError("the auto preset needs mem and model_sizes")
         auto = auto_budget(mem, model_sizes, rules, fixed_trunk=value["trunk"],
-                           fixed_cache=value["cache"])
+                           fixed_cache=value["cache"], width=width)
         reasons += list(auto.reasons)
         value = {"trunk": auto.trunk_bytes, "cache": auto.cache_bytes}
     for part in ("trunk", "cache"):
@@ -542,6 +561,57 @@ def resolve_budget(name: str | None, trunk_gb: float | None = None,
                               hint="use --preset laptop or larger --trunk-gb/--cache-gb")
     from_preset = any(src.startswith("preset") for src in source.values())
     return Budget(int(trunk), int(cache), name if from_preset else None, tuple(reasons))
+
+
+# ---- batch width (formats/presets.md 5) -----------------------------------------------
+
+# ``auto`` width at most: a lockstep pass carries one prefill chunk (64 tokens by default)
+# plus one token per sequence, so this keeps a pass's activations within two chunks'.
+MAX_AUTO_WIDTH = 64
+
+
+def batch_width(budget: Budget, sizes: ModelSizes, mem, requested, *, jobs: int | None = None,
+                rules: Rules | None = None) -> tuple:
+    """(width, reasons) for ``--batch-width`` ``requested`` (an int >= 1 or "auto").
+
+    Each sequence holds ``sequence_bytes`` for context_positions positions; the widths
+    that fit are those whose states fit beside both budgets (clamped to the model), the
+    resident tensors and the runtime reserve within headroom_fraction of usable memory.
+    ``auto`` takes the largest, at most ``jobs`` (the prompts to run) and MAX_AUTO_WIDTH;
+    a requested width that does not fit raises BudgetError with the figures, as does a
+    machine where not even one sequence fits."""
+    rules = rules or load_rules()
+    per = sequence_bytes(sizes, rules.context_positions)
+    allowed = int(rules.headroom_fraction * usable_memory(mem))
+    trunk = min(budget.trunk_bytes, sizes.trunk_bytes)
+    cache = min(budget.cache_bytes, sizes.cache_all_bytes)
+    fixed = peak_bytes(budget, sizes, rules, width=0)
+    fit = max(0, (allowed - fixed) // per)
+    figures = (f"trunk {_gb(trunk)} + cache {_gb(cache)} + resident and reserve "
+               f"{_gb(fixed - trunk - cache)} leave {_gb(max(0, allowed - fixed))} of "
+               f"{_gb(allowed)} ({rules.headroom_fraction:.0%} of {_gb(usable_memory(mem))}) "
+               f"for sequences of {_gb(per)} each ({rules.context_positions} positions)")
+    want = fit if requested == "auto" else int(requested)
+    if want < 1 or (requested != "auto" and want > fit):
+        raise BudgetError(
+            f"batch width {requested} does not fit: {figures}",
+            expected=f"width <= {fit}", found=f"width {requested}",
+            hint=(f"use --batch-width {fit} (or auto)" if fit >= 1 else
+                  "free memory or choose smaller --trunk-gb/--cache-gb"))
+    reasons = [figures + f": {fit} fit"]
+    width = want
+    if requested == "auto":
+        caps = [(MAX_AUTO_WIDTH, "the auto maximum")]
+        if jobs is not None:
+            caps.append((max(1, jobs), "the prompts to run"))
+        for cap, why in caps:
+            if width > cap:
+                width = cap
+                reasons.append(f"auto: capped at {cap} ({why})")
+        reasons.append(f"auto: width {width}")
+    else:
+        reasons.append(f"width {width} from --batch-width")
+    return width, tuple(reasons)
 
 
 def _gb(n) -> str:

@@ -134,7 +134,8 @@ class Process(NamedTuple):
 
 
 def run_script(args, *, timeout: float = 120, fsize: int | None = None,
-               address_space: int = ADDRESS_SPACE_LIMIT, cwd=None, stdin=None) -> Process:
+               address_space: int = ADDRESS_SPACE_LIMIT, cwd=None, stdin=None,
+               env=None) -> Process:
     """Run a console script as a real process; its own peak RSS comes from wait4's
     rusage (not shared with other children). ``fsize`` caps every file it writes (a full
     disk: writes past it fail with EFBIG, SIGXFSZ ignored)."""
@@ -151,7 +152,7 @@ def run_script(args, *, timeout: float = 120, fsize: int | None = None,
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         p = subprocess.Popen([str(a) for a in args], stdout=out, stderr=err, cwd=cwd,
                              stdin=subprocess.DEVNULL if stdin is None else stdin,
-                             preexec_fn=limits)
+                             env=env, preexec_fn=limits)
         timer = threading.Timer(timeout, p.kill)
         timer.start()
         try:

@@ -18,11 +18,18 @@ and "generated_ids"). Before appending, the file is checked (``open_results``): 
 complete line must be a k3 result, else it is someone else's file and is refused untouched;
 only a last line torn by a crash (no newline, starts with ``{"``, and not complete JSON
 other than a k3 result) is dropped.
+
+Sharding (``--shard K/N``, README "Batch files"): a line belongs to shard
+``shard_of(id, N)`` = 1 + (the first 8 bytes, big-endian, of SHA-256 of the UTF-8 bytes of
+``json.dumps(id)``) mod N, so N machines split one file with no coordination and every
+id lands in exactly one shard. ``json.dumps`` with Python's defaults (ensure_ascii: non-ASCII
+escaped) is also the key that finished ids are matched by: "7" and 7 are different ids.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -160,3 +167,25 @@ def summary_text(summary: dict, results_path) -> str:
     if summary["stopped"] is not None:
         text += f"; stopped at {summary['stopped']}, {summary['remaining']} left for the next run"
     return text
+
+
+def shard_of(job_id, n: int) -> int:
+    """The shard (1..n) of a line's id (module docstring)."""
+    digest = hashlib.sha256(json.dumps(job_id).encode("utf-8")).digest()
+    return 1 + int.from_bytes(digest[:8], "big") % n
+
+
+def in_shard(job_id, k: int, n: int) -> bool:
+    return shard_of(job_id, n) == k
+
+
+def parse_shard(text: str) -> tuple:
+    """'K/N' -> (K, N) with 1 <= K <= N; ValueError otherwise."""
+    k, sep, n = text.partition("/")
+    try:
+        k, n = int(k), int(n)
+    except ValueError:
+        raise ValueError(f"--shard must be K/N (e.g. 2/8), got {text!r}") from None
+    if not sep or not 1 <= k <= n:
+        raise ValueError(f"--shard K/N needs 1 <= K <= N, got {text!r}")
+    return k, n

@@ -39,6 +39,11 @@ def token_ids_problem(ids, vocab_size: int) -> str | None:
     return f"token ids must be integers 0..{vocab_size - 1}, got {str(ids)[:60]}"
 
 
+class Abandoned(Exception):
+    """Raised inside generation when a batch's deadline passes (the prompts in flight are
+    dropped, to be redone by the next run)."""
+
+
 @dataclasses.dataclass
 class GenSettings:
     gen: int = 16

@@ -99,3 +99,18 @@ def short_text(rep: dict) -> str:
                  f"experts {rep['expert_bytes_read'] / 1e6:.1f} MB")
     parts.append(f"peak RSS {rep['peak_rss_bytes'] / 1e9:.2f} GB")
     return "; ".join(parts)
+
+
+def batch_text(summary: dict) -> str:
+    """The aggregate line of a batch run (``BatchSink.close``'s figures)."""
+    union = summary.get("expert_union_per_layer") or {}
+    mean_union = sum(union.values()) / len(union) if union else None
+    tps = summary.get("tokens_per_second")
+    parts = [f"width {summary['width']}: {summary['generated_tokens']} tokens in "
+             f"{summary['seconds']:.1f} s" + (f" = {tps:.3f} tokens/s" if tps else "")]
+    if summary.get("trunk_bytes_per_token") is not None:
+        parts.append(f"read per token: trunk {summary['trunk_bytes_per_token'] / 1e6:.1f} MB, "
+                     f"experts {summary['expert_bytes_per_token'] / 1e6:.1f} MB")
+    if mean_union is not None:
+        parts.append(f"experts per MoE layer per pass {mean_union:.1f}")
+    return "; ".join(parts)

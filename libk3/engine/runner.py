@@ -20,7 +20,8 @@ from ..policy_registry import DEFAULT_POLICY
 from ..trace import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
 from . import chat as chatfmt
-from .generate import GenSettings, generate, token_ids_problem
+from .batch_sink import BatchSink
+from .generate import Abandoned, GenSettings, generate, token_ids_problem
 from .report import run_report, startup_seconds
 from .session import open_session, parse_ids  # noqa: F401  (parse_ids re-exported for the CLI)
 
@@ -40,6 +41,7 @@ class RunOptions:
     trace_path: str | None = None
     memory_override: int | None = None
     verify_reads: str = "first"
+    batch_width: int | str | None = None   # a batch's lockstep width: N, "auto"; None: no batch
 
 
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
@@ -49,19 +51,57 @@ def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
                        prefill_chunk=prefill_chunk, spec=spec)
 
 
+def batch_options(batch, batch_width, shard, spec) -> tuple:
+    """(width for RunOptions.batch_width, (K, N) or None) from --batch-width and --shard,
+    which only go with --batch. --spec decodes one prompt at a time: auto becomes 1, an
+    explicit width above 1 is refused (usage error)."""
+    from .batch import parse_shard
+    if not batch:
+        if batch_width is not None or shard is not None:
+            raise UsageError("--batch-width and --shard go with --batch")
+        return None, None
+    width = "auto" if batch_width in (None, "auto") else batch_width
+    if width != "auto":
+        try:
+            width = int(width)
+        except ValueError:
+            width = 0
+        if width < 1:
+            raise UsageError(f"--batch-width must be a positive integer or auto, got {batch_width!r}")
+    if spec and width != "auto" and width > 1:
+        raise UsageError("--spec decodes one prompt at a time: it cannot run with --batch-width "
+                         f"{width}", hint="use --batch-width 1, or drop --spec")
+    if spec:
+        width = 1
+    try:
+        kn = parse_shard(shard) if shard is not None else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return width, kn
+
+
 def resolve_run_budget(opts: RunOptions, ckpt):
-    """Budget from presets/flags (argv order), refused before loading when it cannot work."""
+    """Budget from presets/flags (argv order; ``auto`` sets aside a fixed --batch-width's
+    state), refused before loading when it cannot work; then the batch width
+    (``presets.batch_width``). Returns (budget or None when resident, width, reasons)."""
     from ..hwprobe import probe_memory
-    from ..presets import ModelSizes, admission_problems, resolve_budget
+    from ..presets import Budget, ModelSizes, admission_problems, batch_width, resolve_budget
 
     sizes = ModelSizes.from_checkpoint(ckpt)
     mem = probe_memory(opts.memory_override)
-    budget = resolve_budget(opts.preset, opts.trunk_gb, opts.cache_gb,
-                            order=opts.budget_order or None, mem=mem, model_sizes=sizes)
-    problems = admission_problems(budget, sizes, mem)
-    if problems:
-        raise BudgetError("; ".join(problems), hint="choose a smaller --preset or budgets")
-    return budget
+    fixed = opts.batch_width if isinstance(opts.batch_width, int) else 1
+    budget = None
+    if not opts.resident:
+        budget = resolve_budget(opts.preset, opts.trunk_gb, opts.cache_gb,
+                                order=opts.budget_order or None, mem=mem, model_sizes=sizes,
+                                width=fixed)
+        problems = admission_problems(budget, sizes, mem)
+        if problems:
+            raise BudgetError("; ".join(problems), hint="choose a smaller --preset or budgets")
+    if opts.batch_width is None:
+        return budget, 1, ()
+    held = budget or Budget(sizes.trunk_bytes, sizes.cache_all_bytes, "resident", ())
+    return (budget,) + batch_width(held, sizes, mem, opts.batch_width)
 
 
 class Run:
@@ -75,8 +115,7 @@ class Run:
         self.trace = None
         ckpt = Checkpoint.open(opts.model)       # indexed once, for the budget and the run
         try:
-            if not opts.resident:
-                self.budget = resolve_run_budget(opts, ckpt)
+            self.budget, self.width, self.width_reasons = resolve_run_budget(opts, ckpt)
             from ..precompile import prepare     # before the expert cache calls its policy
             self.compile_seconds = prepare(["forward"] + ([] if opts.resident
                                                            else ["expert-cache"]))
@@ -103,13 +142,14 @@ class Run:
     def cfg(self):
         return self.session.cfg
 
-    def _record(self, L, positions, ids, phase):
+    def _record(self, L, positions, ids, phase, tag=None):
         """One MoE layer's routing for a block of tokens: per token, its experts in
-        selection order (formats/trace.md: within a prefill chunk, layer-major)."""
+        selection order (formats/trace.md: within a prefill chunk, layer-major). ``tag``
+        is the prompt's line in a batch decoded in lockstep, else ``self.seq``."""
         T, k = ids.shape
         rec = np.empty(T * k, RECORD_DTYPE)
         rec["pos"] = np.repeat(np.asarray(positions, np.int64), k)
-        rec["seq"] = self.seq
+        rec["seq"] = self.seq if tag is None else tag
         rec["layer"] = L
         rec["expert"] = ids.reshape(-1)
         rec["phase"] = PHASE_PREFILL if phase == "prefill" else PHASE_DECODE
@@ -187,16 +227,16 @@ def _load_state(run: Run, path) -> State:
     return State.load(run.cfg, path) if path else run.session.new_state()
 
 
-class Abandoned(Exception):
-    """Raised inside generation when a batch's deadline passes (the prompt is dropped)."""
+def check_stop_strings(run: Run, settings: GenSettings) -> None:
+    if settings.stop_strings and run.session.tokenizer is None:
+        raise UsageError("--stop needs the model's tokenizer (tiktoken.model); use --stop-id")
 
 
 def run_one(run: Run, prompt_ids, settings: GenSettings, *, on_token=None, keep_logits=False,
             load_state=None, save_state=None, should_stop=None):
     """One prompt. ``should_stop()``, if given, is asked at every prefill chunk and token;
     when it answers True the prompt is abandoned (Abandoned is raised, nothing saved)."""
-    if settings.stop_strings and run.session.tokenizer is None:
-        raise UsageError("--stop needs the model's tokenizer (tiktoken.model); use --stop-id")
+    check_stop_strings(run, settings)
     state = _load_state(run, load_state)
     progress = _prefill_bar(len(prompt_ids))
     if should_stop is not None:
@@ -242,9 +282,10 @@ class BatchLimits:
 
 
 def run_batch(opts: RunOptions, batch_path, out_path, base: GenSettings, warn,
-              limits: BatchLimits | None = None) -> dict:
-    """Run every prompt of a JSONL file; append each result to ``out_path`` as it finishes;
-    skip ids already there; report malformed lines by number and carry on.
+              limits: BatchLimits | None = None, shard=None) -> dict:
+    """Run every prompt of a JSONL file (``shard`` (K, N): only the ids of shard K of N),
+    ``run.width`` at a time in lockstep; append each result to ``out_path`` as it
+    finishes; skip ids already there; report malformed lines by number and carry on.
 
     One run per results file: the file's lock is taken before the model is opened and
     before its finished ids are read (BusyError at once; with ``limits.wait``, after the
@@ -262,13 +303,22 @@ def run_batch(opts: RunOptions, batch_path, out_path, base: GenSettings, warn,
         return summary
     with lock, open_run(opts) as run:
         summary["remaining"] = 0
-        return _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary)
+        return _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary,
+                                 shard)
 
 
-def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary) -> dict:
+def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, shard) -> dict:
     run.check_stop_ids(base.stop_ids)
     done = batchfile.open_results(out_path)
     seen = set()
+    summary["other_shard"] = 0
+    lines = batchfile.read_lines(batch_path)
+    width = min(run.width, max(1, sum(1 for _, ln in lines if ln.strip())))
+    summary["width_reasons"] = list(run.width_reasons) + (
+        [f"capped at {width} (the batch's lines)"] if width < run.width else [])
+    sink = BatchSink(run, out_path, width, base.prefill_chunk,
+                     should_stop=limits.passed if limits.deadline is not None else None)
+    started = 0
     for lineno, line in batchfile.read_lines(batch_path):
         if not line.strip():
             continue
@@ -288,26 +338,25 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary) ->
         if key in done:
             summary["skipped"] += 1
             continue
+        if shard is not None and not batchfile.in_shard(job["id"], *shard):
+            summary["other_shard"] += 1
+            continue
         if summary["stopped"] is None:
-            if limits.max_prompts is not None and summary["done"] >= limits.max_prompts:
+            if limits.max_prompts is not None and started >= limits.max_prompts:
                 summary["stopped"] = "max-prompts"
             elif limits.passed():
                 summary["stopped"] = "deadline"
         if summary["stopped"] is not None:
             summary["remaining"] += 1      # keep counting: the summary says what is left
             continue
-        settings = batchfile.job_settings(job, base)
-        run.seq = lineno
-        try:
-            res = run_one(run, prompt_ids, settings,
-                          should_stop=limits.passed if limits.deadline is not None else None)
-        except Abandoned:
+        started += 1
+        if not sink.submit(lineno, job["id"], prompt_ids, batchfile.job_settings(job, base)):
             summary["stopped"] = "deadline"
-            summary["remaining"] += 1
-            continue
-        rep = run.report(res, {"id": job["id"], "line": lineno})
-        batchfile.append_result(out_path, rep)
-        summary["done"] += 1
+    summary.update(sink.close())
+    if sink.abandoned:
+        summary["stopped"] = summary["stopped"] or "deadline"
+        summary["remaining"] += sink.abandoned
+    summary["done"] = len(summary["prompts"])
     return summary
 
 

@@ -1,14 +1,21 @@
 """The engine's K3 forward pass: spec K3-MODEL.md section 5 composed from numba kernels.
 
-Owns: the order of operations of one forward call over T new tokens (prefill T > 1,
-decode T = 1) against a weight provider and a State. Does not own: where weights come
-from (resident, streamed, cached: ``libk3.model.weights`` and ``libk3.stream``), the math
-inside each op (``libk3.kernels``), or sampling.
+Owns: the order of operations of one forward pass over new tokens against a weight
+provider: T tokens of one sequence (prefill T > 1, decode T = 1), or several sequences in
+lockstep (``Forward.run``: one ``Segment`` per sequence, each with its own State). Does
+not own: where weights come from (resident, streamed, cached: ``libk3.model.weights`` and
+``libk3.stream``), the math inside each op (``libk3.kernels``), sampling or scheduling.
+
+A pass over several sequences stacks their tokens into one block: every op that applies
+weights (projections, norms, AttnRes, router, experts, lm_head) runs once over the block,
+so a layer's trunk is fetched once per pass and each routed expert once for all the
+tokens that chose it (the union over the sequences); only what reads a sequence's own
+state (short conv, KDA recurrence, MLA cache and attention) runs per sequence.
 
 Same answer everywhere: every op computes each token's values with the same accumulation
 order whether it runs for one token or a block, so prefill, chunked prefill, incremental
-decode and full re-forward give bit-identical logits; and nothing here depends on the
-budget or the thread count.
+decode, full re-forward and a pass shared with other sequences give bit-identical
+logits; and nothing here depends on the budget or the thread count.
 """
 
 from __future__ import annotations
@@ -40,6 +47,19 @@ def _nonfinite(L, where: str) -> NonFiniteError:
              "MODEL names NaN/Inf tensors")
 
 
+class Segment:
+    """One sequence's share of a pass: its new token ids, its State, whether every fed
+    position's logits are wanted (else the last one's), the phase (trace records) and an
+    opaque ``tag`` handed to ``on_route`` (k3-run: which prompt of a batch)."""
+
+    __slots__ = ("ids", "state", "all_logits", "phase", "tag", "r0", "r1", "positions")
+
+    def __init__(self, ids, state: State, all_logits: bool = True, phase: str = "prefill",
+                 tag=None):
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self.state, self.all_logits, self.phase, self.tag = state, all_logits, phase, tag
+
+
 class Forward:
     """``Forward(cfg, weights)(ids, state)`` -> float32 logits for the fed positions.
 
@@ -47,7 +67,10 @@ class Forward:
     the embedding widened to f32), ``layer(L)`` (mapping
     suffix -> array: BF16 matrices as uint16 bits, vectors as float32), ``release(L)``,
     and ``experts(L, ids)`` (expert id -> tuple of six uint8 arrays in EXPERT_PARTS order).
-    ``on_route(L, positions, ids)`` if given is called with each MoE layer's routing.
+    ``on_route(L, positions, ids, phase, tag)`` if given is called with each MoE layer's
+    routing, once per sequence of the pass.
+    ``expert_union[L]`` sums, over passes, the distinct experts layer L fetched
+    (``passes`` counts the passes): the union the sequences of a pass share.
     """
 
     def __init__(self, cfg: K3Config, weights, on_route=None):
@@ -57,6 +80,8 @@ class Forward:
         self.layer_seconds = [0.0] * cfg.num_hidden_layers    # wall time per layer (bench)
         self.first_layer_time = None          # time.time() the first layer started (report)
         self._head = None                     # (lm_head, norm, out_fold), asked for lazily
+        self.expert_union = [0] * cfg.num_hidden_layers   # distinct experts fetched (bench)
+        self.passes = 0
 
     def head(self):
         """(lm_head, final norm, folded output AttnRes vector). Asked for only after the
@@ -68,15 +93,31 @@ class Forward:
         return self._head
 
     def __call__(self, ids, state: State, all_logits: bool = True, phase: str = "prefill"):
+        """Float32 logits [T or 1, V] for ``ids`` fed to one sequence's ``state``."""
+        return self.run([Segment(ids, state, all_logits, phase)])[0]
+
+    def run(self, segments: list) -> list:
+        """One pass over several sequences (each Segment's State is its own, never shared
+        by two segments); returns each segment's logits, as ``__call__`` would alone."""
         cfg = self.cfg
-        ids = np.asarray(ids, dtype=np.int64)
-        T = ids.shape[0]
-        if T == 0:
-            return np.zeros((0, cfg.vocab_size), np.float32)
-        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise ValueError(f"token id outside 0..{cfg.vocab_size - 1}")
-        state.reserve(T)
-        positions = np.arange(state.pos, state.pos + T, dtype=np.int64)
+        live, r = [], 0
+        for seg in segments:
+            T = seg.ids.shape[0]
+            if T and (seg.ids.min() < 0 or seg.ids.max() >= cfg.vocab_size):
+                raise ValueError(f"token id outside 0..{cfg.vocab_size - 1}")
+            seg.r0, seg.r1 = r, r + T
+            r += T
+            if T:
+                live.append(seg)
+        if len({id(seg.state) for seg in segments}) != len(segments):
+            raise ValueError("two segments of one pass share a State")
+        if not live:
+            return [np.zeros((0, cfg.vocab_size), np.float32) for _ in segments]
+        for seg in live:
+            seg.state.reserve(seg.r1 - seg.r0)
+            seg.positions = np.arange(seg.state.pos, seg.state.pos + seg.r1 - seg.r0,
+                                      dtype=np.int64)
+        ids = live[0].ids if len(live) == 1 else np.concatenate([s.ids for s in live])
         prefix = self.weights.embed(ids)                             # (T, E) f32
         blocks: list = []
         if self.first_layer_time is None:
@@ -85,24 +126,41 @@ class Forward:
             t0 = time.perf_counter()
             lw = self.weights.layer(L)
             try:
-                prefix = self._layer(L, lw, prefix, blocks, state, positions, phase)
+                prefix = self._layer(L, lw, prefix, blocks, live)
             finally:
                 self.weights.release(L)
             _require_finite(prefix, L, "its output")
             self.layer_seconds[L] += time.perf_counter() - t0
+        self.passes += 1
         lm_head, norm, out_fold = self.head()
         h = K.attn_res(blocks + [prefix], out_fold, cfg.rms_norm_eps)
-        if not all_logits:
-            h = h[-1:]
-        x = K.rmsnorm(h, norm, cfg.rms_norm_eps)
-        logits = K.bf16_matmul(lm_head, x)                           # (T or 1, V)
+        # rows whose logits are wanted: all of a segment's, or its last
+        rows = [np.arange(s.r0, s.r1) if s.all_logits else np.array([s.r1 - 1]) for s in live]
+        if len(live) == 1 and live[0].all_logits:
+            picked = h
+        else:
+            picked = h[np.concatenate(rows)]
+        x = K.rmsnorm(picked, norm, cfg.rms_norm_eps)
+        logits = K.bf16_matmul(lm_head, x)                           # (rows, V)
         _require_finite(logits, None, "the logits")
-        state.pos += T
-        state.ids.extend(int(i) for i in ids)
-        return logits
+        out, at = {}, 0
+        for seg, rr in zip(live, rows):
+            out[id(seg)] = logits[at:at + rr.size]
+            at += rr.size
+            seg.state.pos += seg.r1 - seg.r0
+            seg.state.ids.extend(int(i) for i in seg.ids)
+        return [out.get(id(seg), np.zeros((0, cfg.vocab_size), np.float32))
+                for seg in segments]
+
+    @staticmethod
+    def _per_seq(segs, X, fn):
+        """fn(segment, its rows of X) for each sequence, stacked back in row order."""
+        if len(segs) == 1:
+            return fn(segs[0], X)
+        return np.concatenate([fn(s, X[s.r0:s.r1]) for s in segs])
 
     # ---- one decoder layer (spec 5.3) ------------------------------------------------
-    def _layer(self, L, lw, prefix, blocks, state, positions, phase):
+    def _layer(self, L, lw, prefix, blocks, segs):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         p = prefix
@@ -117,9 +175,9 @@ class Forward:
             empty = True
         h = K.rmsnorm(x_a, lw["input_layernorm.weight"], eps)
         if cfg.is_mla(L):
-            a = self._mla(L, lw, h, state, positions)
+            a = self._mla(L, lw, h, segs)
         else:
-            a = self._kda(L, lw, h, state)
+            a = self._kda(L, lw, h, segs)
         prefix = a if empty else p + a
         x_m = K.attn_res(blocks + [prefix], K.fold_attn_res(lw["mlp_res_norm.weight"],
                          lw["mlp_res_proj.weight"]), eps)
@@ -127,11 +185,11 @@ class Forward:
         if cfg.is_dense(L):
             m = self._dense(lw, h)
         else:
-            m = self._moe(L, lw, h, positions, phase)
+            m = self._moe(L, lw, h, segs)
         return prefix + m
 
     # ---- KDA (spec 5.5) --------------------------------------------------------------
-    def _kda(self, L, lw, x, state):
+    def _kda(self, L, lw, x, segs):
         cfg = self.cfg
         T = x.shape[0]
         H, D = cfg.num_heads, cfg.head_dim
@@ -141,22 +199,27 @@ class Forward:
         beta = K.sigmoid(K.bf16_matmul(lw["self_attn.b_proj.weight"], x))  # (T, H)
         z = K.bf16_matmul(lw["self_attn.f_b_proj.weight"],
                           K.bf16_matmul(lw["self_attn.f_a_proj.weight"], x))  # (T, P)
-        conv = state.kda_conv[L]
-        q = K.short_conv(q_hat, lw["self_attn.q_conv1d.weight"], conv[0])
-        k = K.short_conv(k_hat, lw["self_attn.k_conv1d.weight"], conv[1])
-        v = K.short_conv(v_hat, lw["self_attn.v_conv1d.weight"], conv[2])
+
+        def conv(u, j, w):                  # each sequence through its own history
+            return self._per_seq(segs, u, lambda s, u_s: K.short_conv(u_s, w,
+                                                                       s.state.kda_conv[L][j]))
+        q = conv(q_hat, 0, lw["self_attn.q_conv1d.weight"])
+        k = conv(k_hat, 1, lw["self_attn.k_conv1d.weight"])
+        v = conv(v_hat, 2, lw["self_attn.v_conv1d.weight"])
         q = K.l2norm(q.reshape(T * H, D), L2NORM_EPS).reshape(T, H, D)
         k = K.l2norm(k.reshape(T * H, D), L2NORM_EPS).reshape(T, H, D)
         v = v.reshape(T, H, D)
         alpha = K.kda_decay(z, lw["self_attn.A_log"][:H], lw["self_attn.dt_bias"],
                             cfg.gate_lower_bound).reshape(T, H, D)
-        o = K.kda_recurrence(q, k, v, alpha, beta, D ** -0.5, state.kda_S[L])  # S updated
+        o = self._per_seq(segs, q, lambda s, q_s: K.kda_recurrence(   # each S updated
+            q_s, k[s.r0:s.r1], v[s.r0:s.r1], alpha[s.r0:s.r1], beta[s.r0:s.r1], D ** -0.5,
+            s.state.kda_S[L]))
         o = K.rmsnorm(o.reshape(T * H, D), lw["self_attn.o_norm.weight"], cfg.rms_norm_eps)
         gate = K.sigmoid(K.bf16_matmul(lw["self_attn.g_proj.weight"], x))
         return K.bf16_matmul(lw["self_attn.o_proj.weight"], o.reshape(T, H * D) * gate)
 
     # ---- gated MLA, latent form (spec 5.6) -----------------------------------------
-    def _mla(self, L, lw, x, state, positions):
+    def _mla(self, L, lw, x, segs):
         cfg = self.cfg
         T = x.shape[0]
         H, nope, rope, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
@@ -167,12 +230,16 @@ class Forward:
         c = K.bf16_matmul(lw["self_attn.kv_a_proj_with_mqa.weight"], x)  # (T, r + rope)
         latent = K.rmsnorm(np.ascontiguousarray(c[:, :r]), lw["self_attn.kv_a_layernorm.weight"],
                            MLA_LATENT_NORM_EPS)
-        p0 = int(positions[0])
-        state.mla_latent[L][p0:p0 + T] = latent
-        state.mla_rope[L][p0:p0 + T] = c[:, r:]
-        out = K.mla_attention(q[..., :nope], q[..., nope:], positions, state.mla_latent[L],
-                              state.mla_rope[L], lw["self_attn.kv_b_proj.weight"],
-                              (nope + rope) ** -0.5, cfg.v_head_dim)    # (T, H * v)
+
+        def attend(s, q_s):                 # one sequence: append to its cache, attend
+            p0, n = int(s.positions[0]), s.r1 - s.r0
+            s.state.mla_latent[L][p0:p0 + n] = latent[s.r0:s.r1]
+            s.state.mla_rope[L][p0:p0 + n] = c[s.r0:s.r1, r:]
+            return K.mla_attention(q_s[..., :nope], q_s[..., nope:], s.positions,
+                                   s.state.mla_latent[L], s.state.mla_rope[L],
+                                   lw["self_attn.kv_b_proj.weight"], (nope + rope) ** -0.5,
+                                   cfg.v_head_dim)                      # (n, H * v)
+        out = self._per_seq(segs, q, attend)
         gate = K.sigmoid(K.bf16_matmul(lw["self_attn.g_proj.weight"], x))
         return K.bf16_matmul(lw["self_attn.o_proj.weight"], out * gate)
 
@@ -185,7 +252,7 @@ class Forward:
                        K.bf16_matmul(lw["mlp.up_proj.weight"], x))
         return K.bf16_matmul(lw["mlp.down_proj.weight"], h)
 
-    def _moe(self, L, lw, x, positions, phase):
+    def _moe(self, L, lw, x, segs):
         cfg = self.cfg
         T = x.shape[0]
         logits = K.bf16_matmul(lw["block_sparse_moe.gate.weight"], x)        # (T, N)
@@ -195,11 +262,13 @@ class Forward:
         ids, w = K.route(logits, bias, cfg.num_experts_per_token, cfg.moe_renormalize,
                          cfg.routed_scaling_factor)                          # (T, k)
         if self.on_route is not None:
-            self.on_route(L, positions, ids, phase)
+            for s in segs:
+                self.on_route(L, s.positions, ids[s.r0:s.r1], s.phase, s.tag)
         # Expert reads start now and overlap the latent down-projection and the shared
         # expert (pure compute); the routed loop then waits for them.
         flat = ids.reshape(-1)
         distinct = flat[np.sort(np.unique(flat, return_index=True)[1])]   # first-use order
+        self.expert_union[L] += distinct.size
         step = self.weights.max_batch                # a batch never exceeds the cache
         pending = self.weights.experts_start(L, distinct[:step])
         z = K.bf16_matmul(lw["block_sparse_moe.routed_expert_down_proj.weight"], x)  # (T, lat)
@@ -208,9 +277,10 @@ class Forward:
             hs = self._situ(K.bf16_matmul(lw["block_sparse_moe.shared_experts.gate_proj.weight"], x),
                             K.bf16_matmul(lw["block_sparse_moe.shared_experts.up_proj.weight"], x))
             y_shared = K.bf16_matmul(lw["block_sparse_moe.shared_experts.down_proj.weight"], hs)
-        # Each distinct expert is fetched once for the whole block of tokens and applied
-        # to the tokens that chose it; outputs are kept per (token, slot) and summed in
-        # selection order, so the result is bit-identical to token-by-token evaluation.
+        # Each distinct expert is fetched once for the whole block of tokens (every
+        # sequence of the pass) and applied to the tokens that chose it; outputs are kept
+        # per (token, slot) and summed in selection order, so the result is bit-identical
+        # to token-by-token evaluation.
         outs = np.zeros((T, ids.shape[1], z.shape[1]), np.float32)
         for b in range(0, distinct.size, step):
             group = distinct[b:b + step]

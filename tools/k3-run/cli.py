@@ -66,6 +66,11 @@ class _Printer:
               metavar="MINUTES",
               help="With --batch: stop cleanly this many minutes after start; the prompt in "
                    "flight is abandoned and redone by the next run.")
+@click.option("--batch-width", default=None, metavar="N|auto",
+              help="With --batch: prompts decoded in lockstep, sharing each weight read "
+                   "(default auto: the most whose state fits beside the budgets).")
+@click.option("--shard", metavar="K/N",
+              help="With --batch: run only the ids of shard K of N (README: Batch files).")
 @click.option("--chat", is_flag=True, help="Interactive multi-turn chat on stdin.")
 @click.option("--gen", type=Rule(click.INT, gen_problem, "integer"), default=16,
               show_default=True, help="Tokens to generate (per turn in --chat), at most "
@@ -113,7 +118,7 @@ class _Printer:
 @click.pass_context
 @handle_errors
 def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_prompts,
-         deadline, chat, gen, temperature,
+         deadline, batch_width, shard, chat, gen, temperature,
          top_p, seed, stop_strings, stop_ids, preset, trunk_gb, cache_gb, resident,
          cache_policy, io_threads, buffered_io, verify_reads, prefill_chunk, spec, threads,
          save_state, load_state, trace_path, logits_out, report_json, json_out):
@@ -136,6 +141,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         raise UsageError("--resident excludes --preset, --trunk-gb, --cache-gb and --pack")
     if spec and temperature > 0:
         raise UsageError("--spec keeps exactly the greedy result; it needs --temperature 0")
+    width, shard_kn = runner.batch_options(batch, batch_width, shard, spec)
     if threads:
         import numba
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -143,7 +149,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         model=model, pack=pack, preset=preset, trunk_gb=trunk_gb, cache_gb=cache_gb,
         budget_order=ctx.meta.get("k3_budget_order", []), resident=resident,
         cache_policy=cache_policy, io_threads=io_threads, direct_io=not buffered_io,
-        trace_path=trace_path, verify_reads=verify_reads)
+        trace_path=trace_path, verify_reads=verify_reads, batch_width=width)
     settings = runner.settings_from(gen=gen, temperature=temperature, top_p=top_p, seed=seed,
                                     stop_strings=stop_strings, stop_ids=stop_ids,
                                     prefill_chunk=prefill_chunk, spec=spec)
@@ -152,12 +158,16 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
             max_prompts=max_prompts, wait=wait,
             deadline=None if deadline is None else started + 60.0 * deadline)
         summary = runner.run_batch(opts, batch, out_path, settings,
-                                   warn=lambda m: click.echo(m, err=True), limits=limits)
+                                   warn=lambda m: click.echo(m, err=True), limits=limits,
+                                   shard=shard_kn)
         if json_out:
             print_json(summary)
         else:
             from libk3.engine.batch import summary_text
+            from libk3.engine.report import batch_text
             click.echo(summary_text(summary, out_path), err=True)
+            if "width" in summary:
+                click.echo(batch_text(summary), err=True)
         return
     with runner.open_run(opts) as run:
         run.check_stop_ids(stop_ids)

@@ -117,9 +117,10 @@ def replay(trace, capacity_gb, slots, expert_bytes, policy, jobs, tolerate_trunc
         require_matplotlib()
     policies = (cache_policy.check_policy_names(p.strip() for p in policy.split(","))
                 if policy else list(cache_policy.POLICIES))
+    reader = TraceReader(trace, tolerate_truncated_tail=tolerate_truncated)
+    reader.require_replayable()           # a hostile header is refused before compiling
     prepare(["replay"])
-    rep = replay_report(TraceReader(trace, tolerate_truncated_tail=tolerate_truncated),
-                        policies=policies, capacities_gb=capacity_gb,
+    rep = replay_report(reader, policies=policies, capacities_gb=capacity_gb,
                         slots=slots, expert_bytes=expert_bytes,
                         workers=_jobs(jobs))
     if plot:
@@ -189,6 +190,8 @@ def size(trace, budget_gb, pack_dir, seq_mbps, rand_mbps, doctor_json, policy, s
     if not seq_mbps or not rand_mbps:
         raise UsageError("give --seq-mbps and --rand-mbps, or --doctor-json from k3-doctor --json")
     from libk3.precompile import prepare
+    from libk3.trace import TraceReader
+    TraceReader(trace).require_replayable()   # a hostile header is refused before compiling
     prepare(["replay"])
     rep = size_budget(trace, pack_dir, budget_gb * 1e9, seq_mbps * 1e6, rand_mbps * 1e6,
                       policy=policy, steps=steps)

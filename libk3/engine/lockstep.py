@@ -1,0 +1,199 @@
+"""Decoding many prompts in lockstep: up to W sequences share every forward pass.
+
+Owns: the scheduler of a batch run: which prompts hold the W slots, what each puts into
+the next pass (its next prompt tokens or its one decode token), sampling each sequence
+with its own settings, its stop rules, and handing each finished prompt back at once
+(``on_done``) so the next one takes its slot (continuous batching). Does not own: the
+batch and results files, budgets or the width (``libk3.presets.batch_width``), the
+forward pass (``libk3.model.forward.Forward.run``: one trunk fetch per layer and one
+fetch per routed expert for all the pass's sequences), printing.
+
+Same tokens as alone: each sequence has its own State and Sampler, and a pass computes
+every token exactly as a pass of that sequence alone would (forward.py), so a prompt's
+ids and logits do not depend on the width, its neighbours or when it joined. The one
+difference from ``generate``: the last generated token is not fed back (a finished
+sequence leaves at once; nothing reads its state again).
+
+Why prompts that enter share one chunk per pass (``chunk`` prompt tokens in all, taken
+in slot order) and ride along with the decoding sequences: a pass streams the whole
+trunk, so a newcomer's prefill joining the decode step costs no extra trunk read, and
+the pass's activations stay at one prefill chunk's plus one token per sequence, the size
+the runtime reserve already covers (formats/presets.md). Joining versus a prefill pass
+of its own was measured side by side in bench/batch_throughput.py (bench/README.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from ..model.forward import Segment
+from .generate import Abandoned, GenResult, GenSettings
+from .sampler import Sampler
+
+
+@dataclasses.dataclass
+class Job:
+    """One prompt of a batch. ``tag`` is the caller's handle, passed back with the result
+    (and to trace records as the sequence's tag)."""
+
+    tag: object
+    prompt_ids: list
+    settings: GenSettings
+
+
+class _Lane:
+    """A slot's sequence: where its prompt is, what it generated, when."""
+
+    def __init__(self, job: Job, state, now: float, keep_logits: bool):
+        if not job.prompt_ids:
+            raise ValueError("a lockstep job needs at least one prompt token")
+        self.job = job
+        self.prompt = [int(i) for i in job.prompt_ids]
+        self.state = state
+        self.sampler = Sampler(job.settings.temperature, job.settings.top_p, job.settings.seed)
+        self.fed = 0                    # prompt tokens fed so far
+        self.next = None                # the sampled token the next pass feeds
+        self.generated: list[int] = []
+        self.text = b""
+        self.reason = None              # set when finished
+        self.t_enter = now
+        self.t_first = None             # prefill done: first token sampled from here
+        self.rows = [] if keep_logits else None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.prompt)
+
+    def take(self, logits, n_prompt: int, tokenizer, on_token) -> None:
+        """Absorb this lane's logits from a pass that fed ``n_prompt`` prompt tokens (or,
+        with 0, its decode token); sample the next token once the prompt is in."""
+        if self.rows is not None:
+            self.rows.append(logits)
+        self.fed += n_prompt
+        if self.prefilling:
+            return
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        s = self.job.settings
+        if len(self.generated) >= s.gen:
+            self.reason = "length"
+            return
+        tok = self.sampler(logits[-1])
+        self.generated.append(tok)
+        if on_token is not None:
+            on_token(self.job, tok)
+        if tok in s.stop_ids:
+            self.reason = "stop_id"
+        elif s.stop_strings and tokenizer is not None:
+            self.text += tokenizer.decode_bytes([tok])
+            if any(x.encode() in self.text for x in s.stop_strings):
+                self.reason = "stop_string"
+        if self.reason is None and len(self.generated) >= s.gen:
+            self.reason = "length"
+        self.next = tok
+
+    def result(self, now: float) -> GenResult:
+        logits = np.concatenate(self.rows).astype(np.float32) if self.rows else None
+        return GenResult(self.prompt, self.generated, self.reason, self.t_first - self.t_enter,
+                         now - self.t_first, logits)
+
+
+@dataclasses.dataclass
+class LockstepStats:
+    width: int
+    passes: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    max_active: int = 0
+    seconds: float = 0.0            # inside passes
+
+
+def plan_pass(lanes: list, chunk: int, join_prefill: bool = True) -> list:
+    """[(lane, ids, n_prompt)] for the next pass: prefilling lanes take up to ``chunk``
+    prompt tokens in all, in slot order; each decoding lane feeds its one sampled token
+    (unless ``join_prefill`` is False and some lane is prefilling: then the pass is
+    prefill only)."""
+    plan, room = [], chunk
+    for lane in lanes:
+        if lane.prefilling and room > 0:
+            n = min(room, len(lane.prompt) - lane.fed)
+            plan.append((lane, lane.prompt[lane.fed:lane.fed + n], n))
+            room -= n
+    if join_prefill or not plan:
+        plan += [(lane, [lane.next], 0) for lane in lanes if not lane.prefilling]
+    return plan
+
+
+class Lockstep:
+    """At most ``width`` sequences in flight; ``submit`` a Job when it should start (it
+    runs passes until a slot is free), ``drain`` at the end.
+
+    ``new_state(positions)`` makes a fresh State with room for ``positions``.
+    ``on_done(job, GenResult)`` is called as each prompt finishes, in finishing order,
+    and its slot is free from then on; ``on_token(job, id)`` as each token is sampled.
+    ``keep_logits`` collects each prompt's logits rows (prompt positions, then every
+    generated token but the last) into its result. ``chunk``: prompt tokens per pass.
+    ``should_stop()``, if given, is asked before every pass: True raises Abandoned, and
+    the lanes in flight stay in ``lanes`` for the caller to count and drop."""
+
+    def __init__(self, forward, new_state, width: int, on_done, *, chunk: int = 64,
+                 tokenizer=None, on_token=None, keep_logits: bool = False,
+                 join_prefill: bool = True, should_stop=None):
+        if width < 1 or chunk < 1:
+            raise ValueError("width and chunk must be >= 1")
+        self.forward, self.new_state, self.width, self.on_done = forward, new_state, width, on_done
+        self.chunk, self.tokenizer, self.on_token = chunk, tokenizer, on_token
+        self.keep_logits, self.join_prefill = keep_logits, join_prefill
+        self.should_stop = should_stop
+        self.lanes: list[_Lane] = []
+        self.stats = LockstepStats(width)
+
+    def submit(self, job: Job) -> None:
+        while len(self.lanes) >= self.width:
+            self.step()
+        n = len(job.prompt_ids) + job.settings.gen
+        self.lanes.append(_Lane(job, self.new_state(n), time.perf_counter(), self.keep_logits))
+
+    def drain(self) -> None:
+        while self.lanes:
+            self.step()
+
+    def step(self) -> None:
+        """One pass over every lane in flight; finished lanes leave (``on_done``)."""
+        if self.should_stop is not None and self.should_stop():
+            raise Abandoned()
+        t0 = time.perf_counter()
+        st = self.stats
+        st.max_active = max(st.max_active, len(self.lanes))
+        plan = plan_pass(self.lanes, self.chunk, self.join_prefill)
+        segs = [Segment(ids, lane.state, all_logits=self.keep_logits or n_prompt == 0,
+                        phase="prefill" if n_prompt else "decode", tag=lane.job.tag)
+                for lane, ids, n_prompt in plan]
+        outs = self.forward.run(segs)
+        st.passes += 1
+        for (lane, ids, n_prompt), logits in zip(plan, outs):
+            st.prompt_tokens += n_prompt
+            before = len(lane.generated)
+            lane.take(logits, n_prompt, self.tokenizer, self.on_token)
+            st.generated_tokens += len(lane.generated) - before
+        still = []
+        for lane in self.lanes:
+            if lane.reason is None:
+                still.append(lane)
+            else:                           # leaves at once; its state is dropped
+                self.on_done(lane.job, lane.result(time.perf_counter()))
+        self.lanes = still
+        st.seconds += time.perf_counter() - t0
+
+
+def run_lockstep(forward, new_state, jobs, width: int, on_done, **kw) -> LockstepStats:
+    """Run every Job of the iterable ``jobs`` through a ``Lockstep`` (keywords as there);
+    a job is drawn only when a slot is free."""
+    ls = Lockstep(forward, new_state, width, on_done, **kw)
+    for job in jobs:
+        ls.submit(job)
+    ls.drain()
+    return ls.stats

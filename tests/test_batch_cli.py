@@ -1,0 +1,233 @@
+"""k3-run --batch in lockstep through the console script (issue 12): the same result lines
+at every --batch-width, refusal of a width that cannot fit, --shard partitions, resume
+after kill -9, the summary's fields; and the width rule of libk3.presets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from libk3.engine.batch import parse_shard, shard_of
+from libk3.errors import BudgetError
+from libk3.presets import (MAX_AUTO_WIDTH, Budget, ModelSizes, batch_width, load_rules,
+                           peak_bytes, sequence_bytes)
+from libk3.doctor import reference_config
+
+# what a result line keeps whatever the width (times, reads and the width differ)
+SAME = ("generated_ids", "prompt_ids", "stop_reason", "id", "line")
+
+
+def k3(*args, **kw):
+    return subprocess.run(["k3-run", *map(str, args)], capture_output=True, text=True,
+                          timeout=600, **kw)
+
+
+def _lines(n: int = 7) -> list:
+    out = []
+    for i in range(n):
+        job = {"id": f"p{i}" if i % 2 else i, "ids": [(37 * i + j) % 500 for j in range(1 + i % 4)],
+               "gen": 2 + (3 * i) % 6}
+        if i % 3 == 1:
+            job.update(temperature=0.9, top_p=0.8, seed=i)
+        if i == 3:
+            job["stop_ids"] = [0]
+        out.append(json.dumps(job))
+    return out
+
+
+def _rows(path) -> dict:
+    rows = [json.loads(x) for x in open(path).read().splitlines()]
+    assert len({json.dumps(r["id"]) for r in rows}) == len(rows)      # no duplicates
+    return {json.dumps(r["id"]): {k: r[k] for k in SAME} for r in rows}
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    p = tmp_path_factory.mktemp("batch") / "b.jsonl"
+    p.write_text("\n".join(_lines()) + "\n")
+    return p
+
+
+@pytest.fixture(scope="module")
+def alone(batch, tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("alone") / "r.jsonl"
+    p = k3(tiny_dir, "--batch", batch, "--out", out, "--batch-width", 1)
+    assert p.returncode == 0, p.stderr
+    return _rows(out)
+
+
+@pytest.mark.parametrize("width", ["3", "auto"])
+def test_batch_cli_lines_equal_width_1(width, batch, alone, tiny_dir, tmp_path):
+    """Catches a lockstep batch whose result lines differ from running each prompt alone
+    (ids, stop reason), and a summary that misses the aggregate figures."""
+    out = tmp_path / "r.jsonl"
+    p = k3(tiny_dir, "--batch", batch, "--out", out, "--batch-width", width, "--json")
+    assert p.returncode == 0, p.stderr
+    assert _rows(out) == alone
+    s = json.loads(p.stdout)
+    assert s["width"] == (3 if width == "3" else 7) and s["done"] == 7
+    assert s["generated_tokens"] == sum(len(r["generated_ids"]) for r in alone.values())
+    assert s["tokens_per_second"] > 0 and s["passes"] > 0 and s["max_in_flight"] > 1
+    assert s["trunk_bytes_per_token"] > 0 and s["expert_bytes_per_token"] >= 0
+    assert len(s["expert_union_per_layer"]) == 12
+    assert all(1 <= u <= 8 for u in s["expert_union_per_layer"].values())
+    assert {p["id"] for p in s["prompts"]} == {json.loads(k) for k in alone}
+    assert all({"prompt_tokens", "generated_tokens", "prefill_seconds", "decode_seconds"}
+               <= set(p) for p in s["prompts"])
+    assert any("width" in r for r in s["width_reasons"])
+
+
+def test_batch_cli_refuses_a_width_that_cannot_fit_before_work(batch, tiny_dir, tmp_path):
+    """Catches a width admitted beyond memory (it would fail mid-batch, or swap): exit 4,
+    one line with the figures, no result written (the lock leaves the file empty); the
+    control width runs."""
+    out = tmp_path / "r.jsonl"
+    budgets = ("--trunk-gb", 1, "--cache-gb", 1)          # fixed: the width rule refuses
+    p = k3(tiny_dir, "--batch", batch, "--out", out, "--batch-width", 10 ** 8, *budgets)
+    assert p.returncode == 4, p.stderr
+    assert "batch width 100000000 does not fit" in p.stderr and "expected width <= " in p.stderr
+    assert "Traceback" not in p.stderr and out.read_bytes() == b""
+    p = k3(tiny_dir, "--batch", batch, "--out", out, "--batch-width", 10 ** 8)   # auto budget
+    assert p.returncode == 4 and "beside batch width 100000000" in p.stderr, p.stderr
+    assert out.read_bytes() == b""
+    assert k3(tiny_dir, "--batch", batch, "--out", out, "--batch-width", 2).returncode == 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--batch-width", "0"), "positive integer"), (("--batch-width", "x"), "positive integer"),
+    (("--spec", "2", "--batch-width", "2"), "--spec decodes one prompt"),
+    (("--shard", "3/2"), "1 <= K <= N"), (("--shard", "2"), "K/N")])
+def test_batch_cli_usage_errors_exit_2(args, needle, batch, tiny_dir, tmp_path):
+    """Catches --spec silently ignored at width > 1 and malformed widths or shards."""
+    p = k3(tiny_dir, "--batch", batch, "--out", tmp_path / "r.jsonl", *args)
+    assert p.returncode == 2 and needle in p.stderr, p.stderr
+    p = k3(tiny_dir, "--ids", "1,2", "--gen", 1, "--batch-width", "2")
+    assert p.returncode == 2 and "go with --batch" in p.stderr
+
+
+def test_batch_cli_spec_runs_at_width_1(batch, alone, tiny_dir, tmp_path):
+    """Control of the refusal: --spec with the default width runs one prompt at a time,
+    same lines."""
+    out = tmp_path / "r.jsonl"
+    p = k3(tiny_dir, "--batch", batch, "--out", out, "--spec", "2", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["width"] == 1 and _rows(out) == alone
+
+
+def test_batch_cli_shards_partition_the_ids(batch, alone, tiny_dir, tmp_path):
+    """Catches a shard rule that drops or repeats ids: three shards' outputs together
+    hold every id exactly once, with the lines of the unsharded run."""
+    got = {}
+    for k in (1, 2, 3):
+        out = tmp_path / f"r{k}.jsonl"
+        p = k3(tiny_dir, "--batch", batch, "--out", out, "--shard", f"{k}/3", "--json")
+        assert p.returncode == 0, p.stderr
+        rows = _rows(out) if out.exists() else {}
+        assert not set(rows) & set(got)
+        assert all(shard_of(json.loads(key), 3) == k for key in rows)
+        assert json.loads(p.stdout)["other_shard"] == 7 - len(rows)
+        got.update(rows)
+    assert got == alone
+
+
+def test_shard_of_is_stable_and_covers_every_shard():
+    """Catches a hash that changes between runs or machines (Python's salted hash()) or
+    a shard numbering off by one: fixed values, and every id in 1..N."""
+    assert [shard_of(i, 4) for i in ("a", 7, "7", "\u00e9")] == [2, 3, 1, 1]
+    assert [shard_of(i, 1000) for i in ("a", 7, "7")] == [350, 231, 789]   # 7 is not "7"
+    ids = list(range(200)) + [f"id-{i}" for i in range(200)]
+    for n in (1, 2, 5):
+        hits = {shard_of(i, n) for i in ids}
+        assert hits == set(range(1, n + 1))
+    assert parse_shard("2/8") == (2, 8)
+
+
+def test_batch_cli_resumes_after_kill_9(tiny_dir, tmp_path):
+    """Catches a lockstep batch that loses finished prompts or duplicates them after a
+    kill -9 mid-batch: the rerun completes the file, each id once, lines as alone."""
+    lines = [json.dumps({"id": i, "ids": [i + 1, 2 * i + 3], "gen": 30 + i}) for i in range(8)]
+    batch = tmp_path / "b.jsonl"
+    batch.write_text("\n".join(lines) + "\n")
+    ref = tmp_path / "ref.jsonl"
+    assert k3(tiny_dir, "--batch", batch, "--out", ref, "--batch-width", 1).returncode == 0
+    out = tmp_path / "r.jsonl"
+    proc = subprocess.Popen(["k3-run", str(tiny_dir), "--batch", str(batch), "--out", str(out),
+                             "--batch-width", "3"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if out.exists() and out.read_text().count("\n") >= 1:
+            break
+        time.sleep(0.05)
+    killed = proc.poll() is None
+    if killed:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = out.read_text().count("\n")
+    assert killed and before < 8, "the batch finished before the kill; lengthen it"
+    p = k3(tiny_dir, "--batch", batch, "--out", out, "--batch-width", "3", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["skipped"] == before
+    assert _rows(out) == _rows(ref)
+
+
+# ---- the width rule (libk3.presets.batch_width) ------------------------------------------
+
+def _real():
+    return ModelSizes.from_config(reference_config())
+
+
+def test_batch_width_auto_is_the_largest_that_fits():
+    """Catches an auto width that overcommits memory or leaves a whole sequence unused:
+    W fits within headroom, W + 1 does not (below the caps)."""
+    sizes, rules = _real(), load_rules()
+    budget = Budget(int(3.7e9), int(0.4e9), "laptop", ())
+    mem = 16 * 10 ** 9
+    w, reasons = batch_width(budget, sizes, mem, "auto", rules=rules)
+    allowed = rules.headroom_fraction * mem
+    assert 1 < w < MAX_AUTO_WIDTH
+    assert peak_bytes(budget, sizes, rules, width=w) <= allowed
+    assert peak_bytes(budget, sizes, rules, width=w + 1) > allowed
+    assert batch_width(budget, sizes, mem, "auto", jobs=2, rules=rules)[0] == 2
+    assert batch_width(budget, sizes, mem, w, rules=rules)[0] == w          # control
+    with pytest.raises(BudgetError, match=f"batch width {w + 1} does not fit") as e:
+        batch_width(budget, sizes, mem, w + 1, rules=rules)
+    assert e.value.exit_code == 4 and f"width <= {w}" in e.value.one_line()
+
+
+def test_batch_width_refused_when_not_even_one_sequence_fits():
+    """Catches auto falling back to a width whose state does not fit at all."""
+    sizes = _real()
+    budget = Budget(int(3.7e9), int(0.4e9), "laptop", ())
+    with pytest.raises(BudgetError, match="does not fit"):
+        batch_width(budget, sizes, int(7.5e9), "auto")
+
+
+def test_sequence_bytes_is_the_state_the_overhead_counts():
+    """Catches a per-sequence figure that disagrees with the single-run overhead (one
+    rule): the overhead at width 1 holds exactly one sequence at context_positions."""
+    sizes, rules = _real(), load_rules()
+    one = sequence_bytes(sizes, rules.context_positions)
+    assert peak_bytes(Budget(0, 0, None, ()), sizes, rules, width=3) \
+        - peak_bytes(Budget(0, 0, None, ()), sizes, rules, width=1) == 2 * one
+    assert 0.6e9 < one < 0.75e9            # Kimi K3: 0.465 GB state + 0.226 GB MLA cache
+
+
+def test_doctor_recommends_the_width_that_reads_least_trunk_per_token():
+    """Catches a batch recommendation that follows the single-prompt pick (the largest
+    preset, where few sequences fit and each token streams most of the trunk): with 32 GB
+    for Kimi K3 it is the laptop budget at the width that fits beside it."""
+    from libk3 import doctor
+    sizes = _real()
+    d = doctor.decide(sizes, 32 * 10 ** 9)
+    laptop = d["presets"]["laptop"]
+    budget = Budget(laptop["budget"]["trunk_bytes"], laptop["budget"]["cache_bytes"], None, ())
+    w = batch_width(budget, sizes, 32 * 10 ** 9, "auto")[0]
+    assert d["pick"] == "desktop" and d["presets"]["desktop"]["batch_width"] < w
+    assert d["batch"]["preset"] == "laptop" and d["batch"]["width"] == laptop["batch_width"] == w
+    assert d["sequence_bytes"] == sequence_bytes(sizes, load_rules().context_positions)
