@@ -141,7 +141,7 @@ def cases(rng):
     return out
 
 
-# The public C engine's measured times on a 2-core machine (spec PRIOR-ART.md; issue 8).
+# The public C engine's measured times on a 2-core machine (as it publishes them; issue 8).
 C_ENGINE_MS = {"BF16 matvec 12288x7168": 12.8, "MXFP4 matvec 3072x3584": 1.41}
 
 

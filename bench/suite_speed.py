@@ -25,6 +25,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.conformance import ROOT as CONFORMANCE  # noqa: E402  (where the vectors live)
 
 
 def sh(cmd, **kw) -> subprocess.CompletedProcess:
@@ -56,9 +58,8 @@ def main() -> None:
     head = sh(["git", "-C", ROOT, "rev-parse", "HEAD"]).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="k3-suite-") as tmp:
         tmp = Path(tmp)
-        shared = ROOT.parent / "shared"
-        if shared.is_dir():                 # the conformance tests read ../shared
-            os.symlink(shared, tmp / "shared")
+        if CONFORMANCE.is_dir():            # each tree finds the vectors beside it
+            os.symlink(CONFORMANCE.parent, tmp / CONFORMANCE.parent.name)
         trees = {}
         try:
             for name, ref in (("base", args.base), ("head", head)):

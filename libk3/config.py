@@ -1,12 +1,12 @@
 """The K3 model configuration: one frozen dataclass, built by one strict function.
 
-Owns: reading ``config.json`` in both shapes of spec K3-MODEL.md section 2 (released
+Owns: reading ``config.json`` in both shapes of model.md §2 (released
 nested, and flat for small test models), the alias table, and structural validation.
 Does not own: tensor shapes (``libk3.io.inventory``) or anything about files other than
 config.json.
 
 Why so strict: a reader that defaults an empty ``full_attn_layers`` runs every layer as
-KDA and still produces fluent text (spec 2.2). So an absent required key is an error,
+KDA and still produces fluent text (model.md §2.2). So an absent required key is an error,
 never a default; every gap is collected and reported in one message naming the file.
 """
 
@@ -23,13 +23,13 @@ from .errors import ConfigError
 
 # eps of q_a_layernorm and kv_a_layernorm: the official model code builds these two norms
 # with the norm class default 1e-6, the public C engine with rms_norm_eps (1e-5). We follow
-# the official code (spec 5.0 "Disagreement"); the reference and synth use this constant.
+# the official code (model.md §5.0, §10); the reference and synth use this constant.
 MLA_LATENT_NORM_EPS = 1e-6
-# L2Norm eps of KDA q and k, hard-coded in the model (spec 5.0).
+# L2Norm eps of KDA q and k, hard-coded in the model (model.md §5.0).
 L2NORM_EPS = 1e-6
-# Router renormalisation epsilon (spec 5.8 step 3).
+# Router renormalisation epsilon (model.md §5.8 step 3).
 ROUTER_RENORM_EPS = 1e-20
-# MXFP4 group size (spec 4.2).
+# MXFP4 group size (model.md §4.2).
 MXFP4_GROUP = 32
 # Plausibility bounds, checked before anything is sized from the config. Layers and
 # experts: trace records and expert keys hold them in 16 bits (formats/trace.md); K3 has
@@ -40,7 +40,7 @@ MAX_SIZE = 1 << 24
 
 @dataclasses.dataclass(frozen=True)
 class K3Config:
-    """Every field is a config.json key (primary spelling of spec 2.1); none has a default."""
+    """Every field is a config.json key (primary spelling of model.md §2.1); none has a default."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -74,7 +74,7 @@ class K3Config:
     tie_word_embeddings: bool
     source: str                    # the file it was read from
 
-    # ---- layer map (spec 2.4) -------------------------------------------------------
+    # ---- layer map (model.md §2.4) --------------------------------------------------
     def is_mla(self, L: int) -> bool:
         return (L + 1) in self._mla_set
 
@@ -116,7 +116,7 @@ class K3Config:
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one routed expert's six MXFP4 tensors (spec 4.1)."""
+        """Bytes of one routed expert's six MXFP4 tensors (model.md §4.1)."""
         lat, inter = self.routed_expert_hidden_size, self.moe_intermediate_size
         per_matrix = lat * inter // 2 + lat * inter // MXFP4_GROUP
         return 3 * per_matrix
@@ -129,7 +129,7 @@ class K3Config:
         return hashlib.sha256(blob).hexdigest()
 
     def to_flat_dict(self) -> dict:
-        """The flat config.json shape (spec 2.3) for this config."""
+        """The flat config.json shape (model.md §2.3) for this config."""
         d = dataclasses.asdict(self)
         d.pop("source")
         out = {}
@@ -173,7 +173,7 @@ _KEYS = (
     ("activation_situ_linear_beta", "text", ("situ_linear_beta",), _FLOAT, True),
     ("tie_word_embeddings", "text", (), _BOOL, False),
 )
-# Genuinely optional booleans and their defaults (spec 2.1, "D" rows; 2.3 for tie).
+# Genuinely optional booleans and their defaults (model.md §2.1, "D" rows; model.md §2.3 for tie).
 _BOOL_DEFAULTS = {"mla_use_output_gate": True, "moe_renormalize": True,
                   "latent_moe_use_norm": True, "tie_word_embeddings": False}
 _FLAT_NAME = {"num_heads": "kda_num_heads", "head_dim": "kda_head_dim",
@@ -182,7 +182,7 @@ _FLAT_NAME = {"num_heads": "kda_num_heads", "head_dim": "kda_head_dim",
 
 
 def _lookup(doc: dict, location: str, names: tuple):
-    """Find a key: linear_attn_config first for KDA keys (spec 2.2 trap), then
+    """Find a key: linear_attn_config first for KDA keys (model.md §2.2 trap), then
     text_config, then the root; primary spelling or alias. Returns (found, value)."""
     text = doc.get("text_config") if isinstance(doc.get("text_config"), dict) else {}
     lin = text.get("linear_attn_config") if isinstance(text.get("linear_attn_config"), dict) else {}
@@ -335,7 +335,7 @@ def _quantization_config(doc: dict):
 
 
 def _check_quantization(q) -> list:
-    """Assert the MXFP4 scheme when a quantization_config is present (spec 2.1)."""
+    """Assert the MXFP4 scheme when a quantization_config is present (model.md §2.1)."""
     if not isinstance(q, dict):
         return ["quantization_config is not an object"]
     errs = []
@@ -383,7 +383,7 @@ def load_config(path) -> K3Config:
     return config_from_dict(doc, source=str(p))
 
 
-# The release's text_config.max_position_embeddings (spec 2.1). k3's arithmetic needs no
+# The release's text_config.max_position_embeddings (model.md §2.1). k3's arithmetic needs no
 # context length (no positional encoding, a fixed KDA state, an MLA cache that grows), so
 # it only bounds what a prompt may be; a config without the key (the synthetic ones) is
 # held to the release's.

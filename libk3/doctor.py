@@ -38,6 +38,7 @@ EXAMPLE_PROMPT = "The capital of France is"
 EXAMPLE_IDS = "1,2,3"             # for models without a tokenizer
 AUTO_EXCLUDED = ("max",)          # never picked: measured no faster than server (PRIOR-ART 11)
 HIT_CAP = 0.95                    # a partial cache never counts as more than 95 % hits
+COMPRESS_GAIN = 0.95              # recommend a compressed trunk only if it saves >= 5 %
 
 
 @dataclasses.dataclass
@@ -266,16 +267,48 @@ def _batch_pick(rows: dict, sizes: ModelSizes) -> dict | None:
     return best[1] if best else None
 
 
+def compression_advice(est: dict | None, seq_bps, decode: dict | None) -> dict:
+    """Whether a compressed trunk (``k3-pack compress``) pays at the estimate ``est`` (one
+    preset's), with the expected s/token both ways. Compressed, the streamed trunk reads
+    ``fraction`` of its bytes and is decoded at ``decode_bytes_per_s``; the two overlap
+    (piece by piece), so its time is the larger of the two, in place of the raw read."""
+    if not est or not seq_bps or not decode:
+        return {"recommend": None, "why": "not measured (--quick, or no disk read figure)"}
+    streamed = est["trunk_streamed_bytes"]
+    raw_io = streamed / seq_bps
+    read_io = decode["fraction"] * streamed / seq_bps
+    decode_s = streamed / decode["decode_bytes_per_s"]
+    raw = est["seconds_per_token"]
+    packed = raw - raw_io + max(read_io, decode_s)
+    yes = streamed > 0 and packed < COMPRESS_GAIN * raw
+    if not streamed:
+        why = "no: the whole trunk is pinned in RAM at this preset, nothing streams"
+    elif yes:
+        why = (f"yes: the disk ({seq_bps / 1e6:,.0f} MB/s) is the bottleneck; decoding runs at "
+               f"{decode['decode_bytes_per_s'] / 1e6:,.0f} MB/s and reads "
+               f"{decode['fraction']:.0%} of the bytes")
+    else:
+        why = (f"no: decoding ({decode['decode_bytes_per_s'] / 1e6:,.0f} MB/s of output) "
+               f"would not beat reading raw at {seq_bps / 1e6:,.0f} MB/s by "
+               f"{1 - COMPRESS_GAIN:.0%}")
+    return {"recommend": yes, "why": why, "seconds_per_token_raw": raw,
+            "seconds_per_token_compressed": packed, "trunk_streamed_bytes": streamed,
+            "read_bytes_per_s": seq_bps, "decode": decode}
+
+
 # ---- the whole report ------------------------------------------------------------------
 
 def diagnose(model=None, pack=None, *, quick: bool = False,
              memory: hwprobe.MemoryInfo | None = None,
              probe_bytes: int = hwprobe.DEFAULT_PROBE_BYTES, progress: bool = False,
              seq_seconds: float = 3.0, rand_seconds: float = 1.5,
-             pack_free_bytes: int | None = None) -> Diagnosis:
+             pack_free_bytes: int | None = None, read_bps: float | None = None,
+             decode_bps: float | None = None) -> Diagnosis:
     """Probe, inspect and decide. ``memory`` overrides the memory probe (simulated
     machines); ``pack_free_bytes`` overrides the free space seen at the pack directory
-    (tests). ``quick`` skips the disk and kernel measurements (no estimates)."""
+    (tests); ``read_bps`` the measured sequential read rate and ``decode_bps`` the
+    compressed trunk's measured decode rate. ``quick`` skips the disk, kernel and decode
+    measurements (no estimates)."""
     mem = memory if memory is not None else hwprobe.probe_memory()
     machine = hwprobe.probe_machine(mem)
     problems, warnings = list(), list(machine["warnings"])
@@ -323,7 +356,18 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
         bf16_shapes, mxfp4_shapes = hwprobe.kernel_shapes(cfg or load_config(model))
         kernels = hwprobe.measure_kernels(bf16_shapes=bf16_shapes, mxfp4_shapes=mxfp4_shapes)
     seq_bps, rand_bps = _speeds(storage)
+    seq_bps = read_bps or seq_bps
     decision = decide(sizes, mem, seq_bps=seq_bps, rand_bps=rand_bps, kernels=kernels)
+    decode = None
+    if not quick:
+        import numba
+
+        decode = hwprobe.measure_trunk_decode(numba.get_num_threads())
+        if decode_bps:
+            decode["decode_bytes_per_s"] = float(decode_bps)
+    pick = decision["pick"]
+    decision["compression"] = compression_advice(
+        decision["presets"][pick]["estimate"] if pick else None, seq_bps, decode)
     decision["sizes_of"] = "Kimi K3 (reference config)" if reference else str(model)
     problems += decision["problems"]
     disk = None
@@ -378,8 +422,12 @@ def _next_steps(model, pack, pack_dir, model_sec, decision, problems) -> dict:
         target = default_pack_dir(model)
         if os.path.abspath(target) == os.path.abspath(pack_dir):
             target = Path(str(pack_dir) + "-2")
+    compress = (decision.get("compression") or {}).get("recommend")
     if state != "complete":
-        cmds.append(f"k3-pack {q(str(model))} {q(str(target))}")
+        cmds.append(f"k3-pack {q(str(model))} {q(str(target))}"
+                    + (" --compress-trunk" if compress else ""))
+    elif compress and not (target / "trunk.kz").is_file():
+        cmds.append(f"k3-pack compress {q(str(target))}")
     prompt = (f"--prompt {q(EXAMPLE_PROMPT)}" if (Path(model) / "tiktoken.model").is_file()
               else f"--ids {EXAMPLE_IDS}")
     cmds.append(f"k3-run {q(str(model))} --pack {q(str(target))} --preset {preset} {prompt}")
@@ -502,6 +550,11 @@ def render_text(report: dict) -> str:
         w("s/token is a rough upper estimate: uniform routing, I/O and compute not overlapped")
     if d["pick"]:
         w(f"pick: {d['why']}")
+    c = d.get("compression") or {}
+    if c.get("recommend") is not None:
+        w(f"compressed trunk (k3-pack compress): {c['why']}; expected "
+          f"{c['seconds_per_token_compressed']:.2f} s/token compressed vs "
+          f"{c['seconds_per_token_raw']:.2f} raw at {d['pick']}")
     dk = report.get("disk_for_pack")
     if dk:
         w(f"disk for the pack: {_gb(dk['still_to_write_bytes'])} to write, "

@@ -9,7 +9,7 @@ timing of the BF16 and MXFP4 kernels. Does not own: deciding anything (``libk3.d
 
 Why these measurements:
 * k3-run reads the trunk in large sequential runs and experts as 17,547,264-byte random
-  reads (spec K3-MODEL.md 3.5) from a pool of threads, so those are what is timed, with
+  reads (model.md §3.5) from a pool of threads, so those are what is timed, with
   ``os.preadv`` into page-aligned buffers (``mmap.mmap(-1, n)``) under O_DIRECT when
   the filesystem allows it.
 * A figure the page cache could satisfy is not disk speed. With O_DIRECT the cache is
@@ -50,7 +50,7 @@ from .stream.direct import ALIGN, align_up   # O_DIRECT alignment (formats/pack.
 
 PACKAGES = ("numpy", "numba", "llvmlite", "tokenizers", "safetensors", "zstandard")
 ISA_FLAGS = ("avx2", "fma", "avx512f", "asimd", "neon")
-EXPERT_READ_BYTES = 17_547_264        # one real routed expert (spec 3.5), = 4284 x 4096
+EXPERT_READ_BYTES = 17_547_264        # one real routed expert (model.md §3.5), = 4284 x 4096
 SEQ_BLOCK = 8 << 20                   # sequential reads: 8 MiB blocks
 QUEUE_DEPTHS = (1, 4, 16)
 SEQ_DEPTHS = (1, 4)
@@ -720,3 +720,38 @@ def probe_machine(memory: MemoryInfo | None = None) -> dict:
     return {"python": platform.python_version(), "implementation": platform.python_implementation(),
             "platform": platform.platform(), "packages": package_versions(), "numba": thr,
             "cpu": cpu, "memory": mem.to_json(), "warnings": warnings}
+
+
+DECODE_SAMPLE_BYTES = 32 << 20     # BF16 bytes the trunk decode rate is timed on
+
+
+def measure_trunk_decode(threads: int, seconds: float = 0.5, sample=None) -> dict:
+    """Output bytes per second the compressed trunk's decoder (``libk3.stream.trunk_codec``)
+    reaches on ``threads`` threads, and the stored fraction, on ``sample`` (uint8 BF16
+    bytes; default DECODE_SAMPLE_BYTES of near-Gaussian BF16 like trained weights, std
+    0.02, seed 0). Best of the passes that fit in ``seconds`` (at least 2)."""
+    import time
+
+    from .stream.trunk_codec import Codec, plan_blocks
+
+    if sample is None:
+        f = (np.random.default_rng(0).standard_normal(DECODE_SAMPLE_BYTES // 2) * 0.02)
+        sample = (f.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    plan = plan_blocks([("w", 0, sample.size, "BF16")])
+    codec = Codec(threads)
+    try:
+        blob, rec = codec.encode(sample, plan)
+        plan = plan.with_index(rec)
+        src, out = np.frombuffer(blob, np.uint8), np.empty(sample.size, np.uint8)
+        best, t_end, passes = None, time.perf_counter() + seconds, 0
+        while passes < 2 or time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            codec.decode(plan, 0, len(plan), src, 0, out, True, "<sample>", 0)
+            dt = time.perf_counter() - t0
+            best = dt if best is None else min(best, dt)
+            passes += 1
+    finally:
+        codec.close()
+    return {"decode_bytes_per_s": sample.size / best, "fraction": len(blob) / sample.size,
+            "threads": threads, "sample_bytes": int(sample.size),
+            "sample": "near-Gaussian BF16 (std 0.02)"}

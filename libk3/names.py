@@ -1,4 +1,4 @@
-"""Every checkpoint key string k3 uses, built in one place (spec K3-MODEL.md section 3.4).
+"""Every checkpoint key string k3 uses, built in one place (model.md §3.4).
 
 Owns: the tensor-name templates and the tensor inventory per layer kind. Does not own:
 shapes (``libk3.io.inventory``) or reading.
@@ -17,7 +17,7 @@ OUTPUT_ATTN_RES_NORM = "language_model.model.output_attn_res_norm.weight"
 OUTPUT_ATTN_RES_PROJ = "language_model.model.output_attn_res_proj.weight"
 MODEL_LEVEL = (EMBED, LM_HEAD, NORM, OUTPUT_ATTN_RES_NORM, OUTPUT_ATTN_RES_PROJ)
 
-# Suffixes after ``layers.{L}.`` (spec 3.4). Order is the order our synthetic writer lays
+# Suffixes after ``layers.{L}.`` (model.md §3.4). Order is the order our synthetic writer lays
 # them out in a layer's trunk run; readers never depend on it.
 LAYER_NORMS = (
     "input_layernorm.weight",
@@ -50,7 +50,7 @@ MOE = (
     "block_sparse_moe.shared_experts.up_proj.weight",
     "block_sparse_moe.shared_experts.down_proj.weight",
 )
-# The six tensors of one routed expert, in the order observed in the release (spec 4.1).
+# The six tensors of one routed expert, in the order observed in the release (model.md §4.1).
 EXPERT_PARTS = (
     ("w1", "weight_packed"), ("w1", "weight_scale"),
     ("w2", "weight_packed"), ("w2", "weight_scale"),
@@ -77,7 +77,7 @@ def expert_names(L: int, e: int) -> tuple[str, ...]:
 
 
 def trunk_suffixes(is_mla: bool, is_dense: bool) -> tuple[str, ...]:
-    """Every non-expert per-layer suffix of a layer of this kind (spec 3.4)."""
+    """Every non-expert per-layer suffix of a layer of this kind (model.md §3.4)."""
     attn = MLA if is_mla else KDA
     mlp = DENSE_MLP if is_dense else MOE
     return LAYER_NORMS + attn + mlp

@@ -2,9 +2,10 @@
 
 Owns: copying every layer's trunk run verbatim into one page-aligned file (checksumming
 it and scanning it for NaN/Inf on the way), writing the manifest and the compact expert
-index, resuming after an interruption, ``verify`` (re-reading every layer), and the short
-probe of the source disk's read rate that a pack's MB/s is reported against. Does not own:
-what the files must say and the checks before use (``libk3.pack_schema``), reading
+index, resuming after an interruption, ``verify`` (re-reading every layer, decoding a
+compressed trunk's blocks), and the short probe of the source disk's read rate that a
+pack's MB/s is reported against. Does not own: what the files must say and the checks
+before use (``libk3.pack_schema``), compressing a pack (``libk3.pack_compress``), reading
 safetensors (``libk3.io``) or streaming at run time (``libk3.stream``).
 
 Why this shape: one positioned read (O_DIRECT-capable: 4096-aligned offset and length)
@@ -32,11 +33,12 @@ from . import names
 from .errors import BudgetError, FormatError, K3IOError
 from .io.atomic import fsync_dir, write_bytes
 from .nonfinite import RunScan
-from .pack_schema import (EXPERT_INDEX_FILE, EXPERT_INDEX_MAGIC, MANIFEST_FILE, PACK_FORMAT,
-                          PACK_VERSION, REPACK_HINT, TRUNK_FILE,
+from .pack_schema import (COMPRESSED_VERSION, EXPERT_INDEX_FILE, EXPERT_INDEX_MAGIC,
+                          MANIFEST_FILE, PACK_FORMAT, PACK_VERSION, REPACK_HINT, TRUNK_FILE,
                           expert_index_contents, load_expert_index, load_manifest,  # noqa: F401
                           manifest_version, model_level_entries, open_pack, plan_pack,
                           source_identity)
+from .stream import trunk_codec
 from .stream.direct import ALIGN, FileSet, align_up, aligned_empty, window_bytes
 from .stream.trunk import crc_mismatch
 
@@ -57,7 +59,8 @@ def pack_state(out_dir, ckpt=None) -> str:
             man = json.loads((d / MANIFEST_FILE).read_text())
         except (OSError, ValueError, RecursionError):
             return "partial"
-        if not isinstance(man, dict) or man.get("version") != PACK_VERSION:
+        if not isinstance(man, dict) or man.get("version") not in (PACK_VERSION,
+                                                                   COMPRESSED_VERSION):
             return "stale"
         return "complete" if man.get("source") == source_identity(ckpt) else "stale"
     if (d / PARTIAL_FILE).exists() or (d / JOURNAL_FILE).exists():
@@ -154,7 +157,7 @@ def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = 
     if state == "stale":
         old = manifest_version(d)
         raise FormatError("this directory holds a finished pack of a different checkpoint"
-                          if old == PACK_VERSION else
+                          if old in (PACK_VERSION, COMPRESSED_VERSION) else
                           f"this directory holds a finished pack in format v{old} (this k3 "
                           f"writes v{PACK_VERSION})", path=d,
                           hint="choose another OUT directory (a pack is never rewritten)")
@@ -265,9 +268,8 @@ def _start_fresh(d: Path, ident: dict) -> None:
 
 def _open_for_write(path: Path):
     """A write descriptor, O_DIRECT when the filesystem allows it. Why: layer offsets and padded
-    lengths are 4096-aligned, so trunk.bin can bypass the page cache; buffered writes of
-    a large file were throttled by dirty-page writeback to ~190 MB/s on the CI disk,
-    O_DIRECT reached ~2,100 MB/s (measured side by side, bench/pack_throughput.py)."""
+    lengths are 4096-aligned, so trunk.bin can bypass the page cache, whose dirty-page
+    writeback throttles a large buffered write (bench/README.md, "Packing")."""
     if hasattr(os, "O_DIRECT"):
         try:
             return os.open(path, os.O_WRONLY | os.O_DIRECT)
@@ -285,9 +287,8 @@ def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
     is moved to the buffer's start so the pack's O_DIRECT write is aligned too); this
     thread takes the pieces back in order, checksums them, scans their float tensors for
     NaN/Inf (``libk3.nonfinite``) and hands them to WRITERS
-    write threads. With one read and one write at a time the pack ran at 53-73 % of the
-    source disk's sequential read rate; with several in flight it runs at the disk's
-    limit (bench/pack_throughput.py). Buffers come from a fixed pool (bounded read-ahead,
+    write threads; several reads and writes in flight keep the disk busy where one at a
+    time left it idle (bench/README.md, "Packing"). Buffers come from a fixed pool (bounded read-ahead,
     READERS + WRITERS + 4 blocks); a reader takes its buffer before its piece, so the
     piece this thread waits for always has one. Each layer's last piece is zero-padded
     to 4096, which writes the layer's padding. A layer is yielded (and journaled by the
@@ -418,25 +419,31 @@ def verify(out_dir, ckpt=None, progress: bool = True, allow_nonfinite: bool = Fa
     """Check a pack the way k3-run opens it (``open_pack``: the schema, the stored config's
     inventory, and with ``ckpt`` the identity, every layer row, tensor entry and expert
     record), then read every layer once: its CRC, NaN/Inf in its float tensors, and with
-    ``ckpt`` the CRC of its source bytes. Raises FormatError naming the first bad file,
-    field or layer (NaN/Inf: after the whole pass, naming the first tensor and the count,
-    unless ``allow_nonfinite``); returns a summary."""
+    ``ckpt`` the CRC of its source bytes. A compressed trunk's layers are decoded, each
+    block checked against its own CRC first (a bad block is named). Raises FormatError
+    naming the first bad file, field, layer or block (NaN/Inf: after the whole pass,
+    naming the first tensor and the count, unless ``allow_nonfinite``); returns a
+    summary."""
     from tqdm import tqdm
 
     d = Path(out_dir)
     pk = open_pack(d, ckpt)
     man = pk.manifest
-    trunk = d / TRUNK_FILE
+    trunk = d / man["trunk_file"]
     nonfinite: list = []
     fd = os.open(trunk, os.O_RDONLY)
     src_fds = {}
+    decoded = _DecodedLayers(pk, fd, trunk) if pk.compressed else None
     try:
         bar = tqdm(total=sum(l["nbytes"] for l in man["layers"]), unit="B", unit_scale=True,
                    desc="verify", disable=not progress)
         for lay in man["layers"]:
             L = lay["layer"]
             scan = RunScan(lay["tensors"])
-            crc = _crc_of_file_range(fd, lay["file_off"], lay["nbytes"], scan, path=trunk)
+            if decoded is not None:
+                crc = decoded.crc(L, scan)
+            else:
+                crc = _crc_of_file_range(fd, lay["file_off"], lay["nbytes"], scan, path=trunk)
             if crc != lay["crc32"]:
                 raise crc_mismatch(trunk, L, lay["crc32"], crc)
             nonfinite += [names.layer(L, sfx) for sfx in sorted(scan.found)]
@@ -454,8 +461,45 @@ def verify(out_dir, ckpt=None, progress: bool = True, allow_nonfinite: bool = Fa
         os.close(fd)
         for sfd in src_fds.values():
             os.close(sfd)
+        if decoded is not None:
+            decoded.codec.close()
     if nonfinite and not allow_nonfinite:
         raise nonfinite_error(trunk, nonfinite)
     return {"pack": str(d), "layers": len(man["layers"]), "experts": int(pk.records.size),
             "trunk_bytes": man["trunk_bytes"], "against_checkpoint": ckpt is not None,
-            "nonfinite": nonfinite, "ok": True}
+            "compressed": pk.compressed, "nonfinite": nonfinite, "ok": True}
+
+
+class _DecodedLayers:
+    """verify's reader of a compressed trunk: COPY_BLOCK of stored bytes at a time, every
+    block checked against its CRC, decoded, and its output fed on in run order."""
+
+    def __init__(self, pk, fd: int, path):
+        import numba
+
+        self.pk, self.fd, self.path = pk, fd, path
+        self.codec = trunk_codec.Codec(numba.get_num_threads())
+        self.groups = [pl.groups(COPY_BLOCK) for pl in pk.blocks]
+        spans = [(pl.span(lo, hi)[1], pl.span(lo, hi, stored=False)[1])
+                 for pl, gs in zip(pk.blocks, self.groups) for lo, hi in gs]
+        self.stored = aligned_empty(max(s for s, _ in spans))
+        self.out = aligned_empty(max(o for _, o in spans) + 1)
+
+    def crc(self, L: int, scan: RunScan) -> int:
+        """CRC-32 of layer L's decoded run (fed to ``scan`` too)."""
+        lay, plan, crc = self.pk.manifest["layers"][L], self.pk.blocks[L], 0
+        for lo, hi in self.groups[L]:
+            a, n = plan.span(lo, hi)
+            got = os.preadv(self.fd, [memoryview(self.stored)[:n]], lay["file_off"] + a)
+            if got != n:
+                raise FormatError(f"layer {L}: the compressed trunk ends early",
+                                  path=self.path, expected=f"{n} bytes at offset "
+                                  f"{lay['file_off'] + a}", found=got, hint=REPACK_HINT)
+            oa, on = plan.span(lo, hi, stored=False)
+            base = oa - oa % 2                    # coded blocks sit at even run offsets
+            self.codec.decode(plan, lo, hi, self.stored, 0, self.out, True, self.path, L,
+                              out_base=base)
+            piece = self.out[oa - base:oa - base + on]
+            scan.feed(piece)
+            crc = zlib.crc32(piece, crc)
+        return crc

@@ -1,7 +1,8 @@
 """What a pack must say (formats/pack.md): the layout a checkpoint implies, the pack's
 identity, and the checks every pack passes before anything reads through it.
 
-Owns: the pack's file names, version and record layout; the layer plan and index records
+Owns: the pack's file names, versions (v2 raw trunk, v3 compressed) and record layout,
+the compressed trunk's block index (trunk.blocks); the layer plan and index records
 a checkpoint implies (the writer writes exactly these, the reader compares against
 them); the identity (config fingerprint plus sampled content of every shard); reading
 trunk.json and experts.idx and refusing, as a FormatError naming the file and field,
@@ -26,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -35,11 +37,14 @@ from .config import config_from_dict
 from .errors import ConfigError, FormatError
 from .io import inventory
 from .io.dtypes import ITEMSIZE
+from .stream import trunk_codec
 from .stream.direct import ALIGN, align_up
 
 PACK_FORMAT = "k3-pack"
-PACK_VERSION = 2
+PACK_VERSION = 2                 # a raw trunk (trunk.bin); also experts.idx's version
+COMPRESSED_VERSION = 3           # a compressed trunk (trunk.kz + trunk.blocks)
 TRUNK_FILE, MANIFEST_FILE, EXPERT_INDEX_FILE = "trunk.bin", "trunk.json", "experts.idx"
+COMPRESSED_TRUNK_FILE, BLOCK_INDEX_FILE = "trunk.kz", "trunk.blocks"
 EXPERT_INDEX_MAGIC = b"K3EXPIDX"
 EXPERT_RECORD = np.dtype([("shard", "<u2"), ("layer", "<u2"), ("expert", "<u4"),
                           ("offset", "<u8"), ("nbytes", "<u8"), ("sub", "<u4", (6,))])
@@ -49,6 +54,8 @@ REPACK_HINT = "re-pack: k3-pack CHECKPOINT NEW_OUT (a pack is never rewritten in
 _MANIFEST_KEYS = ("format", "version", "align", "source", "config", "trunk_file",
                   "trunk_bytes", "expert_index", "model_level", "layers")
 _LAYER_KEYS = ("layer", "shard", "run_start", "nbytes", "padded", "file_off", "crc32", "tensors")
+_CODEC_KEYS = ("name", "block_bytes", "min_coded_bytes", "block_index", "block_index_bytes",
+               "block_index_crc32")
 _TENSOR_KEYS = ("off", "nbytes", "dtype", "shape")
 _MODEL_LEVEL_KEYS = ("shard", "offset", "nbytes", "dtype", "shape")
 _INDEX_KEYS = ("version", "shards", "n_layers", "n_experts", "moe_layers", "parts",
@@ -166,6 +173,11 @@ class PackIndex:
     config: object
     index_header: dict
     records: np.ndarray
+    blocks: list | None = None     # a compressed pack: each layer's BlockPlan, with its index
+
+    @property
+    def compressed(self) -> bool:
+        return self.blocks is not None
 
 
 def open_pack(pack_dir, ckpt=None) -> PackIndex:
@@ -182,7 +194,8 @@ def open_pack(pack_dir, ckpt=None) -> PackIndex:
     head, rec = _load_expert_index(d, man, cfg)
     if ckpt is not None:
         _check_records(d / EXPERT_INDEX_FILE, rec, ckpt)
-    return PackIndex(d, man, cfg, head, rec)
+    blocks = _load_block_index(d, man) if man["version"] == COMPRESSED_VERSION else None
+    return PackIndex(d, man, cfg, head, rec, blocks)
 
 
 def load_manifest(pack_dir) -> dict:
@@ -311,11 +324,13 @@ def _read(path: Path, what: str) -> bytes:
         raise FormatError(f"cannot read {what}: {e.strerror}", path=path) from None
 
 
-def _check_version(f: _Fields, v, field: str) -> None:
+def _check_version(f: _Fields, v, field: str, readable=(PACK_VERSION,)) -> None:
     if type(v) is int and 1 <= v < PACK_VERSION:
         raise FormatError(f"pack format v{v} is from an older k3 (this one reads "
                           f"v{PACK_VERSION})", path=f.path, hint=REPACK_HINT)
-    f.eq(v, PACK_VERSION, field, "unsupported pack version")
+    if type(v) is not int or v not in readable:
+        f.fail(field, "unsupported pack version", expected=" or ".join(map(str, readable)),
+               found=v)
 
 
 def _load_manifest(d: Path):
@@ -328,10 +343,13 @@ def _load_manifest(d: Path):
     if type(doc) is not dict:
         f.fail("trunk.json", "must be a JSON object", found=doc)
     f.eq(doc.get("format"), PACK_FORMAT, "format", "not a k3 pack manifest")
-    _check_version(f, doc.get("version"), "version")
-    f.obj(doc, "trunk.json", _MANIFEST_KEYS)
+    _check_version(f, doc.get("version"), "version", (PACK_VERSION, COMPRESSED_VERSION))
+    compressed = doc["version"] == COMPRESSED_VERSION
+    f.obj(doc, "trunk.json", _MANIFEST_KEYS + (("trunk_codec",) if compressed else ()))
     f.eq(doc["align"], ALIGN, "align")
-    f.eq(doc["trunk_file"], TRUNK_FILE, "trunk_file")
+    f.eq(doc["trunk_file"], COMPRESSED_TRUNK_FILE if compressed else TRUNK_FILE, "trunk_file")
+    if compressed:
+        _check_codec_schema(f, doc["trunk_codec"])
     f.eq(doc["expert_index"], EXPERT_INDEX_FILE, "expert_index")
     sizes = _check_source_schema(f, doc["source"])
     if type(doc["config"]) is not dict:
@@ -360,14 +378,15 @@ def _load_manifest(d: Path):
                found=len(layers))
     end = 0
     for i, lay in enumerate(layers):
-        end = _check_layer(f, i, lay, cfg, sizes, end)
+        end = _check_layer(f, i, lay, cfg, sizes, end, compressed)
     f.eq(doc["trunk_bytes"], end, "trunk_bytes", "is not where the last layer ends")
-    trunk = d / TRUNK_FILE
+    trunk = d / doc["trunk_file"]
     size = trunk.stat().st_size if trunk.is_file() else None
     if size is None:
-        raise FormatError("trunk.bin is missing or not a file", path=trunk, hint=REPACK_HINT)
+        raise FormatError(f"{doc['trunk_file']} is missing or not a file", path=trunk,
+                          hint=REPACK_HINT)
     if size != end:
-        raise FormatError("trunk.bin size does not match the manifest", path=trunk,
+        raise FormatError(f"{doc['trunk_file']} size does not match the manifest", path=trunk,
                           expected=end, found=size)
     return doc, cfg
 
@@ -392,10 +411,21 @@ def _check_source_schema(f: _Fields, src) -> dict:
     return sizes
 
 
-def _check_layer(f: _Fields, i: int, lay, cfg, sizes: dict, end: int) -> int:
-    """One row of ``layers``; returns where it ends in trunk.bin."""
+def _check_codec_schema(f: _Fields, codec) -> None:
+    """``trunk_codec``: this k3's codec and block plan, and the block index's size and CRC."""
+    f.obj(codec, "trunk_codec", _CODEC_KEYS)
+    for k, want in trunk_codec.codec_params().items():
+        f.eq(codec[k], want, f"trunk_codec.{k}", "is not the codec this k3 decodes")
+    f.eq(codec["block_index"], BLOCK_INDEX_FILE, "trunk_codec.block_index")
+    f.int(codec["block_index_bytes"], "trunk_codec.block_index_bytes")
+    f.int(codec["block_index_crc32"], "trunk_codec.block_index_crc32", hi=0xFFFFFFFF)
+
+
+def _check_layer(f: _Fields, i: int, lay, cfg, sizes: dict, end: int,
+                 compressed: bool = False) -> int:
+    """One row of ``layers``; returns where it ends in the trunk file."""
     fld = f"layers[{i}]"
-    f.obj(lay, fld, _LAYER_KEYS)
+    f.obj(lay, fld, _LAYER_KEYS + (("stored",) if compressed else ()))
     f.eq(lay["layer"], i, f"{fld}.layer", "layers must be listed in order, from 0")
     shard = f.file_name(lay["shard"], f"{fld}.shard")
     if shard not in sizes:
@@ -405,7 +435,9 @@ def _check_layer(f: _Fields, i: int, lay, cfg, sizes: dict, end: int) -> int:
     if start + nbytes > sizes[shard]:
         f.fail(f"{fld}.nbytes", "the run ends past the end of its shard",
                expected=f"<= {sizes[shard] - start}", found=nbytes)
-    f.eq(lay["padded"], align_up(nbytes), f"{fld}.padded", "is not nbytes rounded up to 4096")
+    held = f.int(lay["stored"], f"{fld}.stored", lo=1) if compressed else nbytes
+    f.eq(lay["padded"], align_up(held), f"{fld}.padded",
+         f"is not {'stored' if compressed else 'nbytes'} rounded up to 4096")
     f.eq(lay["file_off"], end, f"{fld}.file_off",
          "layers must follow each other in trunk.bin without gaps, 4096-aligned")
     f.int(lay["crc32"], f"{fld}.crc32", hi=0xFFFFFFFF)
@@ -423,7 +455,46 @@ def _check_layer(f: _Fields, i: int, lay, cfg, sizes: dict, end: int) -> int:
                    "tensors must tile the run without gaps or overlaps", expected=pos, found=off)
         pos = max(pos, off + nb)
     f.eq(nbytes, pos, f"{fld}.nbytes", "is not the sum of its tensors")
-    return end + align_up(nbytes)
+    return end + align_up(held)
+
+
+def layer_block_plan(lay: dict):
+    """The BlockPlan (without its index) of a checked manifest's layer row."""
+    return trunk_codec.plan_blocks([(sfx, t["off"], t["nbytes"], t["dtype"])
+                                    for sfx, t in lay["tensors"].items()])
+
+
+def _load_block_index(d: Path, man: dict) -> list:
+    """Each layer's BlockPlan with its stored lengths and CRCs from trunk.blocks, after
+    checking the file's size and CRC against trunk_codec and every layer's lengths."""
+    codec = man["trunk_codec"]
+    p = d / BLOCK_INDEX_FILE
+    blob = _read(p, BLOCK_INDEX_FILE)
+    f = _Fields(p)
+    plans = [layer_block_plan(lay) for lay in man["layers"]]
+    want = sum(len(pl) for pl in plans) * trunk_codec.INDEX_RECORD.itemsize
+    f.eq(len(blob), codec["block_index_bytes"], "size", "differs from trunk.json's "
+         "trunk_codec.block_index_bytes")
+    f.eq(len(blob), want, "size", "is not one record per block the layers' tensors imply")
+    crc = zlib.crc32(blob)
+    if crc != codec["block_index_crc32"]:
+        f.fail("crc32", "does not match trunk.json's trunk_codec.block_index_crc32",
+               expected=f"{codec['block_index_crc32']:#010x}", found=f"{crc:#010x}")
+    rec = np.frombuffer(blob, trunk_codec.INDEX_RECORD)
+    out, at = [], 0
+    for lay, pl in zip(man["layers"], plans):
+        pl = pl.with_index(rec[at:at + len(pl)])
+        at += len(pl)
+        L = lay["layer"]
+        bad = pl.stored_problem()
+        if bad:
+            f.fail(f"{pl.where(L, bad[0])}.stored", bad[1], found=int(pl.in_len[bad[0]]))
+        total = int(pl.in_len.sum())
+        if total != lay["stored"]:
+            f.fail(f"layer {L}", "its blocks' stored lengths do not add up to the layer's "
+                   "stored bytes", expected=lay["stored"], found=total)
+        out.append(pl)
+    return out
 
 
 def _manifest_shards(man: dict) -> list:
@@ -542,7 +613,11 @@ def _first_diff(want, got, field: str):
 def _check_layout(p: Path, man: dict, ckpt) -> None:
     """Every layer row, tensor entry and model-level entry as this checkpoint implies."""
     for plan, lay in zip(plan_pack(ckpt), man["layers"]):
-        diff = _first_diff(plan.entry(lay["crc32"]), lay, f"layers[{plan.layer}]")
+        want = plan.entry(lay["crc32"])
+        if "stored" in lay:              # a compressed trunk's place is its own (checked)
+            want = {**want, "padded": lay["padded"], "file_off": lay["file_off"],
+                    "stored": lay["stored"]}
+        diff = _first_diff(want, lay, f"layers[{plan.layer}]")
         if diff:
             raise FormatError(f"{diff[0]}: differs from the checkpoint", path=p,
                               expected=_show(diff[1]), found=_show(diff[2]),

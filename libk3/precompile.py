@@ -134,8 +134,14 @@ def _groups() -> dict:
                                                                   i64)))
         + sum((driven("hits", new, i64_1) for new in (lfu_new, llfu_new, adaptive_new)), ()))
     probe = group("libk3.hwprobe", ("_prange_sum", (f64_1,)))
+    u8_1, u16_1 = a(nt.uint8, 1), a(nt.uint16, 1)
+    ro_u8_1 = nt.Array(nt.uint8, 1, "C", readonly=True)     # np.frombuffer of zstd's bytes
+    trunk_codec = group(k + "bf16_planes", ("merge_planes", (ro_u8_1, u8_1, u16_1)),
+                        ("merge_planes", (ro_u8_1, ro_u8_1, u16_1)),
+                        ("split_planes", (u16_1, u8_1, u8_1)))
+    timing += trunk_codec                         # k3-doctor times the trunk decoder too
     return {"forward": forward,                   # k3-run
-            "expert-cache": online_policies,      # k3-run, streamed
+            "expert-cache": online_policies + trunk_codec,   # k3-run, streamed
             "replay": replay,                     # k3-trace replay / size
             "probe": probe,                       # k3-doctor's threading-layer check
             "kernel-timing": timing}              # k3-doctor: BF16 and MXFP4 matmuls

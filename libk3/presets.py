@@ -8,7 +8,7 @@ pinned layers and a ring, and whether a budget fits a machine's memory. Does not
 probing the machine (``libk3.hwprobe``), streaming or caching (``libk3.stream``), or
 printing (the click front ends).
 
-Why the memory model is what it is (numbers are Kimi K3's, spec K3-MODEL.md 3.5, 6):
+Why the memory model is what it is (numbers are Kimi K3's, model.md §3.5, §6):
 * peak = trunk budget + cache budget + overhead. The overhead is lm_head and the three
   small model-level vectors (2.35 GB, resident), the recurrent state (0.46 GB), the MLA
   latent cache for ``context_positions`` positions (0.23 GB at 4096) and a runtime
@@ -293,14 +293,14 @@ class ModelSizes:
 
 
 def _state_bytes(cfg: K3Config) -> int:
-    """KDA S [H, D, D] and conv history [3, K-1, P] per KDA layer, f32 (spec 6)."""
+    """KDA S [H, D, D] and conv history [3, K-1, P] per KDA layer, f32 (model.md §6)."""
     kda = sum(1 for L in range(cfg.num_hidden_layers) if not cfg.is_mla(L))
     per = cfg.num_heads * cfg.head_dim ** 2 + 3 * (cfg.short_conv_kernel_size - 1) * cfg.kda_dim
     return 4 * kda * per
 
 
 def _kv_per_position(cfg: K3Config) -> int:
-    """Latent [kv_lora] + rope [qk_rope] per MLA layer and position, f32 (spec 6)."""
+    """Latent [kv_lora] + rope [qk_rope] per MLA layer and position, f32 (model.md §6)."""
     mla = sum(1 for L in range(cfg.num_hidden_layers) if cfg.is_mla(L))
     return 4 * mla * cfg.mla_cache_width
 

@@ -86,7 +86,7 @@ def test_checkpoint_read_into_preallocated_out(toy):
 
 def test_checkpoint_without_index_scans_shards(tmp_path, plan):
     """Catches: a reader that requires model.safetensors.index.json (unverified in the
-    release, spec 3.1)."""
+    release, model.md §3.1)."""
     d = write_toy(tmp_path / "noindex", plan, index=False)
     with Checkpoint.open(d) as ck:
         assert len(ck) == sum(len(v) for v in plan.values())
@@ -286,7 +286,7 @@ def test_checkpoint_refuses_wrong_shape(tmp_path, plan):
 
 
 def test_checkpoint_refuses_nonzero_a_log_padding(tmp_path, plan):
-    """Catches: reading A_log per channel or ignoring its padding (spec 3.4: entries
+    """Catches: reading A_log per channel or ignoring its padding (model.md §3.4: entries
     >= num_heads are zero; non-zero means the layout is not what k3 assumes)."""
     fname = shard_of_layer(plan, 1)
     name = names.layer(1, "self_attn.A_log")

@@ -1,4 +1,4 @@
-"""Config reader: both shapes, strictness, structural checks (spec section 2)."""
+"""Config reader: both shapes, strictness, structural checks (model.md §2)."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_config_optional_booleans_default_but_ints_do_not():
     ("rms_norm_eps", -1.0, "rms_norm_eps"),
 ])
 def test_config_structural_checks_refuse(key, value, match):
-    """Catches each structural rule of spec 2.2 being skipped."""
+    """Catches each structural rule of model.md §2.2 being skipped."""
     flat = dict(TINY)
     flat[key] = value
     with pytest.raises(ConfigError, match=match):

@@ -22,7 +22,7 @@ from libk3.presets import GB, ModelSizes
 from libk3.synth.checkpoint import synth_checkpoint
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
-REAL_TRUNK = 108_811_877_376          # spec K3-MODEL.md 3.5
+REAL_TRUNK = 108_811_877_376          # model.md §3.5
 REAL_MODEL_LEVEL = 4_697_663_488
 FAST = dict(seq_seconds=0.3, rand_seconds=0.3)
 
@@ -218,11 +218,40 @@ def test_hwprobe_never_times_holes_and_uses_real_shards_in_place(tmp_path):
     assert _probe_files(sparse) == []
 
 
-def test_hwprobe_kernel_figures_come_from_the_numba_kernels():
-    """Catches a stand-in passed off as the numba kernels' speed."""
-    k = hwprobe.measure_kernels(seconds=0.05, rows=256, cols=256)
-    assert k["bf16_bytes_per_s"] > 0 and k["mxfp4_bytes_per_s"] > 0
-    assert k["source"] == "libk3 kernels"
+def test_hwprobe_kernel_figures_come_from_the_numba_kernels(monkeypatch):
+    """Catches a stand-in (numpy, a fixed figure, another function) passed off as the
+    speed of the kernels k3-run calls, or bytes per second miscounted. The engine's two
+    matmuls are wrapped so that each call advances the probe's clock by exactly ``tick``
+    (the only time that passes): each figure must then be the bytes of one call over
+    ``tick``, and every call must get the engine's operands (BF16 bits [rows, cols]; MXFP4
+    nibbles [rows, cols/2] and scales [rows, cols/32])."""
+    import types
+    from libk3.model import ops
+    tick, rows, cols = 0.01, 256, 256
+    clock = {"now": 0.0, "reads": 0}
+    seen = {"bf16": [], "mxfp4": []}
+
+    def ticking(key, real):
+        def call(*args):
+            seen[key].append(tuple((a.dtype.str, a.shape) for a in args[:-1]))
+            clock["now"], clock["reads"] = clock["now"] + tick, 0
+            return real(*args)
+        return call
+
+    def perf_counter():
+        clock["reads"] += 1       # a probe timing something else would wait here forever
+        assert clock["reads"] < 1000, "the probe's clock ran without a kernel call"
+        return clock["now"]
+    monkeypatch.setattr(ops, "bf16_matmul", ticking("bf16", ops.bf16_matmul))
+    monkeypatch.setattr(ops, "mxfp4_matmul", ticking("mxfp4", ops.mxfp4_matmul))
+    monkeypatch.setattr(hwprobe, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    k = hwprobe.measure_kernels(seconds=0.1, rows=rows, cols=cols, working_set=1 << 20)
+    for key, nbytes, operands in (
+            ("bf16", rows * cols * 2, (("<u2", (rows, cols)),)),
+            ("mxfp4", rows * cols * 17 / 32, (("|u1", (rows, cols // 2)),
+                                              ("|u1", (rows, cols // 32))))):
+        assert len(seen[key]) >= 3 and set(seen[key]) == {operands}, (key, seen[key][:3])
+        assert k[f"{key}_bytes_per_s"] == pytest.approx(nbytes / tick, rel=1e-9), (key, k)
 
 
 def test_hwprobe_kernel_shapes_are_one_decode_step_of_the_model():
@@ -451,3 +480,46 @@ def test_doctor_probe_file_removed_on_sigterm(tmp_path, when):
             proc.kill()
     assert proc.returncode != 0 and "interrupted" in err
     assert not probe.exists() and _probe_files(d) == []
+
+
+def test_doctor_compression_advice_both_ways(real_sizes):
+    """Catches advice that ignores the disk, the decoder or pinning: laptop at 8 GB with a
+    slow disk says compress (and its s/token falls); a disk faster than the decoder, or
+    memory that pins the whole trunk, says do not."""
+    k = {"bf16_bytes_per_s": 1e10, "mxfp4_bytes_per_s": 2e10, "source": "test"}
+    dec = {"decode_bytes_per_s": 4e9, "fraction": 0.67}
+
+    def advice(mem_gb, seq_bps):
+        d = doctor.decide(real_sizes, hwprobe.assumed_memory(int(mem_gb * 1e9)),
+                          seq_bps=seq_bps, rand_bps=1e9, kernels=k)
+        return doctor.compression_advice(d["presets"][d["pick"]]["estimate"], seq_bps, dec)
+
+    slow = advice(8, 1e9)
+    assert slow["recommend"] is True
+    streamed = slow["trunk_streamed_bytes"]
+    assert slow["seconds_per_token_raw"] - slow["seconds_per_token_compressed"] == \
+        pytest.approx(streamed / 1e9 - max(0.67 * streamed / 1e9, streamed / 4e9))
+    fast = advice(8, 8e9)
+    assert fast["recommend"] is False and "would not beat" in fast["why"]
+    pinned = advice(2000, 1e9)
+    assert pinned["recommend"] is False and pinned["trunk_streamed_bytes"] == 0
+    assert doctor.compression_advice(None, 1e9, dec)["recommend"] is None
+
+
+def test_doctor_cli_recommends_compressing_with_a_slow_disk_override(small_ckpt, tmp_path):
+    """Catches --assume-read-mbps / --assume-decode-mbps not reaching the advice or the
+    next command: a 1 MB/s disk and a fast decoder say compress (k3-pack ...
+    --compress-trunk), a fast disk and a slow decoder say not."""
+    def run(read, decode):
+        p = subprocess.run(["k3-doctor", str(small_ckpt), "--pack", str(tmp_path / "p"),
+                            "--json", "--assume-memory-gb", "0.38", "--assume-read-mbps",
+                            str(read), "--assume-decode-mbps", str(decode),
+                            "--probe-size-mb", "48"],
+                           capture_output=True, text=True, timeout=600)
+        rep = json.loads(p.stdout)
+        return rep["decision"]["compression"], rep["next_commands"]
+
+    yes, cmds = run(1, 10_000)
+    assert yes["recommend"] is True and "--compress-trunk" in cmds[0], yes
+    no, cmds = run(100_000, 1)
+    assert no["recommend"] is False and "--compress-trunk" not in cmds[0], no

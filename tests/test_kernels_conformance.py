@@ -1,6 +1,6 @@
 """The numba kernels against the public engine's per-op vectors and the released MXFP4 bytes.
 
-Every vector of ../shared/conformance/ops that is one op is recomputed with
+Every conformance vector (tests/conformance.py) that is one op is recomputed with
 ``libk3.kernels`` alone, and the KDA layer vectors with the engine's own ``Forward._kda``;
 float32 weights go through the f32 path of the dense kernels. Each is checked
 element-wise within the manifest tolerance; each test puts its worst element, as a
@@ -124,7 +124,7 @@ def test_kernels_kda_recurrence_decay_read_write_output_order(record_property, n
 
 
 def _kda_layer(d):
-    """Spec 5.5's KDA layer as the engine composes it: ``Forward._kda`` itself, driven by
+    """model.md §5.5's KDA layer as the engine composes it: ``Forward._kda`` itself, driven by
     the vector's f32 weights (x already normalised), from a zero state."""
     H, D, K = d["H"], d["d_k"], d["conv_k"]
     fwd = Forward.__new__(Forward)          # only the config the KDA path reads
@@ -189,7 +189,7 @@ def test_kernels_router_control_without_bias_selects_differently():
 
 
 def _moe(d):
-    """The LatentMoE of spec 5.8 with the vector's plain f32 experts."""
+    """The LatentMoE of model.md §5.8 with the vector's plain f32 experts."""
     x = d["in"][0]
     T, k = x.shape[0], d["top_k"]
     idx, w = _route(d["gate_weight"], d["e_score_correction_bias"], x, k, d["renorm"],

@@ -2,7 +2,7 @@
 
 Two kinds of oracle: numpy emulations of the exact summation orders of
 formats/numerics.md (bit-for-bit checks: the documented order IS the implemented one),
-and float64 implementations of the spec math (tolerance checks, spec 7.4). Plus the
+and float64 implementations of the spec math (tolerance checks, model.md §7.4). Plus the
 invariants every kernel promises: a T-token call equals T one-token calls bit for bit,
 and results do not depend on the thread count.
 """
@@ -32,7 +32,7 @@ def _bits(a):
 
 
 def _close(got, want, atol=1e-5, rtol=1e-4):
-    """Spec 7.4 per-op rule, every element."""
+    """model.md §7.4 per-op rule, every element."""
     got = np.asarray(got, np.float64)
     want = np.asarray(want, np.float64)
     return bool(np.all(np.abs(got - want) <= atol + rtol * np.abs(want)))
@@ -309,7 +309,7 @@ def _libm():
 
 
 def _expf(lib, x):
-    """Elementwise C-library expf of a float32 array (the spec 7.3 reference)."""
+    """Elementwise C-library expf of a float32 array (the model.md §7.3 reference)."""
     return np.array([lib.expf(float(v)) for v in np.ravel(x)], np.float32).reshape(np.shape(x))
 
 
@@ -320,7 +320,7 @@ def _sigmoid_kernel(x):
 
 
 def test_kernels_activations_use_libm_float32_semantics():
-    """Catches numpy-vectorised or float64 transcendentals (spec 7.3): sigmoid and SiTU
+    """Catches numpy-vectorised or float64 transcendentals (model.md §7.3): sigmoid and SiTU
     equal the C library's expf/tanhf evaluation bit for bit on 3000 inputs. Control: the
     float64 SiTU differs somewhere on the same inputs."""
     lib = _libm()
@@ -589,7 +589,7 @@ def test_kernels_attnres_is_the_documented_order(seed, T, nb, E):
 # ----------------------------------------------------------------------------- MLA
 
 def _mla_ref(q_nope, q_rope, pos, latent, k_rope, kv_b, scale, v):
-    """float64 MLA in the expanded (non-absorbed) form of spec 5.6 steps 3-5."""
+    """float64 MLA in the expanded (non-absorbed) form of model.md §5.6 steps 3-5."""
     T, H, nope = q_nope.shape
     kvb = kv_b.astype(np.float64).reshape(H, nope + v, -1)
     out = np.empty((T, H, v))

@@ -197,7 +197,7 @@ def test_doctor_compile_reports_every_kernel_and_where_cached():
     assert s["cached"] and s["cache_dirs"] and "compiling" not in p.stderr
     assert {k.module for k in precompile.kernels()} == {
         "libk3.kernels." + m for m in ("bf16", "mxfp4", "norms", "activations", "attnres",
-                                       "kda", "mla", "router", "moe")} | {
+                                       "kda", "mla", "router", "moe", "bf16_planes")} | {
         "libk3.policies." + m for m in ("lru", "lfu", "layer_lfu", "adaptive", "drive",
                                         "belady", "s3fifo")} | {
         "libk3.cache_policy", "libk3.hwprobe"}

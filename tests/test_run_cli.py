@@ -193,16 +193,25 @@ def test_run_chat_two_turns_with_saved_state_equals_one_session(tiny_dir, tmp_pa
 
 
 def test_run_prompt_text_streams_and_reports(tiny_dir, tmp_path):
-    """Catches text mode not using the tokenizer or a report missing its fields."""
+    """Catches text mode not using the model's tokenizer (prompt ids or printed text that
+    are not its encoding and decoding), a stream that differs from the reported text, and
+    a report missing its fields."""
+    from libk3.io.tokenizer import K3Tokenizer
+    prompt = "The capital of France is"
     rep = tmp_path / "r.json"
-    p = k3(tiny_dir, "--prompt", "The capital of France is", "--gen", 4, "--report-json", rep)
+    p = k3(tiny_dir, "--prompt", prompt, "--gen", 4, "--report-json", rep)
     assert p.returncode == 0, p.stderr
     r = json.loads(rep.read_text())
     for key in ("prompt_ids", "generated_ids", "prefill_seconds", "decode_seconds",
                 "seconds_per_token", "trunk_bytes_read", "expert_bytes_read", "cache_hit_rate",
                 "reads_in_flight", "peak_rss_bytes", "budget", "generated_text"):
         assert key in r
-    assert p.stdout.rstrip("\n") == r["generated_text"].rstrip("\n") or r["generated_text"] in p.stdout
+    tok = K3Tokenizer.from_dir(tiny_dir)
+    assert r["prompt_ids"] == tok.encode(prompt)
+    assert len(r["generated_ids"]) == 4
+    text = tok.decode(r["generated_ids"])
+    assert text and r["generated_text"] == text
+    assert p.stdout == text + "\n"
 
 
 def test_run_single_shard_without_index_and_flat_config(tiny_dir, tmp_path):

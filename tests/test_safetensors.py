@@ -1,6 +1,6 @@
 """The strict one-shard reader, pread_into and write_shard (libk3/io/safetensors.py).
 
-Conformance shards (../shared/conformance/st, README section 6) check the awkward but
+Conformance shards (the ``st`` vectors, loaded via tests/conformance.py) check the awkward but
 legal cases; hand-made shards check that each broken invariant is refused, each with a
 control copy that opens. Not caught here: tensor sets across shards (test_checkpoint).
 """

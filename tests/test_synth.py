@@ -47,7 +47,7 @@ def test_synth_layout_experts_out_of_id_order_and_contiguous():
 
 
 def test_synth_small_vectors_use_released_dtypes():
-    """Catches all-BF16 or all-F32 small vectors (the release mixes them, spec 3.4)."""
+    """Catches all-BF16 or all-F32 small vectors (the release mixes them, model.md §3.4)."""
     with Checkpoint.open(FIXTURE) as ckpt:
         assert ckpt.entry(names.layer(1, "self_attn.A_log")).dtype == "F32"
         assert ckpt.entry(names.layer(1, "self_attn.q_conv1d.weight")).dtype == "F32"
@@ -58,13 +58,98 @@ def test_synth_small_vectors_use_released_dtypes():
         assert a_log.shape[0] > H and np.all(a_log[H:] == 0) and len(set(a_log[:H])) == H
 
 
+# Small vectors the release stores as F32 (model.md §3.4); every other float tensor is BF16.
+_F32_SUFFIXES = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight",
+                 "e_score_correction_bias")
+
+
+def _expected_tensors(doc: dict) -> dict:
+    """name -> (shape, dtype) of every language-model tensor a released-shape config.json
+    implies, written out from model.md §3.4 and §4.1. Independent of libk3.io.inventory,
+    which the synthetic writer and the checkpoint reader share."""
+    t = doc["text_config"]
+    lin = t["linear_attn_config"]
+    E, V = t["hidden_size"], t["vocab_size"]
+    H, D, K = lin["num_heads"], lin["head_dim"], lin["short_conv_kernel_size"]
+    P = H * D
+    Hm, nope, rope, vd = (t["num_attention_heads"], t["qk_nope_head_dim"],
+                          t["qk_rope_head_dim"], t["v_head_dim"])
+    rq, rkv = t["q_lora_rank"], t["kv_lora_rank"]
+    N, lat, inter = t["num_experts"], t["routed_expert_hidden_size"], t["moe_intermediate_size"]
+    S = t["num_shared_experts"] * inter
+    mla = {L - 1 for L in lin["full_attn_layers"]}          # 1-based in the file
+    p = "language_model.model."
+    shapes = {p + "embed_tokens.weight": (V, E), "language_model.lm_head.weight": (V, E),
+              p + "norm.weight": (E,), p + "output_attn_res_norm.weight": (E,),
+              p + "output_attn_res_proj.weight": (1, E)}
+    for L in range(t["num_hidden_layers"]):
+        layer = {"input_layernorm.weight": (E,), "post_attention_layernorm.weight": (E,),
+                 "self_attention_res_norm.weight": (E,), "mlp_res_norm.weight": (E,),
+                 "self_attention_res_proj.weight": (1, E), "mlp_res_proj.weight": (1, E)}
+        if L in mla:
+            attn = {"q_a_proj.weight": (rq, E), "q_a_layernorm.weight": (rq,),
+                    "q_b_proj.weight": (Hm * (nope + rope), rq),
+                    "kv_a_proj_with_mqa.weight": (rkv + rope, E),
+                    "kv_a_layernorm.weight": (rkv,),
+                    "kv_b_proj.weight": (Hm * (nope + vd), rkv),
+                    "g_proj.weight": (Hm * vd, E), "o_proj.weight": (E, Hm * vd)}
+        else:
+            attn = {f"{x}_proj.weight": (P, E) for x in "qkv"}
+            attn.update({f"{x}_conv1d.weight": (P, 1, K) for x in "qkv"})
+            attn.update({"f_a_proj.weight": (D, E), "f_b_proj.weight": (P, D),
+                         "A_log": (max(H, D),),         # per head, zero-padded as released
+                         "dt_bias": (P,), "b_proj.weight": (H, E), "g_proj.weight": (P, E),
+                         "o_norm.weight": (D,), "o_proj.weight": (E, P)})
+        layer.update({"self_attn." + k: v for k, v in attn.items()})
+        if L < t["first_k_dense_replace"]:
+            Id = t["intermediate_size"]
+            layer.update({"mlp.gate_proj.weight": (Id, E), "mlp.up_proj.weight": (Id, E),
+                          "mlp.down_proj.weight": (E, Id)})
+        else:
+            m = "block_sparse_moe."
+            layer.update({m + "gate.weight": (N, E), m + "gate.e_score_correction_bias": (N,),
+                          m + "routed_expert_down_proj.weight": (lat, E),
+                          m + "routed_expert_norm.weight": (lat,),
+                          m + "routed_expert_up_proj.weight": (E, lat),
+                          m + "shared_experts.gate_proj.weight": (S, E),
+                          m + "shared_experts.up_proj.weight": (S, E),
+                          m + "shared_experts.down_proj.weight": (E, S)})
+            for e in range(N):
+                for w, (rows, cols) in (("w1", (inter, lat)), ("w3", (inter, lat)),
+                                        ("w2", (lat, inter))):
+                    layer[f"{m}experts.{e}.{w}.weight_packed"] = (rows, cols // 2)
+                    layer[f"{m}experts.{e}.{w}.weight_scale"] = (rows, cols // 32)
+        shapes.update({f"{p}layers.{L}.{k}": v for k, v in layer.items()})
+    return {name: (shape, "U8" if ".experts." in name else
+                   "F32" if name.endswith(_F32_SUFFIXES) else "BF16")
+            for name, shape in shapes.items()}
+
+
 def test_synth_small_loads_back_with_every_tensor_checked(tmp_path_factory):
-    """Catches a preset whose tensors disagree with its own config."""
+    """Catches a preset whose tensors disagree with its own config: a missing, extra or
+    misnamed tensor, a wrong shape or dtype, against the inventory model.md §3.4 and §4.1
+    give for the config.json the preset wrote (not the inventory module both sides use)."""
     d = synth_checkpoint(tmp_path_factory.mktemp("s") / "small", "small", progress=False)
-    info = summary(d)
-    assert 1e8 < info["apparent_bytes"] < 1e9
+    assert 1e8 < summary(d)["apparent_bytes"] < 1e9                 # "hundreds of MB"
+    want = _expected_tensors(json.loads((d / "config.json").read_text()))
     with Checkpoint.open(d) as ckpt:
         assert ckpt.config.num_experts >= 64
+        assert set(ckpt.names()) == set(want), sorted(set(ckpt.names()) ^ set(want))[:5]
+        got = {n: (tuple(ckpt.entry(n).shape), ckpt.entry(n).dtype) for n in want}
+    wrong = {n: (got[n], want[n]) for n in want if got[n] != want[n]}
+    assert not wrong, list(wrong.items())[:5]
+
+
+def test_synth_expected_tensors_control():
+    """Control: the hand-written inventory is the one model.md §3.5 counts for the real
+    model (497,220 tensors less the 168 image tensors), so it cannot pass by being empty
+    or loose."""
+    from libk3.synth.checkpoint import nested_config
+    from libk3.synth.presets import REAL
+    want = _expected_tensors(nested_config(REAL, n_ranks=163_584))
+    assert len(want) == 497_220 - 168
+    expert = [s for n, (s, _) in want.items() if ".layers.1.block_sparse_moe.experts.0." in n]
+    assert sum(a * b for a, b in expert) == 17_547_264            # model.md §4.1
 
 
 def test_synth_real_sparse_has_the_real_inventory_without_disk(tmp_path_factory):

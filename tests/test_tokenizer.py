@@ -363,7 +363,7 @@ def test_config_rejects_duplicate_id_key(tiny_dir):
 
 
 def test_config_unnamed_slots_get_reserved_names(tiny_dir):
-    """Catches a vocabulary with holes: an unnamed slot must still decode (spec 8.1)."""
+    """Catches a vocabulary with holes: an unnamed slot must still decode (model.md §8.1)."""
     _edit_config(tiny_dir / CONFIG_FILE, lambda t: t.pop("457"))          # was [EOT]
     tok = K3Tokenizer.from_dir(tiny_dir, 512)
     assert tok.decode_bytes([457]) == b"<|reserved_token_457|>"
@@ -516,7 +516,7 @@ def test_tokenizer_config_fields(tmp_path):
 # ---- pathological-input cuts ------------------------------------------------------------
 
 def test_split_long_runs_cuts_only_runs_over_limit():
-    """Catches cutting inside normal text, or not bounding runs (spec 8.2 stack-safety)."""
+    """Catches cutting inside normal text, or not bounding runs (model.md §8.2 stack-safety)."""
     ok = "a" * MAX_RUN_CHARS + " " + "b" * MAX_RUN_CHARS
     assert split_long_runs(ok) == [ok]                                          # control
     long_run = "x " + "a" * (MAX_RUN_CHARS + 1)

@@ -12,7 +12,6 @@ import json
 import os
 import struct
 import subprocess
-import types
 import zlib
 
 import numpy as np
@@ -127,13 +126,28 @@ def test_trace_writer_refuses_out_of_range_records(tmp_path):
 
 
 def test_trace_header_for_config_names_the_checkpoint():
-    """Catches a k3-run header without the config fingerprint or the real expert size."""
-    cfg = types.SimpleNamespace(fingerprint=lambda: "f" * 64, expert_bytes=17547264,
-                                num_hidden_layers=93, num_experts=896,
-                                num_experts_per_token=16)
+    """Catches a k3-run header without the config's fingerprint, or whose expert size is
+    not the bytes of one expert's six tensors: on the tiny checkpoint the sum of their
+    entries, on the real dimensions model.md §4.1's 17,547,264; and dimensions that are
+    not config.json's."""
+    from pathlib import Path
+    from libk3.config import config_from_dict, load_config
+    from libk3.io.checkpoint import Checkpoint
+    from libk3.synth.presets import REAL
+    tiny = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
+    cfg = load_config(tiny)
+    t = json.loads((tiny / "config.json").read_text())["text_config"]
     h = tr.header_for_config(cfg, created_by="k3-run 0.1.0")
+    with Checkpoint.open(tiny) as ckpt:
+        one_expert = sum(ckpt.entry(n).nbytes for n in ckpt.names()
+                         if ".layers.1.block_sparse_moe.experts.0." in n)
     assert (h.checkpoint, h.expert_bytes, h.n_layers, h.n_experts, h.top_k, h.source) == (
-        "f" * 64, 17547264, 93, 896, 16, "k3-run")
+        cfg.fingerprint(), one_expert, t["num_hidden_layers"], t["num_experts"],
+        t["num_experts_per_token"], "k3-run")
+    real = tr.header_for_config(config_from_dict(dict(REAL)), created_by="k3-run 0.1.0")
+    assert real.checkpoint != h.checkpoint                     # a fingerprint, not a constant
+    assert (real.expert_bytes, real.n_layers, real.n_experts, real.top_k) == (
+        17_547_264, 93, 896, 16)
 
 
 # ---- damage -------------------------------------------------------------------------------

@@ -4,10 +4,10 @@ Owns: turning one user message into token ids (markup encoded WITH special-token
 recognition, the user's text WITHOUT it, so typed markup cannot inject structure) and
 the stop ids of an assistant turn. Does not own: the REPL or generation.
 
-XTML details are unverified (spec 8.4): a message is
+XTML details are unverified (model.md §8.4): a message is
 ``<|open|>{role}<|sep|>{text}<|close|>{role}<|sep|><|end_of_msg|>`` and the assistant's
 turn is opened with ``<|open|>assistant<|sep|>``. Generation stops at ``<|end_of_msg|>``
-or ``[EOS]`` (the sources disagree on the usual turn end, so both; spec 10).
+or ``[EOS]`` (the sources disagree on the usual turn end, so both; model.md §10).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ def peak_rss_bytes() -> int:
     """Peak resident set size of this process: VmHWM from /proc/self/status on Linux,
     getrusage elsewhere. Why not getrusage on Linux: its ru_maxrss survives exec, so a
     k3-run started by a large parent (a Python script holding a model, a batch driver)
-    reported the parent's peak: 3.03 GB for a 0.2 GB run under a 3 GB parent."""
+    would report the parent's peak (tests/test_run_cli.py runs one under a big parent)."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:
@@ -69,6 +69,8 @@ def run_report(result, weights_stats: dict, budget=None, extra: dict | None = No
         "ring_slots": trunk.get("ring_slots"),
         "trunk_crc_checks": trunk.get("crc_checks", 0),
         "trunk_crc_seconds": round(trunk.get("crc_seconds", 0.0), 6),
+        "trunk_bytes_decoded": trunk.get("bytes_decoded", 0),
+        "trunk_decode_seconds": round(trunk.get("decode_seconds", 0.0), 6),
         "expert_bytes_read": experts.get("bytes_read", 0),
         "expert_read_seconds": round(experts.get("read_seconds", 0.0), 6),
         "expert_requests": req,
@@ -95,8 +97,11 @@ def short_text(rep: dict) -> str:
     parts = [f"{n} tokens, {rep['seconds_per_token']:.3f} s/token ({times})"]
     if rep.get("cache_hit_rate") is not None:
         parts.append(f"cache hit {100 * rep['cache_hit_rate']:.1f}%")
-    parts.append(f"read trunk {rep['trunk_bytes_read'] / 1e6:.1f} MB, "
-                 f"experts {rep['expert_bytes_read'] / 1e6:.1f} MB")
+    parts.append(f"read trunk {rep['trunk_bytes_read'] / 1e6:.1f} MB"
+                 + (f" (decoded to {rep['trunk_bytes_decoded'] / 1e6:.1f} MB in "
+                    f"{rep['trunk_decode_seconds']:.2f} s)" if rep.get("trunk_bytes_decoded")
+                    else "")
+                 + f", experts {rep['expert_bytes_read'] / 1e6:.1f} MB")
     parts.append(f"peak RSS {rep['peak_rss_bytes'] / 1e9:.2f} GB")
     return "; ".join(parts)
 

@@ -1,6 +1,6 @@
 """Choosing the next token from logits: greedy or seeded temperature/top-p sampling.
 
-Owns: the decision rule only. Greedy is the first index of the maximum logit (spec 5.9).
+Owns: the decision rule only. Greedy is the first index of the maximum logit (model.md §5.9).
 Sampling is deterministic for a seed: float64 softmax of logits/temperature, candidates
 sorted by (probability descending, id ascending), the smallest prefix whose mass reaches
 top_p, one uniform draw from ``numpy.random.Generator(PCG64(seed))`` per step. Also owns

@@ -69,7 +69,8 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
             raise UsageError("a streamed run needs both a trunk and a cache budget "
                              "(--trunk-gb and --cache-gb, or --preset)")
         if pack is not None:
-            runs = runs_from_pack(pack, open_pack(pack, ckpt).manifest)
+            pk = open_pack(pack, ckpt)
+            runs = runs_from_pack(pack, pk.manifest, pk.blocks)
         else:
             runs = runs_from_checkpoint(ckpt)
         files = FileSet(use_direct=direct_io)

@@ -43,8 +43,8 @@ class DraftBudget:
 
     Why adaptive: a verify whose drafts are all rejected costs about two plain steps (the
     block forward, then a rollback and a re-feed) and reads every drafted token's experts;
-    with drafts that are always wrong, a fixed --spec 4 measured 0.43-0.46x plain greedy
-    (bench/perf.py spec). So: the full N while drafts are accepted; after a partial
+    with drafts that are always wrong, a fixed --spec 4 is more than twice as slow as plain
+    greedy (bench/README.md, "Speculative decoding"). So: the full N while drafts are accepted; after a partial
     acceptance of k, at most k + 1; after a verify that accepted nothing, no drafting for
     1, 2, 4, ... MAX_PAUSE steps (doubling while failures continue, reset by any
     acceptance)."""

@@ -1,9 +1,9 @@
 """The checkpoint index: every language-model tensor of a model directory, by name.
 
-Owns: finding the shards (spec K3-MODEL.md 3.1), one table name -> TensorEntry over all
-of them, validating it against the inventory a config implies (spec 3.4, 4.1), positioned
-reads of tensors and byte spans, the contiguous byte runs of routed experts (spec 4.1) and
-of a layer's trunk tensors (spec 3.3), and the checkpoint's identity for packs and traces.
+Owns: finding the shards (model.md §3.1), one table name -> TensorEntry over all
+of them, validating it against the inventory a config implies (model.md §3.4, §4.1), positioned
+reads of tensors and byte spans, the contiguous byte runs of routed experts (model.md §4.1) and
+of a layer's trunk tensors (model.md §3.3), and the checkpoint's identity for packs and traces.
 Does not own: the container format of one shard (``libk3.io.safetensors``), expected
 shapes (``libk3.io.inventory``), widening (``libk3.io.dtypes``), MXFP4 decoding, caching
 or streaming policy (``libk3.stream``).
@@ -16,11 +16,9 @@ Why one dict of NamedTuples: the real checkpoint has 497,220 tensors in 96 shard
 ~78 MB of JSON headers. Each entry shares its path string, dtype string, shape tuple and
 size int with its neighbours; what remains per tensor is its name, one tuple, one offset
 int and a dict slot (a columnar layout would save memory but not the parse, which
-dominates).
-Measured on a sparse real-scale synthetic checkpoint (2 shared cores): indexing 2.8 s
-(JSON parse ~0.6 s of it), validation plus the expert table 0.9 s, ~200 MB retained
-(62 MB of it the name strings). Vision-tower and projector tensors (names not starting
-with ``language_model.``) are checked as part of their shard's header but not indexed.
+dominates; bench/README.md, "Reading the checkpoint index", has the costs). Vision-tower
+and projector tensors (names not starting with ``language_model.``) are checked as part
+of their shard's header but not indexed.
 """
 
 from __future__ import annotations
@@ -50,7 +48,7 @@ _SHOW = 5                    # how many offending names an error message lists
 
 
 class ExpertRun(NamedTuple):
-    """One routed expert's six tensors as one contiguous byte run (spec 4.1).
+    """One routed expert's six tensors as one contiguous byte run (model.md §4.1).
     ``parts[(w, part)] = (suboffset inside the run, nbytes, shape)``."""
 
     path: str
@@ -85,7 +83,7 @@ class ExpertTable(NamedTuple):
 def _gc_paused():
     """Pause the cyclic garbage collector while the table is built. Parsing allocates
     millions of containers while keeping ~500,000 entries alive, so each collection
-    rescans a growing heap: measured 7.9 s -> 4.9 s for the real-scale index. The
+    rescans a growing heap (bench/README.md, "Reading the checkpoint index"). The
     entries hold no cycles; the previous state is restored on exit."""
     was_enabled = gc.isenabled()
     gc.disable()
@@ -280,7 +278,7 @@ class Checkpoint:
                 raise CheckpointError("A_log padding entries (index >= num_heads) are not zero",
                                       path=ent.path, tensor=ent.name, expected="0.0",
                                       found=f"A_log[{bad}] = {a_log[bad]!r}",
-                                      hint="A_log is per head (spec 3.4)")
+                                      hint="A_log is per head (model.md §3.4)")
         self._expert_table = self._runs_from_scan(scan)
 
     def _refuse_missing(self) -> None:
@@ -409,7 +407,7 @@ class Checkpoint:
         total = sum(x.nbytes for x in ents)
         if any(x.path != path for x in ents) or end - start != total:
             raise CheckpointError(f"layer {L} expert {e}: its six tensors are not one "
-                                  "contiguous run (spec 4.1)", path=path, tensor=ents[0].name,
+                                  "contiguous run (model.md §4.1)", path=path, tensor=ents[0].name,
                                   expected=f"max end - min start = {total}",
                                   found=_span_text(ents, start, end))
         parts = {wp: (x.offset - start, x.nbytes, x.shape)
@@ -455,7 +453,7 @@ class Checkpoint:
         return _ExpertScan(len(offs), first_missing, offs, sizes, sids)
 
     def _runs_from_scan(self, scan: "_ExpertScan") -> ExpertTable:
-        """Vectorised contiguity check (spec 4.1) and the [L, e] arrays of a complete scan."""
+        """Vectorised contiguity check (model.md §4.1) and the [L, e] arrays of a complete scan."""
         cfg = self.config
         n_layers, n_exp, n_parts = cfg.num_hidden_layers, cfg.num_experts, len(names.EXPERT_PARTS)
         moe = list(cfg.moe_layers)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-# safetensors dtype -> item size in bytes. Only these appear in K3 (spec 3.2); any other
+# safetensors dtype -> item size in bytes. Only these appear in K3 (model.md §3.2); any other
 # dtype is an error at header-parse time.
 ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1}
 # float dtype -> (little-endian unsigned view, exponent bits): all of them set is NaN or Inf.
@@ -18,7 +18,7 @@ EXPONENT_MASK = {"BF16": ("<u2", 0x7F80), "F16": ("<u2", 0x7C00), "F32": ("<u4",
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """Widen BF16 bit patterns (uint16) to float32 exactly: bits << 16 (spec 5.0)."""
+    """Widen BF16 bit patterns (uint16) to float32 exactly: bits << 16 (model.md §5.0)."""
     bits = np.asarray(bits, dtype=np.uint16)
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 

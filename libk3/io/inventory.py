@@ -1,8 +1,7 @@
 """What tensors a K3 checkpoint must hold, with their shapes and allowed dtypes.
 
-Owns: the expected inventory derived from a config (spec K3-MODEL.md sections 3.4 and
-4.1): every model-level, trunk and routed-expert tensor, its shape and the dtypes k3
-accepts. Does not own: reading headers (``libk3.io.safetensors``) or choosing dtypes
+Owns: the expected inventory derived from a config (model.md §3.4 and §4.1): every
+model-level, trunk and routed-expert tensor, its shape and the dtypes k3 accepts. Does not own: reading headers (``libk3.io.safetensors``) or choosing dtypes
 for synthetic files (``libk3.synth``).
 
 Every float tensor, matrix or vector, may be BF16, F16 or F32: the release stores
@@ -128,7 +127,7 @@ def layer_trunk(cfg: K3Config, L: int) -> list:
 
 
 def expert_shapes(cfg: K3Config) -> dict:
-    """(w, part) -> logical packed shape of one routed expert's tensors (spec 4.1)."""
+    """(w, part) -> logical packed shape of one routed expert's tensors (model.md §4.1)."""
     lat, inter, g = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, MXFP4_GROUP
     return {
         ("w1", "weight_packed"): (inter, lat // 2), ("w1", "weight_scale"): (inter, lat // g),

@@ -2,7 +2,7 @@
 
 Owns: the E2M1 table, decoding packed experts to float32 (for the float64 reference,
 tests and debugging) and encoding float weights (for synthetic checkpoints), following
-spec K3-MODEL.md section 4.2. Does not own: multiplying from packed bytes, which the
+model.md §4.2. Does not own: multiplying from packed bytes, which the
 numba kernels do without materialising a float copy (an f32 expert is 132 MB).
 
 Traps this module exists to get right once: the LOW nibble is the EVEN element; scale
@@ -31,7 +31,7 @@ def scale_multipliers(scales: np.ndarray) -> np.ndarray:
 def decode(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """packed [R, C/2] uint8, scales [R, C/32] uint8 -> float32 [R, C], exact.
 
-    A group with scale 255 decodes to +0.0 (the MX NaN scale; spec 4.2)."""
+    A group with scale 255 decodes to +0.0 (the MX NaN scale; model.md §4.2)."""
     packed = np.asarray(packed, dtype=np.uint8)
     R, half = packed.shape
     C = half * 2
@@ -51,7 +51,7 @@ def decode(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
 def encode(w: np.ndarray):
     """float [R, C] -> (packed [R, C/2] uint8, scales [R, C/32] uint8).
 
-    Spec 4.2 encoding rule: exponent = floor(log2(max|w| of the group)) - 2, stored + 127;
+    model.md §4.2 encoding rule: exponent = floor(log2(max|w| of the group)) - 2, stored + 127;
     nibble = nearest E2M1 magnitude of w / 2^exponent (ties to the lower code), sign bit
     for negatives. An all-zero group gets exponent 0 (stored 127)."""
     w = np.asarray(w, dtype=np.float64)

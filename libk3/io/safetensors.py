@@ -1,6 +1,6 @@
 """One safetensors shard: its strict header reader, positioned reads, and a small writer.
 
-Owns: the container format of spec K3-MODEL.md section 3.2 (8-byte little-endian header
+Owns: the container format of model.md §3.2 (8-byte little-endian header
 length N, N bytes of UTF-8 JSON, then the data region; ``data_offsets`` are relative to
 byte 8 + N), parsed into ``TensorEntry`` rows with ABSOLUTE file offsets; ``pread_into``,
 the one positioned-read loop every reader uses; ``write_shard`` for synthetic checkpoints
@@ -23,9 +23,9 @@ Invariants the reader enforces, each raising ``CheckpointError`` naming file and
 
 Why objects are parsed as pair lists: ``json.loads`` silently keeps the last of two equal
 keys, so a repeated tensor name would vanish (its bytes becoming an unnoticed hole). An
-``object_pairs_hook`` sees every key; a C-level list subclass as hook costs ~0.15 s over
-the real ~78 MB of headers, where a Python hook function building dicts costs ~0.8 s
-(measured: plain parse 0.45-0.6 s for 96 shards of 5,400 entries).
+``object_pairs_hook`` sees every key; a C-level list subclass as hook costs a fraction
+of a Python hook function building dicts (bench/README.md, "Reading the checkpoint
+index").
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from ..errors import CheckpointError, K3IOError
 from .atomic import fsync_dir
 from .dtypes import ITEMSIZE
 
-# The real shards' headers are ~800 KB each (spec 3.2: ~78 MB over 96 shards). 200 MB
+# The real shards' headers are ~800 KB each (model.md §3.2: ~78 MB over 96 shards). 200 MB
 # leaves room for any plausible re-sharding while refusing absurd length fields.
 MAX_HEADER_BYTES = 200 * 1024 * 1024
 # No real tensor comes near 2**62 elements; the cap stops a fuzzed shape from building a
@@ -54,7 +54,7 @@ _ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 _METADATA = "__metadata__"
 _CANONICAL_DTYPE = {d: d for d in ITEMSIZE}      # interned dtype strings, one per dtype
 # TensorEntry(...) runs a Python-level __new__; building the tuple directly is the same
-# object at a third of the cost (~0.1 s over the real 497,220 entries).
+# object at a third of the cost.
 _new_tuple = tuple.__new__
 _BY_OFFSET = operator.itemgetter(2)              # stable: ties keep header order
 

@@ -2,19 +2,19 @@
 
 Owns: strict reading of the three tokenizer files (``tiktoken.model``,
 ``tokenizer_config.json``, ``tokenization_kimi.py``; byte layout and numbered invariants in
-``formats/tokenizer.md``), the GPT-2 byte<->unicode map, rank-BPE (spec K3-MODEL.md 8.2),
-building the equivalent ``tokenizers.Tokenizer`` (spec 8.5), encoding, byte-exact decoding
+``formats/tokenizer.md``), the GPT-2 byte<->unicode map, rank-BPE (model.md §8.2),
+building the equivalent ``tokenizers.Tokenizer`` (model.md §8.5), encoding, byte-exact decoding
 and streaming detokenization. Does not own: chat formatting, stop-token policy (engine) or
 writing tokenizer files for synthetic checkpoints (``libk3.synth.bpe``).
 
 Why these choices:
 * Encoding runs in HF ``tokenizers`` (a runtime dependency, Rust speed); ``tiktoken`` is
-  only the test oracle. Spec 8.5 says how to make the two agree: merges are derived per
+  only the test oracle. model.md §8.5 says how to make the two agree: merges are derived per
   token by rank-BPE on its own bytes restricted to lower ranks, and ``ignore_merges`` lets a
   pre-token that is itself a token come out whole, as tiktoken does.
 * Injection safety: user text must never turn ``<|end_of_msg|>`` typed by a user into the
   special id. Two ``Tokenizer`` objects share ONE BPE model (sharing costs no memory or
-  time, measured): ``hf`` carries the special tokens as added tokens (spec 8.5 step 5),
+  time, measured): ``hf`` carries the special tokens as added tokens (model.md §8.5 step 5),
   the second has none, so ``encode(..., allow_special=False)`` cannot match them. (Toggling
   ``encode_special_tokens`` on one object would be hidden mutable state.)
 * The derived form (rank bytes, byte-level spellings, merges) is cached on disk, keyed
@@ -27,7 +27,7 @@ Why these choices:
 * ``pat_str`` is read from ``tokenization_kimi.py`` by parsing it with ``ast`` and
   evaluating only string literals, ``+`` and ``"sep".join([...])``; the file is never
   executed (it is code from the checkpoint directory).
-* The split regex needs character-class intersection (``&&``, spec 8.3). HF's Oniguruma
+* The split regex needs character-class intersection (``&&``, model.md §8.3). HF's Oniguruma
   and tiktoken's fancy-regex implement it; Python's ``re`` does not, and ``regex`` only in
   V1 mode, so no Python regex engine is used for splitting anywhere in k3.
 """
@@ -53,7 +53,7 @@ TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
 KIMI_FILE = "tokenization_kimi.py"
 
-# The K3 split regex as spec 8.3 lists it (eight alternatives, in this order). Used only
+# The K3 split regex as model.md §8.3 lists it (eight alternatives, in this order). Used only
 # when a model directory has no tokenization_kimi.py; the released literal is unverified.
 K3_PAT_STR = "|".join([
     r"[\p{Han}]+",
@@ -68,7 +68,7 @@ K3_PAT_STR = "|".join([
     r"\s+",
 ])
 
-# Stack-safety cuts of tokenization_kimi.py (spec 8.2, unverified, from copies of the
+# Stack-safety cuts of tokenization_kimi.py (model.md §8.2, unverified, from copies of the
 # file): text is encoded in chunks of at most this many characters ...
 MAX_ENCODE_CHARS = 400_000
 # ... and no piece holds a run of more than this many consecutive whitespace (or
@@ -76,12 +76,12 @@ MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 
 
-# ---- byte-level alphabet (spec 8.5 step 1) ------------------------------------------
+# ---- byte-level alphabet (model.md §8.5 step 1) --------------------------------------
 
 def gpt2_byte_order() -> list:
     """The 256 byte values in GPT-2 byte-level order: the 188 printable bytes (0x21..0x7E,
     0xA1..0xAC, 0xAE..0xFF) first, then the other 68 in byte order. K3's lowest ranks are
-    the single bytes in this order, so rank k = byte 0x21 + k for k < 94 (spec 8.5)."""
+    the single bytes in this order, so rank k = byte 0x21 + k for k < 94 (model.md §8.5)."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     rest = [b for b in range(256) if b not in set(printable)]
     return printable + rest
@@ -99,7 +99,7 @@ def byte_to_unicode() -> list:
     return table
 
 
-# ---- rank-BPE (spec 8.2 step 3) -----------------------------------------------------
+# ---- rank-BPE (model.md §8.2 step 3) -------------------------------------------------
 
 def bpe_parts(piece: bytes, ranks: dict, limit=None) -> list:
     """Split ``piece`` by rank-BPE: start from single bytes, repeatedly merge the leftmost
@@ -137,7 +137,7 @@ def read_tiktoken_model(path) -> list:
     except FileNotFoundError:
         raise CheckpointError("tokenizer file missing", path=path,
                               hint="a K3 model directory needs tiktoken.model "
-                                   "(spec 8.1)") from None
+                                   "(model.md §8.1)") from None
     by_rank = {}          # rank -> (bytes, line)
     line_of_bytes = {}    # bytes -> line
     for lineno, raw_line in enumerate(data.split(b"\n"), start=1):
@@ -204,7 +204,7 @@ def _pairs_hook(pairs):
 
 
 def reserved_name(token_id: int) -> str:
-    """Content of a special slot the config leaves unnamed (spec 8.1, unverified)."""
+    """Content of a special slot the config leaves unnamed (model.md §8.1, unverified)."""
     return f"<|reserved_token_{token_id}|>"
 
 
@@ -222,7 +222,7 @@ def read_added_tokens(path, n_ranks: int, vocab_size=None) -> dict:
     except FileNotFoundError:
         raise CheckpointError("tokenizer file missing", path=path,
                               hint="a K3 model directory needs tokenizer_config.json "
-                                   "(spec 8.1)") from None
+                                   "(model.md §8.1)") from None
     except UnicodeDecodeError as e:
         raise CheckpointError(f"not UTF-8 ({e.reason} at byte {e.start})", path=path) from None
     try:
@@ -234,7 +234,7 @@ def read_added_tokens(path, n_ranks: int, vocab_size=None) -> dict:
                               path=path) from None
     if not isinstance(doc, dict) or not isinstance(doc.get("added_tokens_decoder"), dict):
         raise CheckpointError("no 'added_tokens_decoder' object", path=path,
-                              hint="the special-token table is built from it (spec 8.4)")
+                              hint="the special-token table is built from it (model.md §8.4)")
     table = doc["added_tokens_decoder"]
     anchor = text.find('"added_tokens_decoder"')
 
@@ -343,7 +343,7 @@ def read_pat_str(path) -> str:
     _scan_scope(tree.body, {}, found, path)
     if not found:
         raise CheckpointError("no module- or class-level 'pat_str = ...' assignment", path=path,
-                              hint="the split regex is read from it (spec 8.1); delete the "
+                              hint="the split regex is read from it (model.md §8.1); delete the "
                                    "file to use k3's built-in K3 pattern")
     values = {text for _, text in found}
     if len(values) > 1:
@@ -353,7 +353,7 @@ def read_pat_str(path) -> str:
     return found[0][1]
 
 
-# ---- the equivalent tokenizers.Tokenizer (spec 8.5) ----------------------------------
+# ---- the equivalent tokenizers.Tokenizer (model.md §8.5) -----------------------------
 
 def derive_merges(ranks: list) -> tuple:
     """HF merges for ``ranks`` (list of bytes, index = rank), ordered by the merged token's
@@ -375,7 +375,7 @@ def derive_merges(ranks: list) -> tuple:
 
 
 def split_pre_tokenizer(pat_str: str, path=None):
-    """HF pre-tokenizer cutting text by the split regex (spec 8.3), keeping every
+    """HF pre-tokenizer cutting text by the split regex (model.md §8.3), keeping every
     character: matches and the unmatched spans between them each become a piece."""
     from tokenizers import Regex, pre_tokenizers
     try:
@@ -385,7 +385,7 @@ def split_pre_tokenizer(pat_str: str, path=None):
 
 
 def derive(ranks: list) -> DerivedTokenizer:
-    """The derived form of ``ranks`` (spec 8.5): each rank's byte-level spelling and the
+    """The derived form of ``ranks`` (model.md §8.5): each rank's byte-level spelling and the
     merges of ``derive_merges`` as rank pairs."""
     to_uni = byte_to_unicode()
     vocab = ["".join([to_uni[b] for b in token]) for token in ranks]
@@ -396,7 +396,7 @@ def derive(ranks: list) -> DerivedTokenizer:
 
 
 def build_hf_tokenizer(derived: DerivedTokenizer, specials: dict, pat_str: str, path=None):
-    """(tokenizer with specials, tokenizer without) per spec 8.5.
+    """(tokenizer with specials, tokenizer without) per model.md §8.5.
 
     ``specials`` maps id -> content and must fill ids n_ranks.. densely: HF gives added
     tokens the next free ids, so they are added in id order and then checked."""
@@ -428,7 +428,7 @@ def build_hf_tokenizer(derived: DerivedTokenizer, specials: dict, pat_str: str, 
     return built[0], built[1]
 
 
-# ---- pathological-input cuts (spec 8.2, unverified) ---------------------------------
+# ---- pathological-input cuts (model.md §8.2, unverified) -----------------------------
 
 def split_long_runs(text: str) -> list:
     """Cut ``text`` as tokenization_kimi.py reportedly does before encoding: chunks of at
@@ -457,12 +457,12 @@ def split_long_runs(text: str) -> list:
 # ---- the tokenizer ------------------------------------------------------------------
 
 class K3Tokenizer:
-    """Encode text to K3 ids and decode ids to exact bytes (spec 8).
+    """Encode text to K3 ids and decode ids to exact bytes (model.md §8).
 
     Attributes: ``n_ranks`` (BPE ranks, ids 0..n_ranks-1), ``vocab_size`` (ranks + special
     slots), ``special_ids`` {content: id}, ``pat_str`` and ``pat_source`` (where the split
     regex came from), ``pat_fallback`` (True when tokenization_kimi.py was absent and the
-    built-in K3_PAT_STR was used), ``hf`` (the spec-8.5 ``tokenizers.Tokenizer``, built
+    built-in K3_PAT_STR was used), ``hf`` (the model.md §8.5 ``tokenizers.Tokenizer``, built
     on first use), ``whole_only_ranks`` (multi-byte ranks with no two-part BPE
     derivation), ``longest_rank_bytes`` (bytes of the longest BPE rank: text of n bytes
     encodes, without specials, to at least n / longest_rank_bytes tokens), ``cache_status``
@@ -495,7 +495,7 @@ class K3Tokenizer:
         self._slots = slots
         self._derived = derived
         self._hf_pair = None
-        # id -> raw bytes; specials decode to their literal UTF-8 text (spec 8.2)
+        # id -> raw bytes; specials decode to their literal UTF-8 text (model.md §8.2)
         self._bytes = list(ranks) + [slots[i].encode("utf-8")
                                      for i in range(self.n_ranks, self.vocab_size)]
 
@@ -563,7 +563,7 @@ class K3Tokenizer:
 
     # ---- encoding ----
     def encode(self, text: str, allow_special: bool = False) -> list:
-        """Token ids of ``text``; no BOS is prepended (spec 8.4). With ``allow_special``
+        """Token ids of ``text``; no BOS is prepended (model.md §8.4). With ``allow_special``
         False, special-token strings in the text are encoded as ordinary text (use this for
         anything a user typed); True recognises them, leftmost-longest match first."""
         try:

@@ -39,7 +39,7 @@ class DerivedTokenizer:
     """What a run needs that the tokenizer files hold only implicitly.
 
     ``ranks``: raw bytes of each rank (index = rank). ``vocab``: each rank spelled in
-    the byte-level alphabet (spec 8.5 step 1). ``merges``: int32 [m, 2] rank pairs,
+    the byte-level alphabet (model.md §8.5 step 1). ``merges``: int32 [m, 2] rank pairs,
     ordered by the merged token's rank. ``whole_only``: multi-byte ranks with no merge."""
 
     ranks: list

@@ -1,8 +1,8 @@
 """libk3.kernels: the numba kernels of k3 (arrays and scalars in, preallocated outputs
 written; no I/O, no model state, no imports from ``libk3.model``).
 
-One module per concern, each citing the spec section it implements and the numerics of
-formats/numerics.md (spec K3-MODEL.md section 7):
+One module per concern, each citing the model.md section it implements and the numerics of
+formats/numerics.md (model.md §7):
 
 * ``bf16``        dense matvec / block matmul, BF16 bits (or f32) weights, f64 sums.
 * ``mxfp4``       matvec / block matmul straight from packed MXFP4 experts.

@@ -3,9 +3,9 @@
 Owns: ``dot16`` (one row), ``dot16_x4`` (four rows sharing the activation loads) and
 ``dot16_x4_t2`` (four rows times two tokens sharing the weight loads: prefill), the
 summation order of formats/numerics.md section 2. It follows the order the public C engine
-documents (spec PRIOR-ART.md section 10; "remainder added sequentially" read as: after the
-reduction), so k3's BF16/F32 matvecs should match it bit for bit (not checked: no C
-engine output is available here):
+documents (model.md §7.2; "remainder added sequentially" read as: after the reduction),
+so k3's BF16/F32 matvecs should match it bit for bit (not checked: no C engine output is
+available here):
 
 * 16 f64 partial sums a_0..a_15 start at +0.0; element i < 16*floor(n/16) is added to
   a_(i mod 16), in increasing i (so each a_l is a sequential sum);
@@ -18,12 +18,9 @@ row's result never depends on the thread count or on which rows share a ``dot16_
 
 Every product is exact in f64 (BF16 x f32: 8 + 24 significant bits; f32 x f32: 48), so the
 only roundings are the additions listed above. ``dot16_x4`` performs, for each of its
-rows, exactly the operations ``dot16`` performs: it exists because four interleaved rows
-keep eight independent vector chains in flight (25 GB/s instead of 16 GB/s on the BF16
-12288 x 7168 matvec, 2 threads). ``dot16_x4_t2`` lets the compiler load and widen each
-weight chunk once for two tokens: a 64-token BF16 4096 x 2048 block went from 0.428 to
-0.282 ms per token side by side (same bytes), prefill of 64 tokens on medium from 3.98 to
-3.48-3.60 s.
+rows, exactly the operations ``dot16`` performs; it exists to keep eight independent
+vector chains in flight, and ``dot16_x4_t2`` to load and widen each weight chunk once for
+two tokens (both measured in bench/README.md, "Kernels at the real dimensions").
 """
 
 from __future__ import annotations

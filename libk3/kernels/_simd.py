@@ -7,11 +7,10 @@ Owns: the one numba-side BF16 widening (bits << 16, the same rule as
 Does not own: any model math, any summation order (``_dot.py`` fixes that).
 
 WHY a vector type at all. Numba disables LLVM's SLP vectoriser and never lets the loop
-vectoriser reassociate a floating-point reduction (no fastmath, on purpose: spec K3-MODEL.md
-section 7). A dot product written with 16 scalar f64 partial sums therefore compiles to
-scalar code: 50 ms for the 12288 x 7168 BF16 matvec on one core, against 12 ms with the
-same 16 partial sums held in two 8-lane vectors (measured on the 2-core dev machine, see
-``bench/kernels.py``). The vector form changes nothing numerically: lane l of the vector
+vectoriser reassociate a floating-point reduction (no fastmath, on purpose:
+model.md §7). A dot product written with 16 scalar f64 partial sums therefore compiles to
+scalar code, about four times slower than the same 16 partial sums held in two 8-lane
+vectors (bench/README.md, "Kernels at the real dimensions"). The vector form changes nothing numerically: lane l of the vector
 holds exactly the partial sum a scalar loop would keep in accumulator l, each lane is
 updated in the same order, and every product of a BF16 or f32 weight with an f32
 activation is exact in f64, so the fused multiply-add rounds exactly where a separate
@@ -76,7 +75,7 @@ def _load8(context, builder, aryty, ary, index_type, index):
 
 @intrinsic
 def widen_f32(typingctx, w):
-    """Scalar weight -> float32: uint16 BF16 bits are widened by bits << 16 (spec 5.0),
+    """Scalar weight -> float32: uint16 BF16 bits are widened by bits << 16 (model.md §5.0),
     a float32 is returned unchanged. The numba twin of ``io.dtypes.bf16_to_f32``."""
     if w not in (types.uint16, types.float32):
         return None

@@ -1,4 +1,4 @@
-"""Elementwise activations in float32 with libm semantics (spec K3-MODEL.md 5.0, 7.3).
+"""Elementwise activations in float32 with libm semantics (model.md §5.0, §7.3).
 
 Owns: ``sigmoid``/``silu`` as scalar device functions and as array kernels, ``situ``
 (the SiTU-GLU product), ``gate_mul`` (o * sigmoid(gate), the KDA and MLA output gates).
@@ -71,7 +71,7 @@ def silu(x, out):
 def situ(gate, up, beta1, beta2, out):
     """out[i] = situ1(gate[i], up[i], f32(beta1), f32(beta2)).
 
-    gate, up, out: [n] float32 (out may alias either). beta1, beta2: floats. Spec 5.0,
+    gate, up, out: [n] float32 (out may alias either). beta1, beta2: floats. model.md §5.0,
     5.7, 5.8 (dense MLP, routed experts, shared expert)."""
     n = gate.shape[0]
     if up.shape[0] != n or out.shape[0] != n:
@@ -84,7 +84,7 @@ def situ(gate, up, beta1, beta2, out):
 
 @njit(cache=True, parallel=True)
 def gate_mul(o, gate, out):
-    """out[i] = o[i] * sigmoid1(gate[i]): the output gate of KDA (spec 5.5 step 9) and MLA
+    """out[i] = o[i] * sigmoid1(gate[i]): the output gate of KDA (model.md §5.5 step 9) and MLA
     (5.6 step 6). o, gate, out: [n] float32. Must not become: a norm after the gate."""
     n = o.shape[0]
     if gate.shape[0] != n or out.shape[0] != n:
@@ -96,7 +96,7 @@ def gate_mul(o, gate, out):
 @njit(cache=True, inline="always")
 def softmax_f32(p, n):
     """In place over p[0:n] (float32): e_s = f32 expf(p_s - max), z = f64 sum of e_s in
-    increasing s, p_s = f32(e_s / z) (spec 7.2, AttnRes and MLA alike). Must not become:
+    increasing s, p_s = f32(e_s / z) (model.md §7.2, AttnRes and MLA alike). Must not become:
     a float32 sum, a vectorised exp, or a sum order that depends on threads."""
     m = p[0]
     for s in range(1, n):

@@ -1,8 +1,8 @@
-"""The AttnRes aggregator: a softmax-weighted mix of residual sources (spec 5.2, 7.2).
+"""The AttnRes aggregator: a softmax-weighted mix of residual sources (model.md §5.2, §7.2).
 
 Owns: ``attnres``, one aggregation over the sources (completed block snapshots oldest
 first, then the running partial sum) for T independent tokens. Does not own: the
-bookkeeping of which sources exist (spec 5.3, ``libk3.model``), folding the gain and
+bookkeeping of which sources exist (model.md §5.3, ``libk3.model``), folding the gain and
 projection into f (done once at load, in f32, by the caller).
 
 Numerics (formats/numerics.md section 6), per token:

@@ -1,13 +1,13 @@
 """Dense matrix-vector and matrix-block products with BF16 (or float32) weights.
 
 Owns: ``matvec`` (one token, decode) and ``matmul`` (a block of T tokens, prefill) for
-every dense trunk matrix (spec K3-MODEL.md sections 5.5-5.8, 7.1, 7.2). Does not own: the
+every dense trunk matrix (model.md §5.5-§5.8, §7.1, §7.2). Does not own: the
 summation order (``_dot.dot16``, formats/numerics.md section 2), MXFP4 experts
 (``mxfp4.py``), any choice of which weights to multiply.
 
 Weights stay BF16 in memory as raw uint16 bit patterns and are widened (bits << 16)
 eight at a time inside the dot product; no float32 copy of W exists at any point
-(spec 7.1: the always-active set would double). The same compiled code accepts float32
+(model.md §7.1: the always-active set would double). The same compiled code accepts float32
 weights (small matrices, conformance vectors, test oracles): the dtype of W selects the
 widening at compile time.
 
@@ -29,7 +29,7 @@ def matvec(W, x, y):
     """y[o] = f32( sum_i widen(W[o, i]) * x[i] ), f64 sums in the dot16 order.
 
     W: [O, I] uint16 BF16 bits or float32, C-contiguous. x: [I] float32, C-contiguous.
-    y: [O] float32, written. Spec 7.2 row 1. Must not become: an f32 accumulation, a
+    y: [O] float32, written. model.md §7.2 row 1. Must not become: an f32 accumulation, a
     float32 copy of W, a split of one row's sum across threads, or numpy's BLAS (whose
     summation order depends on the library and the thread count)."""
     O, I = W.shape

@@ -4,8 +4,8 @@ Owns: ``first_special``, the scan k3-pack and ``k3-pack verify`` run over every 
 tensor's bytes. Does not own: which mask a dtype has (``libk3.io.dtypes.EXPONENT_MASK``)
 or how bytes reach it (``libk3.nonfinite``).
 
-Why a kernel: numpy's ``((bits & mask) == mask).any()`` makes two temporaries and ran at
-~0.3 GB/s, far below the pack's copy rate; this loop ORs flags over 4096-element blocks
+Why a kernel: numpy's ``((bits & mask) == mask).any()`` makes two temporaries and runs
+far below the pack's copy rate; this loop ORs flags over 4096-element blocks
 (vectorised by LLVM) and rescans only a block that has one (bench/README.md "Pack
 integrity").
 """

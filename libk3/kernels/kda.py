@@ -1,4 +1,4 @@
-"""The KDA-specific kernels: short convolution, decay, delta-rule recurrence (spec 5.5).
+"""The KDA-specific kernels: short convolution, decay, delta-rule recurrence (model.md §5.5).
 
 Owns: ``short_conv`` (causal depthwise conv + fused SiLU with a decode history),
 ``kda_decay`` (g and alpha from the low-rank decay input), ``kda_recurrence`` (the
@@ -7,9 +7,9 @@ per-head state update and read-out over T tokens). Does not own: projections
 (``activations.py``), the head-wise o_norm and the output gate; nor the composition
 (``libk3.model``).
 
-Everything here is float32 in a fixed loop order (spec 7.2 last row). Prefill and decode
+Everything here is float32 in a fixed loop order (model.md §7.2 last row). Prefill and decode
 run the same recurrent loop, so feeding tokens one at a time reproduces a T-token call
-bit for bit (spec 5.5, last paragraph; the official chunked WY form would not).
+bit for bit (model.md §5.5, last paragraph; the official chunked WY form would not).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def short_conv(u, w, hist, out):
     out: [T, C] float32, written.
 
     out[t, c] = SiLU(acc) with acc = w[c, K-1] * u[t, c], then acc += w[c, j] * u_(t-K+1+j)
-    for j = 0..K-2 in that order, all f32 (spec 7.2: "w3 * cur first, then + w0 h0 +
+    for j = 0..K-2 in that order, all f32 (model.md §7.2: "w3 * cur first, then + w0 h0 +
     w1 h1 + w2 h2"). Must not become: reversed taps, SiLU on the inputs, a history of
     outputs instead of inputs, or a history that is written but not read."""
     T, C = u.shape
@@ -67,7 +67,7 @@ def kda_decay(z, A_log, dt_bias, lower_bound, g_out, alpha_out):
 
     z: [T, H*D] float32 (f_b(f_a(x)), before dt_bias). A_log: [H] float32, indexed PER
     HEAD (h = channel // D). dt_bias: [H*D] float32. lower_bound: float (-5).
-    g_out, alpha_out: [T, H*D] float32, written. All f32 with libm exp (spec 5.5 step 5).
+    g_out, alpha_out: [T, H*D] float32, written. All f32 with libm exp (model.md §5.5 step 5).
     sigmoid underflowing to 0 gives g = -0 and alpha = 1 exactly: legal.
     Must not become: A_log per channel, a missing dt_bias, the softplus form."""
     T, P = z.shape
@@ -88,7 +88,7 @@ def kda_decay(z, A_log, dt_bias, lower_bound, g_out, alpha_out):
 
 @njit(cache=True, parallel=True)
 def kda_recurrence(q, k, v, alpha, beta, q_scale, S, out):
-    """Delta-rule recurrence over T tokens, per head, in the spec order (5.5 step 7).
+    """Delta-rule recurrence over T tokens, per head, in the order of model.md §5.5 step 7.
 
     q, k: [T, H, Dk] float32 (q NOT pre-scaled; k used as given). v: [T, H, Dv] float32.
     alpha: [T, H, Dk] float32 (per key channel). beta: [T, H] float32 (per head).

@@ -1,4 +1,4 @@
-"""Gated-MLA attention in the absorbed (latent) form over a latent cache (spec 5.6).
+"""Gated-MLA attention in the absorbed (latent) form over a latent cache (model.md §5.6).
 
 Owns: ``mla_attention``: for each new query position, the per-head scores against the
 cached normalised latents and raw k_rope, the causal softmax, the latent mix and the
@@ -8,7 +8,7 @@ composed in ``libk3.model``), the cache itself (the caller appends a position's 
 and k_rope BEFORE calling for that position).
 
 WHY the absorbed form: the cache holds 576 floats per position (latent 512 + k_rope 64)
-instead of 96 x 256 expanded k_nope | v: 43x less memory (spec 6). W_UK folds into the
+instead of 96 x 256 expanded k_nope | v: 43x less memory (model.md §6). W_UK folds into the
 query (q_bar_h = W_UK_h^T q_nope_h); W_UV is applied after the mix.
 
 Numerics (formats/numerics.md section 7), per new position t (absolute position p_t)
@@ -22,9 +22,8 @@ and head h, with W_UK_h = rows h*(nope+v) .. +nope of kv_b_proj and W_UV_h the n
   out[j]   = f32( dot16(W_UV_h[j], a_bar) )
 A position's result depends only on its query and cache rows 0..p_t, so prefill of T
 positions and T single-position decode calls give identical bits. Heads run in
-parallel in groups of four that share each cache-row load (``dot16_x4``; with the
-queries widened to f64 once: 46 -> 35 ms CPU for 96 heads x 4096 positions on one dev
-core); positions and sums never split across threads. Each score keeps dot16's order
+parallel in groups of four that share each cache-row load (``dot16_x4``, with the
+queries widened to f64 once; bench/README.md, "Kernels at the real dimensions"); positions and sums never split across threads. Each score keeps dot16's order
 whichever operand is passed as w: the products are exact and commute.
 """
 

@@ -1,4 +1,4 @@
-"""Building blocks of the Stable LatentMoE body (spec K3-MODEL.md 5.7, 5.8).
+"""Building blocks of the Stable LatentMoE body (model.md §5.7, §5.8).
 
 Owns: ``situ_mlp`` (W_down . SiTU(W_gate x, W_up x) with dense BF16 or f32 weights: the
 dense layer-0 MLP, the fused shared expert, f32 test experts), ``expert_mxfp4`` (the same
@@ -14,7 +14,7 @@ prefill and decode carries over from ``bf16.matmul`` / ``mxfp4.matmul``.
 Why ``combine_routed`` takes all k expert outputs at once: a prefill that runs each
 expert over the tokens routed to it finishes experts in expert order, not in each token's
 selection order. Keeping e_j per (token, pick) and summing afterwards keeps the f32
-accumulation order of spec 7.2 (selection order) whatever order experts were computed in.
+accumulation order of model.md §7.2 (selection order) whatever order experts were computed in.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def expert_mxfp4(w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
 def combine_routed(expert_out, weights, out):
     """out[t, i] = sum_j weights[t, j] * expert_out[t, j, i], f32, from +0, j = 0..k-1
     (selection order). expert_out: [T, k, L] float32; weights: [T, k] float32 (router
-    output); out: [T, L] float32, written. Spec 5.8 step 5.
+    output); out: [T, L] float32, written. model.md §5.8 step 5.
     Must not become: an accumulation in expert-id or completion order, or f64."""
     T, k, L = expert_out.shape
     if weights.shape[0] != T or weights.shape[1] != k or out.shape[0] != T or out.shape[1] != L:

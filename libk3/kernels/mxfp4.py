@@ -1,4 +1,4 @@
-"""Matrix-vector products straight from packed MXFP4 expert weights (spec K3-MODEL.md 4.2).
+"""Matrix-vector products straight from packed MXFP4 expert weights (model.md §4.2).
 
 Owns: ``matvec`` (one token) and ``matmul`` (T tokens, bit-identical per token) over
 ``weight_packed`` [R, C/2] uint8 and ``weight_scale`` [R, C/32] uint8, without ever
@@ -18,17 +18,16 @@ at +0.0 and element j of the group goes to s_(j mod 8) in increasing j; the grou
 (exact) and added to the row sum in increasing group order; one rounding to f32. Rows
 are processed two at a time sharing the x loads; each row's arithmetic is unchanged. E2M1
 values times f32 activations are exact in f64, so only these additions round. This is
-the order the public C engine documents (spec PRIOR-ART.md section 10).
+the order the public C engine documents (model.md §7.2).
 
-WHY a vector decode through the SSSE3 byte shuffle. The scalar form (a byte -> (low,
-high) table, eight f64 lanes as scalars) is bound by loads: 1.62 ms for 3072 x 3584 on
-2 threads (13.6 GFLOP/s). Decoding a whole group at once (16 bytes -> nibbles -> one
-16-entry int8 table lookup per nibble half -> f64 lanes, four fused multiply-adds into
-the eight lanes of section 3) measured 1.17 ms (18.8 GFLOP/s) side by side in
-bench/kernels.py, bit for bit the same sums. The table holds 2 * E2M1 (all integers),
-and the group sum is scaled by 2^(s - 128): doubling is exact in f64 for any f32
-activation, so every rounding lands on the same real number as the scalar path's. The
-scalar ``_row_dot2`` stays as the path for CPUs without SSSE3 and as the test oracle of
+WHY a vector decode through the SSSE3 byte shuffle: the scalar table decode (a byte ->
+(low, high) pair, eight f64 lanes as scalars) is bound by loads, and decoding a whole
+group at once (16 bytes -> nibbles -> one 16-entry int8 table lookup per nibble half ->
+f64 lanes, four fused multiply-adds into the eight lanes of section 3) is about twice as
+fast with the same sums (bench/README.md, "Kernels at the real dimensions"). The table
+holds 2 * E2M1 (all integers) and the group sum is scaled by 2^(s - 128): doubling is
+exact in f64 for any f32 activation, so every rounding lands on the same real number as
+the scalar path's. The scalar ``_row_dot2`` stays as the path for CPUs without SSSE3 and as the test oracle of
 the vector one.
 """
 
@@ -224,7 +223,7 @@ _row_pair = _row_dot2_vec if HAVE_PSHUFB else _row_dot2
 
 @njit(cache=True, inline="always")
 def _check(packed, scales, C):
-    # the unrolled loops of _row_dot2 assume MXFP4_GROUP == 32 (spec 4.2)
+    # the unrolled loops of _row_dot2 assume MXFP4_GROUP == 32 (model.md §4.2)
     R = packed.shape[0]
     if C % MXFP4_GROUP != 0 or packed.shape[1] * 2 != C or scales.shape[0] != R \
             or scales.shape[1] * MXFP4_GROUP != C:
@@ -236,7 +235,7 @@ def matvec(packed, scales, x, y):
     """y[r] = f32( sum_g 2^(scales[r,g]-127) * sum_{j in g} E2M1(nibble(r, j)) * x[j] ).
 
     packed: [R, C/2] uint8 (low nibble = even j). scales: [R, C/32] uint8 (E8M0; 255 =
-    group contributes nothing). x: [C] float32. y: [R] float32, written. Spec 4.2, 7.2.
+    group contributes nothing). x: [C] float32. y: [R] float32, written. model.md §4.2, §7.2.
     Must not become: a nibble swap (same statistics, wrong positions), a decode of the
     whole expert to float, an f32 group sum, or a 0 * NaN from a 255 group."""
     R = packed.shape[0]

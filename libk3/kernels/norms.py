@@ -1,4 +1,4 @@
-"""Row-wise RMSNorm and L2Norm (spec K3-MODEL.md 5.0, numerics 7.2).
+"""Row-wise RMSNorm and L2Norm (model.md §5.0, §7.2).
 
 Owns: ``rmsnorm`` (with gain: layer norms, final norm, KDA ``o_norm``, MLA latent norms,
 ``routed_expert_norm``), ``rmsnorm_nogain`` (AttnRes-style keys), ``l2norm`` (KDA q, k).
@@ -33,7 +33,7 @@ def _sumsq(x):
 def rmsnorm(x, w, eps, out):
     """out[r, i] = (w[i] * x[r, i]) * f32(1 / sqrt(mean_i x[r, i]^2 + eps)).
 
-    x, out: [rows, n] float32 (out may be x). w: [n] float32. eps: float. Spec 5.0.
+    x, out: [rows, n] float32 (out may be x). w: [n] float32. eps: float. model.md §5.0.
     Must not become: eps outside the root, sum instead of mean, an f32 sum of squares,
     or w * (x * inv) (a different rounding from the contract's (w * x) * inv)."""
     rows, n = x.shape
@@ -48,7 +48,7 @@ def rmsnorm(x, w, eps, out):
 @njit(cache=True, parallel=True)
 def rmsnorm_nogain(x, eps, out):
     """out[r, i] = x[r, i] * f32(1 / sqrt(mean_i x[r, i]^2 + eps)): RMSNorm without a gain
-    (the AttnRes key of spec 5.2 step 1). Shapes as ``rmsnorm``."""
+    (the AttnRes key of model.md §5.2 step 1). Shapes as ``rmsnorm``."""
     rows, n = x.shape
     if out.shape[0] != rows or out.shape[1] != n:
         raise ValueError("rmsnorm_nogain: x, out are [rows, n]")
@@ -62,7 +62,7 @@ def rmsnorm_nogain(x, eps, out):
 def l2norm(x, eps, out):
     """out[r, i] = x[r, i] * f32(1 / sqrt(sum_i x[r, i]^2 + eps)); eps = L2NORM_EPS (1e-6).
 
-    x, out: [rows, n] float32 (out may be x). Spec 5.0 (KDA q and k per head).
+    x, out: [rows, n] float32 (out may be x). model.md §5.0 (KDA q and k per head).
     Must not become: mean instead of sum (that is RMSNorm), eps outside the root."""
     rows, n = x.shape
     if out.shape[0] != rows or out.shape[1] != n:

@@ -1,11 +1,11 @@
-"""The sigmoid top-k router of the LatentMoE (spec K3-MODEL.md 5.8 steps 1-3).
+"""The sigmoid top-k router of the LatentMoE (model.md §5.8 steps 1-3).
 
 Owns: turning router logits into (expert ids, weights) per token. Does not own: the
 logits themselves (``bf16.matvec`` of the full-width x with ``gate.weight``), the experts.
 
 Traps: the correction bias steers SELECTION only; the weights come from the UNBIASED
 sigmoid scores. Ties go to the lowest index (repeated arg-max with strict >), and ids are
-listed in descending biased score. Renormalisation sums in f64 (spec 7.2).
+listed in descending biased score. Renormalisation sums in f64 (model.md §7.2).
 
 Selection without marking picks: pick j is the arg-max of biased scores among experts
 that come strictly after pick j-1 in the order (score descending, index ascending), i.e.

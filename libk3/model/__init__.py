@@ -1,1 +1,1 @@
-"""The K3 forward pass (spec K3-MODEL.md section 5): engine model and float64 reference."""
+"""The K3 forward pass (model.md §5): engine model and float64 reference."""

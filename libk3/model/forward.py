@@ -1,4 +1,4 @@
-"""The engine's K3 forward pass: spec K3-MODEL.md section 5 composed from numba kernels.
+"""The engine's K3 forward pass: model.md §5 composed from numba kernels.
 
 Owns: the order of operations of one forward pass over new tokens against a weight
 provider: T tokens of one sequence (prefill T > 1, decode T = 1), or several sequences in
@@ -159,7 +159,7 @@ class Forward:
             return fn(segs[0], X)
         return np.concatenate([fn(s, X[s.r0:s.r1]) for s in segs])
 
-    # ---- one decoder layer (spec 5.3) ------------------------------------------------
+    # ---- one decoder layer (model.md §5.3) -------------------------------------------
     def _layer(self, L, lw, prefix, blocks, segs):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
@@ -188,7 +188,7 @@ class Forward:
             m = self._moe(L, lw, h, segs)
         return prefix + m
 
-    # ---- KDA (spec 5.5) --------------------------------------------------------------
+    # ---- KDA (model.md §5.5) ---------------------------------------------------------
     def _kda(self, L, lw, x, segs):
         cfg = self.cfg
         T = x.shape[0]
@@ -218,7 +218,7 @@ class Forward:
         gate = K.sigmoid(K.bf16_matmul(lw["self_attn.g_proj.weight"], x))
         return K.bf16_matmul(lw["self_attn.o_proj.weight"], o.reshape(T, H * D) * gate)
 
-    # ---- gated MLA, latent form (spec 5.6) -----------------------------------------
+    # ---- gated MLA, latent form (model.md §5.6) --------------------------------------
     def _mla(self, L, lw, x, segs):
         cfg = self.cfg
         T = x.shape[0]
@@ -243,7 +243,7 @@ class Forward:
         gate = K.sigmoid(K.bf16_matmul(lw["self_attn.g_proj.weight"], x))
         return K.bf16_matmul(lw["self_attn.o_proj.weight"], out * gate)
 
-    # ---- MLPs (spec 5.7, 5.8) -------------------------------------------------------
+    # ---- MLPs (model.md §5.7, §5.8) --------------------------------------------------
     def _situ(self, g, u):
         return K.situ(g, u, self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
 

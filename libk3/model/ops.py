@@ -59,7 +59,7 @@ def situ(G, U, beta1, beta2):
 
 
 def fold_attn_res(norm_w, proj_w):
-    """f = n * p in f32 (spec 5.2, 7.1)."""
+    """f = n * p in f32 (model.md §5.2, §7.1)."""
     return _c(norm_w).reshape(-1) * _c(proj_w).reshape(-1)
 
 

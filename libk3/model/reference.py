@@ -1,6 +1,6 @@
-"""A plain numpy float64 forward of K3, written to be read against the spec, line by line.
+"""A plain numpy float64 forward of K3, to be read against formats/model.md line by line.
 
-Owns: the oracle for the numba kernels and the engine model (spec K3-MODEL.md section 5,
+Owns: the oracle for the numba kernels and the engine model (model.md §5,
 in computation order). It never calls ``libk3.kernels``: it dequantises experts to float,
 multiplies with numpy in float64 and loops over time. It is slow and needs every weight
 in memory; it is meant for test models only.
@@ -28,7 +28,7 @@ def silu(x):
 
 
 def situ(g, u, beta1, beta2):
-    """SiTU-GLU (spec 5.0): [b1 tanh(g/b1) sigma(g)] * [b2 tanh(u/b2)]; sigma on UNCAPPED g."""
+    """SiTU (model.md §5.0): [b1 tanh(g/b1) sigma(g)] * [b2 tanh(u/b2)]; sigma on UNCAPPED g."""
     return (beta1 * np.tanh(g / beta1) * sigmoid(g)) * (beta2 * np.tanh(u / beta2))
 
 
@@ -38,12 +38,12 @@ def rmsnorm(x, w, eps):
 
 
 def l2norm(x):
-    """Over the last axis; sum, not mean; eps 1e-6 (spec 5.0)."""
+    """Over the last axis; sum, not mean; eps 1e-6 (model.md §5.0)."""
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
 def attn_res(sources, norm_w, proj_w, eps):
-    """AttnRes aggregator (spec 5.2). sources: list of [T, E]; returns [T, E].
+    """AttnRes aggregator (model.md §5.2). sources: list of [T, E]; returns [T, E].
     Keys are RMS-normalised WITHOUT gain; the output mixes the RAW sources."""
     f = norm_w * proj_w.reshape(-1)
     V = np.stack(sources, axis=1)                                   # (T, S, E)
@@ -68,7 +68,7 @@ def short_conv(u, w):
 
 
 def kda_attention(cfg: K3Config, x, W):
-    """KDA layer (spec 5.5). x: (T, E) normalised input; W(suffix) -> float64 weight.
+    """KDA layer (model.md §5.5). x: (T, E) normalised input; W(suffix) -> float64 weight.
     Returns (y (T, E), final state S (H, D, D))."""
     T = x.shape[0]
     H, D = cfg.num_heads, cfg.head_dim
@@ -97,7 +97,7 @@ def kda_attention(cfg: K3Config, x, W):
 
 
 def mla_attention(cfg: K3Config, x, W, eps_latent=MLA_LATENT_NORM_EPS):
-    """Gated MLA, NoPE (spec 5.6), expanded form. x: (T, E). Returns (y, latent, k_rope)."""
+    """Gated MLA, NoPE (model.md §5.6), expanded form. x: (T, E). Returns (y, latent, k_rope)."""
     T = x.shape[0]
     H, nope, rope, vd = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
                          cfg.qk_rope_head_dim, cfg.v_head_dim)
@@ -122,7 +122,7 @@ def mla_attention(cfg: K3Config, x, W, eps_latent=MLA_LATENT_NORM_EPS):
 
 
 def route(cfg: K3Config, x, gate_w, bias):
-    """Sigmoid router (spec 5.8 steps 1-3) for one token x (E,). Returns (ids, weights)
+    """Sigmoid router (model.md §5.8 steps 1-3) for one token x (E,). Returns (ids, weights)
     with ids in descending biased score, ties to the lowest index."""
     s = sigmoid(gate_w @ x)
     biased = s + bias
@@ -135,7 +135,7 @@ def route(cfg: K3Config, x, gate_w, bias):
 
 
 def latent_moe(cfg: K3Config, x, W, expert):
-    """Stable LatentMoE (spec 5.8). x: (T, E); expert(e, w) -> [out, in] float64.
+    """Stable LatentMoE (model.md §5.8). x: (T, E); expert(e, w) -> [out, in] float64.
     Returns (y (T, E), ids (T, k))."""
     b1, b2 = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
     gate_w = W("block_sparse_moe.gate.weight")
@@ -163,14 +163,14 @@ def latent_moe(cfg: K3Config, x, W, expert):
 
 
 def dense_mlp(cfg: K3Config, x, W):
-    """Dense MLP of layer 0 (spec 5.7)."""
+    """Dense MLP of layer 0 (model.md §5.7)."""
     h = situ(x @ W("mlp.gate_proj.weight").T, x @ W("mlp.up_proj.weight").T,
              cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
     return h @ W("mlp.down_proj.weight").T
 
 
 def decoder_layer(cfg: K3Config, L, prefix, blocks, W, expert):
-    """One decoder layer with AttnRes bookkeeping (spec 5.3). prefix: (T, E) partial sum
+    """One decoder layer with AttnRes bookkeeping (model.md §5.3). prefix: (T, E) partial sum
     handed over; blocks: list of (T, E) snapshots (mutated: a boundary appends).
     Returns the partial sum this layer hands on."""
     eps = cfg.rms_norm_eps

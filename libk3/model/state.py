@@ -1,4 +1,4 @@
-"""The state a K3 sequence carries between forward calls (spec K3-MODEL.md section 6).
+"""The state a K3 sequence carries between forward calls (model.md §6).
 
 Owns: per KDA layer the recurrent S [H, D, D] and the short-conv history (the last K-1
 PRE-activation inputs of q, k, v, oldest first); per MLA layer the latent cache
@@ -6,7 +6,7 @@ PRE-activation inputs of q, k, v, oldest first); per MLA layer the latent cache
 position counter and the token ids fed so far. Saving and loading (formats/state.md).
 Does not own: any math.
 
-AttnRes blocks are not carried: they are rebuilt per token (spec 6).
+AttnRes blocks are not carried: they are rebuilt per token (model.md §6).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..io.atomic import replacing
 
 STATE_MAGIC = b"K3STATE\0"
 STATE_VERSION = 2
-# The trained context (spec 2.1, max_position_embeddings): the most positions a state
+# The trained context (model.md §2.1, max_position_embeddings): the most positions a state
 # holds and the most tokens a run generates.
 MAX_POSITIONS = K3_CONTEXT
 _PREFIX = struct.Struct("<8sII")            # magic, version, header bytes

@@ -3,7 +3,8 @@ streamed through a ring of layer slots filled by a read-ahead thread.
 
 Owns: choosing which layers to pin, the ring and its reader thread, binding a layer's
 bytes to named arrays. Does not own: the math (a bound layer is exactly what
-``ResidentWeights.layer`` returns) or the expert cache.
+``ResidentWeights.layer`` returns), the expert cache, or reading and decoding a
+compressed pack's layer (``libk3.stream.coded_reader``).
 
 Why largest-first pinning: every token visits layers 0..n-1 in order, a cyclic scan on
 which LRU scores zero; a pinned layer is a hit on every token, so the hit rate is the
@@ -33,10 +34,8 @@ from ..io.dtypes import bound_extra_bytes, matrix_operand, widen
 from .direct import FileSet, ReadCancelled, aligned_empty, window_bytes
 
 
-# Trunk read-ahead pieces in flight at once. Measured side by side on medium at the floor
-# budget (3 runs each, medians): depth 1 0.461 s/token, 2 0.435, 4 0.421; expert reads
-# 1,561 / 1,571 / 1,342 MB/s: at 4 the reads on the critical path queue behind the
-# read-ahead, so 2.
+# Trunk read-ahead pieces in flight at once: deeper queues the expert reads on the
+# critical path behind the read-ahead (bench/README.md, "Disk and read-ahead").
 READ_AHEAD_DEPTH = 2
 # When a packed layer's CRC is checked: the first time this process reads it (pinned
 # layers at load, ring layers on their first pass), or on every read (formats/pack.md).
@@ -54,14 +53,18 @@ def crc_mismatch(path, layer: int, want: int, found: int) -> FormatError:
 
 class LayerRun:
     """Where one layer's trunk run lives: file, offset, length, tensors inside it, and the
-    CRC-32 its bytes must have (a pack's manifest; None for a run read from the shards)."""
+    CRC-32 its bytes must have (a pack's manifest; None for a run read from the shards).
+    In a compressed pack, ``blocks`` (a BlockPlan with its index) and ``stored`` say how
+    the run is stored at ``offset``; ``nbytes`` stays the decoded run's length."""
 
-    __slots__ = ("layer", "path", "offset", "nbytes", "tensors", "crc32")
+    __slots__ = ("layer", "path", "offset", "nbytes", "tensors", "crc32", "blocks", "stored")
 
-    def __init__(self, layer, path, offset, nbytes, tensors, crc32=None):
+    def __init__(self, layer, path, offset, nbytes, tensors, crc32=None, blocks=None,
+                 stored=None):
         self.layer, self.path, self.offset, self.nbytes = layer, str(path), offset, nbytes
         self.tensors = tensors        # suffix -> (suboffset, nbytes, dtype, shape)
         self.crc32 = crc32
+        self.blocks, self.stored = blocks, stored
 
     @property
     def held_bytes(self) -> int:
@@ -80,12 +83,14 @@ def runs_from_checkpoint(ckpt) -> list:
     return out
 
 
-def runs_from_pack(pack_dir, manifest: dict) -> list:
-    """The runs of a manifest already checked by ``libk3.pack_schema.open_pack``."""
+def runs_from_pack(pack_dir, manifest: dict, blocks: list | None = None) -> list:
+    """The runs of a manifest already checked by ``libk3.pack_schema.open_pack`` (with
+    ``blocks``, its block plans, for a compressed trunk)."""
     trunk = Path(pack_dir) / manifest["trunk_file"]
     return [LayerRun(lay["layer"], trunk, lay["file_off"], lay["nbytes"],
                      {sfx: (t["off"], t["nbytes"], t["dtype"], tuple(t["shape"]))
-                      for sfx, t in lay["tensors"].items()}, lay["crc32"])
+                      for sfx, t in lay["tensors"].items()}, lay["crc32"],
+                     blocks[lay["layer"]] if blocks else None, lay.get("stored"))
             for lay in manifest["layers"]]
 
 
@@ -141,7 +146,14 @@ class TrunkStreamer:
         self.pinned: dict = {}
         self.ring = [i for i in range(len(runs)) if i not in self.pinned_plan]
         self.stats = {"bytes_read": 0, "read_seconds": 0.0, "wait_seconds": 0.0, "binds": 0,
-                      "pinned_hits": 0, "ring_reads": 0, "crc_checks": 0, "crc_seconds": 0.0}
+                      "pinned_hits": 0, "ring_reads": 0, "crc_checks": 0, "crc_seconds": 0.0,
+                      "bytes_decoded": 0, "decode_seconds": 0.0}
+        self._coded = None          # a compressed pack's reader (its decoder uses every thread)
+        if any(r.blocks is not None for r in runs):
+            import numba
+
+            from .coded_reader import CodedReader
+            self._coded = CodedReader(files, numba.get_num_threads())
         self._slots = [aligned_empty(b) for b in self.slot_bytes]
         # slot tag: None (free), ("reading", L, gen), ("ready", L, gen), ("inuse", L, gen)
         self._tag = [None] * self.n_slots
@@ -165,6 +177,8 @@ class TrunkStreamer:
     # ---- reading and binding ---------------------------------------------------------
     def _read(self, L: int, buf, background: bool = False) -> int:
         run = self.runs[L]
+        if run.blocks is not None:
+            return self._read_coded(run, buf, background)
         t0 = time.perf_counter()
         base = self.files.get(run.path).read_window(
             run.offset, run.nbytes, buf, what=f"layer {L} trunk",
@@ -178,6 +192,23 @@ class TrunkStreamer:
         if run.crc32 is not None and (self.verify_reads == "every" or L not in self._verified):
             self._check_crc(run, buf, base)
         return base
+
+    def _read_coded(self, run: LayerRun, buf, background: bool) -> int:
+        """Read and decode a compressed layer into ``buf`` (the run at offset 0), checking
+        its blocks' CRCs when its CRC would be checked (``verify_reads``)."""
+        check = self.verify_reads == "every" or run.layer not in self._verified
+        kw = (dict(yield_to=self.files.gate, pool=self._pool, depth=READ_AHEAD_DEPTH,
+                   cancel=self._cancel) if background else {})
+        nread, dt, dec = self._coded.read(run, buf, check, "bg" if background else "fg", **kw)
+        with self._cond:
+            self.stats["bytes_read"] += nread
+            self.stats["read_seconds"] += dt
+            self.stats["bytes_decoded"] += run.nbytes
+            self.stats["decode_seconds"] += dec
+            self.stats["crc_checks"] += int(check)
+        if check:
+            self._verified.add(run.layer)
+        return 0
 
     def _check_crc(self, run: LayerRun, buf, base: int) -> None:
         """Refuse bytes that differ from the manifest's CRC. On the read-ahead thread for
@@ -293,6 +324,8 @@ class TrunkStreamer:
             self._thread.join(timeout=5)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self._coded is not None:
+            self._coded.close()
 
     def describe(self) -> dict:
         return {"pinned_layers": sorted(self.pinned_plan), "ring_slots": self.n_slots,

@@ -19,10 +19,10 @@ How a vocabulary is made (formats/tokenizer.md S1-S4):
    the corpus or ASCII, and no Unicode-table difference between Python versions can
    change a decision), its letters share one script, its text is one pre-token (so
    encoding can reach it), and it fits a length cap growing one byte per doubling of the
-   vocabulary (``_max_len``). Measured: 163,584 ranks in 6.2 s, ~8 draws per token.
+   vocabulary (``_max_len``); it takes about 8 draws per kept token.
 Every new token, in both phases, must be what rank-BPE makes of its own bytes from the
 two parts that formed it; so every multi-byte rank has a two-part derivation and the
-spec-8.5 merges are exactly the training merges (no "whole-only" ranks).
+model.md §8.5 merges are exactly the training merges (no "whole-only" ranks).
 
 Why our own PRNG: ``random.Random`` method details have changed between Python versions;
 splitmix64 is four lines and fixes the bytes of every written file forever.
@@ -50,7 +50,7 @@ LEFT_POOL = 16384
 RIGHT_POOL = 2048
 SPLITMIX_SEED = 0x6B33_5F62_7065   # "k3_bpe"
 
-# Named special slots, as offsets from n_ranks (spec 8.4; ids there are unverified).
+# Named special slots, as offsets from n_ranks (model.md §8.4; ids there are unverified).
 # The last two slots are [UNK], [PAD] when free; every other slot is reserved.
 SPECIAL_OFFSETS = {
     0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>",
@@ -59,7 +59,7 @@ SPECIAL_OFFSETS = {
     21: "<|media_pad|>",
 }
 
-# A minimal chat template for synthetic checkpoints only: XTML-like markers of spec 8.4;
+# A minimal chat template for synthetic checkpoints only: XTML-like markers of model.md §8.4;
 # the release's template is unverified and k3 does not read this field.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"

@@ -43,7 +43,7 @@ E2M1_RMS = float(np.sqrt(np.mean(np.array([0, .5, 1, 1.5, 2, 3, 4, 6]) ** 2)))
 
 
 def shard_name(i: int, n: int) -> str:
-    """Released shard naming: 5-digit index, 6-digit total (spec 3.1)."""
+    """Released shard naming: 5-digit index, 6-digit total (model.md §3.1)."""
     return f"model-{i:05d}-of-{n:06d}.safetensors"
 
 
@@ -163,7 +163,7 @@ def _shard_plan(cfg: K3Config, real_layout: bool):
     return [(shard_name(i + 1, len(groups)), g) for i, g in enumerate(groups)]
 
 
-# Unused multimodal tensors in the real layout (spec 3.3: 168 of them). A text engine must
+# Unused multimodal tensors in the real layout (model.md §3.3: 168 of them). A text engine must
 # ignore them; we write 8 projector and 160 vision-tower tensors so the count matches.
 def _multimodal_tensors(kind: str):
     if kind == "projector":
@@ -216,7 +216,7 @@ class _lazy_run:
 
 
 def nested_config(flat: dict, n_ranks: int) -> dict:
-    """The released nested config.json shape (spec 2.1) for a flat preset."""
+    """The released nested config.json shape (model.md §2.1) for a flat preset."""
     kda_keys = {"kda_num_heads": "num_heads", "kda_head_dim": "head_dim",
                 "short_conv_kernel_size": "short_conv_kernel_size",
                 "gate_lower_bound": "gate_lower_bound", "full_attn_layers": "full_attn_layers"}

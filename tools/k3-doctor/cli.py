@@ -28,13 +28,19 @@ from libk3.cli_support import handle_errors, print_json
                    "machine; numba caches them), say where they are cached, and exit.")
 @click.option("--assume-memory-gb", type=gigabytes(positive=True),
               help="Pretend the machine has this much memory available (GB = 1e9 bytes).")
+@click.option("--assume-read-mbps", type=Finite(min=0, min_open=True),
+              help="Use this sequential read rate (MB/s) instead of the measured one.")
+@click.option("--assume-decode-mbps", type=Finite(min=0, min_open=True),
+              help="Use this compressed-trunk decode rate (MB/s of output) instead of the "
+                   "measured one.")
 @click.option("--probe-size-mb", type=Finite(min=1, max=1e9), default=1000.0,
               show_default=True,
               help="Size of the temporary file read when the model's own files cannot be "
                    "(MB = 1e6 bytes); it is always removed.")
 @click.version_option(__version__, prog_name="k3-doctor")
 @handle_errors
-def main(model, pack_dir, json_out, quick, compile_only, assume_memory_gb, probe_size_mb):
+def main(model, pack_dir, json_out, quick, compile_only, assume_memory_gb, assume_read_mbps,
+         assume_decode_mbps, probe_size_mb):
     from libk3 import precompile
 
     if compile_only:
@@ -51,7 +57,9 @@ def main(model, pack_dir, json_out, quick, compile_only, assume_memory_gb, probe
 
     mem = probe_memory(None if assume_memory_gb is None else int(assume_memory_gb * 1e9))
     diag = diagnose(model, pack_dir, quick=quick, memory=mem,
-                    probe_bytes=int(probe_size_mb * 1e6), progress=True)
+                    probe_bytes=int(probe_size_mb * 1e6), progress=True,
+                    read_bps=assume_read_mbps and assume_read_mbps * 1e6,
+                    decode_bps=assume_decode_mbps and assume_decode_mbps * 1e6)
     if json_out:
         print_json(diag.report)
     else:

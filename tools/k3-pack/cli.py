@@ -16,7 +16,8 @@ from libk3.engine.sampler import seed_problem
 
 @click.group(cls=DefaultGroup, default="pack",
              help="Pack a K3 checkpoint: `k3-pack CHECKPOINT OUT`. "
-                  "Subcommands: synth (make a synthetic checkpoint), verify (check a pack).")
+                  "Subcommands: synth (make a synthetic checkpoint), verify (check a pack), "
+                  "compress (compress a pack's trunk).")
 @click.version_option(__version__, prog_name="k3-pack")
 def main():
     pass
@@ -58,11 +59,14 @@ def synth(out, preset, seed, json_out, quiet):
 @click.option("--allow-nonfinite", is_flag=True,
               help="Pack trunk tensors holding NaN or Inf (with a warning) instead of "
                    "refusing them (exit 3).")
+@click.option("--compress-trunk", is_flag=True,
+              help="Then compress the trunk losslessly (as `k3-pack compress OUT`); see "
+                   "`k3-doctor` for whether it pays on this machine.")
 @click.option("--json", "json_out", is_flag=True, help="Print the summary as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
-def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, allow_nonfinite, json_out,
-             quiet):
+def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, allow_nonfinite,
+             compress_trunk, json_out, quiet):
     """Pack CHECKPOINT into OUT (trunk.bin, trunk.json, experts.idx). Resumable."""
     import shutil
     from pathlib import Path
@@ -93,6 +97,7 @@ def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, allow_nonfin
         src_bps = source_read_rate(ckpt) if source_probe else None
         res = pack(ckpt, out, progress=not quiet, throttle_mbps=throttle_mbps,
                    allow_nonfinite=allow_nonfinite)
+    comp = _compress(out, quiet) if compress_trunk else None
     of_src = res.mb_per_s * 1e6 / src_bps if src_bps and res.bytes_written else None
     info = {"out": res.out, "layers": res.layers_total, "packed": res.layers_packed,
             "resumed": res.layers_resumed, "bytes_written": res.bytes_written,
@@ -100,10 +105,15 @@ def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, allow_nonfin
             "source_seq_read_mb_per_s": round(src_bps / 1e6, 1) if src_bps else None,
             "of_source_read": round(of_src, 3) if of_src else None,
             "already_complete": res.already_complete, "nonfinite_tensors": res.nonfinite}
+    if comp is not None:
+        info["compress"] = comp
     _warn_nonfinite(res.nonfinite)
     if json_out:
         print_json(info)
-    elif res.already_complete:
+        return
+    if comp is not None:
+        _echo_compress(comp)
+    if res.already_complete:
         click.echo(f"{out}: pack already complete for this checkpoint; nothing to do")
     else:
         click.echo(f"packed {res.layers_packed} layers ({res.layers_resumed} verified from an "
@@ -111,6 +121,44 @@ def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, allow_nonfin
                    f"= {res.mb_per_s:.0f} MB/s"
                    + (f" = {of_src:.0%} of the source disk's sequential read "
                       f"({src_bps / 1e6:.0f} MB/s, timed just before)" if of_src else ""))
+
+
+@main.command("compress")
+@click.argument("pack_dir", metavar="PACK", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "json_out", is_flag=True, help="Print the summary as JSON.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@handle_errors
+def compress_cmd(pack_dir, json_out, quiet):
+    """Compress PACK's trunk losslessly (trunk.bin -> trunk.kz; format v3). Resumable;
+    the raw trunk stays usable until the compressed one is complete."""
+    info = _compress(pack_dir, quiet)
+    if json_out:
+        print_json(info)
+    else:
+        _echo_compress(info)
+
+
+def _compress(pack_dir, quiet: bool) -> dict:
+    import numba
+
+    from libk3.pack_compress import compress
+
+    res = compress(pack_dir, threads=numba.get_num_threads(), progress=not quiet)
+    return {"out": res.out, "layers": res.layers, "resumed": res.layers_resumed,
+            "raw_bytes": res.raw_bytes, "stored_bytes": res.stored_bytes,
+            "fraction": round(res.fraction, 4), "seconds": round(res.seconds, 3),
+            "already_compressed": res.already_compressed}
+
+
+def _echo_compress(info: dict) -> None:
+    if info["already_compressed"]:
+        click.echo(f"{info['out']}: trunk already compressed "
+                   f"({info['fraction']:.1%} of raw); nothing to do")
+    else:
+        click.echo(f"compressed {info['layers']} layers ({info['resumed']} verified from an "
+                   f"earlier run): {info['raw_bytes'] / 1e6:.1f} MB -> "
+                   f"{info['stored_bytes'] / 1e6:.1f} MB ({info['fraction']:.1%}) in "
+                   f"{info['seconds']:.2f} s")
 
 
 @main.command("verify")

@@ -20,7 +20,7 @@ from libk3.errors import UsageError
 from libk3.trace import MAX_EXPERT_BYTES
 from libk3.policy_registry import DEFAULT_POLICY
 
-# The real model's shape (spec K3-MODEL.md section 2; PRIOR-ART.md section 4): defaults
+# The real model's shape (model.md §1, §2.1): defaults
 # for importing C-engine traces, which carry no header.
 REAL_N_LAYERS = 93
 REAL_N_EXPERTS = 896

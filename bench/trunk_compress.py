@@ -1,0 +1,221 @@
+"""Compressed trunk (issue 16), side by side in one run, on the real-dims checkpoint:
+
+* codec: stored fraction and decode rate of the chosen codec (BF16 exponent plane in
+  zstd, ``libk3.stream.trunk_codec``) against the numba Huffman table decoder we wrote
+  first (``bench/huffman_candidate.py``), per core and on every core, on the same bytes
+  (the largest BF16 tensor of real-dims layer 1, up to 64 MiB);
+* pack: the whole real-dims trunk compressed (fraction of raw), decode rate of whole
+  layers on every core, and the O_DIRECT sequential read rate of the raw trunk.bin;
+* mxfp4-derived: the same codec figures on BF16 values built from the released MXFP4
+  conformance bytes (``mxfp4.json`` of the conformance vectors, found by ``tests/conformance.py``
+  and read in place, never copied):
+  each of its 229,376 values is drawn uniformly inside the E2M1 rounding interval of its
+  code, times its group's scale (section text says what that assumes);
+* run: ``k3-run --pack`` at the floor budget (a ring of two layers: the whole trunk read
+  every token) raw vs compressed, rounds alternating, same tokens required.
+
+    python bench/trunk_compress.py [--rounds 3] [--gen 4] [--keep]
+
+Models go to scratch/ (git-ignored); the compressed pack is a copy of the raw one and is
+deleted at the end unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # tests.conformance
+from common import DATA, checkpoint, k3_run_report, packed, run, table  # noqa: E402
+
+from libk3.hwprobe import sequential_read_rate  # noqa: E402
+from libk3.io.checkpoint import Checkpoint  # noqa: E402
+from libk3.pack_schema import open_pack  # noqa: E402
+from libk3.presets import ModelSizes, minimum_budget  # noqa: E402
+from libk3.stream.trunk_codec import Codec, plan_blocks  # noqa: E402
+from tests.conformance import ROOT as CONFORMANCE_DIR  # noqa: E402  (where the vectors live)
+
+SAMPLE_MAX = 64 << 20
+CONFORMANCE = CONFORMANCE_DIR / "mxfp4.json"
+# each E2M1 magnitude's rounding interval (the top code, 6, is taken as [5, 7))
+E2M1_LO = np.array([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+E2M1_HI = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0])
+
+
+def _best(fn, n=3) -> float:
+    best = None
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best = dt if best is None else min(best, dt)
+    return best
+
+
+def sample_tensor(ckpt_dir: Path) -> tuple:
+    """(name, uint8 BF16 bytes) of layer 1's largest BF16 trunk tensor, cut to SAMPLE_MAX."""
+    with Checkpoint.open(ckpt_dir) as ck:
+        run_ = ck.layer_trunk_run(1)
+        name, (off, nb, dt, _) = max(((n, t) for n, t in run_.tensors.items() if t[2] == "BF16"),
+                                     key=lambda x: x[1][1])
+        n = min(nb, SAMPLE_MAX) // 2 * 2
+        raw = np.frombuffer(bytes(ck.read_span(run_.path, run_.offset + off, n)), np.uint8)
+    return name, raw.copy()
+
+
+def mxfp4_derived(copies: int = 64) -> np.ndarray | None:
+    """uint8 BF16 bytes: ``copies`` draws over the released MXFP4 sample (module doc)."""
+    if not CONFORMANCE.is_file():
+        return None
+    d = json.loads(CONFORMANCE.read_text())
+    packed = np.array(d["packed"]["data"], np.uint8).reshape(d["packed"]["shape"])
+    scales = np.array(d["scales"]["data"], np.int64).reshape(d["scales"]["shape"])
+    nib = np.empty((packed.shape[0], packed.shape[1] * 2), np.uint8)
+    nib[:, 0::2], nib[:, 1::2] = packed & 15, packed >> 4
+    mag, sign = nib & 7, np.where(nib & 8, -1.0, 1.0)
+    scale = 2.0 ** (np.repeat(scales, d["group_size"], axis=1) - 127)
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(copies):
+        f = (rng.uniform(E2M1_LO[mag], E2M1_HI[mag]) * sign * scale).astype(np.float32)
+        u = f.view(np.uint32).astype(np.uint64)
+        out.append(((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16))   # round to BF16
+    return np.concatenate([o.ravel() for o in out]).view(np.uint8)
+
+
+def codec_section(raw: np.ndarray, name: str) -> None:
+    import huffman_candidate as hc
+
+    rows = []
+    plan = plan_blocks([("w", 0, raw.size, "BF16")])
+    for threads in (1, 2):
+        c = Codec(threads)
+        blob, rec = c.encode(raw, plan)
+        p = plan.with_index(rec)
+        src, out = np.frombuffer(blob, np.uint8), np.empty_like(raw)
+        c.decode(p, 0, len(p), src, 0, out, True, "x", 0)
+        assert out.tobytes() == raw.tobytes()
+        t = _best(lambda: c.decode(p, 0, len(p), src, 0, out, False, "x", 0))
+        tc = _best(lambda: c.decode(p, 0, len(p), src, 0, out, True, "x", 0))
+        c.close()
+        rows.append(["zstd exponent plane (chosen)", threads, f"{len(blob) / raw.size:.4f}",
+                     f"{raw.size / t / 1e9:.2f}", f"{raw.size / tc / 1e9:.2f}"])
+    hb = hc.encode_all(raw.view(np.uint16))
+    for threads in (1, 2):
+        out16 = np.empty(raw.size // 2, np.uint16)
+        hc.decode_all(hb, out16, threads)
+        assert out16.view(np.uint8).tobytes() == raw.tobytes()
+        t = _best(lambda: hc.decode_all(hb, out16, threads))
+        rows.append(["numba Huffman table (candidate)", threads, f"{hb.stored / raw.size:.4f}",
+                     f"{raw.size / t / 1e9:.2f}", "-"])
+    ent = _exponent_entropy(raw)
+    print(f"\n== codec, {raw.size / 2**20:.0f} MiB of {name} (exponent entropy {ent:.2f} bits: "
+          f"entropy bound {(8 + ent) / 16:.4f} of raw)")
+    print(table(rows, ["codec", "threads", "stored / raw", "decode GB/s (output)",
+                       "with CRC check"]))
+
+
+def _exponent_entropy(raw: np.ndarray) -> float:
+    e = (raw.view(np.uint16) >> 7) & 0xFF
+    p = np.bincount(e, minlength=256) / e.size
+    p = p[p > 0]
+    return float(-(p * np.log2(p)).sum())
+
+
+def pack_section(raw_pack: Path, kz_pack: Path) -> dict:
+    pk = open_pack(kz_pack)
+    man = pk.manifest
+    raw_bytes = sum(l["nbytes"] for l in man["layers"])
+    stored = sum(l["stored"] for l in man["layers"])
+    trunk = raw_pack / "trunk.bin"
+    seq = sequential_read_rate([(str(trunk), 0, trunk.stat().st_size)], seconds=3.0)
+    codec = Codec(2)
+    rates = []
+    for lay, plan in zip(man["layers"], pk.blocks):
+        with open(kz_pack / "trunk.kz", "rb") as f:
+            f.seek(lay["file_off"])
+            src = np.frombuffer(f.read(lay["stored"]), np.uint8)
+        out = np.empty(lay["nbytes"], np.uint8)
+        t = _best(lambda: codec.decode(plan, 0, len(plan), src, 0, out, True, "x", 0), 2)
+        rates.append((lay["layer"], lay["nbytes"], lay["stored"], lay["nbytes"] / t))
+    codec.close()
+    dec = sum(r[1] for r in rates) / sum(r[1] / r[3] for r in rates)
+    print(f"\n== real-dims trunk: {raw_bytes / 1e9:.3f} GB raw -> {stored / 1e9:.3f} GB "
+          f"stored = {stored / raw_bytes:.4f} of raw (target <= 0.78)")
+    print(table([[L, f"{nb / 1e6:.0f}", f"{st / nb:.4f}", f"{r / 1e9:.2f}"] for L, nb, st, r in rates],
+                ["layer", "raw MB", "stored / raw", "decode GB/s, 2 threads, CRC on"]))
+    print(f"decode (all layers, 2 threads) {dec / 1e9:.2f} GB/s of output vs O_DIRECT sequential "
+          f"read of trunk.bin {seq / 1e9:.2f} GB/s = {dec / seq:.2f}x (target >= 2x); "
+          f"compressed bytes arrive at {seq / (stored / raw_bytes) / 1e9:.2f} GB/s of output")
+    return {"fraction": stored / raw_bytes, "decode_bps": dec, "seq_bps": seq}
+
+
+def run_section(ck: Path, raw_pack: Path, kz_pack: Path, rounds: int, gen: int) -> None:
+    with Checkpoint.open(ck) as c:
+        sizes = ModelSizes.from_checkpoint(c)
+    floor = minimum_budget(sizes)
+    flags = ["--trunk-gb", f"{(floor.trunk_bytes + 1) / 1e9:.9f}", "--cache-gb",
+             f"{sizes.expert_slot_bytes * (sizes.top_k + 1) / 1e9:.9f}"]
+    rows, spt, ids = [], {"raw": [], "compressed": []}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for name, pk in (("raw", raw_pack), ("compressed", kz_pack)):
+                rep = k3_run_report([ck, "--pack", pk, "--ids", "1,2,3,4", "--gen", gen, *flags],
+                                    Path(tmp), f"{name}{r}")
+                ids.setdefault(name, rep["generated_ids"])
+                spt[name].append(rep["seconds_per_token"])
+                rows.append([r + 1, name, f"{rep['seconds_per_token']:.3f}",
+                             f"{rep['trunk_bytes_read'] / 1e9:.2f}",
+                             f"{rep['trunk_read_seconds']:.1f}",
+                             f"{rep['trunk_decode_seconds']:.1f}",
+                             f"{rep['trunk_wait_seconds']:.1f}",
+                             f"{rep['peak_rss_bytes'] / 1e9:.2f}"])
+    print(f"\n== k3-run real-dims at the floor budget (trunk {floor.trunk_bytes / 1e9:.2f} GB: "
+          f"a ring of two layers), --ids 1,2,3,4 --gen {gen}")
+    print(table(rows, ["round", "pack", "s/token", "trunk GB read", "read s", "decode s",
+                       "wait s", "peak RSS GB"]))
+    a, b = float(np.median(spt["raw"])), float(np.median(spt["compressed"]))
+    print(f"median s/token: raw {a:.3f}, compressed {b:.3f} = {b / a:.2f}x (target <= 0.85x); "
+          f"same tokens: {ids['raw'] == ids['compressed']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gen", type=int, default=4)
+    ap.add_argument("--keep", action="store_true", help="keep the compressed pack")
+    ap.add_argument("--skip-run", action="store_true")
+    args = ap.parse_args()
+    ck = checkpoint("real-dims")
+    raw_pack = packed("real-dims")
+    kz = DATA / "real-dims.kz.pack"
+    if not (kz / "trunk.kz").exists():
+        shutil.rmtree(kz, ignore_errors=True)
+        shutil.copytree(raw_pack, kz)
+        t0 = time.perf_counter()
+        run(["k3-pack", "compress", kz, "--quiet"])
+        print(f"[setup] k3-pack compress: {time.perf_counter() - t0:.1f} s", flush=True)
+    name, raw = sample_tensor(ck)
+    codec_section(raw, name)
+    derived = mxfp4_derived()
+    if derived is None:
+        print("\n== mxfp4-derived: the conformance data is not present; skipped")
+    else:
+        codec_section(derived, "BF16 drawn from the released MXFP4 sample (64 draws)")
+    pack_section(raw_pack, kz)
+    if not args.skip_run:
+        run_section(ck, raw_pack, kz, args.rounds, args.gen)
+    if not args.keep:
+        shutil.rmtree(kz)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""The compressed trunk's blocks (formats/pack.md "trunk.kz"): which bytes of a layer run
+form which block, encoding a run into blocks, and decoding blocks back into the exact run.
+
+Owns: the codec's name and constants, the block plan a layer's tensor table implies,
+encoding (k3-pack) and decoding with the per-block checksum (k3-run, ``k3-pack verify``),
+and the one error naming a bad block. Does not own: files, reads or the manifest
+(``libk3.pack``, ``libk3.pack_schema``, ``libk3.stream.trunk``) or the plane kernels
+(``libk3.kernels.bf16_planes``).
+
+A layer run is cut tensor by tensor (in run order) into blocks of at most BLOCK_BYTES of
+output. A block of a BF16 tensor of at least MIN_CODED_BYTES (at an even offset) is
+CODED: its k sign+mantissa bytes, then one zstd frame of its k exponent bytes; every
+other block is RAW (its bytes as they are). Blocks are independent, so any split of a
+layer's blocks across threads decodes the same bytes.
+Why zstd and not a numba Huffman decoder: per core, zstd decoded 1.7-2.3x faster than
+the best numba table decoder we wrote, for 0.025 more stored bytes (bench/README.md
+"Trunk compression"; the candidate is bench/huffman_candidate.py), and releases the GIL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .. import names
+from ..errors import FormatError
+from ..kernels.bf16_planes import merge_planes, split_planes
+
+CODEC = "bf16-exponent-zstd"
+BLOCK_BYTES = 256 << 10            # output bytes per block (the last of a tensor: fewer)
+MIN_CODED_BYTES = 64 << 10         # smaller BF16 tensors stay raw
+ZSTD_LEVEL = 1                     # level 1 compressed the plane as well as 3 and 9 (bench)
+RAW, CODED = 0, 1
+INDEX_RECORD = np.dtype([("stored", "<u4"), ("crc32", "<u4")])     # trunk.blocks, per block
+DAMAGED_HINT = "the pack is damaged: re-pack (k3-pack verify names every bad block)"
+
+
+def codec_params() -> dict:
+    """trunk.json's ``trunk_codec`` fields that fix the block plan."""
+    return {"name": CODEC, "block_bytes": BLOCK_BYTES, "min_coded_bytes": MIN_CODED_BYTES}
+
+
+def coded_bound(k):
+    """Most bytes a CODED block of k values may take: the plane plus zstd's bound for k
+    bytes (ZSTD_COMPRESSBOUND, k <= 128 KiB)."""
+    return k + k + (k >> 8) + 64
+
+
+@dataclasses.dataclass
+class BlockPlan:
+    """One layer's blocks in run order. ``in_off``/``in_len``/``crc32`` (where each block
+    is stored inside the layer's stored span) come from trunk.blocks (``with_index``)."""
+
+    kind: np.ndarray               # uint8, RAW or CODED
+    out_off: np.ndarray            # int64, offset in the run
+    out_len: np.ndarray            # int64
+    tensor: list                   # suffix of each block's tensor
+    part: np.ndarray               # int64, the block's number inside its tensor
+    parts: np.ndarray              # int64, blocks of its tensor
+    in_off: np.ndarray | None = None
+    in_len: np.ndarray | None = None
+    crc32: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.kind.size)
+
+    def with_index(self, rec: np.ndarray) -> "BlockPlan":
+        """This plan with its stored lengths and checksums (``rec``: INDEX_RECORD rows)."""
+        in_len = rec["stored"].astype(np.int64)
+        in_off = np.zeros_like(in_len)
+        np.cumsum(in_len[:-1], out=in_off[1:])
+        return dataclasses.replace(self, in_off=in_off, in_len=in_len,
+                                   crc32=rec["crc32"].astype(np.uint32))
+
+    def stored_problem(self):
+        """(block, problem) of the first stored length the plan cannot hold, or None."""
+        k = self.out_len // 2
+        raw = self.kind == RAW
+        bad_raw = raw & (self.in_len != self.out_len)
+        bad_coded = ~raw & ((self.in_len <= k) | (self.in_len > coded_bound(k)))
+        bad = np.flatnonzero(bad_raw | bad_coded)
+        if not bad.size:
+            return None
+        b = int(bad[0])
+        return b, ("a raw block's stored length is not its length" if raw[b] else
+                   "a coded block's stored length is outside what its values can take")
+
+    def groups(self, max_bytes: int, stored: bool = True) -> list:
+        """(first, end) block ranges in order whose stored bytes (or, with ``stored``
+        False, output bytes) are at most ``max_bytes`` (or one block)."""
+        off, size = (self.in_off, self.in_len) if stored else (self.out_off, self.out_len)
+        out, lo = [], 0
+        for b in range(1, len(self) + 1):
+            if b == len(self) or off[b] + size[b] - off[lo] > max_bytes:
+                out.append((lo, b))
+                lo = b
+        return out
+
+    def span(self, lo: int, hi: int, stored: bool = True) -> tuple:
+        """(offset, length) of blocks lo..hi-1's stored bytes (or output bytes)."""
+        off, size = (self.in_off, self.in_len) if stored else (self.out_off, self.out_len)
+        return int(off[lo]), int(off[hi - 1] + size[hi - 1] - off[lo])
+
+    def where(self, layer: int, b: int) -> str:
+        return (f"layer {layer} tensor {self.tensor[b]} block {int(self.part[b])} of "
+                f"{int(self.parts[b])}")
+
+
+def plan_blocks(tensors, block_bytes: int = BLOCK_BYTES,
+                min_coded_bytes: int = MIN_CODED_BYTES) -> BlockPlan:
+    """The blocks of a layer run whose tensors are ``tensors``: (suffix, off, nbytes,
+    dtype) rows, tiling the run. (Other sizes than the format's: tests only; an even
+    ``block_bytes`` of at most BLOCK_BYTES.)"""
+    kind, out_off, out_len, tensor, part, parts = [], [], [], [], [], []
+    for sfx, off, nbytes, dtype in sorted(tensors, key=lambda t: (t[1], t[0])):
+        coded = dtype == "BF16" and nbytes >= min_coded_bytes and off % 2 == 0
+        n = -(-nbytes // block_bytes)
+        for j in range(n):
+            kind.append(CODED if coded else RAW)
+            out_off.append(off + j * block_bytes)
+            out_len.append(min(block_bytes, nbytes - j * block_bytes))
+            tensor.append(sfx)
+            part.append(j)
+            parts.append(n)
+    return BlockPlan(np.array(kind, np.uint8), np.array(out_off, np.int64),
+                     np.array(out_len, np.int64), tensor, np.array(part, np.int64),
+                     np.array(parts, np.int64))
+
+
+def block_error(path, layer: int, plan: BlockPlan, b: int, problem: str, expected=None,
+                found=None) -> FormatError:
+    """The one error for a compressed block that fails its checksum or does not decode."""
+    return FormatError(f"{plan.where(layer, b)}: {problem}", path=path,
+                       tensor=names.layer(layer, plan.tensor[b]), expected=expected,
+                       found=found, hint=DAMAGED_HINT)
+
+
+class Codec:
+    """Encodes and decodes blocks on ``threads`` threads (zstd, zlib and the plane
+    kernels release the GIL). Each thread keeps its own zstd contexts."""
+
+    def __init__(self, threads: int = 1):
+        self.threads = max(1, int(threads))
+        self._local = threading.local()
+        self._pool = (ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="k3-decode")
+                      if self.threads > 1 else None)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _zstd(self):
+        import zstandard
+
+        loc = self._local
+        if not hasattr(loc, "d"):
+            loc.c = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=False,
+                                             write_content_size=True, write_dict_id=False)
+            loc.d = zstandard.ZstdDecompressor()
+            loc.exp = np.empty(BLOCK_BYTES // 2, np.uint8)    # encoding's planes
+            loc.sm = np.empty(BLOCK_BYTES // 2, np.uint8)
+        return loc
+
+    def _map(self, fn, n_items: int, weights: np.ndarray) -> list:
+        """fn(lo, hi) over contiguous ranges of about equal weight, one per thread."""
+        if self._pool is None or n_items < 2:
+            return [fn(0, n_items)]
+        cum = np.cumsum(weights)
+        cuts = [0] + [int(np.searchsorted(cum, cum[-1] * t / self.threads, side="right"))
+                      for t in range(1, self.threads)] + [n_items]
+        cuts = sorted(set(min(max(c, 0), n_items) for c in cuts))
+        return list(self._pool.map(lambda r: fn(*r), zip(cuts[:-1], cuts[1:])))
+
+    # ---- encoding (k3-pack) --------------------------------------------------------
+    def encode(self, src: np.ndarray, plan: BlockPlan, lo: int = 0, hi: int | None = None,
+               src_at: int = 0) -> tuple:
+        """(stored bytes of blocks ``lo..hi-1`` concatenated, their INDEX_RECORD rows).
+        Block b's bytes are at ``src[src_at + out_off[b] - out_off[lo]]`` (default: ``src``
+        is the whole run)."""
+        hi = len(plan) if hi is None else hi
+        blobs: list = [None] * (hi - lo)
+        base = src_at - (int(plan.out_off[lo]) if hi > lo else 0)
+
+        def work(a, z_hi):
+            z = self._zstd()
+            for b in range(lo + a, lo + z_hi):
+                o, n = base + int(plan.out_off[b]), int(plan.out_len[b])
+                raw = src[o:o + n]
+                if plan.kind[b] == RAW:
+                    blobs[b - lo] = raw.tobytes()
+                    continue
+                k = n // 2
+                split_planes(raw.view(np.uint16), z.exp[:k], z.sm[:k])
+                blobs[b - lo] = z.sm[:k].tobytes() + z.c.compress(z.exp[:k])
+
+        self._map(work, hi - lo, plan.out_len[lo:hi])
+        rec = np.zeros(hi - lo, INDEX_RECORD)
+        rec["stored"] = [len(x) for x in blobs]
+        rec["crc32"] = [zlib.crc32(x) for x in blobs]
+        return b"".join(blobs), rec
+
+    # ---- decoding (k3-run, verify) --------------------------------------------------
+    def decode(self, plan: BlockPlan, lo: int, hi: int, src: np.ndarray, src_at: int,
+               out: np.ndarray, check: bool, path, layer: int, out_base: int = 0) -> None:
+        """Decode blocks ``lo..hi-1`` of ``plan`` into ``out`` (uint8; ``out[0]`` is the
+        run's byte ``out_base``, an even offset). Block b's stored bytes are at
+        ``src[src_at + in_off[b] - in_off[lo]]``. With ``check``, each block's CRC-32 is
+        compared first. Raises ``block_error`` for the first bad block (in block order)
+        after every thread has stopped."""
+        base = src_at - int(plan.in_off[lo])
+
+        def work(a, z_hi):
+            z = self._zstd()
+            for b in range(lo + a, lo + z_hi):
+                s = src[base + plan.in_off[b]: base + plan.in_off[b] + plan.in_len[b]]
+                if check:
+                    crc = zlib.crc32(s)
+                    if crc != plan.crc32[b]:
+                        return b, "stored bytes do not match their checksum (crc32)", \
+                            f"{int(plan.crc32[b]):#010x}", f"{crc:#010x}"
+                o, n = int(plan.out_off[b]) - out_base, int(plan.out_len[b])
+                if plan.kind[b] == RAW:
+                    out[o:o + n] = s
+                    continue
+                k = n // 2
+                exponent, bad = _unzstd(z.d, s[k:], k)
+                if bad:
+                    return b, bad, None, None
+                merge_planes(exponent, s[:k], out[o:o + n].view(np.uint16))
+            return None
+
+        errs = [e for e in self._map(work, hi - lo, plan.in_len[lo:hi]) if e]
+        if errs:
+            b, problem, want, got = min(errs)
+            raise block_error(path, layer, plan, b, problem, want, got)
+
+
+def _unzstd(dctx, frame, k: int):
+    """(exponent plane of exactly k bytes, None) from one zstd frame, or (None, problem)."""
+    import zstandard
+
+    try:
+        size = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError:
+        return None, "not a zstd frame"
+    if size != k:
+        return None, f"its zstd frame holds {size} bytes, not the block's {k} exponents"
+    try:
+        data = dctx.decompress(frame, max_output_size=k)
+    except zstandard.ZstdError as e:
+        return None, f"does not decode ({' '.join(str(e).split())[:80]})"
+    if len(data) != k:
+        return None, "its zstd frame decodes to the wrong length"
+    return np.frombuffer(data, np.uint8), None

@@ -1,0 +1,114 @@
+"""Every model-spec citation in the repository resolves into formats/model.md.
+
+Code, tests and docs cite the model spec as ``model.md §N`` (or ``§N.M``; a list may go on
+``, §N.M``). This scans every .py and .md file of the repository and fails on a cited
+section that formats/model.md does not have, on a bare ``§N`` that does not say which
+document it means, on the retired citation forms (``spec 5.3``, ``spec §5``, ``spec-8.5``),
+and on any mention of a document or folder outside the repository (the old spec's file
+name, the shared conformance folder) except in tests/conformance.py, which loads those
+vectors.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "formats" / "model.md"
+# The one module allowed to know where the shared conformance vectors live.
+LOADER = Path("tests") / "conformance.py"
+SKIP_DIRS = {".git", ".venv", "venv", "scratch", "build", "dist", "__pycache__",
+             ".pytest_cache", ".hypothesis"}
+
+HEADING = re.compile(r"^#{2,4} (\d+(?:\.\d+)*)\.? ", re.M)
+SECTION = re.compile(r"§ ?(\d+(?:\.\d+)*)")
+# A uniform citation: "model.md §5.3", optionally continued as a list or a range.
+CITATION = re.compile(r"model\.md §\d+(?:\.\d+)*(?:(?:, | and | or |-)§\d+(?:\.\d+)*)*")
+# Retired forms: "spec 5.3", "Spec 7.4", "spec §5", "spec-8.5" (not the --spec option).
+OLD_FORM = re.compile(r"(?<![-\w])spec[ -]?§? ?\d|spec PRIOR-ART", re.I)
+# Built from parts so that this file does not trip its own check.
+FOREIGN = re.compile("|".join((re.escape("K3-" + "MODEL"), re.escape(".." + "/shared"))))
+
+
+def spec_sections(spec: Path = SPEC) -> set:
+    """Section numbers of the numbered headings of the spec."""
+    return set(HEADING.findall(spec.read_text(encoding="utf-8")))
+
+
+def scanned_files(root: Path = ROOT):
+    """Every .py and .md file of the tree, except this checker (virtualenvs, caches and
+    scratch models are not walked)."""
+    me = Path(__file__).resolve()
+    for top, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info"))
+        for name in sorted(files):
+            path = Path(top) / name
+            if path.suffix in (".py", ".md") and path.resolve() != me:
+                yield path.relative_to(root)
+
+
+def problems(root: Path = ROOT, spec: Path = SPEC) -> list:
+    """One line per bad citation: 'path:line: what is wrong'."""
+    sections = spec_sections(spec)
+    spec_rel = spec.relative_to(root)
+    out = []
+    for rel in scanned_files(root):
+        text = (root / rel).read_text(encoding="utf-8", errors="replace")
+        for n, line in enumerate(text.splitlines(), 1):
+            where = f"{rel}:{n}"
+            for m in SECTION.finditer(line):
+                if m.group(1) not in sections:
+                    out.append(f"{where}: §{m.group(1)} is not a section of {spec_rel}")
+            if rel != spec_rel:
+                covered = [c.span() for c in CITATION.finditer(line)]
+                for m in SECTION.finditer(line):
+                    if not any(a <= m.start() < b for a, b in covered):
+                        out.append(f"{where}: bare §{m.group(1)}; write 'model.md §N'")
+            for m in OLD_FORM.finditer(line):
+                out.append(f"{where}: old citation form {m.group(0)!r}; write 'model.md §N'")
+            if rel != LOADER:
+                for m in FOREIGN.finditer(line):
+                    out.append(f"{where}: mentions {m.group(0)!r}, which is not in the repository")
+    return out
+
+
+def test_spec_citations_all_resolve_into_model_md():
+    """Catches a citation of a section model.md lacks, the old 'spec N' form, a bare '§N',
+    and a reference to the old spec file or the shared folder outside the loader."""
+    bad = problems()
+    assert not bad, f"{len(bad)} bad citations:\n" + "\n".join(bad[:60])
+
+
+def test_spec_citations_model_md_has_the_cited_sections():
+    """Catches a renumbered spec: the sections the code leans on most must exist."""
+    sections = spec_sections()
+    for s in ("2.1", "2.2", "3.4", "4.1", "4.2", "5.0", "5.3", "5.5", "5.6", "5.8", "6",
+              "7.2", "7.3", "8.2", "8.5", "10"):
+        assert s in sections, s
+
+
+def test_spec_citations_checker_control(tmp_path):
+    """Control: the checker reports each kind of fault it exists for, and passes a clean
+    tree, so the test above cannot pass by scanning nothing."""
+    (tmp_path / "formats").mkdir()
+    spec = tmp_path / "formats" / "model.md"
+    spec.write_text("# Model\n\n## 1. One\n\n### 1.2 Sub\n\nSee §1.2.\n", encoding="utf-8")
+    good = tmp_path / "good.py"
+    good.write_text('"""Cites model.md §1.2 and model.md §1, §1.2; run with --spec 4."""\n')
+    assert problems(tmp_path, spec) == []
+    faults = {
+        "missing.py": "# model.md §7.3\n",
+        "bare.md": "see §1.2\n",
+        "old.py": "# (spec 1.2)\n",
+        "oldmark.md": "spec §1\n",
+        "foreign.md": "read " + "K3-" + "MODEL.md\n",
+        "shared.py": "# loads " + ".." + "/shared/conformance\n",
+    }
+    for name, text in faults.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    found = problems(tmp_path, spec)
+    for name in faults:
+        assert any(p.startswith(name + ":") for p in found), (name, found)
+    assert not any(p.startswith("good.py") for p in found), found

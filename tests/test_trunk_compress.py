@@ -1,0 +1,316 @@
+"""Compressed trunk (issue 16): the codec round-trips every BF16 pattern, a compressed pack
+gives byte-identical logits at every budget and thread count, a damaged block is named by
+verify and refused by k3-run (exit 3), and compressing resumes after an interruption."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from libk3.errors import FormatError
+from libk3.io.checkpoint import Checkpoint
+from libk3.kernels.bf16_planes import merge_planes, split_planes
+from libk3.pack_schema import (BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, MANIFEST_FILE,
+                               TRUNK_FILE, open_pack)
+from libk3.stream.trunk_codec import CODED, RAW, Codec, plan_blocks
+
+from .test_run_cli import PROMPT, _budgets, _pack, _reference, k3
+
+
+def k3pack(*args):
+    return subprocess.run(["k3-pack", *map(str, args)], capture_output=True, text=True,
+                          timeout=600)
+
+
+def _compressed_copy(raw_pack, dest):
+    shutil.copytree(raw_pack, dest)
+    p = k3pack("compress", dest, "--quiet", "--json")
+    assert p.returncode == 0, p.stderr
+    return dest, json.loads(p.stdout)
+
+
+@pytest.fixture(scope="module")
+def small_raw(small_dir, tmp_path_factory):
+    return _pack(small_dir, tmp_path_factory.mktemp("raw") / "small.pack")
+
+
+@pytest.fixture(scope="module")
+def small_kz(small_raw, tmp_path_factory):
+    return _compressed_copy(small_raw, tmp_path_factory.mktemp("kz") / "small.pack")[0]
+
+
+# ---- the codec ---------------------------------------------------------------------------
+
+def test_planes_round_trip_every_bf16_pattern():
+    """Catches a split or merge that loses a bit (the exponent's low bit sits in the low
+    byte), checked on all 65,536 patterns."""
+    u16 = np.arange(1 << 16, dtype=np.uint16)
+    e, m = np.empty(u16.size, np.uint8), np.empty(u16.size, np.uint8)
+    split_planes(u16, e, m)
+    assert np.array_equal(e, (u16 >> 7) & 0xFF)
+    out = np.zeros(u16.size, np.uint16)
+    merge_planes(e, m, out)
+    assert np.array_equal(out, u16)
+
+
+def _values(draw_kind, data):
+    n = data.draw(st.integers(0, 3000), label="n")
+    if draw_kind == "equal":
+        return np.full(n, data.draw(st.integers(0, 0xFFFF)), np.uint16)
+    if draw_kind == "all_exponents":
+        e = np.arange(n) % 256
+        return ((e << 7) | (np.arange(n) * 40503 & 0x807F)).astype(np.uint16)
+    if draw_kind == "gaussian":
+        seed = data.draw(st.integers(0, 2**32 - 1))
+        f = (np.random.default_rng(seed).standard_normal(n) * 0.02).astype(np.float32)
+        return (f.view(np.uint32) >> 16).astype(np.uint16)
+    return np.frombuffer(data.draw(st.binary(min_size=2 * n, max_size=2 * n)), np.uint16)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["equal", "all_exponents", "gaussian", "random"]),
+       block=st.sampled_from([2, 6, 64, 1000]), data=st.data())
+def test_codec_round_trips_any_layer(kind, block, data):
+    """Catches any value, length or block split the codec does not restore exactly: a
+    layer of a coded BF16 tensor (any length, including empty and odd element counts),
+    an F32 tensor and a BF16 tensor at an odd offset (both raw), in blocks of ``block``
+    bytes, decoded on 1 and 2 threads."""
+    v = _values(kind, data)
+    f32 = data.draw(st.binary(max_size=40).map(lambda b: b[:len(b) // 4 * 4]), label="f32")
+    odd = data.draw(st.binary(max_size=9).map(lambda b: b[:len(b) // 2 * 2]), label="odd")
+    run = np.frombuffer(v.tobytes() + f32 + b"\0" + odd, np.uint8).copy()
+    tensors = [("w", 0, v.nbytes, "BF16"), ("f", v.nbytes, len(f32), "F32"),
+               ("pad", v.nbytes + len(f32), 1, "U8"), ("odd", v.nbytes + len(f32) + 1,
+                                                         len(odd), "BF16")]
+    plan = plan_blocks(tensors, block, 0)
+    assert all(plan.kind[b] == (CODED if plan.tensor[b] == "w" else RAW)
+               for b in range(len(plan)))
+    for threads in (1, 2):
+        codec = Codec(threads)
+        blob, rec = codec.encode(run, plan)
+        p = plan.with_index(rec)
+        assert p.stored_problem() is None
+        out = np.full(run.size, 0xAA, np.uint8)
+        codec.decode(p, 0, len(p), np.frombuffer(blob, np.uint8), 0, out, True, "x", 0)
+        codec.close()
+        assert out.tobytes() == run.tobytes()
+
+
+@settings(max_examples=40, deadline=None)
+@given(pos=st.integers(0, 10**6), flip=st.integers(1, 255))
+def test_codec_damaged_block_names_it_or_decodes_without_crash(pos, flip):
+    """Catches a decoder that trusts damaged bytes: with the checksum on, any flipped byte
+    is refused naming its block; with it off, a damaged zstd frame is a FormatError or
+    wrong bytes, never a crash or a write outside the block."""
+    f = (np.random.default_rng(1).standard_normal(300_000) * 0.02).astype(np.float32)
+    run = (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    plan = plan_blocks([("mlp.w", 0, run.size, "BF16")])
+    codec = Codec(1)
+    blob, rec = codec.encode(run, plan)
+    p = plan.with_index(rec)
+    bad = np.frombuffer(blob, np.uint8).copy()
+    pos %= bad.size
+    bad[pos] ^= flip
+    b = int(np.searchsorted(p.in_off, pos, side="right")) - 1
+    out = np.zeros(run.size + 64, np.uint8)
+    with pytest.raises(FormatError, match=f"layer 7 tensor mlp.w block {b} of {len(p)}: "
+                                          "stored bytes do not match their checksum"):
+        codec.decode(p, 0, len(p), bad, 0, out, True, "trunk.kz", 7)
+    try:
+        codec.decode(p, 0, len(p), bad, 0, out, False, "trunk.kz", 7)
+    except FormatError as e:
+        assert f"block {b} of" in str(e)
+    assert not out[run.size:].any()
+    codec.decode(p, 0, len(p), np.frombuffer(blob, np.uint8), 0, out, True, "trunk.kz", 7)
+    assert out[:run.size].tobytes() == run.tobytes()           # control: intact bytes decode
+
+
+# ---- packs end to end -----------------------------------------------------------------
+
+def test_compress_pack_layout_and_verify(small_raw, small_kz, small_dir):
+    """Catches a compressed pack that is not smaller, not v3, keeps trunk.bin, or that
+    verify (with the checkpoint, byte for byte after decoding) does not pass."""
+    man = json.loads((small_kz / MANIFEST_FILE).read_text())
+    raw = json.loads((small_raw / MANIFEST_FILE).read_text())
+    assert man["version"] == 3 and raw["version"] == 2
+    assert not (small_kz / TRUNK_FILE).exists() and (small_kz / BLOCK_INDEX_FILE).is_file()
+    assert man["trunk_bytes"] < 0.8 * raw["trunk_bytes"]
+    assert [l["crc32"] for l in man["layers"]] == [l["crc32"] for l in raw["layers"]]
+    p = k3pack("verify", small_kz, "--against", small_dir, "--quiet", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["compressed"] is True
+    again = k3pack("compress", small_kz, "--json", "--quiet")
+    assert again.returncode == 0 and json.loads(again.stdout)["already_compressed"]
+
+
+def test_run_compressed_pack_same_logits_at_every_budget_and_thread_count(
+        small_dir, small_raw, small_kz, tmp_path):
+    """Catches a decode on the read-ahead path that changes any byte, depends on the
+    thread count, the ring or pinning: tokens and logits equal the resident forward's,
+    and the report shows the trunk read compressed and decoded."""
+    ref = _reference(small_dir)
+    b = _budgets(small_dir)
+    for i, (budget, threads) in enumerate([(b[1], "1"), (b[1], "2"), (b[2], "2")]):
+        r = _run_same_logits(small_dir, small_kz, ref, budget, threads, tmp_path / str(i))
+        assert r["trunk_decode_seconds"] > 0
+        assert r["trunk_bytes_read"] < 0.8 * r["trunk_bytes_decoded"]
+
+
+def test_run_compressed_tiny_pack_same_logits(tiny_dir, tmp_path):
+    """Catches a compressed pack whose layers hold only raw blocks (every tiny tensor is
+    below the coded size) decoding wrongly: logits equal the resident forward's."""
+    raw = _pack(tiny_dir, tmp_path / "tiny.pack")
+    kz, info = _compressed_copy(raw, tmp_path / "tiny-kz.pack")
+    assert info["stored_bytes"] == info["raw_bytes"]
+    r = _run_same_logits(tiny_dir, kz, _reference(tiny_dir), _budgets(tiny_dir)[1], "2",
+                         tmp_path / "t")
+    assert r["trunk_bytes_decoded"] > 0
+
+
+def _run_same_logits(model, pack_dir, ref, budget, threads, stem) -> dict:
+    out, rep = stem.with_suffix(".npy"), stem.with_suffix(".json")
+    p = k3(model, "--ids", PROMPT, "--gen", 6, *budget, "--pack", pack_dir,
+           "--threads", threads, "--logits-out", out, "--report-json", rep)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(rep.read_text())
+    assert r["generated_ids"] == ref.generated_ids, (budget, threads)
+    assert np.array_equal(np.load(out).view(np.uint32), ref.logits.view(np.uint32))
+    return r
+
+
+def _damage_block(pack_dir, L=2):
+    """Flip one byte inside the first coded block of layer L; returns its block text."""
+    pk = open_pack(pack_dir)
+    plan, lay = pk.blocks[L], pk.manifest["layers"][L]
+    b = int(np.flatnonzero(plan.kind == CODED)[0])
+    at = lay["file_off"] + int(plan.in_off[b] + plan.in_len[b]) - 3
+    with open(pack_dir / COMPRESSED_TRUNK_FILE, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    return f"layer {L} tensor {plan.tensor[b]} block {int(plan.part[b])} of {int(plan.parts[b])}"
+
+
+def test_corrupt_block_named_by_verify_and_refused_by_run(small_dir, small_kz, tmp_path):
+    """Catches a damaged compressed block that verify passes or k3-run decodes: both
+    exit 3 naming the layer, tensor and block (control: the undamaged pack passes verify
+    in test_compress_pack_layout_and_verify and runs in the logits test)."""
+    bad = tmp_path / "bad.pack"
+    shutil.copytree(small_kz, bad)
+    where = _damage_block(bad)
+    v = k3pack("verify", bad, "--quiet")
+    assert v.returncode == 3 and where in v.stderr and "checksum" in v.stderr, v.stderr
+    r = k3(small_dir, "--ids", "1,2", "--gen", 1, *_budgets(small_dir)[1], "--pack", bad)
+    assert r.returncode == 3 and where in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_block_index_damage_refused_at_open(small_kz, tmp_path):
+    """Catches a block index read without its CRC: one changed stored length is refused
+    when the pack is opened, naming trunk.blocks."""
+    bad = tmp_path / "idx.pack"
+    shutil.copytree(small_kz, bad)
+    blob = bytearray((bad / BLOCK_INDEX_FILE).read_bytes())
+    blob[0] ^= 1
+    (bad / BLOCK_INDEX_FILE).write_bytes(bytes(blob))
+    with pytest.raises(FormatError, match="trunk.blocks.*crc32"):
+        open_pack(bad)
+    open_pack(small_kz)                                            # control
+
+
+def test_compress_resumes_after_interruption(small_raw, small_kz, tmp_path, monkeypatch):
+    """Catches a compress that starts over, skips a layer, or keeps a damaged partial
+    layer after an interruption: the raw pack stays usable meanwhile, the rerun resumes
+    the verified layers and ends with the same bytes as an uninterrupted run."""
+    from libk3 import pack_compress
+
+    d = tmp_path / "p.pack"
+    shutil.copytree(small_raw, d)
+    real, calls = Codec.encode, []
+
+    def failing(self, *args):                 # one call per layer here (layers < 64 MiB)
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(self, *args)
+
+    monkeypatch.setattr(Codec, "encode", failing)
+    with pytest.raises(KeyboardInterrupt):
+        pack_compress.compress(d, progress=False)
+    monkeypatch.setattr(Codec, "encode", real)
+    assert not open_pack(d).compressed                             # raw pack still whole
+    with open(d / pack_compress.KZ_PARTIAL_FILE, "r+b") as f:      # damage layer 2's bytes
+        f.seek(open_pack(small_kz).manifest["layers"][2]["file_off"] + 5)
+        f.write(b"\xff\xfe")
+    res = pack_compress.compress(d, progress=False)
+    assert res.layers_resumed == 2
+    assert (d / COMPRESSED_TRUNK_FILE).read_bytes() == \
+        (small_kz / COMPRESSED_TRUNK_FILE).read_bytes()
+    assert (d / BLOCK_INDEX_FILE).read_bytes() == (small_kz / BLOCK_INDEX_FILE).read_bytes()
+    assert not (d / TRUNK_FILE).exists() and not (d / pack_compress.KZ_JOURNAL_FILE).exists()
+
+
+def test_compress_and_verify_in_small_pieces_give_the_same_result(small_raw, small_kz,
+                                                                  small_dir, tmp_path,
+                                                                  monkeypatch):
+    """Catches piece boundaries that change the stored bytes, the index, a layer's CRC or
+    the NaN/Inf scan: compressing and verifying in pieces of a few blocks (odd offsets
+    included) gives the same pack, and verify still passes it."""
+    import libk3.pack as pack_mod
+    from libk3 import pack_compress
+
+    monkeypatch.setattr(pack_compress, "ENCODE_BYTES", 300_000)
+    monkeypatch.setattr(pack_mod, "COPY_BLOCK", 200_000)
+    d = tmp_path / "pieces.pack"
+    shutil.copytree(small_raw, d)
+    pack_compress.compress(d, threads=2, progress=False)
+    assert (d / COMPRESSED_TRUNK_FILE).read_bytes() == \
+        (small_kz / COMPRESSED_TRUNK_FILE).read_bytes()
+    assert (d / BLOCK_INDEX_FILE).read_bytes() == (small_kz / BLOCK_INDEX_FILE).read_bytes()
+    reader = pack_mod._DecodedLayers(open_pack(d), -1, d)
+    reader.codec.close()
+    assert len(reader.groups[1]) > 3                       # verify read layer 1 in pieces
+    with Checkpoint.open(small_dir) as ckpt:
+        assert pack_mod.verify(d, ckpt, progress=False)["ok"]
+
+
+def _edit_manifest(d, fn):
+    doc = json.loads((d / MANIFEST_FILE).read_text())
+    fn(doc)
+    (d / MANIFEST_FILE).write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("case, edit, field", [
+    ("codec name", lambda doc: doc["trunk_codec"].update(name="bf16-exponent-lz4"),
+     "trunk_codec.name"),
+    ("block size", lambda doc: doc["trunk_codec"].update(block_bytes=131072),
+     "trunk_codec.block_bytes"),
+    ("stored", lambda doc: doc["layers"][3].update(stored=doc["layers"][3]["stored"] - 8),
+     "layer 3: its blocks' stored lengths do not add up"),
+    ("no codec", lambda doc: doc.pop("trunk_codec"), "missing key 'trunk_codec'"),
+    ("raw file name", lambda doc: doc.update(trunk_file="trunk.bin"), "trunk_file"),
+])
+def test_compressed_manifest_lies_refused_at_open(case, edit, field, small_kz, small_raw,
+                                                  tmp_path):
+    """Catches a v3 manifest read without its codec fields checked (another codec or
+    block size would decode garbage; a wrong stored length misplaces every later layer),
+    and a v2 pack that claims v3 (control: both untouched packs open)."""
+    bad = tmp_path / "bad.pack"
+    shutil.copytree(small_kz, bad)
+    _edit_manifest(bad, edit)
+    with pytest.raises(FormatError, match=re.escape(field)):
+        open_pack(bad)
+    v2 = tmp_path / "v2.pack"
+    shutil.copytree(small_raw, v2)
+    _edit_manifest(v2, lambda doc: doc.update(version=3))
+    with pytest.raises(FormatError, match="missing key 'trunk_codec'"):
+        open_pack(v2)
+    assert open_pack(small_kz).compressed and not open_pack(small_raw).compressed
