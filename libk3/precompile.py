@@ -4,8 +4,9 @@ Owns: the table of every numba entry point the tools call from Python, with the 
 argument types they call it with; finding which of those numba's on-disk cache does not
 hold yet; compiling them up front under a one-line notice and a tqdm bar (nothing is
 printed when all are cached), then loading the rest; and where numba keeps that cache.
-Does not own: the kernels (``libk3.kernels``, ``libk3.cache_policy``, ``libk3.hwprobe``)
-or when a tool runs (its front end, or the engine for k3-run, calls ``prepare``).
+Does not own: the kernels (``libk3.kernels``, ``libk3.policies``, ``libk3.cache_policy``,
+``libk3.hwprobe``) or when a tool runs (its front end, or the engine for k3-run, calls
+``prepare``).
 
 Why a table of signatures: numba compiles lazily at a kernel's first call, so a fresh
 install sat silent for half a minute of "prefill" (issue 19). Knowing the argument types
@@ -13,11 +14,12 @@ up front lets a run look each one up in numba's cache index, then announce and c
 only what is missing, before the first layer and timed apart from prefill. The types
 must be exactly those of a real call (C-contiguous, writable arrays; Python ints and
 floats are int64 and float64), else numba files the compiled code under another key and
-compiles again at the call: tests/test_precompile.py runs every tool path after
-``prepare`` and fails on any compilation the table did not foresee. The lookup reads
-numba's private cache index (``_cache``, ``_index_key``); if a numba release moves it,
-``is_cached`` says None, nothing is announced and numba compiles lazily as before (and
-that test fails, so it is noticed).
+compiles again at the call (a policy state's type, a nested tuple with strided views,
+is taken from the constructor numba compiled: ``ReturnOf``). tests/test_precompile.py
+runs every tool path after ``prepare`` and fails on any compilation the table did not
+foresee. The lookup reads numba's private cache index (``_cache``, ``_index_key``); if a
+numba release moves it, ``is_cached`` says None, nothing is announced and numba compiles
+lazily as before (and that test fails, so it is noticed).
 
 Where the cache lives (numba's rule, README "Set up"): ``$NUMBA_CACHE_DIR`` when set;
 else ``__pycache__`` beside each kernel's source when that is writable (editable
@@ -41,7 +43,7 @@ class Kernel:
 
     module: str
     name: str
-    args: tuple          # numba types, in call order
+    args: tuple          # numba types or ReturnOf, in call order
 
     @property
     def label(self) -> str:
@@ -49,6 +51,28 @@ class Kernel:
 
     def dispatcher(self):
         return getattr(importlib.import_module(self.module), self.name)
+
+    def signature(self) -> tuple:
+        """The numba argument types; a ReturnOf needs its kernel ready (earlier in the
+        table)."""
+        return tuple(t.resolve() if isinstance(t, ReturnOf) else t for t in self.args)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReturnOf:
+    """The type an earlier table entry returns. Why: a policy's state is a nested tuple
+    of arrays, some of them strided views, and only numba's own inference names its
+    type exactly as a call from Python will."""
+
+    kernel: Kernel
+
+    def resolve(self):
+        sig = self.kernel.signature()
+        ready = self.kernel.dispatcher().overloads.get(sig)
+        if ready is None:
+            raise RuntimeError(f"precompile table: {self.kernel.label} must be ready "
+                               "before an entry that takes what it returns")
+        return ready.signature.return_type
 
 
 def _groups() -> dict:
@@ -62,8 +86,6 @@ def _groups() -> dict:
     u16_2, u8_2 = a(nt.uint16, 2), a(nt.uint8, 2)
     i64_1, i64_2, f64_1 = a(nt.int64, 1), a(nt.int64, 2), a(nt.float64, 1)
     i64, f64 = nt.int64, nt.float64
-    lru_state = nt.Tuple((i64_2, i64_1, i64_1))
-    llfu_state = nt.Tuple((i64_2, i64_2, i64_1, f64_1, f64_1))
 
     def group(module, *entries):
         return tuple(Kernel(module, name, tuple(args)) for name, args in entries)
@@ -87,17 +109,30 @@ def _groups() -> dict:
         + group(k + "router", ("router_topk", (f32_2, f32_1, i64, nt.boolean, f64, i64_2,
                                                f32_2)))
         + group(k + "moe", ("combine_routed", (f32_3, f32_2, f32_2))))
-    online_policies = group(
-        "libk3.cache_policy", ("_lru_new", (i64, i64)), ("_lru_lookup", (lru_state, i64)),
-        ("_lru_admit", (lru_state, i64)), ("_llfu_new", (i64, i64, i64, i64, f64)),
-        ("_llfu_new_visit", (llfu_state, i64)), ("_llfu_lookup", (llfu_state, i64)),
-        ("_llfu_admit", (llfu_state, i64)))
-    replay = group(
-        "libk3.cache_policy",
-        ("_simulate_pin_lru", (i64_1, i64, i64, a(nt.boolean, 1), i64)),
-        ("next_use_indices", (i64_1, i64)), ("_simulate_belady", (i64_1, i64_1, i64, i64)),
-        ("_simulate_s3fifo", (i64_1, i64, i64, i64, i64, i64)),
-        ("_simulate_llfu", (i64_1, i64, i64, i64, i64, f64)))
+    # a policy's state is what its constructor returns; drive.access and drive.hits
+    # are compiled once per state type
+    pol = "libk3.policies."
+    lru_new = Kernel(pol + "lru", "new", (i64, i64))
+    lfu_new = Kernel(pol + "lfu", "new", (i64, i64, i64))
+    llfu_new = Kernel(pol + "layer_lfu", "new", (i64, i64, i64, i64, f64))
+    adaptive_new = Kernel(pol + "adaptive", "new_on",
+                          (a(nt.int32, 2), i64, i64, i64, i64, f64, f64))
+
+    def driven(name, new, *args):
+        return (new, Kernel(pol + "drive", name, (ReturnOf(new), *args)))
+
+    online_policies = (
+        group("libk3.cache_policy", ("_in_range", (i64_1, i64)),
+              ("evicts_its_own_batch", (i64_1, i64_2)))
+        + sum((driven("access", new, i64_1, i64_2)
+               for new in (lru_new, llfu_new, adaptive_new)), ()))
+    replay = (
+        group(pol + "belady", ("next_use_indices", (i64_1, i64)),
+              ("simulate", (i64_1, i64_1, i64, i64)))
+        + group(pol + "lru", ("simulate_pin_lru", (i64_1, i64, i64, a(nt.boolean, 1), i64)))
+        + group(pol + "s3fifo", ("sizes", (i64,)), ("simulate", (i64_1, i64, i64, i64, i64,
+                                                                  i64)))
+        + sum((driven("hits", new, i64_1) for new in (lfu_new, llfu_new, adaptive_new)), ()))
     probe = group("libk3.hwprobe", ("_prange_sum", (f64_1,)))
     u8_1, u16_1 = a(nt.uint8, 1), a(nt.uint16, 1)
     ro_u8_1 = nt.Array(nt.uint8, 1, "C", readonly=True)     # np.frombuffer of zstd's bytes
@@ -127,15 +162,16 @@ def kernels(groups=GROUPS) -> list:
 def is_cached(kern: Kernel):
     """True when numba's on-disk cache (or this process) holds ``kern`` for this CPU,
     False when calling it would compile, None when this numba's cache index cannot be
-    read (its internals moved)."""
+    read (its internals moved). The entries its types come from must be ready."""
     disp = kern.dispatcher()
-    if kern.args in disp.overloads:
+    sig = kern.signature()
+    if sig in disp.overloads:
         return True
     try:
         cache = disp._cache
         if not hasattr(cache, "_cache_file"):    # NullCache: no writable cache anywhere
             return False
-        key = cache._index_key(kern.args, disp.targetctx.codegen())
+        key = cache._index_key(sig, disp.targetctx.codegen())
         index = cache._cache_file._load_index()
         name = index.get(key)
         return name is not None and os.path.exists(cache._cache_file._data_path(name))
@@ -150,28 +186,44 @@ def cache_dir(kern: Kernel):
     return getattr(kern.dispatcher()._cache, "cache_path", None)
 
 
-def compile_kernels(todo, *, stream=None) -> float:
-    """Compile ``todo`` (Kernel list) under a notice and a tqdm bar on ``stream``
-    (stderr by default); returns the seconds spent. Numba saves each to its cache."""
-    if not todo:
-        return 0.0
-    from tqdm import tqdm
-
-    stream = sys.stderr if stream is None else stream
-    if cache_dir(todo[0]) is None:
+def _announce(kern: Kernel, stream) -> None:
+    if cache_dir(kern) is None:
         stream.write("compiling k3 kernels for this CPU; numba has no writable cache "
                      "directory here, so every run compiles (set NUMBA_CACHE_DIR)…\n")
     else:
         stream.write("compiling k3 kernels for this CPU, first run only…\n")
     stream.flush()
-    t0 = time.perf_counter()
-    with tqdm(total=len(todo), unit="kernel", desc="compiling", file=stream,
-              leave=False, disable=None) as bar:
-        for kern in todo:
-            bar.set_postfix_str(kern.label, refresh=True)
-            kern.dispatcher().compile(kern.args)
-            bar.update(1)
-    return time.perf_counter() - t0
+
+
+def _prepare(todo, stream) -> tuple:
+    """Each kernel of ``todo`` in table order compiled or loaded from the cache (an entry
+    may take a type an earlier one returns, so they are checked one by one). The notice
+    and a bar over the rest of the table come at the first kernel numba's cache lacks.
+    -> (seconds spent compiling, kernels compiled)."""
+    stream = sys.stderr if stream is None else stream
+    spent, compiled, bar = 0.0, 0, None
+    try:
+        for i, kern in enumerate(todo):
+            missing = is_cached(kern) is False
+            if missing and bar is None:
+                from tqdm import tqdm
+
+                _announce(kern, stream)
+                bar = tqdm(total=len(todo) - i, unit="kernel", desc="compiling",
+                           file=stream, leave=False, disable=None)
+            if bar is not None:
+                bar.set_postfix_str(kern.label, refresh=True)
+            t0 = time.perf_counter()
+            kern.dispatcher().compile(kern.signature())     # a cache load if not missing
+            if missing:
+                spent += time.perf_counter() - t0
+                compiled += 1
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return spent, compiled
 
 
 def prepare(groups, *, stream=None) -> float:
@@ -185,11 +237,7 @@ def prepare_kernels(todo, *, stream=None) -> float:
     bar), load the rest from the cache; returns the seconds spent compiling. Why load
     eagerly: the first call would load them anyway, inside the first layer; loaded here
     they count as start-up, and prefill times only the forward."""
-    spent = compile_kernels([kern for kern in todo if is_cached(kern) is False],
-                            stream=stream)
-    for kern in todo:
-        kern.dispatcher().compile(kern.args)        # a cache load, or nothing if loaded
-    return spent
+    return _prepare(todo, stream)[0]
 
 
 def compile_all(*, stream=None) -> dict:
@@ -197,10 +245,9 @@ def compile_all(*, stream=None) -> dict:
     numba keeps them."""
     todo = kernels(GROUPS)
     t0 = time.perf_counter()
-    before = [kern for kern in todo if is_cached(kern) is False]
-    seconds = prepare_kernels(todo, stream=stream)
+    seconds, compiled = _prepare(todo, stream)
     dirs = sorted({d for d in (cache_dir(kern) for kern in todo) if d is not None})
-    return {"kernels": len(todo), "compiled": len(before),
+    return {"kernels": len(todo), "compiled": compiled,
             "compile_seconds": round(seconds, 3),
             "total_seconds": round(time.perf_counter() - t0, 3), "cache_dirs": dirs,
             "cached": all(is_cached(kern) for kern in todo) and bool(dirs)}

@@ -412,6 +412,12 @@ class TraceReader:
                     break
                 at_tail = end == self._size
                 try:
+                    # zstd allocates what the frame declares, whatever max_output_size says
+                    declared = zstandard.frame_content_size(payload)
+                    if declared not in (-1, n * RECORD_DTYPE.itemsize):
+                        self._damage(frames, off, "frame checksum or size mismatch (corrupt "
+                                     f"frame: zstd declares {declared} bytes)", at_tail)
+                        break
                     raw = dctx.decompress(payload, max_output_size=n * RECORD_DTYPE.itemsize)
                 except zstandard.ZstdError as e:
                     self._damage(frames, off, f"zstd payload does not decode ({e})", at_tail)

@@ -168,8 +168,9 @@ def replay_keys_report(keys, *, n_layers: int, n_experts: int, top_k: int, exper
             cell = {"hit_rate_pct": 100.0 * res["hit_rate"], "hits": res["hits"],
                     "misses": res["misses"],
                     "gb_read_per_token": res["misses"] * eb / GB / tokens}
-            if "pinned" in res:
-                cell["pinned"] = res["pinned"]
+            for extra in ("pinned", "followed", "switches"):
+                if extra in res:
+                    cell[extra] = res[extra]
             cells[p] = cell
         rows.append({**r, "policies": cells})
     seconds = {p: sum(x["seconds"] for x in results if x["policy"] == p) for p in policies}
@@ -241,6 +242,11 @@ def format_replay(rep: dict) -> str:
         out.append(f"{r['capacity_gb']:>9g} {r['slots']:>7,} " + " ".join(
             f"{r['policies'][p]['gb_read_per_token']:>{w}.3f}" for p in pols))
     out.append("")
+    followed = [(r["capacity_gb"], r["policies"][p]["followed"]) for p in pols
+                for r in rep["capacities"] if "followed" in r["policies"][p]]
+    if followed:
+        out.append("adaptive followed (at the end): "
+                   + ", ".join(f"{gb:g} GB {name}" for gb, name in followed))
     if any(not v for v in rep["online"].values()):
         note = "* offline bound (uses the future)"
         if "pin+lru" in pols:

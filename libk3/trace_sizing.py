@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 from .cache_policy import replay
+from .policy_registry import DEFAULT_POLICY
 from .errors import BudgetError, FormatError
 from .pack import load_manifest
 from .stream.direct import window_bytes
@@ -51,7 +52,7 @@ def _speed(v):
 
 
 def size_budget(trace_path, pack_dir, budget: float, seq_bps: float, rand_bps: float, *,
-                policy: str = "lru", steps: int = 12) -> dict:
+                policy: str = DEFAULT_POLICY, steps: int = 12) -> dict:
     reader = TraceReader(trace_path)
     reader.require_replayable()
     h = reader.header

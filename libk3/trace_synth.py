@@ -18,6 +18,9 @@ so real popularity may be flatter than the defaults):
   same layer with this probability (consecutive tokens route alike).
 * ``drift``: per token and layer, with this probability two random popularity ranks swap
   experts, so what is hot changes slowly (a frequency count must age).
+* ``shift_every``: every this many tokens (0: never) each layer's ranking is drawn
+  afresh, so what is hot changes all at once (a long frequency memory is wrong after
+  each shift).
 
 ``synth_recompute_keys`` replays the same routing in the C engine's full-recompute order
 (every step re-runs the whole prefix), the regime of its published LRU-vs-Belady table.
@@ -35,8 +38,8 @@ from .trace import PHASE_DECODE
 
 
 @njit(cache=True, nogil=True)
-def _synth_kernel(n_tokens, n_layers, n_experts, top_k, cdf, perm, locality, drift, seed,
-                  out_layer, out_expert):
+def _synth_kernel(n_tokens, n_layers, n_experts, top_k, cdf, perm, locality, drift,
+                  shift_every, seed, out_layer, out_expert):
     """Fill out_layer/out_expert (n_tokens*n_layers*top_k,) in token, layer, pick order.
 
     cdf: (n_experts,) f64 cumulative popularity by rank; perm: (n_layers, n_experts) int64
@@ -48,6 +51,9 @@ def _synth_kernel(n_tokens, n_layers, n_experts, top_k, cdf, perm, locality, dri
     stamp = np.full(n_experts, -1, np.int64)
     i = 0
     for t in range(n_tokens):
+        if shift_every > 0 and t > 0 and t % shift_every == 0:
+            for L in range(n_layers):
+                np.random.shuffle(perm[L])
         for L in range(n_layers):
             if drift > 0.0 and np.random.random() < drift:
                 a = np.random.randint(n_experts)
@@ -78,7 +84,7 @@ def _synth_kernel(n_tokens, n_layers, n_experts, top_k, cdf, perm, locality, dri
 
 def synth_routing(n_tokens: int, *, n_layers: int = 93, n_experts: int = 896, top_k: int = 16,
                   zipf_s: float = 0.9, locality: float = 0.3, drift: float = 0.02,
-                  seed: int = 0):
+                  shift_every: int = 0, seed: int = 0):
     """Return (layer, expert) int64 arrays of n_tokens * n_layers * top_k requests.
 
     The defaults are the bench's assumptions (module docstring) at the real model's
@@ -87,8 +93,10 @@ def synth_routing(n_tokens: int, *, n_layers: int = 93, n_experts: int = 896, to
     if not (n_tokens >= 1 and n_layers >= 1 and 1 <= top_k <= n_experts):
         raise ValueError(f"bad synthetic shape tokens={n_tokens} layers={n_layers} "
                          f"experts={n_experts} top_k={top_k}")
-    if not (0.0 <= locality < 1.0 and 0.0 <= drift <= 1.0 and zipf_s >= 0.0):
-        raise ValueError(f"bad synthetic knobs zipf_s={zipf_s} locality={locality} drift={drift}")
+    if not (0.0 <= locality < 1.0 and 0.0 <= drift <= 1.0 and zipf_s >= 0.0
+            and shift_every >= 0):
+        raise ValueError(f"bad synthetic knobs zipf_s={zipf_s} locality={locality} "
+                         f"drift={drift} shift_every={shift_every}")
     rng = np.random.default_rng(seed)
     weights = 1.0 / np.arange(1, n_experts + 1, dtype=np.float64) ** zipf_s
     cdf = np.cumsum(weights)
@@ -97,7 +105,7 @@ def synth_routing(n_tokens: int, *, n_layers: int = 93, n_experts: int = 896, to
     layer = np.empty(n, np.int64)
     expert = np.empty(n, np.int64)
     _synth_kernel(n_tokens, n_layers, n_experts, top_k, cdf, perm, float(locality),
-                  float(drift), int(seed) & 0x7FFFFFFF, layer, expert)
+                  float(drift), int(shift_every), int(seed) & 0x7FFFFFFF, layer, expert)
     return layer, expert
 
 

@@ -7,7 +7,7 @@ and the brute-force versions stay fast; hypothesis keeps the examples modest.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -16,25 +16,18 @@ from hypothesis import strategies as st
 
 from libk3 import cache_policy as cp
 from libk3.errors import UsageError
+from libk3.policies import drive, layer_lfu, lru, s3fifo
 from libk3.trace_synth import synth_keys, synth_recompute_keys
 
+from .policy_brute import NE, NL, LruBrute, S3Brute, brute_hits
+
 SETTINGS = settings(max_examples=60, deadline=None)
-NL, NE = 3, 4                      # hypothesis traces: keys 0..11, layer = key // 4
 
 
 # ---- brute-force references ------------------------------------------------------------
 
 def lru_brute(keys, slots):
-    cache, hits = OrderedDict(), 0
-    for k in keys:
-        if k in cache:
-            hits += 1
-            cache.move_to_end(k)
-        elif slots > 0:
-            if len(cache) >= slots:
-                cache.popitem(last=False)
-            cache[k] = True
-    return hits
+    return sum(brute_hits(LruBrute(slots), keys))
 
 
 def belady_brute(keys, slots):
@@ -79,42 +72,14 @@ def pin_lru_brute(keys, slots, n_pinned):
     return hits
 
 
-def s3fifo_brute(keys, slots, small_target, ghost_cap, max_freq=3):
-    """The documented S3-FIFO rules with deques (oldest on the left)."""
-    S, M, G, freq, hits = deque(), deque(), deque(), {}, 0
-    for k in keys:
-        if k in S or k in M:
-            hits += 1
-            freq[k] = min(freq[k] + 1, max_freq)
-            continue
-        while len(S) + len(M) >= slots:
-            if len(S) >= small_target or not M:
-                t = S.popleft()
-                if freq[t] > 0:
-                    freq[t] = 0
-                    M.append(t)
-                else:
-                    G.append(t)
-                    if len(G) > ghost_cap:
-                        G.popleft()
-            else:
-                t = M.popleft()
-                if freq[t] > 0:
-                    freq[t] -= 1
-                    M.append(t)
-        freq[k] = 0
-        if k in G:
-            G.remove(k)
-            M.append(k)
-        else:
-            S.append(k)
-    return hits
+def s3fifo_brute(keys, slots, small_target, ghost_cap):
+    return sum(brute_hits(S3Brute(slots, small=small_target, ghost_cap=ghost_cap), keys))
 
 
 def run(policy, keys, slots, n_layers=NL, n_experts=NE):
     if policy == "lfu":       # layer-lfu without its distance term (kernel alpha = 0)
-        return cp._simulate_llfu(np.asarray(keys, np.int64), n_layers, n_experts, slots, 0,
-                                 cp.LFU_HALF_LIFE_VISITS)
+        return drive.hits(layer_lfu.new(n_layers, n_experts, slots, 0,
+                                        layer_lfu.HALF_LIFE_VISITS), np.asarray(keys, np.int64))
     return cp.replay(np.asarray(keys, np.int64), slots, policy, n_layers=n_layers,
                      n_experts=n_experts)["hits"]
 
@@ -187,7 +152,7 @@ def test_pin_lru_simulator_matches_brute_force(keys, slots, n_pinned):
     order = np.argsort(-counts, kind="stable")[:n_pinned]
     pinned = np.zeros(NL * NE, np.bool_)
     pinned[order] = True
-    got = cp._simulate_pin_lru(np.asarray(keys, np.int64), slots, NL * NE, pinned, n_pinned)
+    got = lru.simulate_pin_lru(np.asarray(keys, np.int64), slots, NL * NE, pinned, n_pinned)
     assert got == pin_lru_brute(keys, slots, n_pinned)
 
 
@@ -212,8 +177,8 @@ def test_pin_lru_is_never_below_lru(keys, slots):
 # ---- S3-FIFO -----------------------------------------------------------------------------
 
 def s3(keys, slots, small_target, ghost_cap):
-    return cp._simulate_s3fifo(np.asarray(keys, np.int64), slots, NL * NE, small_target,
-                               ghost_cap, cp.S3FIFO_MAX_FREQ)
+    return s3fifo.simulate(np.asarray(keys, np.int64), slots, NL * NE, small_target,
+                           ghost_cap, s3fifo.MAX_FREQ)
 
 
 def test_s3fifo_hand_checked_small_queue_promotion_and_ghost():
@@ -342,25 +307,22 @@ def test_replay_grid_does_not_depend_on_thread_count():
 
 @pytest.mark.parametrize("policy", cp.ONLINE_OBJECT_POLICIES)
 def test_online_object_matches_the_simulator(policy):
-    """Catches the object k3-run drives diverging from what replay measures."""
+    """Catches the object k3-run drives (one call per layer visit) diverging from what
+    replay measures (one pass over the whole stream)."""
     n_layers, n_experts, top_k = 5, 30, 4
     keys = synth_keys(25, n_layers=n_layers, n_experts=n_experts, top_k=top_k, seed=5)
     for slots in (top_k + 1, 23, 70):
         obj = cp.make_cache_policy(policy, slots, n_layers=n_layers, n_experts=n_experts)
-        hits = 0
-        for k in keys:
-            if obj.lookup(k) >= 0:
-                hits += 1
-            else:
-                obj.admit(k)
+        hits = sum(int(obj.access(visit)[:, 2].sum()) for visit in keys.reshape(-1, top_k))
         assert hits == run(policy, keys, slots, n_layers, n_experts)
 
 
 @pytest.mark.parametrize("policy", cp.ONLINE_OBJECT_POLICIES)
 def test_online_object_keeps_a_whole_layer_resident_k3_run_style(policy):
-    """k3-run looks up a layer's top_k experts, then admits the misses, then computes: with
-    top_k + 1 slots every one of them must still be resident, and (slot, evicted) must
-    describe the cache exactly. Catches evicting a key of the current visit."""
+    """k3-run hands a layer's top_k experts to ``access``, then computes: with top_k + 1
+    slots every one of them must be resident afterwards, no admission may evict a key the
+    visit already placed, and (slot, evicted) must describe the cache exactly. Catches
+    evicting a key of the current visit."""
     n_layers, n_experts, top_k = 4, 24, 6
     layer, expert = synth_routing_small(n_layers, n_experts, top_k)
     obj = cp.make_cache_policy(policy, top_k + 1, n_layers=n_layers, n_experts=n_experts)
@@ -368,15 +330,52 @@ def test_online_object_keeps_a_whole_layer_resident_k3_run_style(policy):
     for t in range(layer.shape[0]):
         for L in range(n_layers):
             group = [L * n_experts + int(e) for e in expert[t, L]]
-            missing = [k for k in group if obj.lookup(k) < 0]
-            for k in missing:
-                s, ev = obj.admit(k)
-                assert s >= 0 and ev not in group
-                assert mirror.get(s, -1) == ev
-                mirror[s] = k
+            out = obj.access(group)
+            assert cp.evicts_its_own_batch(np.array(group), out) == -1
+            for i, (k, (s, ev, h)) in enumerate(zip(group, out.tolist())):
+                assert s >= 0 and ev not in group[:i]
+                if h:
+                    assert mirror[s] == k and ev == -1
+                else:
+                    assert mirror.get(s, -1) == ev
+                    mirror[s] = k
             resident = obj.resident()
             assert set(group) <= set(resident.tolist())
             assert {s: k for s, k in enumerate(resident.tolist()) if k >= 0} == mirror
+
+
+@pytest.mark.parametrize("policy", cp.ONLINE_OBJECT_POLICIES)
+def test_online_object_keeps_its_batch_when_a_layer_is_fetched_twice_in_a_row(policy):
+    """Catches a policy whose last resort, when every resident belongs to the current
+    layer visit (the same layer fetched again: one MoE layer, or repeated fetches),
+    evicts a key the batch already placed: two experts would share a slot."""
+    n_layers, n_experts, slots = 3, 20, 5
+    rng = np.random.default_rng(3)
+    obj = cp.make_cache_policy(policy, slots, n_layers=n_layers, n_experts=n_experts)
+    evicted = 0
+    for _ in range(300):
+        L = int(rng.integers(0, 2)) if rng.random() < 0.3 else 0
+        group = np.array([L * n_experts + int(e) for e in
+                          rng.choice(n_experts, size=int(rng.integers(1, slots + 1)),
+                                     replace=False)])
+        out = obj.access(group)
+        assert cp.evicts_its_own_batch(group, out) == -1
+        assert set(group.tolist()) <= set(obj.resident().tolist())
+        evicted += int((out[:, 1] >= 0).sum())
+    assert evicted > 100                                        # the cache was under pressure
+
+
+def test_online_object_is_sized_by_the_keys_not_a_huge_slot_count():
+    """Catches a live cache state allocated per requested slot (10^12 slots would not
+    fit): slots past one per key change nothing."""
+    keys = synth_keys(10, n_layers=NL, n_experts=NE, top_k=3, seed=2).reshape(-1, 3)
+    for policy in cp.ONLINE_OBJECT_POLICIES:
+        big = cp.make_cache_policy(policy, 10**12, n_layers=NL, n_experts=NE)
+        exact = cp.make_cache_policy(policy, NL * NE, n_layers=NL, n_experts=NE)
+        for visit in keys:
+            assert big.access(visit).tolist() == exact.access(visit).tolist()
+        assert big.resident().tolist() == exact.resident().tolist()
+    assert cp.make_cache_policy("lru", 7, n_layers=NL, n_experts=NE).resident().size == 7
 
 
 def synth_routing_small(n_layers, n_experts, top_k):
@@ -390,4 +389,34 @@ def test_online_object_refuses_offline_policies():
     """Catches offering k3-run a policy that needs the future."""
     with pytest.raises(UsageError, match="cannot drive a live cache"):
         cp.make_cache_policy("belady", 20, n_layers=NL, n_experts=NE)
-    assert cp.make_cache_policy("lru", 20, n_layers=NL, n_experts=NE).lookup(3) == -1
+    assert cp.make_cache_policy("lru", 20, n_layers=NL, n_experts=NE).access([3])[0, 2] == 0
+
+
+def test_replay_grid_takes_adaptives_candidates_from_its_shadows_exactly():
+    """Catches a shadow that is not the policy it stands for (a grid with adaptive
+    reports the candidates from adaptive's shadows instead of replaying them again)."""
+    keys = synth_keys(12, n_layers=5, n_experts=30, top_k=4, seed=6)
+    kw = dict(n_layers=5, n_experts=30)
+    cands = ["lru", "s3fifo", "lfu", "layer-lfu"]
+    alone = cp.replay_grid(keys, [5, 17, 40], cands, **kw)
+    with_adaptive = cp.replay_grid(keys, [5, 17, 40], cands + ["adaptive"], **kw)
+    assert [r["misses"] for r in alone] == [r["misses"] for r in with_adaptive[:len(alone)]]
+    assert all(r.get("shadow_of") == "adaptive" for r in with_adaptive[:len(alone)])
+    assert all("shadow_of" not in r for r in alone)          # control: replayed alone
+
+
+def test_evicts_its_own_batch_flags_an_eviction_of_a_key_the_batch_placed():
+    """Catches a guard that never fires (k3-run would hand one slot to two experts)."""
+    keys = np.array([5, 6, 7])
+    out = np.array([[0, -1, 0], [1, -1, 0], [0, 5, 0]])
+    assert cp.evicts_its_own_batch(keys, out) == 2
+    out[2, 1] = 9                                  # control: a key outside the batch
+    assert cp.evicts_its_own_batch(keys, out) == -1
+
+
+def test_online_object_refuses_keys_outside_the_model():
+    """Catches an unchecked key reaching the numba state (it would write out of bounds)."""
+    obj = cp.make_cache_policy("adaptive", 5, n_layers=NL, n_experts=NE)
+    with pytest.raises(ValueError, match="outside"):
+        obj.access([3, NL * NE])
+    assert obj.access([NL * NE - 1])[0, 2] == 0     # control: the last key is fine

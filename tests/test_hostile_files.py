@@ -261,6 +261,20 @@ def test_trace_any_damage_is_refused_naming_the_file(good_trace, tmp_path_factor
                                              slots=[5])), 3, str(p))
 
 
+def test_trace_frame_declaring_a_huge_size_is_refused_naming_the_file(good_trace, tmp_path):
+    """Catches a damaged frame whose zstd header declares hundreds of TB: zstd allocated
+    that before max_output_size applied (MemoryError, exit 4 instead of 3)."""
+    m = good_trace.find(b"\x28\xb5\x2f\xfd")                # the first frame's zstd magic
+    bad = good_trace[:m + 4] + bytes([good_trace[m + 4] ^ 0x80]) + good_trace[m + 5:]
+    p = tmp_path / "bad.k3trace"
+    p.write_bytes(bad)
+    for fn in (lambda: trace_stats(tr.TraceReader(p)),
+               lambda: replay_report(tr.TraceReader(p), policies=["lru"], slots=[5])):
+        check_refused(call(fn), 3, str(p))
+    p.write_bytes(good_trace)                                             # control
+    assert call(lambda: trace_stats(tr.TraceReader(p))).code == 0
+
+
 @pytest.mark.parametrize("name,text", [
     ("nested", NESTED.encode()),
     ("huge int", b'{"n_layers": ' + HUGE_INT.encode() + b"}"),

@@ -65,18 +65,82 @@ def test_precompile_notice_exactly_when_numba_compiles(tmp_path):
     assert out == ["False", "True", "42"] and NOTICE in err
 
 
+STATE_TOY = '''
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True)
+def new(n):
+    a = np.zeros((n, 4), np.int32)
+    return a[:, 1:3], np.zeros(n, np.int64)      # a strided view, as the policies' states
+
+
+@njit(cache=True)
+def use(st):
+    return st[0].shape[0] + st[1].size
+'''
+
+PREPARE_STATE_TOY = '''
+from numba import types
+from numba.core.event import install_recorder
+from libk3 import precompile
+new = precompile.Kernel("statekern", "new", (types.int64,))
+use = precompile.Kernel("statekern", "use", (precompile.ReturnOf(new),))
+seconds = precompile.prepare_kernels([new, use])
+with install_recorder("numba:compile") as rec:
+    n = use.dispatcher()(new.dispatcher()(3))
+print(seconds > 0, n, len([ev for _, ev in rec.buffer if ev.is_start]))
+'''
+
+
+def test_precompile_state_type_taken_from_its_constructor(tmp_path):
+    """Catches a state type written by hand or guessed (a strided view typed as
+    C-contiguous): the real call would compile again, unannounced; and a notice on a
+    warm cache because the dependent entry was looked up before its constructor."""
+    (tmp_path / "statekern.py").write_text(STATE_TOY)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), NUMBA_CACHE_DIR=str(tmp_path / "nc"))
+    outs = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", PREPARE_STATE_TOY], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr
+        outs.append((p.stdout.split(), NOTICE in p.stderr))
+    assert outs == [(["True", "6", "0"], True), (["False", "6", "0"], False)]
+
+
+def test_precompile_state_types_come_from_earlier_entries():
+    """Catches a group that lists drive.access or drive.hits without the constructor of
+    its state before it (preparing that group alone would fail or compile unannounced)."""
+    for g in precompile.GROUPS:
+        ks = precompile.kernels([g])
+        for i, kern in enumerate(ks):
+            for arg in kern.args:
+                if isinstance(arg, precompile.ReturnOf):
+                    assert arg.kernel in ks[:i], (g, kern.label)
+    assert any(isinstance(arg, precompile.ReturnOf)
+               for kern in precompile.kernels() for arg in kern.args)     # control
+
+
 def test_precompile_lookup_matches_numba_own_key():
     """Catches a table type that differs from what a call passes (readonly, layout,
     int32 scalars): numba would file it under another key and compile at the call."""
+    precompile.prepare(precompile.GROUPS)          # a policy state's type is resolved
     for kern in precompile.kernels():
         disp = kern.dispatcher()
-        key = disp._cache._index_key(kern.args, disp.targetctx.codegen())
-        assert key[0] == kern.args
+        key = disp._cache._index_key(kern.signature(), disp.targetctx.codegen())
+        assert key[0] == kern.signature()
     from libk3.kernels import norms
     x = np.ones((2, 4), np.float32)
     out = np.empty_like(x)
     norms.rmsnorm(x, np.ones(4, np.float32), 1e-5, out)         # a real call's types
     assert tuple(norms.rmsnorm.signatures[0]) in {k.args for k in precompile.kernels()}
+    from libk3.cache_policy import OnlinePolicy
+    from libk3.policies import drive
+    pol = OnlinePolicy("adaptive", 8, n_layers=2, n_experts=4)
+    pol.access([1, 2])                                       # a real call's state type
+    table = {(k.label, k.signature()) for k in precompile.kernels()}
+    assert {("drive.access", tuple(sig)) for sig in drive.access.signatures} <= table
 
 
 @njit
@@ -134,4 +198,6 @@ def test_doctor_compile_reports_every_kernel_and_where_cached():
     assert {k.module for k in precompile.kernels()} == {
         "libk3.kernels." + m for m in ("bf16", "mxfp4", "norms", "activations", "attnres",
                                        "kda", "mla", "router", "moe", "bf16_planes")} | {
+        "libk3.policies." + m for m in ("lru", "lfu", "layer_lfu", "adaptive", "drive",
+                                        "belady", "s3fifo")} | {
         "libk3.cache_policy", "libk3.hwprobe"}

@@ -19,6 +19,7 @@ import pytest
 
 from libk3 import trace as tr
 from libk3.errors import FormatError, K3Error
+from libk3.policy_registry import POLICIES
 from libk3.trace_report import capacity_ladder, replay_report, trace_stats
 
 NL, NE, TOPK = 5, 12, 3
@@ -438,6 +439,13 @@ def test_cli_import_stats_replay_end_to_end(tmp_path):
 
     r = k3_trace("replay", out, "--slots", "300", "--policy", "lru")
     assert r.returncode == 0 and "hit rate (%)" in r.stdout
+    assert "adaptive" not in r.stdout                       # control for the next call
+
+    r = k3_trace("replay", out, "--slots", "300")            # every policy, the default too
+    assert r.returncode == 0, r.stderr
+    head = r.stdout.splitlines()[3].split()
+    assert head[3:] == [p + ("" if POLICIES[p].online else "*") for p in POLICIES]
+    assert f"adaptive followed (at the end): {300 * 17547264 / 1e9:g} GB " in r.stdout
 
 
 def test_cli_errors_are_one_line_with_exit_codes(tmp_path):

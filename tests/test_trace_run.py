@@ -8,6 +8,7 @@ import subprocess
 import numpy as np
 
 from libk3.cache_policy import replay
+from libk3.policy_registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
 from libk3.presets import ModelSizes, minimum_budget
 from libk3.io.checkpoint import Checkpoint
 from libk3.trace import PHASE_DECODE, PHASE_PREFILL, TraceReader
@@ -30,15 +31,16 @@ def test_cache_policy_never_changes_tokens_or_logits(small_dir, tmp_path):
     """Catches a policy whose eviction hands one expert's bytes to another."""
     flags = _small_cache_flags(small_dir)
     out = {}
-    for pol in ("lru", "layer-lfu"):
+    for pol in ONLINE_OBJECT_POLICIES:
         p = run("k3-run", small_dir, "--ids", "4,8,15,16,23,42", "--gen", 8, *flags,
                 "--cache-policy", pol, "--logits-out", tmp_path / f"{pol}.npy",
                 "--report-json", tmp_path / f"{pol}.json")
         assert p.returncode == 0, p.stderr
         out[pol] = (np.load(tmp_path / f"{pol}.npy"), json.loads((tmp_path / f"{pol}.json").read_text()))
-    assert out["lru"][1]["generated_ids"] == out["layer-lfu"][1]["generated_ids"]
-    assert np.array_equal(out["lru"][0].view(np.uint32), out["layer-lfu"][0].view(np.uint32))
-    assert out["lru"][1]["cache_policy"] == "lru" and out["layer-lfu"][1]["cache_policy"] == "layer-lfu"
+    for pol in ONLINE_OBJECT_POLICIES:
+        assert out[pol][1]["generated_ids"] == out["lru"][1]["generated_ids"]
+        assert np.array_equal(out[pol][0].view(np.uint32), out["lru"][0].view(np.uint32))
+        assert out[pol][1]["cache_policy"] == pol
 
 
 def test_trace_records_every_request_and_replay_matches_the_live_cache(small_dir, tmp_path):
@@ -59,7 +61,7 @@ def test_trace_records_every_request_and_replay_matches_the_live_cache(small_dir
     assert recs.size == tokens_fed * len(cfg.moe_layers) * cfg.num_experts_per_token
     assert set(np.unique(recs["phase"])) == {PHASE_PREFILL, PHASE_DECODE}
     assert np.array_equal(np.unique(recs["pos"]), np.arange(tokens_fed))
-    assert r["cache_policy"] == "layer-lfu"                  # the default
+    assert r["cache_policy"] == DEFAULT_POLICY               # not given: the default
     live = replay(reader.layer_expert_keys(), r["cache_slots"], r["cache_policy"],
                   n_layers=cfg.num_hidden_layers, n_experts=cfg.num_experts)
     assert live["hits"] == round(r["cache_hit_rate"] * r["expert_requests"])

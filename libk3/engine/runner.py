@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import BudgetError, FormatError, UsageError
 from ..model.state import State
+from ..policy_registry import DEFAULT_POLICY
 from ..trace import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
 from .batch_sink import BatchSink
@@ -33,7 +34,7 @@ class RunOptions:
     cache_gb: float | None = None
     budget_order: list = dataclasses.field(default_factory=list)
     resident: bool = False
-    cache_policy: str = "layer-lfu"
+    cache_policy: str = DEFAULT_POLICY
     io_threads: int = 4
     direct_io: bool = True
     trace_path: str | None = None

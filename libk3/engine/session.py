@@ -14,6 +14,7 @@ from ..io.checkpoint import Checkpoint
 from ..model.forward import Forward
 from ..model.state import State
 from ..model.weights import ResidentWeights, StreamedWeights
+from ..policy_registry import DEFAULT_POLICY
 
 
 @dataclasses.dataclass
@@ -45,7 +46,7 @@ def load_tokenizer_if_present(model_dir, vocab_size=None, pack=None):
 
 
 def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_bytes=None,
-                 cache_policy: str = "layer-lfu", io_threads: int = 4, direct_io: bool = True,
+                 cache_policy: str = DEFAULT_POLICY, io_threads: int = 4, direct_io: bool = True,
                  on_route=None, verify_reads: str = "first") -> Session:
     """Open ``model_dir`` for a run (or use ``ckpt``, its already opened Checkpoint).
     Without budgets every weight is resident; with ``trunk_bytes`` and ``cache_bytes`` the

@@ -9,7 +9,7 @@ arithmetic: experts stay packed and the kernels multiply from the nibbles.
 Slot size = the aligned window any expert run can need (run + up to 2 pages), so one
 read lands an expert whatever its offset. A fetch never hands out a slot that another
 expert of the same batch is using: batches are at most ``slots`` experts and the policy
-is told which keys are protected.
+never evicts a key its visit already placed (``libk3.stream.policy`` checks).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import numpy as np
 from .. import names
 from ..errors import BudgetError
 from ..io import inventory
+from ..policy_registry import DEFAULT_POLICY
 from .direct import FileSet, aligned_empty, window_bytes
-from .policy import DEFAULT_POLICY, make_policy
+from .policy import make_policy
 
 
 class ExpertCache:
@@ -87,22 +88,17 @@ class ExpertCache:
         ids = [int(e) for e in ids]
         assert len(ids) <= self.n_slots
         keys = [self.key(L, e) for e in ids]
-        protected = set(keys)
         where, misses = {}, []
-        for e, k in zip(ids, keys):
+        for e, k, (s, evicted, hit) in zip(ids, keys, self.policy.access(keys)):
             self.stats["requests"] += 1
-            s = self.policy.lookup(k)
-            if s >= 0:
+            where[e] = s
+            if hit:
                 self.stats["hits"] += 1
-                where[e] = s
-            else:
-                misses.append((e, k))
-        for e, k in misses:
-            s, evicted = self.policy.admit(k, protected)
+                continue
             if evicted >= 0:
                 self.stats["evictions"] += 1
             self.slot_key[s] = k
-            where[e] = s
+            misses.append((e, k))
         order = sorted(misses, key=lambda ek: (int(self.table.shard[L, ek[0]]),
                                                int(self.table.offset[L, ek[0]])))
         t0 = time.perf_counter()

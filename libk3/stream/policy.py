@@ -2,8 +2,9 @@
 
 Owns: adapting the online policy objects of ``libk3.cache_policy`` (the same numba code
 the offline replay runs, so replayed hit rates are what k3-run gets) to the cache's
-needs: ``lookup(key) -> slot or -1``, ``admit(key, protected) -> (slot, evicted or -1)``
-that never evicts an expert of the batch being fetched. Does not own: the slots' bytes.
+needs: ``access(keys)`` for one layer visit, refusing loudly if a policy ever evicted a
+key the visit already placed. Does not own: the slots' bytes, the policies' names or the
+default (``libk3.policy_registry``).
 
 The policy never changes results, only which bytes are read again: k3-run's output is
 the same for every policy (tested).
@@ -11,13 +12,11 @@ the same for every policy (tested).
 
 from __future__ import annotations
 
-from ..cache_policy import ONLINE_OBJECT_POLICIES, make_cache_policy
-from ..errors import UsageError
+import numpy as np
 
-# layer-lfu beat LRU on every capacity of traces recorded from k3-run (bench/perf.py
-# policy: e.g. 49.9 % vs 47.0 % live hit rate on `medium`, 50.3 vs 53.2 MB/token read);
-# LRU stays selectable with --cache-policy lru.
-DEFAULT_POLICY = "layer-lfu"
+from ..cache_policy import evicts_its_own_batch, make_cache_policy
+from ..errors import UsageError
+from ..policy_registry import ONLINE_OBJECT_POLICIES
 
 
 class CachePolicy:
@@ -28,17 +27,17 @@ class CachePolicy:
         self.name = name
         self._p = make_cache_policy(name, n_slots, n_layers=n_layers, n_experts=n_experts)
 
-    def lookup(self, key: int) -> int:
-        return self._p.lookup(key)
-
-    def admit(self, key: int, protected=()) -> tuple:
-        slot, evicted = self._p.admit(key)
-        if evicted >= 0 and evicted in protected:
+    def access(self, keys) -> list:
+        """-> [[slot, evicted key or -1, hit 0/1]] per key of one layer visit, in order."""
+        keys = np.asarray(keys, dtype=np.int64)
+        out = self._p.access(keys)
+        i = evicts_its_own_batch(keys, out)
+        if i >= 0:
             # the policies guarantee this cannot happen for batches <= slots (tested);
             # if it did, two experts of one batch would share a slot: refuse loudly.
-            raise RuntimeError(f"cache policy {self.name} evicted expert key {evicted} "
+            raise RuntimeError(f"cache policy {self.name} evicted expert key {out[i, 1]} "
                                "that the current batch is using")
-        return slot, evicted
+        return out.tolist()
 
 
 def make_policy(name: str, n_slots: int, n_layers: int, n_experts: int) -> CachePolicy:

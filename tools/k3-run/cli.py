@@ -15,6 +15,7 @@ from libk3.engine.generate import gen_problem
 from libk3.engine.sampler import seed_problem, temperature_problem, top_p_problem
 from libk3.errors import UsageError
 from libk3.io import atomic
+from libk3.policy_registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
 
 
 def _note_order(ctx, param, value):
@@ -105,7 +106,7 @@ class _Printer:
 @click.option("--cache-gb", type=gigabytes(), callback=_note_order,
               help="Expert cache budget in GB.")
 @click.option("--resident", is_flag=True, help="Load every weight into RAM (small models).")
-@click.option("--cache-policy", type=click.Choice(["lru", "layer-lfu"]), default="layer-lfu",
+@click.option("--cache-policy", type=click.Choice(ONLINE_OBJECT_POLICIES), default=DEFAULT_POLICY,
               show_default=True, help="Expert cache eviction policy (never changes output).")
 @click.option("--io-threads", type=click.IntRange(1, 64), default=4, show_default=True)
 @click.option("--buffered-io", is_flag=True, help="Do not use O_DIRECT.")

@@ -18,6 +18,7 @@ from libk3.cli_support import handle_errors, print_json
 from libk3.config import MAX_EXPERTS, MAX_LAYERS
 from libk3.errors import UsageError
 from libk3.trace import MAX_EXPERT_BYTES
+from libk3.policy_registry import DEFAULT_POLICY
 
 # The real model's shape (model.md §1, §2.1): defaults
 # for importing C-engine traces, which carry no header.
@@ -171,7 +172,8 @@ def record(model, out, prompt_file, batch, run_args):
               help="Random read speed of one expert at the best queue depth, MB/s.")
 @click.option("--doctor-json", type=click.Path(exists=True, dir_okay=False),
               help="Take the disk speeds from `k3-doctor --json` output.")
-@click.option("--policy", default="lru", show_default=True)
+@click.option("--policy", default=DEFAULT_POLICY, show_default=True,
+              help="The cache policy whose replayed misses size the split.")
 @click.option("--steps", type=click.IntRange(2, 64), default=12, show_default=True)
 @click.option("--json", "json_out", is_flag=True)
 @handle_errors
