@@ -133,12 +133,30 @@ class Process(NamedTuple):
     peak_rss: int                      # bytes (ru_maxrss of this child alone)
 
 
+_SPAWNER = None
+
+
 def run_script(args, *, timeout: float = 120, fsize: int | None = None,
                address_space: int = ADDRESS_SPACE_LIMIT, cwd=None, stdin=None,
                env=None) -> Process:
     """Run a console script as a real process; its own peak RSS comes from wait4's
     rusage (not shared with other children). ``fsize`` caps every file it writes (a full
-    disk: writes past it fail with EFBIG, SIGXFSZ ignored)."""
+    disk: writes past it fail with EFBIG, SIGXFSZ ignored).
+
+    Why through a forkserver: a child's ru_maxrss includes the memory of the process it
+    was forked from (Linux keeps the pre-exec high-water mark), and pytest grows past
+    0.5 GB once the chat oracle (transformers) is loaded; the forkserver stays small."""
+    global _SPAWNER
+    if stdin is not None:
+        return _run_script_here(args, timeout, fsize, address_space, cwd, stdin, env)
+    if _SPAWNER is None:
+        import multiprocessing
+        _SPAWNER = multiprocessing.get_context("forkserver").Pool(1)
+    return _SPAWNER.apply(_run_script_here, (args, timeout, fsize, address_space, cwd, None,
+                                             env))
+
+
+def _run_script_here(args, timeout, fsize, address_space, cwd, stdin, env) -> Process:
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
     if hard != resource.RLIM_INFINITY:
         address_space = min(address_space, hard)

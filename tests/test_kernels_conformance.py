@@ -139,7 +139,9 @@ def _kda_layer(d):
         ("f_a_proj.weight", "f_a"), ("f_b_proj.weight", "f_b"), ("A_log", "A_log"),
         ("dt_bias", "dt_bias"), ("g_proj.weight", "g_proj"), ("o_norm.weight", "o_norm"),
         ("o_proj.weight", "o_proj"))}
-    return fwd._kda(0, lw, d["in"][0], state), state.kda_S[0]
+    x = d["in"][0]
+    seq = SimpleNamespace(state=state, r0=0, r1=x.shape[0])      # one sequence's pass
+    return fwd._kda(0, lw, x, [seq]), state.kda_S[0]
 
 
 @pytest.mark.parametrize("name", ["kda_layer1.json", "kda_layer8.json"])
