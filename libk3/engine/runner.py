@@ -342,14 +342,14 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     done = batchfile.open_results(out_path)
     seen = set()
     summary["other_shard"] = 0
-    lines = batchfile.read_lines(batch_path)
+    lines = list(batchfile.read_lines(batch_path))       # read once: counted, then run
     width = min(run.width, max(1, sum(1 for _, ln in lines if ln.strip())))
     summary["width_reasons"] = list(run.width_reasons) + (
         [f"capped at {width} (the batch's lines)"] if width < run.width else [])
     sink = BatchSink(run, out_path, width, base.prefill_chunk,
                      should_stop=limits.passed if limits.deadline is not None else None)
     started = 0
-    for lineno, line in batchfile.read_lines(batch_path):
+    for lineno, line in lines:
         if not line.strip():
             continue
         try:
