@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from libk3 import cache_policy as cp
@@ -205,8 +205,10 @@ def test_s3fifo_hand_checked_main_queue_clock():
 
 @SETTINGS
 @given(traces, st.integers(1, 9), st.integers(1, 4), st.integers(1, 6))
+@example([3, 5, 6, 0, 1, 2, 4, 1, 3, 0, 1], 2, 1, 6)   # 1 leaves G; 3 must still be there
 def test_s3fifo_matches_brute_force(keys, slots, small_target, ghost_cap):
-    """Catches ring-buffer wraparound errors and stale ghost entries being honoured."""
+    """Catches ring-buffer wraparound errors, stale ghost entries being honoured, and a
+    key that returns from G still taking up G's room (G then forgets live keys early)."""
     assert s3(keys, slots, small_target, ghost_cap) == s3fifo_brute(keys, slots,
                                                                      small_target, ghost_cap)
 

@@ -11,11 +11,14 @@ reinserted with frequency - 1, else evicted. O(1) per request, amortised.
 No slots are tracked (S3-FIFO is replayed and run as a shadow, never as k3-run's cache):
 ``lookup`` returns 0 on a hit, ``admit`` returns (0, evicted key or -1).
 
+G holds at most ``ghost_cap`` live keys: a key that returns from G leaves it at once and
+frees its place (as the paper's implementation does), so G is a doubly linked FIFO over
+the keys rather than a ring, whose stale entries would crowd out remembered keys.
+
 state: (q, kv, sc)
-  q (3, cap) int32    rings of keys: S, M, G (S and M: the oldest at ``*_TAIL``)
-  kv (n_keys, 3) int32 per key: index of its latest G entry or -1 (live while that
-                      entry still holds the key), where (0 absent, 1 in S, 2 in M),
-                      frequency
+  q (2, cap) int32    rings of keys: S, M (the oldest at ``*_TAIL``)
+  kv (n_keys, 4) int32 per key: where (0 absent, 1 in S, 2 in M, 3 in G), frequency,
+                      and its older and newer neighbours in G (-1 at either end)
   sc int64            scalars below
 """
 
@@ -27,10 +30,11 @@ from numba import njit
 SMALL_FRACTION = 0.1     # S3-FIFO paper: the small queue holds 10 % of the cache
 MAX_FREQ = 3             # 2-bit frequency counter
 
-_Q_S, _Q_M, _Q_G = 0, 1, 2
-_K_GHOST, _K_WHERE, _K_FREQ = 0, 1, 2
-(_S_HEAD, _S_TAIL, _S_SIZE, _M_HEAD, _M_TAIL, _M_SIZE, _G_HEAD, _SLOTS, _SMALL, _GCAP,
- _MAXF, _CAP) = range(12)
+_Q_S, _Q_M = 0, 1
+_K_WHERE, _K_FREQ, _K_OLDER, _K_NEWER = 0, 1, 2, 3
+_ABSENT, _IN_S, _IN_M, _IN_G = 0, 1, 2, 3
+(_S_HEAD, _S_TAIL, _S_SIZE, _M_HEAD, _M_TAIL, _M_SIZE, _G_NEWEST, _G_OLDEST, _G_SIZE,
+ _SLOTS, _SMALL, _GCAP, _MAXF, _CAP) = range(14)
 
 
 @njit(cache=True, nogil=True)
@@ -40,7 +44,7 @@ def sizes(slots):
     return small, max(slots - small, 1)
 
 
-KEY_COLUMNS = 3
+KEY_COLUMNS = 4
 
 
 @njit(cache=True, nogil=True)
@@ -48,14 +52,16 @@ def new_on(kv, slots, small_target, ghost_cap, max_freq):
     """A state over the per-key array kv (n_keys, KEY_COLUMNS) int32, which may be a view
     into a block shared with other policies (``libk3.policies.adaptive``)."""
     cap = max(slots, 0) + 1
-    gcap = max(ghost_cap, 1)
-    q = np.full((3, max(cap, gcap)), -1, np.int32)
-    kv[:, :] = 0
-    kv[:, _K_GHOST] = -1
-    sc = np.zeros(12, np.int64)
+    q = np.full((2, cap), -1, np.int32)
+    kv[:, :] = -1
+    kv[:, _K_WHERE] = _ABSENT
+    kv[:, _K_FREQ] = 0
+    sc = np.zeros(14, np.int64)
+    sc[_G_NEWEST] = -1
+    sc[_G_OLDEST] = -1
     sc[_SLOTS] = max(slots, 0)
     sc[_SMALL] = small_target
-    sc[_GCAP] = gcap
+    sc[_GCAP] = max(ghost_cap, 1)
     sc[_MAXF] = max_freq
     sc[_CAP] = cap
     return q, kv, sc
@@ -83,10 +89,43 @@ def _pop(q, sc, row, tail, size):
 
 
 @njit(cache=True, nogil=True, inline='always')
+def _ghost_unlink(kv, sc, k):
+    older, newer = kv[k, _K_OLDER], kv[k, _K_NEWER]
+    if older >= 0:
+        kv[older, _K_NEWER] = newer
+    else:
+        sc[_G_OLDEST] = newer
+    if newer >= 0:
+        kv[newer, _K_OLDER] = older
+    else:
+        sc[_G_NEWEST] = older
+    kv[k, _K_OLDER] = -1
+    kv[k, _K_NEWER] = -1
+    kv[k, _K_WHERE] = _ABSENT
+    sc[_G_SIZE] -= 1
+
+
+@njit(cache=True, nogil=True, inline='always')
+def _ghost_push(kv, sc, k):
+    if sc[_G_SIZE] >= sc[_GCAP]:
+        _ghost_unlink(kv, sc, sc[_G_OLDEST])       # G forgets its oldest key
+    newest = sc[_G_NEWEST]
+    kv[k, _K_OLDER] = newest
+    kv[k, _K_NEWER] = -1
+    if newest >= 0:
+        kv[newest, _K_NEWER] = k
+    else:
+        sc[_G_OLDEST] = k
+    sc[_G_NEWEST] = k
+    kv[k, _K_WHERE] = _IN_G
+    sc[_G_SIZE] += 1
+
+
+@njit(cache=True, nogil=True, inline='always')
 def lookup(st, key):
     """Record a request: -> 0 on a hit (frequency + 1), -1 on a miss."""
     q, kv, sc = st
-    if kv[key, _K_WHERE] != 0:
+    if kv[key, _K_WHERE] == _IN_S or kv[key, _K_WHERE] == _IN_M:
         if kv[key, _K_FREQ] < sc[_MAXF]:
             kv[key, _K_FREQ] += 1
         return 0
@@ -95,7 +134,8 @@ def lookup(st, key):
 
 @njit(cache=True, nogil=True, inline='always')
 def holds(st, key):
-    return st[1][key, _K_WHERE] != 0
+    w = st[1][key, _K_WHERE]
+    return w == _IN_S or w == _IN_M
 
 
 @njit(cache=True, nogil=True, inline='always')
@@ -111,33 +151,26 @@ def admit(st, key):
             if kv[t, _K_FREQ] > 0:
                 kv[t, _K_FREQ] = 0
                 _push(q, sc, _Q_M, _M_HEAD, _M_SIZE, t)
-                kv[t, _K_WHERE] = 2
+                kv[t, _K_WHERE] = _IN_M
             else:
-                kv[t, _K_WHERE] = 0
                 evicted = t
-                g = sc[_G_HEAD]
-                old = q[_Q_G, g]
-                if old >= 0 and kv[old, _K_GHOST] == g:
-                    kv[old, _K_GHOST] = -1            # its ghost entry is overwritten
-                q[_Q_G, g] = t
-                kv[t, _K_GHOST] = g
-                sc[_G_HEAD] = (g + 1) % sc[_GCAP]
+                _ghost_push(kv, sc, t)
         else:
             t = _pop(q, sc, _Q_M, _M_TAIL, _M_SIZE)
             if kv[t, _K_FREQ] > 0:
                 kv[t, _K_FREQ] -= 1
                 _push(q, sc, _Q_M, _M_HEAD, _M_SIZE, t)
             else:
-                kv[t, _K_WHERE] = 0
+                kv[t, _K_WHERE] = _ABSENT
                 evicted = t
     kv[key, _K_FREQ] = 0
-    if kv[key, _K_GHOST] >= 0:
-        kv[key, _K_GHOST] = -1
+    if kv[key, _K_WHERE] == _IN_G:
+        _ghost_unlink(kv, sc, key)
         _push(q, sc, _Q_M, _M_HEAD, _M_SIZE, key)
-        kv[key, _K_WHERE] = 2
+        kv[key, _K_WHERE] = _IN_M
     else:
         _push(q, sc, _Q_S, _S_HEAD, _S_SIZE, key)
-        kv[key, _K_WHERE] = 1
+        kv[key, _K_WHERE] = _IN_S
     return 0, evicted
 
 
