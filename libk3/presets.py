@@ -15,15 +15,15 @@ Why the memory model is what it is (numbers are Kimi K3's, model.md §3.5, §6):
   reserve. The embedding (another 2.35 GB) is NOT in it: a token needs one 14 KB row of
   it, read on demand. Keeping it resident would put the floor at ~9.6 GB and make an
   8 GB machine unusable, where the C engine ran in 8.24 GB (PRIOR-ART 11).
-* The trunk budget pays for the ring first, then for pins (PRIOR-ART 3). The ring must
-  hold the layer being computed and the next one being read, so its floor is the sum of
-  the two largest layer runs (3.61 GB: the dense layer 0 plus a KDA+MoE layer). A
-  two-ended arena of that size holds any consecutive pair: put the incoming layer at the
-  end opposite the one in use.
+* The trunk budget pays for the ring first, then for pins (PRIOR-ART 3). The ring runs
+  with one slot for the largest layer (2.34 GB: the dense layer 0), reading
+  synchronously; that is the feasibility floor (``floor_problems``, the one rule k3-run,
+  k3-doctor and ``k3-trace size`` apply). Two slots, for the two largest layers
+  (3.61 GB), let the reader fill one while the other is computed on; ``auto`` prefers
+  that ring when memory allows.
 * Pins go largest first: a pinned byte is a byte not read per token, and pinning the
-  largest layers also shrinks the ring the rest needs. ``trunk_plan`` uses the same
-  greedy as k3-run's ``libk3.stream.trunk.plan_trunk`` so the doctor's estimate streams
-  the layers k3-run will stream.
+  largest layers also shrinks the ring the rest needs. ``plan_trunk`` is the split
+  k3-run's trunk streamer runs, so the doctor's estimate streams the layers k3-run will.
 * The cache floor is top_k + 1 slots (PRIOR-ART 4): one layer's experts plus one in
   flight. A slot is the expert's bytes widened to the enclosing 4096-aligned window, as
   O_DIRECT reads it (17,555,456 B for the real expert).
@@ -45,7 +45,7 @@ from .config import K3Config
 from .errors import BudgetError, FormatError, UsageError
 from .io import inventory
 from .io.dtypes import bound_extra_bytes
-from .pack import ALIGN, align_up    # O_DIRECT alignment (formats/pack.md)
+from .stream.direct import window_bytes
 
 GB = 1e9                              # presets.yaml and every flag count decimal GB
 PRESETS_FILE = Path(__file__).with_name("presets.yaml")
@@ -217,8 +217,9 @@ class ModelSizes:
 
     @property
     def expert_slot_bytes(self) -> int:
-        """One cache slot: the expert widened to its enclosing aligned window."""
-        return align_up(self.expert_bytes + 2 * ALIGN)
+        """One cache slot: the expert widened to its enclosing aligned window, as the
+        cache reads it (``window_bytes``, the one slot-size formula)."""
+        return window_bytes(self.expert_bytes)
 
     @property
     def total_experts(self) -> int:
@@ -326,26 +327,81 @@ class Budget:
 @dataclasses.dataclass(frozen=True)
 class TrunkPlan:
     pinned: tuple              # layer indices held permanently, largest first
-    ring_bytes: int            # arena for the layer in use + the one being read
+    ring_bytes: int            # ring slots: the layer in use (+ the one being read)
     streamed_bytes: int        # trunk bytes read from disk per token
 
 
-def ring_floor(layer_bytes) -> int:
-    """Bytes the ring needs to hold the two largest of ``layer_bytes`` at once."""
-    top = sorted(layer_bytes, reverse=True)[:2]
-    return sum(top)
+def trunk_floor(layer_bytes) -> int:
+    """The smallest trunk budget that runs: one ring slot for the largest layer (the
+    ring then reads synchronously, ``libk3.stream.trunk``), or the whole trunk if smaller."""
+    return min(max(layer_bytes, default=0), sum(layer_bytes))
+
+
+def overlap_floor(layer_bytes) -> int:
+    """The smallest trunk budget whose ring overlaps reading with compute: two slots, for
+    the two largest layers (or the whole trunk, if smaller). ``auto`` prefers it."""
+    return min(sum(sorted(layer_bytes, reverse=True)[:2]), sum(layer_bytes))
+
+
+def cache_floor(slot_bytes: int, top_k: int, total_experts: int) -> int:
+    """The smallest cache that runs: top_k + 1 slots (or every expert, if fewer)."""
+    return min(top_k + 1, total_experts) * slot_bytes
+
+
+def floor_problems(trunk_bytes: int, cache_bytes: int, layer_bytes, slot_bytes: int,
+                   top_k: int, total_experts: int) -> list:
+    """The one feasibility rule for a split (k3-run's admission, ``resolve_budget``,
+    k3-doctor and ``k3-trace size``): why it cannot run, [] when it can."""
+    problems = []
+    trunk, cache = trunk_floor(layer_bytes), cache_floor(slot_bytes, top_k, total_experts)
+    if trunk_bytes < trunk:
+        problems.append(f"trunk budget {_gb(trunk_bytes)} is below {_gb(trunk)} "
+                        f"(one ring slot for the largest layer, {trunk} bytes)")
+    if cache_bytes < cache:
+        problems.append(f"cache budget {_gb(cache_bytes)} is below {_gb(cache)} "
+                        f"({min(top_k + 1, total_experts)} expert slots of {slot_bytes} bytes)")
+    return problems
+
+
+def plan_trunk(sizes, budget: int):
+    """(pinned layer set, ring slot capacities in bytes) for a trunk budget in bytes: the
+    split ``libk3.stream.trunk.TrunkStreamer`` runs.
+
+    Everything fits: all pinned, no ring. Otherwise a ring of 2 slots (sized for the two
+    largest unpinned layers: the layer in use and the one being read) if the budget allows
+    it, else 1 slot; then pin largest-first while pins + slots still fit. Costs count the
+    layers' bytes; the few KB of alignment around each buffer are part of the documented
+    fixed overhead. BudgetError below ``trunk_floor``."""
+    n = len(sizes)
+    if sum(sizes) <= budget:
+        return set(range(n)), []
+    if budget < trunk_floor(sizes):
+        raise BudgetError("trunk budget is below one layer slot",
+                          expected=f">= {trunk_floor(sizes)} bytes", found=f"{budget} bytes",
+                          hint=f"raise --trunk-gb to at least {trunk_floor(sizes) / GB:.6f}")
+    order = sorted(range(n), key=lambda L: (-sizes[L], L))
+
+    def ring(pinned, n_slots):
+        rest = sorted((sizes[i] for i in range(n) if i not in pinned), reverse=True)
+        return rest[:n_slots]
+
+    for n_slots in (2, 1):
+        pinned: set = set()
+        for L in order:
+            trial = pinned | {L}
+            if sum(sizes[i] for i in trial) + sum(ring(trial, n_slots)) <= budget:
+                pinned = trial
+        slots = ring(pinned, n_slots)
+        if len(pinned) < n and sum(sizes[i] for i in pinned) + sum(slots) <= budget:
+            return pinned, slots
+    raise AssertionError("one slot of the largest layer always fits at trunk_floor")
 
 
 def trunk_plan(sizes: ModelSizes, trunk_bytes: int) -> TrunkPlan:
-    """The split the trunk streamer will use (``libk3.stream.trunk.plan_trunk``: the ring
-    first, then pins, largest layer first). Everything fits: all pinned, no ring.
-    BudgetError below the ring floor (k3-run refuses budgets without two ring slots)."""
-    from .stream.trunk import plan_trunk
-
+    """The split the trunk streamer will use (``plan_trunk``: the ring first, then pins,
+    largest layer first). Everything fits: all pinned, no ring. BudgetError below
+    ``trunk_floor``."""
     size = sizes.layer_bytes
-    if sizes.trunk_bytes > trunk_bytes and ring_floor(size) > trunk_bytes:
-        raise BudgetError("trunk budget is below the ring floor",
-                          expected=f">= {ring_floor(size)} bytes", found=f"{trunk_bytes} bytes")
     pinned, ring = plan_trunk(list(size), trunk_bytes)
     return TrunkPlan(tuple(sorted(pinned)), sum(ring),
                      sizes.trunk_bytes - sum(size[L] for L in pinned))
@@ -374,13 +430,13 @@ def overhead_bytes(sizes: ModelSizes, rules: Rules | None = None,
 
 
 def minimum_budget(sizes: ModelSizes, rules: Rules | None = None) -> Budget:
-    """The smallest budget that works: a ring holding the two largest layers (or the
-    whole trunk, if smaller) and top_k + 1 expert slots (or every expert, if fewer).
-    The overhead comes on top (``overhead_bytes``)."""
-    trunk = min(ring_floor(sizes.layer_bytes), sizes.trunk_bytes)
-    cache = min((sizes.top_k + 1) * sizes.expert_slot_bytes, sizes.cache_all_bytes)
+    """The smallest budget that works (``floor_problems``): one ring slot for the largest
+    layer (or the whole trunk, if smaller) and top_k + 1 expert slots (or every expert,
+    if fewer). The overhead comes on top (``overhead_bytes``)."""
+    trunk = trunk_floor(sizes.layer_bytes)
+    cache = cache_floor(sizes.expert_slot_bytes, sizes.top_k, sizes.total_experts)
     return Budget(trunk, cache, "minimum", (
-        f"trunk {_gb(trunk)}: a ring for the two largest trunk layers",
+        f"trunk {_gb(trunk)}: one ring slot for the largest trunk layer",
         f"cache {_gb(cache)}: {sizes.top_k + 1} expert slots (top_k + 1) of "
         f"{sizes.expert_slot_bytes} bytes"))
 
@@ -406,20 +462,19 @@ def usable_memory(mem) -> int:
     return int(getattr(mem, "usable_bytes", mem))
 
 
+def split_problems(trunk_bytes: int, cache_bytes: int, sizes: ModelSizes) -> list:
+    """``floor_problems`` for this model."""
+    return floor_problems(trunk_bytes, cache_bytes, sizes.layer_bytes, sizes.expert_slot_bytes,
+                          sizes.top_k, sizes.total_experts)
+
+
 def admission_problems(budget: Budget, sizes: ModelSizes, mem,
                        rules: Rules | None = None) -> list:
     """Why ``budget`` cannot run this model on a machine with ``mem``: [] when it can.
     Planned peak must stay within headroom_fraction of usable memory (a batch's width
     is judged on top by ``batch_width``)."""
     rules = rules or load_rules()
-    problems = []
-    floor = minimum_budget(sizes, rules)
-    if budget.trunk_bytes < floor.trunk_bytes:
-        problems.append(f"trunk budget {_gb(budget.trunk_bytes)} is below the ring floor "
-                        f"{_gb(floor.trunk_bytes)} (the two largest layers)")
-    if budget.cache_bytes < floor.cache_bytes:
-        problems.append(f"cache budget {_gb(budget.cache_bytes)} is below "
-                        f"{_gb(floor.cache_bytes)} ({sizes.top_k + 1} expert slots)")
+    problems = split_problems(budget.trunk_bytes, budget.cache_bytes, sizes)
     peak = peak_bytes(budget, sizes, rules)
     allowed = int(rules.headroom_fraction * usable_memory(mem))
     if peak > allowed:
@@ -467,7 +522,9 @@ def auto_budget(mem, sizes: ModelSizes, rules: Rules | None = None,
         trunk = max(0, min(sizes.trunk_bytes, plan - min(cache, sizes.cache_all_bytes)))
         reasons.append(f"auto: trunk takes what the fixed cache leaves, {_gb(trunk)}")
     else:
-        trunk = min(sizes.trunk_bytes, max(floor.trunk_bytes, plan - cache_keep))
+        # the overlapping ring (two slots) when it fits beside the cache floor
+        ring = min(overlap_floor(sizes.layer_bytes), plan - floor.cache_bytes)
+        trunk = min(sizes.trunk_bytes, max(ring, plan - cache_keep))
         cache = min(sizes.cache_all_bytes, plan - trunk)
         reasons.append(f"auto: trunk first, {_gb(trunk)}"
                        + (" (every layer pinned)" if trunk >= sizes.trunk_bytes else ""))
@@ -546,13 +603,7 @@ def resolve_budget(name: str | None, trunk_gb: float | None = None,
             cache = model_sizes.cache_all_bytes
             reasons.append(f"cache clamped to {_gb(cache)} (every expert fits)")
         floor = minimum_budget(model_sizes, rules)
-        low = []
-        if trunk < floor.trunk_bytes:
-            low.append(f"trunk {_gb(trunk)} < {_gb(floor.trunk_bytes)} (ring for the two "
-                       "largest layers)")
-        if cache < floor.cache_bytes:
-            low.append(f"cache {_gb(cache)} < {_gb(floor.cache_bytes)} "
-                       f"({model_sizes.top_k + 1} expert slots)")
+        low = split_problems(trunk, cache, model_sizes)
         if low:
             raise BudgetError("budget below the smallest that can work: " + "; ".join(low),
                               expected=f"trunk >= {floor.trunk_bytes} B, cache >= "

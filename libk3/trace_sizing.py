@@ -1,8 +1,8 @@
 """Sizing a memory budget offline: how to split it between trunk and expert cache.
 
 Owns: ``size_budget``: for splits of a total budget, the trunk plan the streamer would
-use (``libk3.stream.trunk.plan_trunk``: pinned layers, ring), the trunk bytes streamed per
-token, the expert-cache miss rate replayed from a recorded trace at that cache's slot
+use (``libk3.presets.plan_trunk``: pinned layers, ring; each split judged by
+``floor_problems``, the rule k3-run admits by), the trunk bytes streamed per token, the expert-cache miss rate replayed from a recorded trace at that cache's slot
 count, and the predicted I/O seconds per token from the disk's sequential and random
 read speeds. Does not own: replay (``libk3.cache_policy``) or measuring disks (k3-doctor).
 
@@ -19,9 +19,10 @@ from pathlib import Path
 from .cache_policy import replay
 from .policy_registry import DEFAULT_POLICY
 from .errors import BudgetError, FormatError
-from .pack import load_manifest
+from .pack_schema import load_manifest
+from .presets import floor_problems, plan_trunk
 from .stream.direct import window_bytes
-from .stream.trunk import plan_trunk
+from .stream.trunk import runs_from_pack
 from .trace import TraceReader
 
 
@@ -57,7 +58,7 @@ def size_budget(trace_path, pack_dir, budget: float, seq_bps: float, rand_bps: f
     reader.require_replayable()
     h = reader.header
     keys = reader.layer_expert_keys()
-    layers = [lay["nbytes"] for lay in load_manifest(pack_dir)["layers"]]
+    layers = [r.held_bytes for r in runs_from_pack(pack_dir, load_manifest(pack_dir))]
     if len(layers) != h.n_layers:
         raise FormatError("the pack and the trace describe different models", path=pack_dir,
                           expected=f"{h.n_layers} layers", found=f"{len(layers)} layers")
@@ -70,14 +71,11 @@ def size_budget(trace_path, pack_dir, budget: float, seq_bps: float, rand_bps: f
         cache = int(budget) - trunk
         slots = cache // slot
         row = {"trunk_bytes": trunk, "cache_bytes": cache, "cache_slots": slots}
-        try:
-            pinned, ring = plan_trunk(layers, trunk)
-        except BudgetError:
-            rows.append(dict(row, feasible=False, why="trunk below one ring slot"))
+        why = floor_problems(trunk, cache, layers, slot, h.top_k, moe_layers * h.n_experts)
+        if why:
+            rows.append(dict(row, feasible=False, why="; ".join(why)))
             continue
-        if slots < h.top_k + 1:
-            rows.append(dict(row, feasible=False, why=f"cache below top_k + 1 = {h.top_k + 1} slots"))
-            continue
+        pinned, ring = plan_trunk(layers, trunk)
         r = replay(keys, slots, policy, n_layers=h.n_layers, n_experts=h.n_experts)
         streamed = sum(b for L, b in enumerate(layers) if L not in pinned)
         expert_read = r["misses"] / tokens * h.expert_bytes

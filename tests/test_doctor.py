@@ -101,19 +101,19 @@ def test_presets_later_flag_overrides_earlier_in_argv_order():
 
 def test_presets_budget_clamped_to_model_and_refused_below_the_floor(real_sizes):
     """Catches a budget larger than the model (wasted RAM) and a ring too small to hold
-    the two largest layers being accepted."""
+    the largest layer being accepted."""
     with Checkpoint.open(FIXTURE) as ck:
         tiny = ModelSizes.from_checkpoint(ck)
     b = presets.resolve_budget("laptop", model_sizes=tiny)
     assert b.trunk_bytes == tiny.trunk_bytes and b.cache_bytes == tiny.cache_all_bytes
     floor = presets.minimum_budget(real_sizes)
-    top2 = sorted(real_sizes.layer_bytes)[-2:]
-    assert floor.trunk_bytes == sum(top2)
+    assert floor.trunk_bytes == max(real_sizes.layer_bytes) == 2_341_299_200
     assert floor.cache_bytes == 17 * real_sizes.expert_slot_bytes == 17 * 17_555_456
     ok = presets.resolve_budget("laptop", model_sizes=real_sizes)        # control
     assert ok.trunk_bytes == int(3.7 * GB)
+    assert presets.resolve_budget(None, trunk_gb=2.35, cache_gb=1.0, model_sizes=real_sizes)
     with pytest.raises(BudgetError):
-        presets.resolve_budget(None, trunk_gb=3.0, cache_gb=1.0, model_sizes=real_sizes)
+        presets.resolve_budget(None, trunk_gb=2.3, cache_gb=1.0, model_sizes=real_sizes)
     with pytest.raises(BudgetError):
         presets.resolve_budget(None, trunk_gb=16.0, cache_gb=0.1, model_sizes=real_sizes)
 
@@ -134,6 +134,19 @@ def test_presets_auto_gives_trunk_first_and_refuses_4gb_for_k3(real_sizes):
     with pytest.raises(BudgetError) as e:
         presets.resolve_budget(None, mem=4 * 10**9, model_sizes=real_sizes)
     assert "smallest working budget" in e.value.one_line()
+
+
+def test_presets_auto_prefers_the_overlapping_ring_and_falls_back_to_one_slot(real_sizes):
+    """Catches auto taking a one-slot ring where two slots fit beside the cache floor, or
+    refusing a machine that only a one-slot ring (the feasibility floor) fits."""
+    overlap = presets.overlap_floor(real_sizes.layer_bytes)
+    a8 = presets.resolve_budget("auto", mem=8 * 10**9, model_sizes=real_sizes)
+    assert a8.trunk_bytes >= overlap
+    a7 = presets.resolve_budget("auto", mem=7 * 10**9, model_sizes=real_sizes)
+    assert presets.trunk_floor(real_sizes.layer_bytes) <= a7.trunk_bytes < overlap
+    assert a7.cache_bytes == presets.minimum_budget(real_sizes).cache_bytes
+    assert not presets.admission_problems(a7, real_sizes, 7 * 10**9)
+    assert len(presets.plan_trunk(list(real_sizes.layer_bytes), a7.trunk_bytes)[1]) == 1
 
 
 def test_presets_trunk_plan_pins_largest_first_and_keeps_a_ring(real_sizes):

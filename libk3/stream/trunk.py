@@ -28,9 +28,10 @@ import numpy as np
 
 from .. import names
 from ..config import K3Config
-from ..errors import BudgetError, FormatError
+from ..errors import FormatError
 from ..io import inventory
 from ..io.dtypes import bound_extra_bytes, matrix_operand, widen
+from ..presets import plan_trunk
 from .direct import FileSet, ReadCancelled, aligned_empty, window_bytes
 
 
@@ -92,37 +93,6 @@ def runs_from_pack(pack_dir, manifest: dict, blocks: list | None = None) -> list
                       for sfx, t in lay["tensors"].items()}, lay["crc32"],
                      blocks[lay["layer"]] if blocks else None, lay.get("stored"))
             for lay in manifest["layers"]]
-
-
-def plan_trunk(sizes: list, budget: int):
-    """(pinned layer set, ring slot capacities in bytes) for a trunk budget in bytes.
-
-    Everything fits: all pinned, no ring. Otherwise a ring of 2 slots (sized for the two
-    largest unpinned layers: the layer in use and the one being read) if the budget allows
-    it, else 1 slot; then pin largest-first while pins + slots still fit. Costs count the
-    layers' bytes; the few KB of alignment around each buffer are part of the documented
-    fixed overhead. Raises BudgetError below one slot of the largest layer."""
-    n = len(sizes)
-    if sum(sizes) <= budget:
-        return set(range(n)), []
-    order = sorted(range(n), key=lambda L: (-sizes[L], L))
-
-    def ring(pinned, n_slots):
-        rest = sorted((sizes[i] for i in range(n) if i not in pinned), reverse=True)
-        return rest[:n_slots]
-
-    for n_slots in (2, 1):
-        pinned: set = set()
-        for L in order:
-            trial = pinned | {L}
-            if sum(sizes[i] for i in trial) + sum(ring(trial, n_slots)) <= budget:
-                pinned = trial
-        slots = ring(pinned, n_slots)
-        if len(pinned) < n and sum(sizes[i] for i in pinned) + sum(slots) <= budget:
-            return pinned, slots
-    raise BudgetError("trunk budget is below one layer slot", expected=f">= {max(sizes)} bytes",
-                      found=f"{budget} bytes",
-                      hint=f"raise --trunk-gb to at least {max(sizes) / 1e9:.3f}")
 
 
 class TrunkStreamer:

@@ -1,0 +1,94 @@
+"""One trunk-feasibility rule: what `k3-trace size` recommends, k3-run admits (formats/presets.md 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from libk3.errors import BudgetError
+from libk3.io.checkpoint import Checkpoint
+from libk3.pack import pack
+from libk3.presets import Budget, ModelSizes, admission_problems, minimum_budget, resolve_budget
+from libk3.trace_sizing import size_budget
+from libk3.trace_synth import write_synth_trace
+
+ROOMY = 10**12          # machine memory: only the floors can refuse a split
+
+
+@pytest.fixture(scope="module")
+def tiny_sizes(tiny_dir):
+    with Checkpoint.open(tiny_dir) as ckpt:
+        return ModelSizes.from_checkpoint(ckpt)
+
+
+@pytest.fixture(scope="module")
+def tiny_pack_trace(tiny_dir, tmp_path_factory, tiny_sizes):
+    d = tmp_path_factory.mktemp("budget")
+    with Checkpoint.open(tiny_dir) as ckpt:
+        pack(ckpt, d / "pk", progress=False)
+        cfg = ckpt.config
+    trace = write_synth_trace(d / "t.k3trace", 40, n_layers=cfg.num_hidden_layers,
+                              n_experts=cfg.num_experts, top_k=cfg.num_experts_per_token,
+                              expert_bytes=cfg.expert_bytes)
+    return d / "pk", trace
+
+
+def _admitted(trunk, cache, sizes) -> bool:
+    problems = admission_problems(Budget(trunk, cache, None, ()), sizes, ROOMY)
+    try:
+        resolve_budget(None, trunk_gb=trunk / 1e9, cache_gb=cache / 1e9, model_sizes=sizes)
+    except BudgetError:
+        return False
+    return not problems
+
+
+def test_budget_trunk_of_one_largest_layer_is_admitted_as_sizing_plans_it(tiny_sizes):
+    """Catches admission requiring two ring slots where the ring runs with one (sizing
+    then recommended a split k3-run refused: largest layer + 1 byte)."""
+    cache = minimum_budget(tiny_sizes).cache_bytes
+    largest = max(tiny_sizes.layer_bytes)
+    assert _admitted(largest + 1, cache, tiny_sizes)
+    assert not _admitted(largest - 1, cache, tiny_sizes)           # control: below one slot
+
+
+def test_budget_every_split_size_marks_feasible_is_admitted(tiny_pack_trace, tiny_sizes):
+    """Catches sizing and admission using different floors, in either direction: over a
+    range of total budgets each split `size` rates is rated the same by k3-run's admission."""
+    pk, trace = tiny_pack_trace
+    largest = max(tiny_sizes.layer_bytes)
+    floor = minimum_budget(tiny_sizes)
+    seen = {True: 0, False: 0}
+    for total in range(largest, tiny_sizes.trunk_bytes + 2 * floor.cache_bytes,
+                       max(1, largest // 3)):
+        try:
+            rep = size_budget(trace, pk, total, 1.5e9, 0.9e9, steps=8)
+        except BudgetError:
+            continue
+        for row in rep["splits"]:
+            assert _admitted(row["trunk_bytes"], row["cache_bytes"], tiny_sizes) \
+                == row["feasible"], row
+            seen[row["feasible"]] += 1
+    assert seen[True] and seen[False]
+
+
+def test_budget_size_recommendations_run_through_the_console_scripts(tiny_dir, tiny_pack_trace,
+                                                                     tiny_sizes):
+    """Catches k3-run refusing a split `k3-trace size` rates feasible: its best split and
+    its first one-slot-ring split both run."""
+    pk, trace = tiny_pack_trace
+    floor = minimum_budget(tiny_sizes)
+    total = max(tiny_sizes.layer_bytes) + 1 + 2 * floor.cache_bytes
+    p = subprocess.run(["k3-trace", "size", str(trace), "--budget-gb", f"{total / 1e9:.9f}",
+                        "--pack", str(pk), "--seq-mbps", "1500", "--rand-mbps", "900",
+                        "--steps", "64", "--json"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    one_slot = next(r for r in rep["splits"] if r["feasible"] and r["ring_slots"] == 1)
+    for row in (rep["best"], one_slot):
+        p = subprocess.run(["k3-run", str(tiny_dir), "--ids", "5,17,300", "--gen", "2",
+                            "--trunk-gb", f"{row['trunk_bytes'] / 1e9:.9f}",
+                            "--cache-gb", f"{row['cache_bytes'] / 1e9:.9f}"],
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, (row, p.stderr)
