@@ -121,7 +121,7 @@ def section_finite(ck, spt):
 
 
 def section_open(ck, pk):
-    from libk3.pack_schema import open_pack, source_identity
+    from libk3.pack.schema import open_pack, source_identity
     with Checkpoint.open(ck) as ckpt:
         t0 = time.perf_counter()
         source_identity(ckpt)
@@ -172,8 +172,8 @@ def _timed(fn) -> float:
 
 
 def section_pack(ck, rounds):
-    import libk3.nonfinite as nf
-    from libk3.pack import pack
+    import libk3.pack.nonfinite as nf
+    from libk3.pack.writer import pack
     real = nf.RunScan.feed
     rows = {"with scan": [], "without scan": []}
     with Checkpoint.open(ck) as ckpt:

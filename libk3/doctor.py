@@ -4,7 +4,7 @@ Owns: putting the machine facts (``libk3.hwprobe``), the model directory's healt
 (config, shard completeness, each shard's size against its own header), the pack
 directory's state, the presets (``libk3.presets``) and a per-token time estimate
 together into one JSON-ready report with its exit status, and rendering that report as
-text. Does not own: measuring (hwprobe), budget rules (presets), packing (``libk3.pack``)
+text. Does not own: measuring (hwprobe), budget rules (presets), packing (``libk3.pack.writer``)
 or option parsing (``tools/k3-doctor``).
 
 Exit status: 0 the machine can run the model; 1 it cannot, with every reason listed
@@ -71,7 +71,7 @@ def inspect_model(model_dir, pack_dir) -> tuple:
     """(section, sizes or None, problems, warnings) for one model directory. Problems
     are one line each and name the file (and tensor) at fault."""
     from .io.checkpoint import Checkpoint, check_shard_sizes, find_shards
-    from .pack import PARTIAL_FILE, disk_needed, pack_state, plan_pack
+    from .pack.writer import PARTIAL_FILE, disk_needed, pack_state, plan_pack
 
     d = Path(model_dir)
     sec = {"path": str(d), "config": None, "shards": None, "sizes": None, "pack": None}

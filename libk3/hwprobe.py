@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
-from .stream.direct import ALIGN, align_up   # O_DIRECT alignment (formats/pack.md)
+from .io.direct import ALIGN, align_up   # O_DIRECT alignment (formats/pack.md)
 
 PACKAGES = ("numpy", "numba", "llvmlite", "tokenizers", "safetensors", "zstandard")
 ISA_FLAGS = ("avx2", "fma", "avx512f", "asimd", "neon")

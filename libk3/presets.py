@@ -45,7 +45,7 @@ from .config import K3Config
 from .errors import BudgetError, FormatError, UsageError
 from .io import inventory
 from .io.dtypes import bound_extra_bytes
-from .stream.direct import window_bytes
+from .io.direct import window_bytes
 
 GB = 1e9                              # presets.yaml and every flag count decimal GB
 PRESETS_FILE = Path(__file__).with_name("presets.yaml")

@@ -19,9 +19,9 @@ from pathlib import Path
 from .cache_policy import replay
 from .policy_registry import DEFAULT_POLICY
 from .errors import BudgetError, FormatError
-from .pack_schema import load_manifest
+from .pack.schema import load_manifest
 from .presets import floor_problems, plan_trunk
-from .stream.direct import window_bytes
+from .io.direct import window_bytes
 from .stream.trunk import runs_from_pack
 from .trace import TraceReader
 

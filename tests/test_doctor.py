@@ -368,7 +368,7 @@ def test_doctor_truncated_shard_fails_naming_the_shard(tiny_copy, tmp_path):
 def test_doctor_stale_pack_is_reported_and_a_new_directory_suggested(tiny_copy, small_ckpt,
                                                                      tmp_path):
     """Catches a pack of another checkpoint being taken as complete."""
-    from libk3.pack import pack
+    from libk3.pack.writer import pack
 
     out = tmp_path / "pack"
     with Checkpoint.open(tiny_copy) as ck:

@@ -14,9 +14,9 @@ import pytest
 
 from libk3 import names
 from libk3.io.checkpoint import Checkpoint
-import libk3.pack as pack_mod
-from libk3.pack import (ALIGN, JOURNAL_FILE, MANIFEST_FILE, PARTIAL_FILE, TRUNK_FILE,
-                        load_expert_index, load_manifest, pack, verify)
+import libk3.pack.writer as pack_mod
+from libk3.pack.writer import (ALIGN, JOURNAL_FILE, MANIFEST_FILE, PARTIAL_FILE, TRUNK_FILE,
+                               load_expert_index, load_manifest, pack, verify)
 
 
 def k3pack(*args):
@@ -201,7 +201,7 @@ def test_pack_read_only_destination_refused(tiny_dir, tmp_path):
 def test_pack_refuses_up_front_when_disk_is_too_small(tiny_dir, tmp_path, monkeypatch):
     """Catches a packer that discovers a full disk halfway."""
     import shutil as sh
-    from libk3 import pack as packmod
+    from libk3.pack import writer as packmod
     from libk3.errors import BudgetError
     real = sh.disk_usage
     monkeypatch.setattr(packmod.shutil, "disk_usage",

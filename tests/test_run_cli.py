@@ -24,7 +24,7 @@ def k3(*args, cwd=None, input=None):
 
 
 def _pack(model_dir, out):
-    from libk3.pack import pack
+    from libk3.pack.writer import pack
     with Checkpoint.open(model_dir) as ckpt:
         pack(ckpt, out, progress=False)
     return out

@@ -18,7 +18,7 @@ import pytest
 from libk3 import precompile
 from libk3.errors import CheckpointError
 from libk3.io.tokenizer import K3Tokenizer
-from libk3.stream.direct import ALIGN, DirectFile, ReadCancelled, ReadGate, aligned_empty
+from libk3.io.direct import ALIGN, DirectFile, ReadCancelled, ReadGate, aligned_empty
 
 
 def k3(*args, env=None):

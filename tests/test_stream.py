@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from libk3.model.weights import load_layer
 from libk3.errors import BudgetError
 from libk3.io.checkpoint import Checkpoint
-from libk3.stream.direct import FileSet, window_bytes
+from libk3.io.direct import FileSet, window_bytes
 from libk3.stream.experts import ExpertCache
 from libk3.presets import plan_trunk
 from libk3.stream.trunk import TrunkStreamer, runs_from_checkpoint
@@ -124,7 +124,7 @@ def test_read_window_pieces_in_flight_equal_one_read(direct, tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     from libk3.errors import CheckpointError
-    from libk3.stream.direct import YIELD_CHUNK, DirectFile, ReadGate, aligned_empty
+    from libk3.io.direct import YIELD_CHUNK, DirectFile, ReadGate, aligned_empty
     data = np.random.default_rng(3).integers(0, 256, 3 * YIELD_CHUNK + 5000, np.uint8)
     path = tmp_path / "f.bin"
     path.write_bytes(data.tobytes())

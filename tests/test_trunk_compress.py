@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from libk3.errors import FormatError
 from libk3.io.checkpoint import Checkpoint
 from libk3.kernels.bf16_planes import merge_planes, split_planes
-from libk3.pack_schema import (BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, MANIFEST_FILE,
+from libk3.pack.schema import (BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, MANIFEST_FILE,
                                TRUNK_FILE, open_pack)
 from libk3.stream.trunk_codec import CODED, RAW, Codec, plan_blocks
 
@@ -230,7 +230,7 @@ def test_compress_resumes_after_interruption(small_raw, small_kz, tmp_path, monk
     """Catches a compress that starts over, skips a layer, or keeps a damaged partial
     layer after an interruption: the raw pack stays usable meanwhile, the rerun resumes
     the verified layers and ends with the same bytes as an uninterrupted run."""
-    from libk3 import pack_compress
+    from libk3.pack import compress as pack_compress
 
     d = tmp_path / "p.pack"
     shutil.copytree(small_raw, d)
@@ -264,8 +264,8 @@ def test_compress_and_verify_in_small_pieces_give_the_same_result(small_raw, sma
     """Catches piece boundaries that change the stored bytes, the index, a layer's CRC or
     the NaN/Inf scan: compressing and verifying in pieces of a few blocks (odd offsets
     included) gives the same pack, and verify still passes it."""
-    import libk3.pack as pack_mod
-    from libk3 import pack_compress
+    import libk3.pack.writer as pack_mod
+    from libk3.pack import compress as pack_compress
 
     monkeypatch.setattr(pack_compress, "ENCODE_BYTES", 300_000)
     monkeypatch.setattr(pack_mod, "COPY_BLOCK", 200_000)

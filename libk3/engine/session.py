@@ -61,8 +61,8 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
     if trunk_bytes is None and cache_bytes is None and pack is None:
         weights = ResidentWeights(ckpt)
     else:
-        from ..pack_schema import open_pack
-        from ..stream.direct import FileSet
+        from ..pack.schema import open_pack
+        from ..io.direct import FileSet
         from ..stream.experts import ExpertCache
         from ..stream.trunk import TrunkStreamer, runs_from_checkpoint, runs_from_pack
         if trunk_bytes is None or cache_bytes is None:

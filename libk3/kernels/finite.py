@@ -2,7 +2,7 @@
 
 Owns: ``first_special``, the scan k3-pack and ``k3-pack verify`` run over every trunk
 tensor's bytes. Does not own: which mask a dtype has (``libk3.io.dtypes.EXPONENT_MASK``)
-or how bytes reach it (``libk3.nonfinite``).
+or how bytes reach it (``libk3.pack.nonfinite``).
 
 Why a kernel: numpy's ``((bits & mask) == mask).any()`` makes two temporaries and runs
 far below the pack's copy rate; this loop ORs flags over 4096-element blocks

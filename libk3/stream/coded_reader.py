@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .direct import aligned_empty, window_bytes
+from ..io.direct import aligned_empty, window_bytes
 from .trunk_codec import Codec
 
 STAGE_BYTES = 8 << 20        # stored bytes per piece (a block is at most ~257 KiB)

@@ -23,7 +23,7 @@ from .. import names
 from ..errors import BudgetError
 from ..io import inventory
 from ..policy_registry import DEFAULT_POLICY
-from .direct import FileSet, aligned_empty, window_bytes
+from ..io.direct import FileSet, aligned_empty, window_bytes
 from .policy import make_policy
 
 

@@ -32,7 +32,7 @@ from ..errors import FormatError
 from ..io import inventory
 from ..io.dtypes import bound_extra_bytes, matrix_operand, widen
 from ..presets import plan_trunk
-from .direct import FileSet, ReadCancelled, aligned_empty, window_bytes
+from ..io.direct import FileSet, ReadCancelled, aligned_empty, window_bytes
 
 
 # Trunk read-ahead pieces in flight at once: deeper queues the expert reads on the
@@ -85,7 +85,7 @@ def runs_from_checkpoint(ckpt) -> list:
 
 
 def runs_from_pack(pack_dir, manifest: dict, blocks: list | None = None) -> list:
-    """The runs of a manifest already checked by ``libk3.pack_schema.open_pack`` (with
+    """The runs of a manifest already checked by ``libk3.pack.schema.open_pack`` (with
     ``blocks``, its block plans, for a compressed trunk)."""
     trunk = Path(pack_dir) / manifest["trunk_file"]
     return [LayerRun(lay["layer"], trunk, lay["file_off"], lay["nbytes"],

@@ -4,7 +4,7 @@ form which block, encoding a run into blocks, and decoding blocks back into the 
 Owns: the codec's name and constants, the block plan a layer's tensor table implies,
 encoding (k3-pack) and decoding with the per-block checksum (k3-run, ``k3-pack verify``),
 and the one error naming a bad block. Does not own: files, reads or the manifest
-(``libk3.pack``, ``libk3.pack_schema``, ``libk3.stream.trunk``) or the plane kernels
+(``libk3.pack.writer``, ``libk3.pack.schema``, ``libk3.stream.trunk``) or the plane kernels
 (``libk3.kernels.bf16_planes``).
 
 A layer run is cut tensor by tensor (in run order) into blocks of at most BLOCK_BYTES of

@@ -72,8 +72,8 @@ def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, allow_nonfin
     from pathlib import Path
 
     from libk3.io.checkpoint import Checkpoint
-    from libk3.pack import (PROBE_MIN_BYTES, disk_needed, pack, pack_state, plan_pack,
-                            source_read_rate)
+    from libk3.pack.writer import (PROBE_MIN_BYTES, disk_needed, pack, pack_state, plan_pack,
+                                   source_read_rate)
 
     with Checkpoint.open(checkpoint) as ckpt:
         if dry_run:
@@ -141,7 +141,7 @@ def compress_cmd(pack_dir, json_out, quiet):
 def _compress(pack_dir, quiet: bool) -> dict:
     import numba
 
-    from libk3.pack_compress import compress
+    from libk3.pack.compress import compress
 
     res = compress(pack_dir, threads=numba.get_num_threads(), progress=not quiet)
     return {"out": res.out, "layers": res.layers, "resumed": res.layers_resumed,
@@ -175,7 +175,7 @@ def verify_cmd(out, against, allow_nonfinite, json_out, quiet):
     its config), then every layer's checksum and NaN/Inf; with --against, also that it
     belongs to that checkpoint, entry by entry and byte by byte."""
     from libk3.io.checkpoint import Checkpoint
-    from libk3.pack import verify
+    from libk3.pack.writer import verify
 
     if against:
         with Checkpoint.open(against) as ckpt:

@@ -8,7 +8,7 @@ them); the identity (config fingerprint plus sampled content of every shard); re
 trunk.json and experts.idx and refusing, as a FormatError naming the file and field,
 anything the format does not allow; ``open_pack``, the one gate k3-run and
 ``k3-pack verify`` both go through, so verify never passes a pack k3-run refuses.
-Does not own: copying or re-reading trunk bytes (``libk3.pack``), streaming
+Does not own: copying or re-reading trunk bytes (``libk3.pack.writer``), streaming
 (``libk3.stream``), the inventory a config implies (``libk3.io.inventory``).
 
 Why every field is checked before use: the manifest's numbers become file offsets and
@@ -32,13 +32,13 @@ from pathlib import Path
 
 import numpy as np
 
-from . import names
-from .config import config_from_dict
-from .errors import ConfigError, FormatError
-from .io import inventory
-from .io.dtypes import ITEMSIZE
-from .stream import trunk_codec
-from .stream.direct import ALIGN, align_up
+from .. import names
+from ..config import config_from_dict
+from ..errors import ConfigError, FormatError
+from ..io import inventory
+from ..io.dtypes import ITEMSIZE
+from ..stream import trunk_codec
+from ..io.direct import ALIGN, align_up
 
 PACK_FORMAT = "k3-pack"
 PACK_VERSION = 2                 # a raw trunk (trunk.bin); also experts.idx's version
@@ -62,7 +62,7 @@ _INDEX_KEYS = ("version", "shards", "n_layers", "n_experts", "moe_layers", "part
                "records", "record_bytes")
 
 
-# ---- the layout a checkpoint implies (written by libk3.pack, compared here) ----------
+# ---- the layout a checkpoint implies (written by libk3.pack.writer, compared here) ----------
 
 @dataclasses.dataclass
 class LayerPlan:
@@ -185,7 +185,7 @@ def open_pack(pack_dir, ckpt=None) -> PackIndex:
     was made from exactly that checkpoint (identity, every layer row and tensor entry,
     every model-level entry, every expert record). Raises FormatError naming the file and
     field of the first problem. Trunk bytes are not read (their CRCs are checked by the
-    reader of each layer: ``libk3.stream.trunk`` and ``libk3.pack.verify``)."""
+    reader of each layer: ``libk3.stream.trunk`` and ``libk3.pack.writer.verify``)."""
     d = Path(pack_dir)
     man, cfg = _load_manifest(d)
     if ckpt is not None:

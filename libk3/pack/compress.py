@@ -5,7 +5,7 @@ Owns: reading each raw layer (checked against its CRC), encoding it
 (``libk3.stream.trunk_codec``), writing it durably with a journal so an interrupted run
 resumes, and the switch: trunk.kz and trunk.blocks complete and durable first, then the
 new trunk.json (atomic), then trunk.bin removed. Does not own: the codec, the schema
-(``libk3.pack_schema``) or packing a checkpoint (``libk3.pack``).
+(``libk3.pack.schema``) or packing a checkpoint (``libk3.pack.writer``).
 
 Why in place and after packing: the raw pack is the checked copy of the checkpoint's
 bytes (every layer has its CRC), so compressing reads only the pack and needs no
@@ -24,13 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import BudgetError, K3IOError
-from .io.atomic import fsync_dir, write_bytes
-from .pack_schema import (BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, COMPRESSED_VERSION,
-                          MANIFEST_FILE, TRUNK_FILE, layer_block_plan, open_pack)
-from .stream import trunk_codec
-from .stream.direct import DirectFile, align_up, aligned_empty, window_bytes
-from .stream.trunk import crc_mismatch
+from ..errors import BudgetError, K3IOError
+from ..io.atomic import fsync_dir, write_bytes
+from .schema import (BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, COMPRESSED_VERSION,
+                     MANIFEST_FILE, TRUNK_FILE, layer_block_plan, open_pack)
+from ..stream import trunk_codec
+from ..io.direct import DirectFile, align_up, aligned_empty, window_bytes
+from ..stream.trunk import crc_mismatch
 
 KZ_PARTIAL_FILE, KZ_JOURNAL_FILE = "trunk.kz.partial", "compress.journal"
 ENCODE_BYTES = 64 << 20        # raw bytes read and encoded at a time (RAM: ~2x this)

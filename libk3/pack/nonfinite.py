@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .io.dtypes import EXPONENT_MASK
+from ..io.dtypes import EXPONENT_MASK
 
 
 class RunScan:
@@ -40,7 +40,7 @@ class RunScan:
     def _scan(self, sfx: str, dtype: str, chunk: np.ndarray) -> None:
         view, mask = EXPONENT_MASK[dtype]
         item = np.dtype(view).itemsize
-        from .kernels.finite import first_special   # numba: only when a pack is scanned
+        from ..kernels.finite import first_special   # numba: only when a pack is scanned
         seen = self._seen.get(sfx, 0)
         carry = self._carry.pop(sfx, b"")
         if carry:

@@ -5,7 +5,7 @@ it and scanning it for NaN/Inf on the way), writing the manifest and the compact
 index, resuming after an interruption, ``verify`` (re-reading every layer, decoding a
 compressed trunk's blocks), and the short probe of the source disk's read rate that a
 pack's MB/s is reported against. Does not own: what the files must say and the checks
-before use (``libk3.pack_schema``), compressing a pack (``libk3.pack_compress``), reading
+before use (``libk3.pack.schema``), compressing a pack (``libk3.pack.compress``), reading
 safetensors (``libk3.io``) or streaming at run time (``libk3.stream``).
 
 Why this shape: one positioned read (O_DIRECT-capable: 4096-aligned offset and length)
@@ -29,18 +29,18 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from . import names
-from .errors import BudgetError, FormatError, K3IOError
-from .io.atomic import fsync_dir, write_bytes
+from .. import names
+from ..errors import BudgetError, FormatError, K3IOError
+from ..io.atomic import fsync_dir, write_bytes
 from .nonfinite import RunScan
-from .pack_schema import (COMPRESSED_VERSION, EXPERT_INDEX_FILE, EXPERT_INDEX_MAGIC,
-                          MANIFEST_FILE, PACK_FORMAT, PACK_VERSION, REPACK_HINT, TRUNK_FILE,
-                          expert_index_contents, load_expert_index, load_manifest,  # noqa: F401
-                          manifest_version, model_level_entries, open_pack, plan_pack,
-                          source_identity)
-from .stream import trunk_codec
-from .stream.direct import ALIGN, FileSet, align_up, aligned_empty, window_bytes
-from .stream.trunk import crc_mismatch
+from .schema import (COMPRESSED_VERSION, EXPERT_INDEX_FILE, EXPERT_INDEX_MAGIC,
+                     MANIFEST_FILE, PACK_FORMAT, PACK_VERSION, REPACK_HINT, TRUNK_FILE,
+                     expert_index_contents, load_expert_index, load_manifest,  # noqa: F401
+                     manifest_version, model_level_entries, open_pack, plan_pack,
+                     source_identity)
+from ..stream import trunk_codec
+from ..io.direct import ALIGN, FileSet, align_up, aligned_empty, window_bytes
+from ..stream.trunk import crc_mismatch
 
 COPY_BLOCK = 16 << 20                # 16 MiB reads and writes
 READERS = 4                          # source reads in flight at once
@@ -238,7 +238,7 @@ def source_read_rate(ckpt, seconds: float = PROBE_SECONDS) -> float | None:
     what a pack's MB/s is reported against. Timed on the experts' runs of the last MoE
     layers, bytes a pack never reads, so the pack gets no help from any cache the probe
     warms. None without O_DIRECT or when the shards are sparse (holes read at RAM speed)."""
-    from .hwprobe import holds_data, sequential_read_rate
+    from ..hwprobe import holds_data, sequential_read_rate
 
     t = ckpt.expert_table()
     regions, total = [], 0
@@ -286,7 +286,7 @@ def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
     source allows it: each read is the aligned window around the piece, and the payload
     is moved to the buffer's start so the pack's O_DIRECT write is aligned too); this
     thread takes the pieces back in order, checksums them, scans their float tensors for
-    NaN/Inf (``libk3.nonfinite``) and hands them to WRITERS
+    NaN/Inf (``libk3.pack.nonfinite``) and hands them to WRITERS
     write threads; several reads and writes in flight keep the disk busy where one at a
     time left it idle (bench/README.md, "Packing"). Buffers come from a fixed pool (bounded read-ahead,
     READERS + WRITERS + 4 blocks); a reader takes its buffer before its piece, so the
