@@ -138,8 +138,8 @@ def section_spec(tmp):
 def section_policy(tmp):
     """Record a decode trace on medium, replay LRU and layer-LFU at several capacities,
     and run both live at one capacity: expert bytes per token with each."""
-    from libk3.cache_policy import replay
-    from libk3.trace import TraceReader
+    from libk3.trace.replay import replay
+    from libk3.trace.format import TraceReader
     ck, pk = checkpoint("medium"), packed("medium")
     sizes, _ = _floor_flags("medium")
     trace = tmp / "med.k3trace"

@@ -4,8 +4,8 @@ ladder capacity, and the default policy's bytes per token against the best onlin
 Owns: building the benchmark's traces, timing the replays, printing per trace the replay
 tables and the default's ratio to the best of ``REFERENCES``, a summary over all traces,
 and the per-request cost of the policy object k3-run drives. Does not own: the policies
-(``libk3.policies``, ``libk3.cache_policy``), the synthetic traces
-(``libk3.trace_synth``), the tables (``libk3.trace_report``).
+(``libk3.policies``, ``libk3.trace.replay``), the synthetic traces
+(``libk3.synth.traces``), the tables (``libk3.trace.report``).
 
 Traces at the real model's shape (93 layers x 896 experts, top-16, 17,547,264 B per
 expert; every layer routed), cyclic in layer order:
@@ -46,12 +46,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, ROOT, checkpoint, run  # noqa: E402
 
-from libk3 import cache_policy  # noqa: E402
-from libk3.policy_registry import DEFAULT_POLICY  # noqa: E402
+from libk3.policies import registry  # noqa: E402
+from libk3.trace import replay as cache_policy  # noqa: E402
+from libk3.policies.registry import DEFAULT_POLICY  # noqa: E402
 from libk3.stream.policy import make_policy  # noqa: E402
-from libk3.trace import TraceReader  # noqa: E402
-from libk3.trace_report import format_replay, replay_keys_report  # noqa: E402
-from libk3.trace_synth import synth_keys, synth_recompute_keys  # noqa: E402
+from libk3.trace.format import TraceReader  # noqa: E402
+from libk3.trace.report import format_replay, replay_keys_report  # noqa: E402
+from libk3.synth.traces import synth_keys, synth_recompute_keys  # noqa: E402
 
 N_LAYERS, N_EXPERTS, TOP_K, EXPERT_BYTES = 93, 896, 16, 17547264
 REAL_POOL_BYTES = 92 * 896 * EXPERT_BYTES          # the MoE layers' experts, 1,446.5 GB
@@ -111,7 +112,7 @@ def _recorded(name):
 
 
 def _report(keys, tokens, jobs, *, n_layers, n_experts, top_k, expert_bytes):
-    policies = list(cache_policy.POLICIES)
+    policies = list(registry.POLICIES)
     return replay_keys_report(keys, n_layers=n_layers, n_experts=n_experts, top_k=top_k,
                               expert_bytes=expert_bytes, tokens=tokens,
                               tokens_estimated=False, policies=policies, workers=jobs)
@@ -153,7 +154,7 @@ def _online_cost(keys, jobs):
     slots = COST_GB * 10**9 // EXPERT_BYTES
     visits = keys[:COST_REQUESTS].reshape(-1, TOP_K)
     rows = []
-    for name in cache_policy.ONLINE_OBJECT_POLICIES:
+    for name in registry.ONLINE_OBJECT_POLICIES:
         pol = make_policy(name, slots, N_LAYERS, N_EXPERTS)
         pol.access(visits[0])                    # compile / load outside the timing
         t0, c0 = time.perf_counter(), time.thread_time()

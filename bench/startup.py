@@ -149,7 +149,7 @@ def main() -> None:
 
     trace = DATA / "startup-100k.k3trace"
     if not trace.exists():
-        from libk3.trace_synth import write_synth_trace
+        from libk3.synth.traces import write_synth_trace
         write_synth_trace(trace, 68)                # 68 tokens x 93 layers x 16 = 101,184
     res = side_by_side(trees, "k3-trace", ["stats", trace], max(5, a.runs), tmp)
     stats = {n: med(w for w, _ in v) for n, v in res.items()}

@@ -351,7 +351,7 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
         sizes = ModelSizes.from_config(cfg)
     kernels = None
     if not quick:
-        from .precompile import prepare
+        from .engine.precompile import prepare
         prepare(["kernel-timing"])               # announced here, after the disk probe
         bf16_shapes, mxfp4_shapes = hwprobe.kernel_shapes(cfg or load_config(model))
         kernels = hwprobe.measure_kernels(bf16_shapes=bf16_shapes, mxfp4_shapes=mxfp4_shapes)

@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 from hypothesis import strategies as st
 
-from libk3 import trace as tr
+from libk3.trace import format as tr
 
 NESTED = "[" * 100_000 + "]" * 100_000     # past json's recursion limit
 HUGE_INT = "9" * 5000                      # past Python's 4,300-digit int parsing limit

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libk3 import cache_policy as cp
+from libk3.trace import replay as cp
 from libk3.policies import adaptive, drive, layer_lfu, lfu, s3fifo
-from libk3.policy_registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
-from libk3.trace_synth import synth_keys
+from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES, POLICIES
+from libk3.synth.traces import synth_keys
 
 from .policy_brute import NE, NL, AdaptiveBrute, LayerLfuBrute, LfuBrute, brute_hits
 
@@ -170,4 +170,4 @@ def test_default_policy_is_adaptive_and_can_drive_k3_run():
     """Catches a default that k3-run cannot run, or a registry out of step with it."""
     assert DEFAULT_POLICY == "adaptive"
     assert DEFAULT_POLICY in ONLINE_OBJECT_POLICIES
-    assert cp.POLICIES[DEFAULT_POLICY].online
+    assert POLICIES[DEFAULT_POLICY].online

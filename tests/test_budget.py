@@ -11,8 +11,8 @@ from libk3.errors import BudgetError
 from libk3.io.checkpoint import Checkpoint
 from libk3.pack.writer import pack
 from libk3.presets import Budget, ModelSizes, admission_problems, minimum_budget, resolve_budget
-from libk3.trace_sizing import size_budget
-from libk3.trace_synth import write_synth_trace
+from libk3.trace.sizing import size_budget
+from libk3.synth.traces import write_synth_trace
 
 ROOMY = 10**12          # machine memory: only the floors can refuse a split
 

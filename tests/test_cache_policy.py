@@ -1,4 +1,4 @@
-"""Cache-policy replay (libk3/cache_policy.py) against brute-force pure-Python policies,
+"""Cache-policy replay (libk3/trace/replay.py) against brute-force pure-Python policies,
 hand-checked cases, the optimality bound and the online objects k3-run will drive.
 
 Small key universes (a few layers x a few experts) so that every eviction is exercised
@@ -14,10 +14,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from libk3 import cache_policy as cp
+from libk3.policies import online, registry
+from libk3.trace import replay as cp
 from libk3.errors import UsageError
 from libk3.policies import drive, layer_lfu, lru, s3fifo
-from libk3.trace_synth import synth_keys, synth_recompute_keys
+from libk3.synth.traces import synth_keys, synth_recompute_keys
 
 from .policy_brute import NE, NL, LruBrute, S3Brute, brute_hits
 
@@ -128,7 +129,7 @@ def test_belady_is_at_least_every_other_policy(keys, slots):
     """Catches a simulator that exceeds its slots or counts a miss as a hit: nothing can
     beat the offline optimum."""
     best = run("belady", keys, slots)
-    for p in [*cp.POLICIES, "lfu"]:
+    for p in [*registry.POLICIES, "lfu"]:
         assert run(p, keys, slots) <= best, p
 
 
@@ -137,7 +138,7 @@ def test_belady_is_at_least_every_policy_on_synthetic_traces():
     for keys in (synth_keys(12, n_layers=6, n_experts=40, top_k=4, seed=3),
                  synth_recompute_keys(2, 9, n_layers=6, n_experts=40, top_k=4, seed=4)):
         for slots in (5, 20, 60):
-            res = {p: run(p, keys, slots, 6, 40) for p in cp.POLICIES}
+            res = {p: run(p, keys, slots, 6, 40) for p in registry.POLICIES}
             assert max(res.values()) == res["belady"], res
 
 
@@ -300,26 +301,26 @@ def test_replay_grid_does_not_depend_on_thread_count():
     """Catches shared mutable state between parallel replays."""
     keys = synth_keys(10, n_layers=5, n_experts=30, top_k=4, seed=2)
     kw = dict(n_layers=5, n_experts=30)
-    one = cp.replay_grid(keys, [5, 17, 40], list(cp.POLICIES), workers=1, **kw)
-    two = cp.replay_grid(keys, [5, 17, 40], list(cp.POLICIES), workers=2, **kw)
+    one = cp.replay_grid(keys, [5, 17, 40], list(registry.POLICIES), workers=1, **kw)
+    two = cp.replay_grid(keys, [5, 17, 40], list(registry.POLICIES), workers=2, **kw)
     def strip(rows):
         return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]
     assert strip(one) == strip(two)
 
 
-@pytest.mark.parametrize("policy", cp.ONLINE_OBJECT_POLICIES)
+@pytest.mark.parametrize("policy", registry.ONLINE_OBJECT_POLICIES)
 def test_online_object_matches_the_simulator(policy):
     """Catches the object k3-run drives (one call per layer visit) diverging from what
     replay measures (one pass over the whole stream)."""
     n_layers, n_experts, top_k = 5, 30, 4
     keys = synth_keys(25, n_layers=n_layers, n_experts=n_experts, top_k=top_k, seed=5)
     for slots in (top_k + 1, 23, 70):
-        obj = cp.make_cache_policy(policy, slots, n_layers=n_layers, n_experts=n_experts)
+        obj = online.make_cache_policy(policy, slots, n_layers=n_layers, n_experts=n_experts)
         hits = sum(int(obj.access(visit)[:, 2].sum()) for visit in keys.reshape(-1, top_k))
         assert hits == run(policy, keys, slots, n_layers, n_experts)
 
 
-@pytest.mark.parametrize("policy", cp.ONLINE_OBJECT_POLICIES)
+@pytest.mark.parametrize("policy", registry.ONLINE_OBJECT_POLICIES)
 def test_online_object_keeps_a_whole_layer_resident_k3_run_style(policy):
     """k3-run hands a layer's top_k experts to ``access``, then computes: with top_k + 1
     slots every one of them must be resident afterwards, no admission may evict a key the
@@ -327,13 +328,13 @@ def test_online_object_keeps_a_whole_layer_resident_k3_run_style(policy):
     evicting a key of the current visit."""
     n_layers, n_experts, top_k = 4, 24, 6
     layer, expert = synth_routing_small(n_layers, n_experts, top_k)
-    obj = cp.make_cache_policy(policy, top_k + 1, n_layers=n_layers, n_experts=n_experts)
+    obj = online.make_cache_policy(policy, top_k + 1, n_layers=n_layers, n_experts=n_experts)
     mirror = {}                                      # slot -> key, from the return values
     for t in range(layer.shape[0]):
         for L in range(n_layers):
             group = [L * n_experts + int(e) for e in expert[t, L]]
             out = obj.access(group)
-            assert cp.evicts_its_own_batch(np.array(group), out) == -1
+            assert online.evicts_its_own_batch(np.array(group), out) == -1
             for i, (k, (s, ev, h)) in enumerate(zip(group, out.tolist())):
                 assert s >= 0 and ev not in group[:i]
                 if h:
@@ -346,14 +347,14 @@ def test_online_object_keeps_a_whole_layer_resident_k3_run_style(policy):
             assert {s: k for s, k in enumerate(resident.tolist()) if k >= 0} == mirror
 
 
-@pytest.mark.parametrize("policy", cp.ONLINE_OBJECT_POLICIES)
+@pytest.mark.parametrize("policy", registry.ONLINE_OBJECT_POLICIES)
 def test_online_object_keeps_its_batch_when_a_layer_is_fetched_twice_in_a_row(policy):
     """Catches a policy whose last resort, when every resident belongs to the current
     layer visit (the same layer fetched again: one MoE layer, or repeated fetches),
     evicts a key the batch already placed: two experts would share a slot."""
     n_layers, n_experts, slots = 3, 20, 5
     rng = np.random.default_rng(3)
-    obj = cp.make_cache_policy(policy, slots, n_layers=n_layers, n_experts=n_experts)
+    obj = online.make_cache_policy(policy, slots, n_layers=n_layers, n_experts=n_experts)
     evicted = 0
     for _ in range(300):
         L = int(rng.integers(0, 2)) if rng.random() < 0.3 else 0
@@ -361,7 +362,7 @@ def test_online_object_keeps_its_batch_when_a_layer_is_fetched_twice_in_a_row(po
                           rng.choice(n_experts, size=int(rng.integers(1, slots + 1)),
                                      replace=False)])
         out = obj.access(group)
-        assert cp.evicts_its_own_batch(group, out) == -1
+        assert online.evicts_its_own_batch(group, out) == -1
         assert set(group.tolist()) <= set(obj.resident().tolist())
         evicted += int((out[:, 1] >= 0).sum())
     assert evicted > 100                                        # the cache was under pressure
@@ -371,17 +372,17 @@ def test_online_object_is_sized_by_the_keys_not_a_huge_slot_count():
     """Catches a live cache state allocated per requested slot (10^12 slots would not
     fit): slots past one per key change nothing."""
     keys = synth_keys(10, n_layers=NL, n_experts=NE, top_k=3, seed=2).reshape(-1, 3)
-    for policy in cp.ONLINE_OBJECT_POLICIES:
-        big = cp.make_cache_policy(policy, 10**12, n_layers=NL, n_experts=NE)
-        exact = cp.make_cache_policy(policy, NL * NE, n_layers=NL, n_experts=NE)
+    for policy in registry.ONLINE_OBJECT_POLICIES:
+        big = online.make_cache_policy(policy, 10**12, n_layers=NL, n_experts=NE)
+        exact = online.make_cache_policy(policy, NL * NE, n_layers=NL, n_experts=NE)
         for visit in keys:
             assert big.access(visit).tolist() == exact.access(visit).tolist()
         assert big.resident().tolist() == exact.resident().tolist()
-    assert cp.make_cache_policy("lru", 7, n_layers=NL, n_experts=NE).resident().size == 7
+    assert online.make_cache_policy("lru", 7, n_layers=NL, n_experts=NE).resident().size == 7
 
 
 def synth_routing_small(n_layers, n_experts, top_k):
-    from libk3.trace_synth import synth_routing
+    from libk3.synth.traces import synth_routing
     layer, expert = synth_routing(30, n_layers=n_layers, n_experts=n_experts, top_k=top_k,
                                   seed=7)
     return (layer.reshape(30, n_layers, top_k), expert.reshape(30, n_layers, top_k))
@@ -390,8 +391,8 @@ def synth_routing_small(n_layers, n_experts, top_k):
 def test_online_object_refuses_offline_policies():
     """Catches offering k3-run a policy that needs the future."""
     with pytest.raises(UsageError, match="cannot drive a live cache"):
-        cp.make_cache_policy("belady", 20, n_layers=NL, n_experts=NE)
-    assert cp.make_cache_policy("lru", 20, n_layers=NL, n_experts=NE).access([3])[0, 2] == 0
+        online.make_cache_policy("belady", 20, n_layers=NL, n_experts=NE)
+    assert online.make_cache_policy("lru", 20, n_layers=NL, n_experts=NE).access([3])[0, 2] == 0
 
 
 def test_replay_grid_takes_adaptives_candidates_from_its_shadows_exactly():
@@ -411,14 +412,14 @@ def test_evicts_its_own_batch_flags_an_eviction_of_a_key_the_batch_placed():
     """Catches a guard that never fires (k3-run would hand one slot to two experts)."""
     keys = np.array([5, 6, 7])
     out = np.array([[0, -1, 0], [1, -1, 0], [0, 5, 0]])
-    assert cp.evicts_its_own_batch(keys, out) == 2
+    assert online.evicts_its_own_batch(keys, out) == 2
     out[2, 1] = 9                                  # control: a key outside the batch
-    assert cp.evicts_its_own_batch(keys, out) == -1
+    assert online.evicts_its_own_batch(keys, out) == -1
 
 
 def test_online_object_refuses_keys_outside_the_model():
     """Catches an unchecked key reaching the numba state (it would write out of bounds)."""
-    obj = cp.make_cache_policy("adaptive", 5, n_layers=NL, n_experts=NE)
+    obj = online.make_cache_policy("adaptive", 5, n_layers=NL, n_experts=NE)
     with pytest.raises(ValueError, match="outside"):
         obj.access([3, NL * NE])
     assert obj.access([NL * NE - 1])[0, 2] == 0     # control: the last key is fine

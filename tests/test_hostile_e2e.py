@@ -17,7 +17,7 @@ import pytest
 from k3_pack.cli import main as pack_main
 from k3_run.cli import main as run_main
 from k3_trace.cli import main as trace_main
-from libk3 import trace as tr
+from libk3.trace import format as tr
 
 from .hostile import (check_clean, check_process_refused, check_refused, fail, invoke,
                       run_script, script)

@@ -18,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from libk3 import trace as tr
+from libk3.trace import format as tr
 from libk3.config import load_config
 from libk3.engine import batch as batchfile
 from libk3.io.checkpoint import Checkpoint
 from libk3.model.state import State
-from libk3.trace_report import replay_report, trace_stats
+from libk3.trace.report import replay_report, trace_stats
 
 from .conftest import TINY
 from .hostile import call, check_clean, check_refused, fail
@@ -333,7 +333,7 @@ def test_replay_capacity_of_1e12_slots_is_exact_and_small(tmp_path):
     ceiling (nothing is ever evicted) without allocating for them."""
     p = small_trace(tmp_path / "t.k3trace")
     out = call(lambda: replay_report(tr.TraceReader(p), policies=list(
-        __import__("libk3.cache_policy", fromlist=["POLICIES"]).POLICIES),
+        __import__("libk3.policies.registry", fromlist=["POLICIES"]).POLICIES),
         slots=[10**12], capacities_gb=[1e6]), seconds=300)     # the first run compiles
     check_clean(out)
     rep = replay_report(tr.TraceReader(p), policies=["lru", "belady", "pin+lru", "s3fifo",

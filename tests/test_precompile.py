@@ -1,4 +1,4 @@
-"""Compiling the numba kernels up front (libk3.precompile): the notice appears exactly
+"""Compiling the numba kernels up front (libk3.engine.precompile): the notice appears exactly
 when numba would compile, and the signature table covers every tool path.
 
 The slow end-to-end checks (every kernel from an empty cache, a read-only wheel
@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from numba import njit
 from numba.core.event import install_recorder
 
-from libk3 import precompile
+from libk3.engine import precompile
 
 NOTICE = "compiling k3 kernels for this CPU, first run only"
 
@@ -35,7 +35,7 @@ def twice(x):
 PREPARE_TOY = '''
 import sys
 from numba import types
-from libk3 import precompile
+from libk3.engine import precompile
 kern = precompile.Kernel("toykern", "twice", (types.int64,))
 before = precompile.is_cached(kern)
 seconds = precompile.prepare_kernels([kern])
@@ -85,7 +85,7 @@ def use(st):
 PREPARE_STATE_TOY = '''
 from numba import types
 from numba.core.event import install_recorder
-from libk3 import precompile
+from libk3.engine import precompile
 new = precompile.Kernel("statekern", "new", (types.int64,))
 use = precompile.Kernel("statekern", "use", (precompile.ReturnOf(new),))
 seconds = precompile.prepare_kernels([new, use])
@@ -137,7 +137,7 @@ def test_precompile_lookup_matches_numba_own_key():
     call = (x, np.ones(4, np.float32), 1e-5, out)
     norms.rmsnorm(*call)                                      # a real call's types
     assert tuple(numba.typeof(a) for a in call) in {k.args for k in precompile.kernels()}
-    from libk3.cache_policy import OnlinePolicy
+    from libk3.policies.online import OnlinePolicy
     from libk3.policies import drive
     pol = OnlinePolicy("adaptive", 8, n_layers=2, n_experts=4)
     pol.access([1, 2])                                       # a real call's state type
@@ -159,7 +159,7 @@ def test_precompile_table_covers_every_tool_path(tiny_dir, tmp_path):
     import k3_run.cli as run_cli
     import k3_trace.cli as trace_cli
     from libk3 import hwprobe
-    from libk3.trace_synth import write_synth_trace
+    from libk3.synth.traces import write_synth_trace
 
     trace = tmp_path / "t.k3trace"
     write_synth_trace(trace, 40, n_layers=4, n_experts=16, top_k=2, expert_bytes=1000)
@@ -205,4 +205,4 @@ def test_doctor_compile_reports_every_kernel_and_where_cached():
                                        "kda", "mla", "router", "moe", "bf16_planes")} | {
         "libk3.policies." + m for m in ("lru", "lfu", "layer_lfu", "adaptive", "drive",
                                         "belady", "s3fifo")} | {
-        "libk3.cache_policy", "libk3.hwprobe"}
+        "libk3.policies.online", "libk3.hwprobe"}

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from libk3 import precompile
+from libk3.engine import precompile
 from libk3.errors import CheckpointError
 from libk3.io.tokenizer import K3Tokenizer
 from libk3.io.direct import ALIGN, DirectFile, ReadCancelled, ReadGate, aligned_empty
@@ -92,7 +92,7 @@ sys.stderr.write("\\nLOADED " + " ".join(sorted(m for m in ("numba", "libk3.kern
 def test_tools_import_no_kernels_they_do_not_run(module, argv, loaded, tmp_path):
     """Catches a front end (or a module it needs) importing the numba kernels, the model
     or the tokenizer at import time: seconds of start-up for --help or trace stats."""
-    from libk3.trace_synth import write_synth_trace
+    from libk3.synth.traces import write_synth_trace
 
     trace = tmp_path / "t.k3trace"
     write_synth_trace(trace, 20, n_layers=4, n_experts=16, top_k=2, expert_bytes=1000)

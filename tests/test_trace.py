@@ -1,4 +1,4 @@
-"""Trace format v1 (formats/trace.md, libk3/trace.py), the C-trace import, the stats and
+"""Trace format v1 (formats/trace.md, libk3/trace/format.py), the C-trace import, the stats and
 replay reports, and the k3-trace console script end to end.
 
 Each damage test makes one mutation of a good file and first checks that the good file
@@ -17,10 +17,10 @@ import zlib
 import numpy as np
 import pytest
 
-from libk3 import trace as tr
+from libk3.trace import format as tr
 from libk3.errors import FormatError, K3Error
-from libk3.policy_registry import POLICIES
-from libk3.trace_report import capacity_ladder, replay_report, trace_stats
+from libk3.policies.registry import POLICIES
+from libk3.trace.report import capacity_ladder, replay_report, trace_stats
 
 NL, NE, TOPK = 5, 12, 3
 
@@ -387,7 +387,7 @@ def test_capacity_ladder_uses_decimal_gb_and_skips_too_small_caches():
 
 def test_replay_report_gb_read_per_token_is_misses_times_expert_bytes(tmp_path):
     """Catches bytes per token computed from requests or hits."""
-    from libk3.trace_synth import write_synth_trace
+    from libk3.synth.traces import write_synth_trace
     p = write_synth_trace(tmp_path / "y.k3trace", 20, n_layers=4, n_experts=30, top_k=3,
                           expert_bytes=10**8)
     rep = replay_report(tr.TraceReader(p), policies=["lru", "belady"], slots=[10, 40])

@@ -7,11 +7,11 @@ import subprocess
 
 import numpy as np
 
-from libk3.cache_policy import replay
-from libk3.policy_registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
+from libk3.trace.replay import replay
+from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
 from libk3.presets import ModelSizes, minimum_budget
 from libk3.io.checkpoint import Checkpoint
-from libk3.trace import PHASE_DECODE, PHASE_PREFILL, TraceReader
+from libk3.trace.format import PHASE_DECODE, PHASE_PREFILL, TraceReader
 
 
 def run(*args):

@@ -16,8 +16,8 @@ import numpy as np
 
 from ..errors import BudgetError, FormatError, UsageError
 from ..model.state import State
-from ..policy_registry import DEFAULT_POLICY
-from ..trace import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
+from ..policies.registry import DEFAULT_POLICY
+from ..trace.format import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
 from .batch_sink import BatchSink
 from .generate import Abandoned, GenSettings, generate, token_ids_problem
@@ -115,7 +115,7 @@ class Run:
         ckpt = Checkpoint.open(opts.model)       # indexed once, for the budget and the run
         try:
             self.budget, self.width, self.width_reasons = resolve_run_budget(opts, ckpt)
-            from ..precompile import prepare     # before the expert cache calls its policy
+            from .precompile import prepare     # before the expert cache calls its policy
             self.compile_seconds = prepare(["forward"] + ([] if opts.resident
                                                            else ["expert-cache"]))
         except BaseException:
@@ -132,7 +132,7 @@ class Run:
         self._chat = None
         if opts.trace_path:
             from .. import __version__
-            from ..trace import TraceWriter, header_for_config
+            from ..trace.format import TraceWriter, header_for_config
             self.trace = TraceWriter(opts.trace_path, header_for_config(
                 self.cfg, created_by=f"k3-run {__version__}",
                 meta={"model": str(opts.model), "pack": opts.pack,

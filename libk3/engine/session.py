@@ -14,7 +14,7 @@ from ..io.checkpoint import Checkpoint
 from ..model.forward import Forward
 from ..model.state import State
 from ..model.weights import ResidentWeights, StreamedWeights
-from ..policy_registry import DEFAULT_POLICY
+from ..policies.registry import DEFAULT_POLICY
 
 
 @dataclasses.dataclass

@@ -2,8 +2,8 @@
 
 Owns nothing itself: each module holds one policy's state layout and its step functions
 (``new``, ``lookup``, ``admit``); ``drive`` runs requests through them (belady, pin+lru
-and s3fifo have their own replay loops). ``libk3.cache_policy`` replays them and wraps
-the online ones for k3-run; ``libk3.policy_registry`` names them.
+and s3fifo have their own replay loops). ``libk3.trace.replay`` replays them and wraps
+the online ones for k3-run; ``libk3.policies.registry`` names them.
 
 Every key is ``layer * n_experts + expert`` (dense, int64). ``lookup(st, key)`` records a
 request and returns a non-negative value (the key's slot) on a hit, -1 on a miss; after a

@@ -22,7 +22,7 @@ import numpy as np
 from .. import names
 from ..errors import BudgetError
 from ..io import inventory
-from ..policy_registry import DEFAULT_POLICY
+from ..policies.registry import DEFAULT_POLICY
 from ..io.direct import FileSet, aligned_empty, window_bytes
 from .policy import make_policy
 

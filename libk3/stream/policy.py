@@ -1,10 +1,10 @@
 """Online eviction policies for the expert cache, as k3-run drives them.
 
-Owns: adapting the online policy objects of ``libk3.cache_policy`` (the same numba code
+Owns: adapting the online policy objects of ``libk3.trace.replay`` (the same numba code
 the offline replay runs, so replayed hit rates are what k3-run gets) to the cache's
 needs: ``access(keys)`` for one layer visit, refusing loudly if a policy ever evicted a
 key the visit already placed. Does not own: the slots' bytes, the policies' names or the
-default (``libk3.policy_registry``).
+default (``libk3.policies.registry``).
 
 The policy never changes results, only which bytes are read again: k3-run's output is
 the same for every policy (tested).
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache_policy import evicts_its_own_batch, make_cache_policy
+from ..policies.online import evicts_its_own_batch, make_cache_policy
 from ..errors import UsageError
-from ..policy_registry import ONLINE_OBJECT_POLICIES
+from ..policies.registry import ONLINE_OBJECT_POLICIES
 
 
 class CachePolicy:

@@ -41,7 +41,7 @@ from libk3.cli_support import handle_errors, print_json
 @handle_errors
 def main(model, pack_dir, json_out, quick, compile_only, assume_memory_gb, assume_read_mbps,
          assume_decode_mbps, probe_size_mb):
-    from libk3 import precompile
+    from libk3.engine import precompile
 
     if compile_only:
         summary = precompile.compile_all()

@@ -15,7 +15,7 @@ from libk3.engine.generate import gen_problem
 from libk3.engine.sampler import seed_problem, temperature_problem, top_p_problem
 from libk3.errors import UsageError
 from libk3.io import atomic
-from libk3.policy_registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
+from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
 
 
 def _note_order(ctx, param, value):

@@ -1,7 +1,7 @@
 """k3-trace: import, inspect and replay expert-routing traces (formats/trace.md).
 
-Thin click front end: options are parsed here, the work is in libk3 (``libk3.trace``,
-``libk3.trace_report``, ``libk3.cache_policy``). Subcommands are registered one per
+Thin click front end: options are parsed here, the work is in libk3 (``libk3.trace.format``,
+``libk3.trace.report``, ``libk3.trace.replay``). Subcommands are registered one per
 function on the ``main`` group; ``record`` and ``size`` (which need k3-run) are added the
 same way by their own module.
 """
@@ -17,8 +17,8 @@ from libk3.cli_group import Finite, Group, NumberList, gigabytes
 from libk3.cli_support import handle_errors, print_json
 from libk3.config import MAX_EXPERTS, MAX_LAYERS
 from libk3.errors import UsageError
-from libk3.trace import MAX_EXPERT_BYTES
-from libk3.policy_registry import DEFAULT_POLICY
+from libk3.trace.format import MAX_EXPERT_BYTES
+from libk3.policies.registry import DEFAULT_POLICY
 
 # The real model's shape (model.md §1, §2.1): defaults
 # for importing C-engine traces, which carry no header.
@@ -55,7 +55,7 @@ def main():
 def import_cmd(raw, out, n_layers, n_experts, top_k, expert_bytes, json_out):
     """Convert the public C engine's expert_trace.bin (headerless int32 layer, expert
     pairs) into a k3 trace OUT. Token positions are unknown there and recorded as such."""
-    from libk3.trace import import_raw_c_trace
+    from libk3.trace.format import import_raw_c_trace
 
     if top_k > n_experts:
         raise UsageError(f"--top-k {top_k} exceeds --n-experts {n_experts}")
@@ -78,8 +78,8 @@ def import_cmd(raw, out, n_layers, n_experts, top_k, expert_bytes, json_out):
 def stats(trace, tolerate_truncated, json_out):
     """Requests, tokens, distinct experts, reuse, hottest experts, per-layer spread and
     the compulsory-miss ceiling of TRACE."""
-    from libk3.trace import TraceReader
-    from libk3.trace_report import format_stats, trace_stats
+    from libk3.trace.format import TraceReader
+    from libk3.trace.report import format_stats, trace_stats
 
     s = trace_stats(TraceReader(trace, tolerate_truncated_tail=tolerate_truncated))
     _emit(s, json_out, format_stats)
@@ -107,16 +107,16 @@ def replay(trace, capacity_gb, slots, expert_bytes, policy, jobs, tolerate_trunc
            json_out):
     """Hit rate and GB read per token of each cache policy at each capacity, replaying
     TRACE offline (routing does not depend on the cache)."""
-    from libk3 import cache_policy
-    from libk3.precompile import prepare
-    from libk3.trace import TraceReader
-    from libk3.trace_report import (format_replay, plot_replay, replay_report,
+    from libk3.engine.precompile import prepare
+    from libk3.policies.registry import POLICIES, check_policy_names
+    from libk3.trace.format import TraceReader
+    from libk3.trace.report import (format_replay, plot_replay, replay_report,
                                     require_matplotlib)
 
     if plot:
         require_matplotlib()
-    policies = (cache_policy.check_policy_names(p.strip() for p in policy.split(","))
-                if policy else list(cache_policy.POLICIES))
+    policies = (check_policy_names(p.strip() for p in policy.split(","))
+                if policy else list(POLICIES))
     reader = TraceReader(trace, tolerate_truncated_tail=tolerate_truncated)
     reader.require_replayable()           # a hostile header is refused before compiling
     prepare(["replay"])
@@ -180,7 +180,7 @@ def record(model, out, prompt_file, batch, run_args):
 def size(trace, budget_gb, pack_dir, seq_mbps, rand_mbps, doctor_json, policy, steps, json_out):
     """Recommend the trunk/cache split of a total budget, from the pack's layer sizes, the
     trace's replayed miss curve and the disk's speeds, with predicted s/token per split."""
-    from libk3.trace_sizing import disk_speeds_from_doctor, format_sizing, size_budget
+    from libk3.trace.sizing import disk_speeds_from_doctor, format_sizing, size_budget
 
     if doctor_json:
         seq_d, rand_d = disk_speeds_from_doctor(doctor_json)
@@ -189,8 +189,8 @@ def size(trace, budget_gb, pack_dir, seq_mbps, rand_mbps, doctor_json, policy, s
     from libk3.errors import UsageError
     if not seq_mbps or not rand_mbps:
         raise UsageError("give --seq-mbps and --rand-mbps, or --doctor-json from k3-doctor --json")
-    from libk3.precompile import prepare
-    from libk3.trace import TraceReader
+    from libk3.engine.precompile import prepare
+    from libk3.trace.format import TraceReader
     TraceReader(trace).require_replayable()   # a hostile header is refused before compiling
     prepare(["replay"])
     rep = size_budget(trace, pack_dir, budget_gb * 1e9, seq_mbps * 1e6, rand_mbps * 1e6,

@@ -4,8 +4,8 @@ Owns: the table of every numba entry point the tools call from Python, with the 
 argument types they call it with; finding which of those numba's on-disk cache does not
 hold yet; compiling them up front under a one-line notice and a tqdm bar (nothing is
 printed when all are cached), then loading the rest; and where numba keeps that cache.
-Does not own: the kernels (``libk3.kernels``, ``libk3.policies``, ``libk3.cache_policy``,
-``libk3.hwprobe``) or when a tool runs (its front end, or the engine for k3-run, calls
+Does not own: the kernels (``libk3.kernels``, ``libk3.policies``, ``libk3.trace.replay``,
+``libk3.doctor.probe``) or when a tool runs (its front end, or the engine for k3-run, calls
 ``prepare``).
 
 Why a table of signatures: numba compiles lazily at a kernel's first call, so a fresh
@@ -79,6 +79,8 @@ def _groups() -> dict:
     """group name -> tuple of Kernel. Built on demand: it imports numba."""
     from numba import types as nt
 
+    from ..policies.registry import policy_module
+
     def a(dtype, ndim):
         return nt.Array(dtype, ndim, "C")
 
@@ -110,28 +112,29 @@ def _groups() -> dict:
                                                f32_2)))
         + group(k + "moe", ("combine_routed", (f32_3, f32_2, f32_2))))
     # a policy's state is what its constructor returns; drive.access and drive.hits
-    # are compiled once per state type
-    pol = "libk3.policies."
-    lru_new = Kernel(pol + "lru", "new", (i64, i64))
-    lfu_new = Kernel(pol + "lfu", "new", (i64, i64, i64))
-    llfu_new = Kernel(pol + "layer_lfu", "new", (i64, i64, i64, i64, f64))
-    adaptive_new = Kernel(pol + "adaptive", "new_on",
+    # are compiled once per state type. Each policy's module comes from the registry.
+    pol = policy_module
+    lru_new = Kernel(pol("lru"), "new", (i64, i64))
+    lfu_new = Kernel(pol("lfu"), "new", (i64, i64, i64))
+    llfu_new = Kernel(pol("layer-lfu"), "new", (i64, i64, i64, i64, f64))
+    adaptive_new = Kernel(pol("adaptive"), "new_on",
                           (a(nt.int32, 2), i64, i64, i64, i64, f64, f64))
 
     def driven(name, new, *args):
-        return (new, Kernel(pol + "drive", name, (ReturnOf(new), *args)))
+        return (new, Kernel("libk3.policies.drive", name, (ReturnOf(new), *args)))
 
     online_policies = (
-        group("libk3.cache_policy", ("_in_range", (i64_1, i64)),
+        group("libk3.policies.online", ("_in_range", (i64_1, i64)),
               ("evicts_its_own_batch", (i64_1, i64_2)))
         + sum((driven("access", new, i64_1, i64_2)
                for new in (lru_new, llfu_new, adaptive_new)), ()))
     replay = (
-        group(pol + "belady", ("next_use_indices", (i64_1, i64)),
+        group(pol("belady"), ("next_use_indices", (i64_1, i64)),
               ("simulate", (i64_1, i64_1, i64, i64)))
-        + group(pol + "lru", ("simulate_pin_lru", (i64_1, i64, i64, a(nt.boolean, 1), i64)))
-        + group(pol + "s3fifo", ("sizes", (i64,)), ("simulate", (i64_1, i64, i64, i64, i64,
-                                                                  i64)))
+        + group(pol("pin+lru"), ("simulate_pin_lru", (i64_1, i64, i64, a(nt.boolean, 1),
+                                                      i64)))
+        + group(pol("s3fifo"), ("sizes", (i64,)), ("simulate", (i64_1, i64, i64, i64, i64,
+                                                                 i64)))
         + sum((driven("hits", new, i64_1) for new in (lfu_new, llfu_new, adaptive_new)), ()))
     probe = group("libk3.hwprobe", ("_prange_sum", (f64_1,)))
     u8_1, u16_1 = a(nt.uint8, 1), a(nt.uint16, 1)

@@ -3,7 +3,7 @@
 Owns: trace statistics (requests, tokens, distinct experts, reuse, hottest experts,
 per-layer spread, compulsory-miss ceiling), the capacity ladder (GB -> slots), the replay
 report over that ladder, its text tables and the optional plot. Does not own: the file
-format (``libk3.trace``), the policies (``libk3.cache_policy``) or option parsing (the
+format (``libk3.trace.format``), the policies (``libk3.trace.replay``) or option parsing (the
 click front end).
 
 Units: GB = 10^9 bytes; slots = floor(capacity bytes / expert bytes), as the public C
@@ -19,9 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import FormatError, K3Error, UsageError
-from .io import atomic
-from .trace import PHASE_NAMES, TraceReader
+from ..errors import FormatError, K3Error, UsageError
+from ..io import atomic
+from ..policies.registry import POLICIES, check_policy_names
+from .format import PHASE_NAMES, TraceReader
 
 DEFAULT_LADDER_GB = (8, 16, 32, 64, 128, 192, 256)
 HOTTEST_SHOWN = 6
@@ -151,13 +152,13 @@ def replay_keys_report(keys, *, n_layers: int, n_experts: int, top_k: int, exper
                        tokens: int, tokens_estimated: bool, policies, capacities_gb=None,
                        slots=None, workers: int = 1) -> dict:
     """replay_report's work on a key array (also used by bench/replay.py)."""
-    from . import cache_policy      # numba: imported only by replays, not by stats
+    from . import replay      # numba: imported only by replays, not by stats
 
-    policies = cache_policy.check_policy_names(policies)
+    policies = check_policy_names(policies)
     eb = int(expert_bytes)
     ladder, skipped = capacity_ladder(eb, top_k, capacities_gb=capacities_gb, slots=slots)
-    rk = cache_policy.ReplayKeys(keys, n_layers=n_layers, n_experts=n_experts)
-    results = cache_policy.replay_grid(rk, [r["slots"] for r in ladder], policies,
+    rk = replay.ReplayKeys(keys, n_layers=n_layers, n_experts=n_experts)
+    results = replay.replay_grid(rk, [r["slots"] for r in ladder], policies,
                                        n_layers=n_layers, n_experts=n_experts, workers=workers)
     by = {(r["policy"], r["slots"]): r for r in results}
     rows = []
@@ -183,7 +184,7 @@ def replay_keys_report(keys, *, n_layers: int, n_experts: int, top_k: int, exper
         "tokens_estimated": bool(tokens_estimated),
         "expert_bytes": eb,
         "policies": policies,
-        "online": {p: cache_policy.POLICIES[p].online for p in policies},
+        "online": {p: POLICIES[p].online for p in policies},
         "capacities": rows,
         "skipped": skipped,
         "compulsory_misses": distinct,
@@ -225,7 +226,7 @@ def format_stats(s: dict) -> str:
 
 
 def format_replay(rep: dict) -> str:
-    from .cache_policy import PIN_FRACTIONS
+    from .replay import PIN_FRACTIONS
 
     pols = rep["policies"]
     w = max(9, max(len(p) for p in pols) + 1)

@@ -4,7 +4,7 @@ Owns: ``size_budget``: for splits of a total budget, the trunk plan the streamer
 use (``libk3.presets.plan_trunk``: pinned layers, ring; each split judged by
 ``floor_problems``, the rule k3-run admits by), the trunk bytes streamed per token, the expert-cache miss rate replayed from a recorded trace at that cache's slot
 count, and the predicted I/O seconds per token from the disk's sequential and random
-read speeds. Does not own: replay (``libk3.cache_policy``) or measuring disks (k3-doctor).
+read speeds. Does not own: replay (``libk3.trace.replay``) or measuring disks (k3-doctor).
 
 The prediction is the I/O time per token (trunk / sequential speed + expert misses x
 expert bytes / random speed): the floor for a streamed run, since compute overlaps it.
@@ -16,14 +16,14 @@ import json
 import math
 from pathlib import Path
 
-from .cache_policy import replay
-from .policy_registry import DEFAULT_POLICY
-from .errors import BudgetError, FormatError
-from .pack.schema import load_manifest
-from .presets import floor_problems, plan_trunk
-from .io.direct import window_bytes
-from .stream.trunk import runs_from_pack
-from .trace import TraceReader
+from .replay import replay
+from ..policies.registry import DEFAULT_POLICY
+from ..errors import BudgetError, FormatError
+from ..pack.schema import load_manifest
+from ..presets import floor_problems, plan_trunk
+from ..io.direct import window_bytes
+from ..stream.trunk import runs_from_pack
+from .format import TraceReader
 
 
 def disk_speeds_from_doctor(path) -> tuple:

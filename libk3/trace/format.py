@@ -2,8 +2,8 @@
 
 Owns: the byte layout of ``.k3trace`` files, enforcing every numbered invariant of
 formats/trace.md on read, the crash-tolerant writer, and importing the public C engine's
-headerless int32 traces. Does not own: replaying (``libk3.cache_policy``), statistics and
-reports (``libk3.trace_report``) or recording a run (k3-run).
+headerless int32 traces. Does not own: replaying (``libk3.trace.replay``), statistics and
+reports (``libk3.trace.report``) or recording a run (k3-run).
 
 Why independent zstd frames with their own checksum: a long run must not hold its trace
 in memory, and a crash must cost at most the frame being written. Each frame is flushed
@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from .config import MAX_EXPERTS, MAX_LAYERS
-from .errors import FormatError
-from .io.atomic import fsync_dir, write_error
+from ..config import MAX_EXPERTS, MAX_LAYERS
+from ..errors import FormatError
+from ..io.atomic import fsync_dir, write_error
 
 MAGIC = b"K3TRACE\0"
 VERSION = 1

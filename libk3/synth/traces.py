@@ -2,7 +2,7 @@
 
 Owns: generating the (layer, expert) request stream of a decode run without a model, for
 the cache-policy tests and ``bench/replay.py``. Does not own: the trace file format
-(``libk3.trace``) or any replay (``libk3.cache_policy``).
+(``libk3.trace.format``) or any replay (``libk3.trace.replay``).
 
 The stream imitates what the per-token path of k3-run asks the expert cache for (spec
 PRIOR-ART.md section 9): for every token, every MoE layer in order, ``top_k`` DISTINCT
@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .trace import PHASE_DECODE
+from ..trace.format import PHASE_DECODE
 
 
 @njit(cache=True, nogil=True)
@@ -139,8 +139,8 @@ def write_synth_trace(path, n_tokens: int, *, n_layers: int = 93, n_experts: int
     """Write a synthetic decode stream as a trace file (formats/trace.md; source
     "import", checkpoint null, the knobs in meta): positions 0..n_tokens-1, decode
     phase, sequence 0."""
-    from . import __version__
-    from .trace import RECORD_DTYPE, TraceHeader, TraceWriter
+    from .. import __version__
+    from ..trace.format import RECORD_DTYPE, TraceHeader, TraceWriter
 
     knobs = {"zipf_s": zipf_s, "locality": locality, "drift": drift, "seed": seed}
     layer, expert = synth_routing(n_tokens, n_layers=n_layers, n_experts=n_experts,

@@ -1,9 +1,11 @@
 """The expert-cache policies by name: which exist, which can drive k3-run's cache, the default.
 
-Owns: ``POLICIES`` (every replayable policy, online or a bound), ``ONLINE_OBJECT_POLICIES``
-(those k3-run can run), ``DEFAULT_POLICY`` and name validation. Imports nothing heavy, so
+Owns: ``POLICIES`` (every replayable policy, online or a bound, and the module of
+``libk3.policies`` holding its numba code: the one list, which the precompile table
+reads too), ``ONLINE_OBJECT_POLICIES`` (those k3-run can run), ``DEFAULT_POLICY`` and
+name validation. Imports nothing heavy, so
 the click front ends can build their choices from it. Does not own: the policies
-(``libk3.policies``) or replaying them (``libk3.cache_policy``).
+(``libk3.policies``) or replaying them (``libk3.trace.replay``).
 
 Why ``adaptive`` is the default: it reads the fewest bytes per token, within 2 % of the
 best of LRU, S3-FIFO, full-history LFU and layer-lfu on every trace and capacity of
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,20 +25,27 @@ class PolicyInfo:
     name: str
     online: bool            # False: uses future knowledge, a bound rather than a policy
     summary: str
+    module: str             # its numba step functions or simulator, in libk3.policies
 
 
 POLICIES = {p.name: p for p in (
-    PolicyInfo("lru", True, "least recently used (the C engine's v1.0 policy)"),
-    PolicyInfo("belady", False, "optimal offline with bypass (upper bound)"),
+    PolicyInfo("lru", True, "least recently used (the C engine's v1.0 policy)", "lru"),
+    PolicyInfo("belady", False, "optimal offline with bypass (upper bound)", "belady"),
     PolicyInfo("pin+lru", False, "hottest keys of the whole trace pinned + LRU (bound; "
-                                 "first read of a pinned key is a miss)"),
-    PolicyInfo("s3fifo", True, "small/main/ghost FIFOs, 2-bit frequency"),
-    PolicyInfo("lfu", True, "full-history request counts (perfect-frequency reference)"),
+                                 "first read of a pinned key is a miss)", "lru"),
+    PolicyInfo("s3fifo", True, "small/main/ghost FIFOs, 2-bit frequency", "s3fifo"),
+    PolicyInfo("lfu", True, "full-history request counts (perfect-frequency reference)",
+               "lfu"),
     PolicyInfo("layer-lfu", True, "decayed per-visit frequency + distance to the layer's "
-                                  "next visit in the cyclic layer order"),
+                                  "next visit in the cyclic layer order", "layer_lfu"),
     PolicyInfo("adaptive", True, "follows whichever of lru, s3fifo, lfu and layer-lfu "
-                                 "misses least (shadow caches, hysteresis)"),
+                                 "misses least (shadow caches, hysteresis)", "adaptive"),
 )}
+
+
+def policy_module(name: str) -> str:
+    """The module path of policy ``name``'s numba code (without importing it)."""
+    return f"libk3.policies.{POLICIES[name].module}"
 ONLINE_OBJECT_POLICIES = ("adaptive", "layer-lfu", "lru")     # what k3-run can run
 DEFAULT_POLICY = "adaptive"
 
