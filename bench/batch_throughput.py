@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, checkpoint, packed, run, table  # noqa: E402
 
 from libk3.io.checkpoint import Checkpoint  # noqa: E402
-from libk3.presets import ModelSizes, minimum_budget  # noqa: E402
+from libk3.budget import ModelSizes, minimum_budget  # noqa: E402
 
 PROMPT_IDS = [7 * i % 30000 + 5 for i in range(32)]
 

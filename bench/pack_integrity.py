@@ -40,7 +40,7 @@ from libk3.engine.generate import GenSettings, generate  # noqa: E402
 from libk3.engine.session import open_session  # noqa: E402
 from libk3.io.checkpoint import Checkpoint  # noqa: E402
 from libk3.kernels.finite import first_special  # noqa: E402
-from libk3.presets import ModelSizes, minimum_budget  # noqa: E402
+from libk3.budget import ModelSizes, minimum_budget  # noqa: E402
 from libk3.stream import trunk as trunk_mod  # noqa: E402
 
 _runs_from_pack = trunk_mod.runs_from_pack

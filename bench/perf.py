@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, checkpoint, k3_run_report, packed, run, table  # noqa: E402
 
 from libk3.io.checkpoint import Checkpoint  # noqa: E402
-from libk3.presets import ModelSizes, minimum_budget  # noqa: E402
+from libk3.budget import ModelSizes, minimum_budget  # noqa: E402
 
 PROMPT64 = ",".join(str((37 * i + 11) % 30000 + 5) for i in range(64))
 CODE = [101, 102, 103, 104, 105, 106, 107, 108]
@@ -183,7 +183,7 @@ def section_disk(tmp, rounds: int = 3):
     reference measured just before its run, and the median round is the result."""
     import statistics
 
-    from libk3.hwprobe import measure_reads
+    from libk3.doctor.probe import measure_reads
     ck, pk = checkpoint("medium"), packed("medium")
     sizes, flags = _floor_flags("medium")
     shards = sorted(ck.glob("*.safetensors"))

@@ -53,9 +53,9 @@ from libk3.stream.policy import make_policy  # noqa: E402
 from libk3.trace.format import TraceReader  # noqa: E402
 from libk3.trace.report import format_replay, replay_keys_report  # noqa: E402
 from libk3.synth.traces import synth_keys, synth_recompute_keys  # noqa: E402
+from libk3.k3_dims import EXPERT_BYTES, N_EXPERTS, N_LAYERS, TOP_K  # noqa: E402
 
-N_LAYERS, N_EXPERTS, TOP_K, EXPERT_BYTES = 93, 896, 16, 17547264
-REAL_POOL_BYTES = 92 * 896 * EXPERT_BYTES          # the MoE layers' experts, 1,446.5 GB
+REAL_POOL_BYTES = (N_LAYERS - 1) * N_EXPERTS * EXPERT_BYTES   # the MoE layers' experts, 1,446.5 GB
 REFERENCES = ("lru", "s3fifo", "lfu", "layer-lfu")  # the default is held to their best
 TARGET = 1.02
 COST_REQUESTS = 200_000                             # requests fed to the live object

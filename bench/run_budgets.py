@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import checkpoint, k3_run_report, packed, table  # noqa: E402
 
 from libk3.io.checkpoint import Checkpoint  # noqa: E402
-from libk3.presets import ModelSizes, minimum_budget, overhead_bytes  # noqa: E402
+from libk3.budget import ModelSizes, minimum_budget, overhead_bytes  # noqa: E402
 
 GEN = 8
 PROMPT = ",".join(str(7 * i % 30000 + 5) for i in range(32))

@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # tests.conformance
 from common import DATA, checkpoint, k3_run_report, packed, run, table  # noqa: E402
 
-from libk3.hwprobe import sequential_read_rate  # noqa: E402
+from libk3.doctor.probe import sequential_read_rate  # noqa: E402
 from libk3.io.checkpoint import Checkpoint  # noqa: E402
 from libk3.pack.schema import open_pack  # noqa: E402
-from libk3.presets import ModelSizes, minimum_budget  # noqa: E402
+from libk3.budget import ModelSizes, minimum_budget  # noqa: E402
 from libk3.stream.trunk_codec import Codec, plan_blocks  # noqa: E402
 from tests.conformance import ROOT as CONFORMANCE_DIR  # noqa: E402  (where the vectors live)
 

@@ -1,6 +1,6 @@
 """k3-run --batch in lockstep through the console script (issue 12): the same result lines
 at every --batch-width, refusal of a width that cannot fit, --shard partitions, resume
-after kill -9, the summary's fields; and the width rule of libk3.presets."""
+after kill -9, the summary's fields; and the width rule of libk3.budget."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 
 from libk3.engine.batch import parse_shard, shard_of
 from libk3.errors import BudgetError
-from libk3.presets import (MAX_AUTO_WIDTH, Budget, ModelSizes, batch_width, load_rules,
-                           peak_bytes, sequence_bytes)
-from libk3.doctor import reference_config
+from libk3.budget import (MAX_AUTO_WIDTH, Budget, ModelSizes, batch_width, load_rules,
+                          peak_bytes, sequence_bytes)
+from libk3.doctor.report import reference_config
 
 # what a result line keeps whatever the width (times, reads and the width differ)
 SAME = ("generated_ids", "prompt_ids", "stop_reason", "id", "line")
@@ -176,7 +176,7 @@ def test_batch_cli_resumes_after_kill_9(tiny_dir, tmp_path):
     assert _rows(out) == _rows(ref)
 
 
-# ---- the width rule (libk3.presets.batch_width) ------------------------------------------
+# ---- the width rule (libk3.budget.batch_width) ------------------------------------------
 
 def _real():
     return ModelSizes.from_config(reference_config())
@@ -222,7 +222,7 @@ def test_doctor_recommends_the_width_that_reads_least_trunk_per_token():
     """Catches a batch recommendation that follows the single-prompt pick (the largest
     preset, where few sequences fit and each token streams most of the trunk): with 32 GB
     for Kimi K3 it is the laptop budget at the width that fits beside it."""
-    from libk3 import doctor
+    from libk3.doctor import report as doctor
     sizes = _real()
     d = doctor.decide(sizes, 32 * 10 ** 9)
     laptop = d["presets"]["laptop"]

@@ -10,7 +10,7 @@ import pytest
 from libk3.errors import BudgetError
 from libk3.io.checkpoint import Checkpoint
 from libk3.pack.writer import pack
-from libk3.presets import Budget, ModelSizes, admission_problems, minimum_budget, resolve_budget
+from libk3.budget import Budget, ModelSizes, admission_problems, minimum_budget, resolve_budget
 from libk3.trace.sizing import size_budget
 from libk3.synth.traces import write_synth_trace
 

@@ -10,7 +10,8 @@ import pytest
 from libk3.config import config_from_dict, load_config
 from libk3.errors import ConfigError
 from libk3.synth.checkpoint import nested_config
-from libk3.synth.presets import REAL, TINY
+from libk3.k3_dims import REAL
+from libk3.synth.presets import TINY
 
 from .conformance import ROOT
 

@@ -15,10 +15,13 @@ import numpy as np
 import pytest
 import yaml
 
-from libk3 import doctor, hwprobe, presets
+from libk3 import budget
+from libk3.doctor import probe as hwprobe
+from libk3.doctor import report as doctor
+from libk3.engine import timing
 from libk3.errors import BudgetError, FormatError, UsageError
 from libk3.io.checkpoint import Checkpoint
-from libk3.presets import GB, ModelSizes
+from libk3.budget import GB, ModelSizes
 from libk3.synth.checkpoint import synth_checkpoint
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
@@ -70,16 +73,16 @@ def real_sizes():
 
 def test_presets_file_missing_key_is_an_error_naming_the_file(tmp_path):
     """Catches a preset reader that defaults a missing budget (or ignores unknown keys)."""
-    shipped = presets.load_presets()
-    assert list(shipped) == list(presets.PRESET_NAMES)              # control
+    shipped = budget.load_presets()
+    assert list(shipped) == list(budget.PRESET_NAMES)              # control
     assert shipped["laptop"].trunk_gb == 3.7 and shipped["auto"].trunk_gb is None
-    doc = yaml.safe_load(presets.PRESETS_FILE.read_text())
+    doc = yaml.safe_load(budget.PRESETS_FILE.read_text())
     del doc["presets"]["desktop"]["cache_gb"]
     doc["accounting"]["surprise"] = 1
     bad = tmp_path / "presets.yaml"
     bad.write_text(yaml.safe_dump(doc))
     with pytest.raises(FormatError) as e:
-        presets.load_presets(bad)
+        budget.load_presets(bad)
     assert str(bad) in e.value.one_line()
     assert "presets.desktop.cache_gb missing" in e.value.one_line()
     assert "accounting.surprise unknown" in e.value.one_line()
@@ -87,16 +90,16 @@ def test_presets_file_missing_key_is_an_error_naming_the_file(tmp_path):
 
 def test_presets_later_flag_overrides_earlier_in_argv_order():
     """Catches flags applied in a fixed order instead of the order the user typed."""
-    a = presets.resolve_budget("laptop", cache_gb=2.0, order=["preset", "cache_gb"])
-    b = presets.resolve_budget("laptop", cache_gb=2.0, order=["cache_gb", "preset"])
+    a = budget.resolve_budget("laptop", cache_gb=2.0, order=["preset", "cache_gb"])
+    b = budget.resolve_budget("laptop", cache_gb=2.0, order=["cache_gb", "preset"])
     assert a.cache_bytes == 2 * 10**9 and a.trunk_bytes == int(3.7 * GB)
     assert b.cache_bytes == int(0.4 * GB)                            # the preset came last
-    c = presets.resolve_budget("desktop", trunk_gb=5.0)              # default: flags win
+    c = budget.resolve_budget("desktop", trunk_gb=5.0)              # default: flags win
     assert c.trunk_bytes == 5 * 10**9 and c.cache_bytes == 10 * 10**9
     with pytest.raises(UsageError):
-        presets.resolve_budget("tiny-laptop")
+        budget.resolve_budget("tiny-laptop")
     with pytest.raises(UsageError):
-        presets.resolve_budget("laptop", trunk_gb=-1.0)
+        budget.resolve_budget("laptop", trunk_gb=-1.0)
 
 
 def test_presets_budget_clamped_to_model_and_refused_below_the_floor(real_sizes):
@@ -104,56 +107,56 @@ def test_presets_budget_clamped_to_model_and_refused_below_the_floor(real_sizes)
     the largest layer being accepted."""
     with Checkpoint.open(FIXTURE) as ck:
         tiny = ModelSizes.from_checkpoint(ck)
-    b = presets.resolve_budget("laptop", model_sizes=tiny)
+    b = budget.resolve_budget("laptop", model_sizes=tiny)
     assert b.trunk_bytes == tiny.trunk_bytes and b.cache_bytes == tiny.cache_all_bytes
-    floor = presets.minimum_budget(real_sizes)
+    floor = budget.minimum_budget(real_sizes)
     assert floor.trunk_bytes == max(real_sizes.layer_bytes) == 2_341_299_200
     assert floor.cache_bytes == 17 * real_sizes.expert_slot_bytes == 17 * 17_555_456
-    ok = presets.resolve_budget("laptop", model_sizes=real_sizes)        # control
+    ok = budget.resolve_budget("laptop", model_sizes=real_sizes)        # control
     assert ok.trunk_bytes == int(3.7 * GB)
-    assert presets.resolve_budget(None, trunk_gb=2.35, cache_gb=1.0, model_sizes=real_sizes)
+    assert budget.resolve_budget(None, trunk_gb=2.35, cache_gb=1.0, model_sizes=real_sizes)
     with pytest.raises(BudgetError):
-        presets.resolve_budget(None, trunk_gb=2.3, cache_gb=1.0, model_sizes=real_sizes)
+        budget.resolve_budget(None, trunk_gb=2.3, cache_gb=1.0, model_sizes=real_sizes)
     with pytest.raises(BudgetError):
-        presets.resolve_budget(None, trunk_gb=16.0, cache_gb=0.1, model_sizes=real_sizes)
+        budget.resolve_budget(None, trunk_gb=16.0, cache_gb=0.1, model_sizes=real_sizes)
 
 
 def test_presets_auto_gives_trunk_first_and_refuses_4gb_for_k3(real_sizes):
     """Catches auto splitting memory evenly, exceeding available memory, or accepting a
     machine below the smallest working budget."""
-    a8 = presets.resolve_budget("auto", mem=8 * 10**9, model_sizes=real_sizes)
-    a32 = presets.resolve_budget("auto", mem=32 * 10**9, model_sizes=real_sizes)
+    a8 = budget.resolve_budget("auto", mem=8 * 10**9, model_sizes=real_sizes)
+    a32 = budget.resolve_budget("auto", mem=32 * 10**9, model_sizes=real_sizes)
     assert a32.trunk_bytes > a8.trunk_bytes and a32.cache_bytes == a8.cache_bytes
-    assert presets.peak_bytes(a32, real_sizes) <= 0.95 * 32 * 10**9
-    assert not presets.admission_problems(a8, real_sizes, 8 * 10**9)
-    a256 = presets.resolve_budget("auto", mem=256 * 10**9, model_sizes=real_sizes)
+    assert budget.peak_bytes(a32, real_sizes) <= 0.95 * 32 * 10**9
+    assert not budget.admission_problems(a8, real_sizes, 8 * 10**9)
+    a256 = budget.resolve_budget("auto", mem=256 * 10**9, model_sizes=real_sizes)
     assert a256.trunk_bytes == real_sizes.trunk_bytes                 # every layer pinned
-    fixed = presets.resolve_budget("auto", cache_gb=2.0, mem=32 * 10**9,
+    fixed = budget.resolve_budget("auto", cache_gb=2.0, mem=32 * 10**9,
                                    model_sizes=real_sizes)
     assert fixed.cache_bytes == 2 * 10**9 and fixed.trunk_bytes < a32.trunk_bytes
     with pytest.raises(BudgetError) as e:
-        presets.resolve_budget(None, mem=4 * 10**9, model_sizes=real_sizes)
+        budget.resolve_budget(None, mem=4 * 10**9, model_sizes=real_sizes)
     assert "smallest working budget" in e.value.one_line()
 
 
 def test_presets_auto_prefers_the_overlapping_ring_and_falls_back_to_one_slot(real_sizes):
     """Catches auto taking a one-slot ring where two slots fit beside the cache floor, or
     refusing a machine that only a one-slot ring (the feasibility floor) fits."""
-    overlap = presets.overlap_floor(real_sizes.layer_bytes)
-    a8 = presets.resolve_budget("auto", mem=8 * 10**9, model_sizes=real_sizes)
+    overlap = budget.overlap_floor(real_sizes.layer_bytes)
+    a8 = budget.resolve_budget("auto", mem=8 * 10**9, model_sizes=real_sizes)
     assert a8.trunk_bytes >= overlap
-    a7 = presets.resolve_budget("auto", mem=7 * 10**9, model_sizes=real_sizes)
-    assert presets.trunk_floor(real_sizes.layer_bytes) <= a7.trunk_bytes < overlap
-    assert a7.cache_bytes == presets.minimum_budget(real_sizes).cache_bytes
-    assert not presets.admission_problems(a7, real_sizes, 7 * 10**9)
-    assert len(presets.plan_trunk(list(real_sizes.layer_bytes), a7.trunk_bytes)[1]) == 1
+    a7 = budget.resolve_budget("auto", mem=7 * 10**9, model_sizes=real_sizes)
+    assert budget.trunk_floor(real_sizes.layer_bytes) <= a7.trunk_bytes < overlap
+    assert a7.cache_bytes == budget.minimum_budget(real_sizes).cache_bytes
+    assert not budget.admission_problems(a7, real_sizes, 7 * 10**9)
+    assert len(budget.plan_trunk(list(real_sizes.layer_bytes), a7.trunk_bytes)[1]) == 1
 
 
 def test_presets_trunk_plan_pins_largest_first_and_keeps_a_ring(real_sizes):
     """Catches pinning that leaves no room for the ring, or pins in layer order."""
-    lap = presets.trunk_plan(real_sizes, int(3.7 * GB))
+    lap = budget.trunk_plan(real_sizes, int(3.7 * GB))
     assert lap.pinned == () and lap.streamed_bytes == real_sizes.trunk_bytes
-    desk = presets.trunk_plan(real_sizes, 16 * 10**9)
+    desk = budget.trunk_plan(real_sizes, 16 * 10**9)
     assert 0 in desk.pinned                                   # layer 0 is the largest
     pinned = sum(real_sizes.layer_bytes[L] for L in desk.pinned)
     assert pinned + desk.ring_bytes <= 16 * 10**9
@@ -161,10 +164,10 @@ def test_presets_trunk_plan_pins_largest_first_and_keeps_a_ring(real_sizes):
                       reverse=True)
     assert desk.ring_bytes == sum(unpinned[:2])
     assert desk.streamed_bytes == sum(unpinned)
-    full = presets.trunk_plan(real_sizes, real_sizes.trunk_bytes)
+    full = budget.trunk_plan(real_sizes, real_sizes.trunk_bytes)
     assert len(full.pinned) == 93 and full.ring_bytes == 0 and full.streamed_bytes == 0
     with pytest.raises(BudgetError):
-        presets.trunk_plan(real_sizes, 10**9)
+        budget.trunk_plan(real_sizes, 10**9)
 
 
 # ---- the machine probe --------------------------------------------------------------------
@@ -257,8 +260,8 @@ def test_hwprobe_kernel_figures_come_from_the_numba_kernels(monkeypatch):
         return clock["now"]
     monkeypatch.setattr(ops, "bf16_matmul", ticking("bf16", ops.bf16_matmul))
     monkeypatch.setattr(ops, "mxfp4_matmul", ticking("mxfp4", ops.mxfp4_matmul))
-    monkeypatch.setattr(hwprobe, "time", types.SimpleNamespace(perf_counter=perf_counter))
-    k = hwprobe.measure_kernels(seconds=0.1, rows=rows, cols=cols, working_set=1 << 20)
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    k = timing.measure_kernels(seconds=0.1, rows=rows, cols=cols, working_set=1 << 20)
     for key, nbytes, operands in (
             ("bf16", rows * cols * 2, (("<u2", (rows, cols)),)),
             ("mxfp4", rows * cols * 17 / 32, (("|u1", (rows, cols // 2)),
@@ -273,13 +276,13 @@ def test_hwprobe_kernel_shapes_are_one_decode_step_of_the_model():
     from libk3.config import load_config
     from libk3.io import inventory
     cfg = load_config(FIXTURE)
-    bf16, mx = hwprobe.kernel_shapes(cfg)
+    bf16, mx = timing.kernel_shapes(cfg)
     mats = [sp for L in range(cfg.num_hidden_layers) for sp in inventory.layer_trunk(cfg, L)
             if sp.kind == inventory.MATRIX]
     assert sum(bf16.values()) == len(mats) + 1
     assert bf16[(cfg.vocab_size, cfg.hidden_size)] >= 1
     assert sum(mx.values()) == 3 * len(cfg.moe_layers) * cfg.num_experts_per_token
-    k = hwprobe.measure_kernels(seconds=0.05, bf16_shapes={(64, 256): 3, (256, 64): 1},
+    k = timing.measure_kernels(seconds=0.05, bf16_shapes={(64, 256): 3, (256, 64): 1},
                                 mxfp4_shapes=mx, working_set=1 << 20)
     assert k["bf16_shapes"] == 2 and k["mxfp4_shapes"] == len(mx)
     assert k["bf16_bytes_per_s"] > 0 and k["mxfp4_bytes_per_s"] > 0
@@ -326,7 +329,7 @@ def test_doctor_small_measures_disk_and_estimates_every_preset(small_ckpt, tmp_p
     assert st["measured"] and st["reads"]["rand_best_bps"] > 0
     assert rep["kernels"]["bf16_bytes_per_s"] > 0
     rows = rep["decision"]["presets"]
-    assert all(rows[n]["estimate"]["seconds_per_token"] > 0 for n in presets.NAMED)
+    assert all(rows[n]["estimate"]["seconds_per_token"] > 0 for n in budget.NAMED)
     lap = rows["laptop"]["estimate"]
     assert lap["expert_hit_rate"] == 1.0 and lap["trunk_streamed_bytes"] == 0
     assert rep["decision"]["pick"] == "laptop" and "whole model" in rep["decision"]["why"]
@@ -440,7 +443,7 @@ def test_doctor_machine_only_report_without_a_model():
 
 def test_doctor_estimate_follows_the_stated_formula(real_sizes):
     """Catches an estimate that ignores pinning, the cache, or the kernels."""
-    b = presets.resolve_budget("laptop", model_sizes=real_sizes)
+    b = budget.resolve_budget("laptop", model_sizes=real_sizes)
     k = {"bf16_bytes_per_s": 1e10, "mxfp4_bytes_per_s": 2e10, "source": "test"}
     est = doctor.estimate(real_sizes, b, 2e9, 1e9, k)
     hit = (b.cache_bytes // real_sizes.expert_slot_bytes) / 82_432
@@ -450,7 +453,7 @@ def test_doctor_estimate_follows_the_stated_formula(real_sizes):
     want_compute = ((real_sizes.bf16_trunk_bytes + real_sizes.lm_head_bytes) / 1e10
                     + 92 * 16 * 17_547_264 / 2e10)
     assert est["compute_s"] == pytest.approx(want_compute)
-    srv = doctor.estimate(real_sizes, presets.resolve_budget("server", model_sizes=real_sizes),
+    srv = doctor.estimate(real_sizes, budget.resolve_budget("server", model_sizes=real_sizes),
                           2e9, 1e9, k)
     assert srv["trunk_io_s"] == 0 and srv["seconds_per_token"] < est["seconds_per_token"]
     assert doctor.estimate(real_sizes, b, None, None, k) is None

@@ -19,7 +19,7 @@ from libk3.io import inventory
 from libk3.io.checkpoint import Checkpoint
 from libk3.io.dtypes import bf16_to_f32, f32_to_bf16, widen
 from libk3.pack.writer import pack
-from libk3.presets import ModelSizes, minimum_budget
+from libk3.budget import ModelSizes, minimum_budget
 
 from .ckpt_helpers import rewrite_checkpoint
 

@@ -15,7 +15,7 @@ from libk3.engine.session import open_session
 from libk3.io.checkpoint import Checkpoint
 from libk3.model.forward import Segment
 from libk3.model.state import State
-from libk3.presets import ModelSizes, minimum_budget
+from libk3.budget import ModelSizes, minimum_budget
 
 CHUNK = 4          # small, so long prompts take several passes and share them
 

@@ -35,7 +35,7 @@ from libk3.io.dtypes import EXPONENT_MASK
 from libk3.pack.nonfinite import RunScan
 from libk3.pack.writer import JOURNAL_FILE, pack
 from libk3.pack.schema import SAMPLE_BLOCK, sample_blocks
-from libk3.presets import ModelSizes
+from libk3.budget import ModelSizes
 
 from .conftest import TINY
 from .pack_mutations import CASES, INDEX, MANIFEST, TRUNK, make_case

@@ -13,7 +13,7 @@ import pytest
 from libk3.engine.generate import GenSettings, generate
 from libk3.engine.session import open_session
 from libk3.io.checkpoint import Checkpoint
-from libk3.presets import ModelSizes, minimum_budget
+from libk3.budget import ModelSizes, minimum_budget
 
 PROMPT = "5,17,300,42,7,99,128,3,250,11,64,200,9,31"
 

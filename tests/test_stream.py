@@ -11,7 +11,7 @@ from libk3.errors import BudgetError
 from libk3.io.checkpoint import Checkpoint
 from libk3.io.direct import FileSet, window_bytes
 from libk3.stream.experts import ExpertCache
-from libk3.presets import plan_trunk
+from libk3.budget import plan_trunk
 from libk3.stream.trunk import TrunkStreamer, runs_from_checkpoint
 
 

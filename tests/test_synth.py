@@ -145,7 +145,7 @@ def test_synth_expected_tensors_control():
     model (497,220 tensors less the 168 image tensors), so it cannot pass by being empty
     or loose."""
     from libk3.synth.checkpoint import nested_config
-    from libk3.synth.presets import REAL
+    from libk3.k3_dims import REAL
     want = _expected_tensors(nested_config(REAL, n_ranks=163_584))
     assert len(want) == 497_220 - 168
     expert = [s for n, (s, _) in want.items() if ".layers.1.block_sparse_moe.experts.0." in n]

@@ -133,7 +133,7 @@ def test_trace_header_for_config_names_the_checkpoint():
     from pathlib import Path
     from libk3.config import config_from_dict, load_config
     from libk3.io.checkpoint import Checkpoint
-    from libk3.synth.presets import REAL
+    from libk3.k3_dims import REAL
     tiny = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
     cfg = load_config(tiny)
     t = json.loads((tiny / "config.json").read_text())["text_config"]

@@ -9,7 +9,7 @@ import numpy as np
 
 from libk3.trace.replay import replay
 from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
-from libk3.presets import ModelSizes, minimum_budget
+from libk3.budget import ModelSizes, minimum_budget
 from libk3.io.checkpoint import Checkpoint
 from libk3.trace.format import PHASE_DECODE, PHASE_PREFILL, TraceReader
 

@@ -4,7 +4,7 @@ Owns: the scheduler of a batch run: which prompts hold the W slots, what each pu
 the next pass (its next prompt tokens or its one decode token), sampling each sequence
 with its own settings, its stop rules, and handing each finished prompt back at once
 (``on_done``) so the next one takes its slot (continuous batching). Does not own: the
-batch and results files, budgets or the width (``libk3.presets.batch_width``), the
+batch and results files, budgets or the width (``libk3.budget.batch_width``), the
 forward pass (``libk3.model.forward.Forward.run``: one trunk fetch per layer and one
 fetch per routed expert for all the pass's sequences), printing.
 

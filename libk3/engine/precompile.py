@@ -5,7 +5,7 @@ argument types they call it with; finding which of those numba's on-disk cache d
 hold yet; compiling them up front under a one-line notice and a tqdm bar (nothing is
 printed when all are cached), then loading the rest; and where numba keeps that cache.
 Does not own: the kernels (``libk3.kernels``, ``libk3.policies``, ``libk3.trace.replay``,
-``libk3.doctor.probe``) or when a tool runs (its front end, or the engine for k3-run, calls
+``libk3.doctor.report.probe``) or when a tool runs (its front end, or the engine for k3-run, calls
 ``prepare``).
 
 Why a table of signatures: numba compiles lazily at a kernel's first call, so a fresh
@@ -136,7 +136,7 @@ def _groups() -> dict:
         + group(pol("s3fifo"), ("sizes", (i64,)), ("simulate", (i64_1, i64, i64, i64, i64,
                                                                  i64)))
         + sum((driven("hits", new, i64_1) for new in (lfu_new, llfu_new, adaptive_new)), ()))
-    probe = group("libk3.hwprobe", ("_prange_sum", (f64_1,)))
+    probe = group("libk3.doctor.probe", ("_prange_sum", (f64_1,)))
     u8_1, u16_1 = a(nt.uint8, 1), a(nt.uint16, 1)
     ro_u8_1 = nt.Array(nt.uint8, 1, "C", readonly=True)     # np.frombuffer of zstd's bytes
     trunk_codec = group(k + "bf16_planes", ("merge_planes", (ro_u8_1, u8_1, u16_1)),

@@ -83,8 +83,8 @@ def resolve_run_budget(opts: RunOptions, ckpt):
     """Budget from presets/flags (argv order; ``auto`` sets aside a fixed --batch-width's
     state), refused before loading when it cannot work; then the batch width
     (``presets.batch_width``). Returns (budget or None when resident, width, reasons)."""
-    from ..hwprobe import probe_memory
-    from ..presets import Budget, ModelSizes, admission_problems, batch_width, resolve_budget
+    from ..doctor.probe import probe_memory
+    from ..budget import Budget, ModelSizes, admission_problems, batch_width, resolve_budget
 
     sizes = ModelSizes.from_checkpoint(ckpt)
     mem = probe_memory(opts.memory_override)

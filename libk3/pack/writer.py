@@ -238,7 +238,7 @@ def source_read_rate(ckpt, seconds: float = PROBE_SECONDS) -> float | None:
     what a pack's MB/s is reported against. Timed on the experts' runs of the last MoE
     layers, bytes a pack never reads, so the pack gets no help from any cache the probe
     warms. None without O_DIRECT or when the shards are sparse (holes read at RAM speed)."""
-    from ..hwprobe import holds_data, sequential_read_rate
+    from ..doctor.probe import holds_data, sequential_read_rate
 
     t = ckpt.expert_table()
     regions, total = [], 0

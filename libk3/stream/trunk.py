@@ -31,7 +31,7 @@ from ..config import K3Config
 from ..errors import FormatError
 from ..io import inventory
 from ..io.dtypes import bound_extra_bytes, matrix_operand, widen
-from ..presets import plan_trunk
+from ..budget import plan_trunk
 from ..io.direct import FileSet, ReadCancelled, aligned_empty, window_bytes
 
 

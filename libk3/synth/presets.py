@@ -9,7 +9,7 @@ Why these sizes:
   oracle's 48 is not a multiple of the MXFP4 group, so experts are 64 wide here.
 * ``small``  hundreds of MB and 64 experts: cache pressure and streaming tests.
 * ``medium`` about 5 GB on disk: memory-budget benchmarks (generate into an ignored dir).
-* ``real-dims`` the real widths (hidden 7168, 96 heads, 17,547,264-byte experts, the real
+* ``real-dims`` the real widths (``libk3.k3_dims``) (hidden 7168, 96 heads, 17,547,264-byte experts, the real
   vocabulary) with one layer of each kind (dense, KDA+MoE, MLA+MoE) and 32 experts.
 * ``real-sparse`` the full released inventory (93 layers x 896 experts, 96 shards,
   497,220 tensors) with data left as sparse holes: apparent size ~1.5 TB, no disk used.
@@ -17,17 +17,7 @@ Why these sizes:
 
 from __future__ import annotations
 
-REAL = dict(
-    hidden_size=7168, num_hidden_layers=93, vocab_size=163840, rms_norm_eps=1e-5,
-    tie_word_embeddings=False, kda_num_heads=96, kda_head_dim=128, short_conv_kernel_size=4,
-    gate_lower_bound=-5.0, num_attention_heads=96, q_lora_rank=1536, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, mla_use_output_gate=True,
-    num_experts=896, num_experts_per_token=16, num_shared_experts=2,
-    routed_expert_hidden_size=3584, moe_intermediate_size=3072, routed_scaling_factor=1.0,
-    moe_renormalize=True, latent_moe_use_norm=True, first_k_dense_replace=1,
-    intermediate_size=33792, attn_res_block_size=12, situ_beta=4.0, situ_linear_beta=25.0,
-    full_attn_layers=[4 * i for i in range(1, 23)] + [92, 93],
-)
+from ..k3_dims import REAL
 
 TINY = dict(
     REAL, hidden_size=128, num_hidden_layers=13, vocab_size=512, kda_num_heads=4,

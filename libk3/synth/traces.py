@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ..k3_dims import EXPERT_BYTES, N_EXPERTS, N_LAYERS, TOP_K
 from ..trace.format import PHASE_DECODE
 
 
@@ -82,7 +83,8 @@ def _synth_kernel(n_tokens, n_layers, n_experts, top_k, cdf, perm, locality, dri
                 prev[L, j] = out_expert[i - top_k + j]
 
 
-def synth_routing(n_tokens: int, *, n_layers: int = 93, n_experts: int = 896, top_k: int = 16,
+def synth_routing(n_tokens: int, *, n_layers: int = N_LAYERS, n_experts: int = N_EXPERTS,
+                  top_k: int = TOP_K,
                   zipf_s: float = 0.9, locality: float = 0.3, drift: float = 0.02,
                   shift_every: int = 0, seed: int = 0):
     """Return (layer, expert) int64 arrays of n_tokens * n_layers * top_k requests.
@@ -109,7 +111,8 @@ def synth_routing(n_tokens: int, *, n_layers: int = 93, n_experts: int = 896, to
     return layer, expert
 
 
-def synth_keys(n_tokens: int, *, n_layers: int = 93, n_experts: int = 896, top_k: int = 16,
+def synth_keys(n_tokens: int, *, n_layers: int = N_LAYERS, n_experts: int = N_EXPERTS,
+               top_k: int = TOP_K,
                **knobs) -> np.ndarray:
     """Replay keys layer * n_experts + expert (int64) of a synthetic decode stream."""
     layer, expert = synth_routing(n_tokens, n_layers=n_layers, n_experts=n_experts,
@@ -117,8 +120,8 @@ def synth_keys(n_tokens: int, *, n_layers: int = 93, n_experts: int = 896, top_k
     return layer * n_experts + expert
 
 
-def synth_recompute_keys(prompt_tokens: int, n_tokens: int, *, n_layers: int = 93,
-                         n_experts: int = 896, top_k: int = 16, **knobs) -> np.ndarray:
+def synth_recompute_keys(prompt_tokens: int, n_tokens: int, *, n_layers: int = N_LAYERS,
+                         n_experts: int = N_EXPERTS, top_k: int = TOP_K, **knobs) -> np.ndarray:
     """Replay keys of a FULL-RECOMPUTE run, the mode of the C engine's published replay
     table (PRIOR-ART.md section 9): step s (s = prompt_tokens .. n_tokens) runs tokens
     0..s-1 again, and each layer requests every token's experts, token-major, before the
@@ -133,8 +136,8 @@ def synth_recompute_keys(prompt_tokens: int, n_tokens: int, *, n_layers: int = 9
                            for s in range(prompt_tokens, n_tokens + 1)])
 
 
-def write_synth_trace(path, n_tokens: int, *, n_layers: int = 93, n_experts: int = 896,
-                      top_k: int = 16, expert_bytes: int = 17547264, zipf_s: float = 0.9,
+def write_synth_trace(path, n_tokens: int, *, n_layers: int = N_LAYERS, n_experts: int = N_EXPERTS,
+                      top_k: int = TOP_K, expert_bytes: int = EXPERT_BYTES, zipf_s: float = 0.9,
                       locality: float = 0.3, drift: float = 0.02, seed: int = 0):
     """Write a synthetic decode stream as a trace file (formats/trace.md; source
     "import", checkpoint null, the knobs in meta): positions 0..n_tokens-1, decode

@@ -1,7 +1,7 @@
 """Sizing a memory budget offline: how to split it between trunk and expert cache.
 
 Owns: ``size_budget``: for splits of a total budget, the trunk plan the streamer would
-use (``libk3.presets.plan_trunk``: pinned layers, ring; each split judged by
+use (``libk3.budget.plan_trunk``: pinned layers, ring; each split judged by
 ``floor_problems``, the rule k3-run admits by), the trunk bytes streamed per token, the expert-cache miss rate replayed from a recorded trace at that cache's slot
 count, and the predicted I/O seconds per token from the disk's sequential and random
 read speeds. Does not own: replay (``libk3.trace.replay``) or measuring disks (k3-doctor).
@@ -20,7 +20,7 @@ from .replay import replay
 from ..policies.registry import DEFAULT_POLICY
 from ..errors import BudgetError, FormatError
 from ..pack.schema import load_manifest
-from ..presets import floor_problems, plan_trunk
+from ..budget import floor_problems, plan_trunk
 from ..io.direct import window_bytes
 from ..stream.trunk import runs_from_pack
 from .format import TraceReader

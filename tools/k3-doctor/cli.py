@@ -1,6 +1,6 @@
 """k3-doctor: can this machine run this K3 model, with which preset, and what to run next.
 
-Thin click front end: options are parsed here, the work is in ``libk3.doctor``.
+Thin click front end: options are parsed here, the work is in ``libk3.doctor.report``.
 Exit status: 0 can run, 1 cannot (every reason printed), 2 usage error.
 """
 
@@ -52,8 +52,8 @@ def main(model, pack_dir, json_out, quick, compile_only, assume_memory_gb, assum
         return
     precompile.prepare(["probe"])
 
-    from libk3.doctor import diagnose, render_text
-    from libk3.hwprobe import probe_memory
+    from libk3.doctor.report import diagnose, render_text
+    from libk3.doctor.probe import probe_memory
 
     mem = probe_memory(None if assume_memory_gb is None else int(assume_memory_gb * 1e9))
     diag = diagnose(model, pack_dir, quick=quick, memory=mem,

@@ -20,12 +20,11 @@ from libk3.errors import UsageError
 from libk3.trace.format import MAX_EXPERT_BYTES
 from libk3.policies.registry import DEFAULT_POLICY
 
-# The real model's shape (model.md §1, §2.1): defaults
-# for importing C-engine traces, which carry no header.
-REAL_N_LAYERS = 93
-REAL_N_EXPERTS = 896
-REAL_TOP_K = 16
-REAL_EXPERT_BYTES = 17547264
+# The real model's shape: defaults for importing C-engine traces, which carry no header.
+from libk3.k3_dims import EXPERT_BYTES as REAL_EXPERT_BYTES  # noqa: E402
+from libk3.k3_dims import N_EXPERTS as REAL_N_EXPERTS  # noqa: E402
+from libk3.k3_dims import N_LAYERS as REAL_N_LAYERS  # noqa: E402
+from libk3.k3_dims import TOP_K as REAL_TOP_K  # noqa: E402
 
 
 def _jobs(jobs):

@@ -1,10 +1,10 @@
 """k3-doctor's report: can this machine run this model, with which preset, and what next.
 
-Owns: putting the machine facts (``libk3.hwprobe``), the model directory's health
+Owns: putting the machine facts (``libk3.doctor.probe``), the model directory's health
 (config, shard completeness, each shard's size against its own header), the pack
-directory's state, the presets (``libk3.presets``) and a per-token time estimate
+directory's state, the presets (``libk3.budget``) and a per-token time estimate
 together into one JSON-ready report with its exit status, and rendering that report as
-text. Does not own: measuring (hwprobe), budget rules (presets), packing (``libk3.pack.writer``)
+text. Does not own: measuring (``libk3.doctor.probe``, ``libk3.engine.timing``), budget rules (``libk3.budget``), packing (``libk3.pack.writer``)
 or option parsing (``tools/k3-doctor``).
 
 Exit status: 0 the machine can run the model; 1 it cannot, with every reason listed
@@ -29,10 +29,12 @@ import os
 import shlex
 from pathlib import Path
 
-from . import hwprobe, presets
-from .config import K3Config, config_from_dict, load_config
-from .errors import BudgetError, CheckpointError, ConfigError
-from .presets import GB, ModelSizes
+from .. import budget
+from ..budget import GB, ModelSizes
+from ..config import K3Config, load_config
+from ..errors import BudgetError, CheckpointError, ConfigError
+from ..k3_dims import real_config
+from . import probe
 
 EXAMPLE_PROMPT = "The capital of France is"
 EXAMPLE_IDS = "1,2,3"             # for models without a tokenizer
@@ -48,15 +50,13 @@ class Diagnosis:
 
     report: dict
     sizes: ModelSizes | None
-    memory: hwprobe.MemoryInfo
+    memory: probe.MemoryInfo
     exit_status: int
 
 
 def reference_config() -> K3Config:
     """Kimi K3's architecture, for the machine-only report (no model given)."""
-    from .synth.presets import REAL
-
-    return config_from_dict(dict(REAL), source="<Kimi K3 reference>")
+    return real_config()
 
 
 def default_pack_dir(model_dir) -> Path:
@@ -70,8 +70,8 @@ def default_pack_dir(model_dir) -> Path:
 def inspect_model(model_dir, pack_dir) -> tuple:
     """(section, sizes or None, problems, warnings) for one model directory. Problems
     are one line each and name the file (and tensor) at fault."""
-    from .io.checkpoint import Checkpoint, check_shard_sizes, find_shards
-    from .pack.writer import PARTIAL_FILE, disk_needed, pack_state, plan_pack
+    from ..io.checkpoint import Checkpoint, check_shard_sizes, find_shards
+    from ..pack.writer import PARTIAL_FILE, disk_needed, pack_state, plan_pack
 
     d = Path(model_dir)
     sec = {"path": str(d), "config": None, "shards": None, "sizes": None, "pack": None}
@@ -101,7 +101,7 @@ def inspect_model(model_dir, pack_dir) -> tuple:
                      "present": len(present), "indexed": weight_map is not None,
                      "apparent_bytes": apparent, "allocated_bytes": allocated,
                      "problems": [e.one_line() for e in shard_problems]}
-    if apparent and allocated < hwprobe.DATA_FRACTION * apparent:
+    if apparent and allocated < probe.DATA_FRACTION * apparent:
         warnings.append(f"the shards are sparse: {allocated / GB:.2f} GB allocated of "
                         f"{apparent / GB:.2f} GB (a synthetic checkpoint? holes read as zeros)")
     for tok in ("tiktoken.model", "tokenizer_config.json"):
@@ -141,20 +141,20 @@ def hit_rate(sizes: ModelSizes, cache_bytes: int) -> float:
     """Expected expert-cache hit rate under uniform routing (module docstring)."""
     if sizes.total_experts == 0:
         return 1.0
-    slots = presets.expert_slots(sizes, cache_bytes)
+    slots = budget.expert_slots(sizes, cache_bytes)
     if slots >= sizes.total_experts:
         return 1.0
     return min(HIT_CAP, slots / sizes.total_experts)
 
 
-def estimate(sizes: ModelSizes, budget: presets.Budget, seq_bps, rand_bps,
+def estimate(sizes: ModelSizes, split: budget.Budget, seq_bps, rand_bps,
              kernels: dict | None) -> dict | None:
     """Seconds per decoded token and its parts (module docstring), or None without
     measured speeds."""
     if not seq_bps or not kernels:
         return None
-    plan = presets.trunk_plan(sizes, min(budget.trunk_bytes, sizes.trunk_bytes))
-    hit = hit_rate(sizes, budget.cache_bytes)
+    plan = budget.trunk_plan(sizes, min(split.trunk_bytes, sizes.trunk_bytes))
+    hit = hit_rate(sizes, split.cache_bytes)
     misses = sizes.moe_layers * sizes.top_k * (1.0 - hit)
     trunk_io = plan.streamed_bytes / seq_bps
     if misses and not rand_bps:
@@ -170,41 +170,41 @@ def estimate(sizes: ModelSizes, budget: presets.Budget, seq_bps, rand_bps,
 
 
 def decide(sizes: ModelSizes, memory, *, seq_bps=None, rand_bps=None, kernels=None,
-           rules: presets.Rules | None = None) -> dict:
+           rules: budget.Rules | None = None) -> dict:
     """Every preset's budget, peak, fit and estimate; the pick and why; the smallest
     working budget. ``problems`` lists why nothing can run (memory)."""
-    rules = rules or presets.load_rules()
-    table = presets.load_presets()
-    usable = presets.usable_memory(memory)
-    floor = presets.minimum_budget(sizes, rules)
-    floor_total = presets.minimum_memory(sizes, rules)
+    rules = rules or budget.load_rules()
+    table = budget.load_presets()
+    usable = budget.usable_memory(memory)
+    floor = budget.minimum_budget(sizes, rules)
+    floor_total = budget.minimum_memory(sizes, rules)
     rows = {}
-    for name in presets.NAMED:
-        b = presets.resolve_budget(name, model_sizes=sizes)
+    for name in budget.NAMED:
+        b = budget.resolve_budget(name, model_sizes=sizes)
         rows[name] = {"budget": b.to_json(), "description": table[name].description,
-                      "peak_bytes": presets.peak_bytes(b, sizes, rules),
-                      "problems": presets.admission_problems(b, sizes, memory, rules),
+                      "peak_bytes": budget.peak_bytes(b, sizes, rules),
+                      "problems": budget.admission_problems(b, sizes, memory, rules),
                       "estimate": estimate(sizes, b, seq_bps, rand_bps, kernels)}
     try:
-        ab = presets.resolve_budget("auto", mem=memory, model_sizes=sizes)
+        ab = budget.resolve_budget("auto", mem=memory, model_sizes=sizes)
         rows["auto"] = {"budget": ab.to_json(), "description": table["auto"].description,
-                        "peak_bytes": presets.peak_bytes(ab, sizes, rules),
-                        "problems": presets.admission_problems(ab, sizes, memory, rules),
+                        "peak_bytes": budget.peak_bytes(ab, sizes, rules),
+                        "problems": budget.admission_problems(ab, sizes, memory, rules),
                         "estimate": estimate(sizes, ab, seq_bps, rand_bps, kernels)}
     except BudgetError as e:
         rows["auto"] = {"budget": None, "description": table["auto"].description,
                         "peak_bytes": None, "problems": [e.one_line()], "estimate": None}
     for row in rows.values():
         row["batch_width"] = _batch_width(row, sizes, memory, rules)
-    fitting = [n for n in presets.NAMED if n not in AUTO_EXCLUDED and not rows[n]["problems"]]
+    fitting = [n for n in budget.NAMED if n not in AUTO_EXCLUDED and not rows[n]["problems"]]
     pick, why, problems = None, None, []
     allowed = rules.headroom_fraction * usable
     if fitting:
         eff = {n: rows[n]["budget"]["trunk_bytes"] + rows[n]["budget"]["cache_bytes"]
                for n in fitting}
-        pick = max(fitting, key=lambda n: (eff[n], -presets.NAMED.index(n)))
-        bigger = [n for n in presets.NAMED if n not in AUTO_EXCLUDED
-                  and presets.NAMED.index(n) > presets.NAMED.index(pick)]
+        pick = max(fitting, key=lambda n: (eff[n], -budget.NAMED.index(n)))
+        bigger = [n for n in budget.NAMED if n not in AUTO_EXCLUDED
+                  and budget.NAMED.index(n) > budget.NAMED.index(pick)]
         b = rows[pick]["budget"]
         if b["trunk_bytes"] >= sizes.trunk_bytes and b["cache_bytes"] >= sizes.cache_all_bytes:
             why = (f"{pick}: the smallest preset that holds the whole model (every layer "
@@ -213,8 +213,8 @@ def decide(sizes: ModelSizes, memory, *, seq_bps=None, rand_bps=None, kernels=No
             why = (f"{pick}: the largest preset whose planned peak "
                    f"({rows[pick]['peak_bytes'] / GB:.2f} GB) fits "
                    f"{rules.headroom_fraction:.0%} of the {usable / GB:.2f} GB available")
-            bigger = [n for n in presets.NAMED if n not in AUTO_EXCLUDED
-                      and presets.NAMED.index(n) > presets.NAMED.index(pick)]
+            bigger = [n for n in budget.NAMED if n not in AUTO_EXCLUDED
+                      and budget.NAMED.index(n) > budget.NAMED.index(pick)]
             if bigger:
                 why += f"; {bigger[0]} would need {rows[bigger[0]]['peak_bytes'] / GB:.2f} GB"
     elif not rows["auto"]["problems"]:
@@ -226,11 +226,11 @@ def decide(sizes: ModelSizes, memory, *, seq_bps=None, rand_bps=None, kernels=No
             f"memory: {usable / GB:.2f} GB available, the smallest working budget needs "
             f"{floor_total / GB:.2f} GB within {rules.headroom_fraction:.0%} of it (ring "
             f"{floor.trunk_bytes / GB:.2f} GB + cache {floor.cache_bytes / GB:.2f} GB + "
-            f"overhead {presets.overhead_bytes(sizes, rules) / GB:.2f} GB); needs at least "
+            f"overhead {budget.overhead_bytes(sizes, rules) / GB:.2f} GB); needs at least "
             f"{floor_total / rules.headroom_fraction / GB:.2f} GB available")
     return {"memory_usable_bytes": usable, "memory_plannable_bytes": int(allowed),
-            "overhead_bytes": presets.overhead_bytes(sizes, rules),
-            "sequence_bytes": presets.sequence_bytes(sizes, rules.context_positions),
+            "overhead_bytes": budget.overhead_bytes(sizes, rules),
+            "sequence_bytes": budget.sequence_bytes(sizes, rules.context_positions),
             "context_positions": rules.context_positions,
             "batch": _batch_pick(rows, sizes),
             "minimum_budget": floor.to_json(), "minimum_memory_bytes": floor_total,
@@ -243,9 +243,9 @@ def _batch_width(row: dict, sizes: ModelSizes, memory, rules) -> int | None:
     if row["budget"] is None or row["problems"]:
         return None
     b = row["budget"]
-    budget = presets.Budget(b["trunk_bytes"], b["cache_bytes"], b["preset"], ())
+    held = budget.Budget(b["trunk_bytes"], b["cache_bytes"], b["preset"], ())
     try:
-        return presets.batch_width(budget, sizes, memory, "auto", rules=rules)[0]
+        return budget.batch_width(held, sizes, memory, "auto", rules=rules)[0]
     except BudgetError:
         return None
 
@@ -259,7 +259,7 @@ def _batch_pick(rows: dict, sizes: ModelSizes) -> dict | None:
         if not row["batch_width"]:
             continue
         b = row["budget"]
-        streamed = presets.trunk_plan(sizes, b["trunk_bytes"]).streamed_bytes
+        streamed = budget.trunk_plan(sizes, b["trunk_bytes"]).streamed_bytes
         key = (streamed / row["batch_width"], -row["batch_width"])
         if best is None or key < best[0]:
             best = (key, {"preset": name, "width": row["batch_width"],
@@ -299,8 +299,8 @@ def compression_advice(est: dict | None, seq_bps, decode: dict | None) -> dict:
 # ---- the whole report ------------------------------------------------------------------
 
 def diagnose(model=None, pack=None, *, quick: bool = False,
-             memory: hwprobe.MemoryInfo | None = None,
-             probe_bytes: int = hwprobe.DEFAULT_PROBE_BYTES, progress: bool = False,
+             memory: probe.MemoryInfo | None = None,
+             probe_bytes: int = probe.DEFAULT_PROBE_BYTES, progress: bool = False,
              seq_seconds: float = 3.0, rand_seconds: float = 1.5,
              pack_free_bytes: int | None = None, read_bps: float | None = None,
              decode_bps: float | None = None) -> Diagnosis:
@@ -309,8 +309,8 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
     (tests); ``read_bps`` the measured sequential read rate and ``decode_bps`` the
     compressed trunk's measured decode rate. ``quick`` skips the disk, kernel and decode
     measurements (no estimates)."""
-    mem = memory if memory is not None else hwprobe.probe_memory()
-    machine = hwprobe.probe_machine(mem)
+    mem = memory if memory is not None else probe.probe_memory()
+    machine = probe.probe_machine(mem)
     problems, warnings = list(), list(machine["warnings"])
     model_sec, sizes = None, None
     pack_dir = Path(pack) if pack is not None else (default_pack_dir(model) if model else None)
@@ -326,17 +326,17 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
     if pack_dir is not None:
         targets.append(("pack" if pack is not None else "pack (suggested)", pack_dir))
     for role, d in targets:
-        dev = os.stat(hwprobe.existing_ancestor(d)).st_dev
+        dev = os.stat(probe.existing_ancestor(d)).st_dev
         shards = sorted(Path(d).glob("*.safetensors")) if role == "model" else []
         if dev in measured_dev:
-            info = hwprobe.probe_storage(d, measure=False, model_files=shards)
+            info = probe.probe_storage(d, measure=False, model_files=shards)
             info["reads"] = measured_dev[dev]["reads"]
             info["measured_on"] = measured_dev[dev]["measured_on"]
             info["measured"] = measured_dev[dev]["measured"]
             info["notes"].append(f"same filesystem as {measured_dev[dev]['directory']}; "
                                  "measured once")
         else:
-            info = hwprobe.probe_storage(d, measure=not quick, model_files=shards,
+            info = probe.probe_storage(d, measure=not quick, model_files=shards,
                                          probe_bytes=probe_bytes, seq_seconds=seq_seconds,
                                          rand_seconds=rand_seconds, progress=progress)
             measured_dev[dev] = info
@@ -351,10 +351,11 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
         sizes = ModelSizes.from_config(cfg)
     kernels = None
     if not quick:
-        from .engine.precompile import prepare
+        from ..engine import timing
+        from ..engine.precompile import prepare
         prepare(["kernel-timing"])               # announced here, after the disk probe
-        bf16_shapes, mxfp4_shapes = hwprobe.kernel_shapes(cfg or load_config(model))
-        kernels = hwprobe.measure_kernels(bf16_shapes=bf16_shapes, mxfp4_shapes=mxfp4_shapes)
+        bf16_shapes, mxfp4_shapes = timing.kernel_shapes(cfg or load_config(model))
+        kernels = timing.measure_kernels(bf16_shapes=bf16_shapes, mxfp4_shapes=mxfp4_shapes)
     seq_bps, rand_bps = _speeds(storage)
     seq_bps = read_bps or seq_bps
     decision = decide(sizes, mem, seq_bps=seq_bps, rand_bps=rand_bps, kernels=kernels)
@@ -362,7 +363,8 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
     if not quick:
         import numba
 
-        decode = hwprobe.measure_trunk_decode(numba.get_num_threads())
+        from ..engine import timing
+        decode = timing.measure_trunk_decode(numba.get_num_threads())
         if decode_bps:
             decode["decode_bytes_per_s"] = float(decode_bps)
     pick = decision["pick"]

@@ -1,0 +1,37 @@
+"""The released Kimi K3's architecture: the one place its dimensions are written.
+
+Owns: ``REAL``, the flat config of the released model (formats/model.md §2, §3.5), and
+``real_config()``, the same as a checked ``K3Config``. Used by k3-doctor's machine-only
+report, the synthetic checkpoints (``libk3.synth.presets`` derives every size preset
+from it), the synthetic traces' defaults and the tools' defaults for foreign traces.
+Does not own: reading a model's own config (``libk3.config``).
+"""
+
+from __future__ import annotations
+
+from .config import K3Config, config_from_dict
+
+REAL = dict(
+    hidden_size=7168, num_hidden_layers=93, vocab_size=163840, rms_norm_eps=1e-5,
+    tie_word_embeddings=False, kda_num_heads=96, kda_head_dim=128, short_conv_kernel_size=4,
+    gate_lower_bound=-5.0, num_attention_heads=96, q_lora_rank=1536, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, mla_use_output_gate=True,
+    num_experts=896, num_experts_per_token=16, num_shared_experts=2,
+    routed_expert_hidden_size=3584, moe_intermediate_size=3072, routed_scaling_factor=1.0,
+    moe_renormalize=True, latent_moe_use_norm=True, first_k_dense_replace=1,
+    intermediate_size=33792, attn_res_block_size=12, situ_beta=4.0, situ_linear_beta=25.0,
+    full_attn_layers=[4 * i for i in range(1, 23)] + [92, 93],
+)
+
+
+def real_config() -> K3Config:
+    """``REAL`` as a checked K3Config (every derived size, e.g. ``expert_bytes``)."""
+    return config_from_dict(dict(REAL), source="<Kimi K3 reference>")
+
+
+# The routing shape of a real trace (the defaults of synthetic and imported traces) and
+# the bytes of one routed expert (the disk probe's random read), derived from REAL.
+N_LAYERS = REAL["num_hidden_layers"]
+N_EXPERTS = REAL["num_experts"]
+TOP_K = REAL["num_experts_per_token"]
+EXPERT_BYTES = real_config().expert_bytes
