@@ -1,7 +1,7 @@
 """The one error hierarchy of k3.
 
 Owns: the exception classes and their exit codes. Does not own: printing; only the click
-layer turns an error into a single stderr line (see ``libk3.cli_support``).
+layer turns an error into a single stderr line (see ``k3cli.support``).
 
 Every error carries what a user needs to act: the file, the tensor (or key), what was
 expected against what was found, and where useful the next command to run.

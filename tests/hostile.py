@@ -81,7 +81,7 @@ def invoke(main, args, *, input=None, seconds: float = 60) -> Outcome:
 def call(fn, *args, seconds: float = 30, **kwargs) -> Outcome:
     """Call a library function through the front ends' error wrapper (``handle_errors``),
     as a tool's callback would, capturing stderr and the exit code."""
-    from libk3.cli_support import handle_errors
+    from k3cli.support import handle_errors
 
     err = io.StringIO()
     code = 0

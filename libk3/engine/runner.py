@@ -420,11 +420,10 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
     state = _load_state(run, load_state)
     convo = Conversation(tok, run.chat(warn).template, template_kwargs)
     turn_settings = run.chat_settings(settings, warn)
-    import click
     while True:
         try:
-            text = prompt_fn()
-        except (EOFError, click.exceptions.Abort):
+            text = prompt_fn()          # EOFError at end of input (the front end maps Ctrl-D)
+        except EOFError:
             break
         if not text:
             break

@@ -11,8 +11,8 @@ import sys
 import click
 
 from libk3 import __version__
-from libk3.cli_group import Command, Finite, gigabytes
-from libk3.cli_support import handle_errors, print_json
+from k3cli.group import Command, Finite, gigabytes
+from k3cli.support import handle_errors, print_json
 
 
 @click.command(cls=Command, help="Check the machine (and a model directory) before running K3: memory, "

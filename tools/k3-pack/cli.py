@@ -9,8 +9,8 @@ from __future__ import annotations
 import click
 
 from libk3 import __version__
-from libk3.cli_group import DefaultGroup, Finite, Rule
-from libk3.cli_support import handle_errors, print_json
+from k3cli.group import DefaultGroup, Finite, Rule
+from k3cli.support import handle_errors, print_json
 from libk3.engine.sampler import seed_problem
 
 

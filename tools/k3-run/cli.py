@@ -8,8 +8,8 @@ import time
 import click
 
 from libk3 import __version__
-from libk3.cli_group import Command, Finite, Rule, gigabytes
-from libk3.cli_support import handle_errors, print_json
+from k3cli.group import Command, Finite, Rule, gigabytes
+from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_SIZE
 from libk3.engine.generate import gen_problem
 from libk3.engine.sampler import seed_problem, temperature_problem, top_p_problem
@@ -208,9 +208,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
                             emit_factory=lambda: _Printer(run.session.tokenizer),
                             warn=lambda m: click.echo(m, err=True),
                             template_kwargs=chat_kwargs,
-                            prompt_fn=lambda: click.prompt("you", prompt_suffix="> ",
-                                                           default="", show_default=False,
-                                                           err=True))
+                            prompt_fn=_chat_prompt)
             return
         if ids is not None:
             prompt_ids = runner.parse_ids(ids, run.cfg.vocab_size)
@@ -237,3 +235,12 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
     else:
         from libk3.engine.report import short_text
         click.echo(short_text(rep), err=True)
+
+
+def _chat_prompt() -> str:
+    """One chat line from the terminal; end of input (click's Abort on Ctrl-D) is EOFError,
+    which ends the chat."""
+    try:
+        return click.prompt("you", prompt_suffix="> ", default="", show_default=False, err=True)
+    except click.exceptions.Abort:
+        raise EOFError from None

@@ -13,8 +13,8 @@ import os
 import click
 
 from libk3 import __version__
-from libk3.cli_group import Finite, Group, NumberList, gigabytes
-from libk3.cli_support import handle_errors, print_json
+from k3cli.group import Finite, Group, NumberList, gigabytes
+from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_EXPERTS, MAX_LAYERS
 from libk3.errors import UsageError
 from libk3.trace.format import MAX_EXPERT_BYTES

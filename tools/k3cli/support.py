@@ -10,7 +10,7 @@ import functools
 import json
 import sys
 
-from .errors import BudgetError, K3Error, K3IOError
+from libk3.errors import BudgetError, K3Error, K3IOError
 
 
 def handle_errors(fn):

@@ -1,4 +1,4 @@
-"""The click pieces the four front ends share (the one libk3 module that imports click).
+"""The click pieces the four front ends share.
 
 Owns: the command and group classes that print a usage error as one line with exit 2
 (click prints a usage block, a hint, a blank line and the error), the group whose main
@@ -6,7 +6,7 @@ form needs no subcommand name (``k3-pack CHECKPOINT OUT``), and the option types
 refuse NaN, infinities and out-of-range numbers at parse time (README "Exit codes").
 Does not own: the rules themselves (a libk3 function says what a temperature or a seed
 may be; ``Rule`` applies it), any command's options, or errors raised by the work
-(``libk3.cli_support.handle_errors``).
+(``k3cli.support.handle_errors``).
 """
 
 from __future__ import annotations
