@@ -114,7 +114,8 @@ def test_expert_cache_refuses_fewer_than_top_k_plus_one_slots(small_dir):
         cfg = ckpt.config
         with pytest.raises(BudgetError, match="top_k"):
             ExpertCache(cfg, ckpt.expert_table(),
-                        cfg.num_experts_per_token * window_bytes(cfg.expert_bytes), FileSet())
+                        cfg.num_experts_per_token * window_bytes(cfg.expert_bytes), FileSet(),
+                        io_threads=1)
 
 
 @pytest.mark.parametrize("direct", [True, False])

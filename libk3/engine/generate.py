@@ -18,6 +18,7 @@ import numpy as np
 from typing import TYPE_CHECKING
 
 from ..config import K3_CONTEXT as MAX_POSITIONS
+from .defaults import PREFILL_CHUNK
 
 if TYPE_CHECKING:                  # the model is not imported by option parsing (start-up)
     from ..model.state import State
@@ -52,7 +53,7 @@ class GenSettings:
     seed: int = 0
     stop_ids: tuple = ()
     stop_strings: tuple = ()
-    prefill_chunk: int = 64
+    prefill_chunk: int = PREFILL_CHUNK
     spec: int = 0                  # speculative drafts per step (greedy only); 0 = off
 
 

@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from ..model.forward import Segment
+from .defaults import PREFILL_CHUNK
 from .generate import Abandoned, GenResult, GenSettings
 from .sampler import Sampler
 
@@ -139,7 +140,7 @@ class Lockstep:
     ``should_stop()``, if given, is asked before every pass: True raises Abandoned, and
     the lanes in flight stay in ``lanes`` for the caller to count and drop."""
 
-    def __init__(self, forward, new_state, width: int, on_done, *, chunk: int = 64,
+    def __init__(self, forward, new_state, width: int, on_done, *, chunk: int = PREFILL_CHUNK,
                  tokenizer=None, on_token=None, keep_logits: bool = False,
                  join_prefill: bool = True, should_stop=None):
         if width < 1 or chunk < 1:

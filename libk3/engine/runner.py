@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import BudgetError, FormatError, UsageError
 from ..model.state import State
 from ..policies.registry import DEFAULT_POLICY
+from .defaults import IO_THREADS, PREFILL_CHUNK
 from ..trace.format import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
 from .batch_sink import BatchSink
@@ -35,7 +36,7 @@ class RunOptions:
     budget_order: list = dataclasses.field(default_factory=list)
     resident: bool = False
     cache_policy: str = DEFAULT_POLICY
-    io_threads: int = 4
+    io_threads: int = IO_THREADS
     direct_io: bool = True
     trace_path: str | None = None
     memory_override: int | None = None
@@ -44,7 +45,7 @@ class RunOptions:
 
 
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
-                  prefill_chunk=64, spec=0) -> GenSettings:
+                  prefill_chunk=PREFILL_CHUNK, spec=0) -> GenSettings:
     return GenSettings(gen=gen, temperature=temperature, top_p=top_p, seed=seed,
                        stop_ids=tuple(stop_ids), stop_strings=tuple(stop_strings),
                        prefill_chunk=prefill_chunk, spec=spec)

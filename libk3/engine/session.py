@@ -15,6 +15,7 @@ from ..model.forward import Forward
 from ..model.state import State
 from ..model.weights import ResidentWeights, StreamedWeights
 from ..policies.registry import DEFAULT_POLICY
+from .defaults import IO_THREADS
 
 
 @dataclasses.dataclass
@@ -46,8 +47,8 @@ def load_tokenizer_if_present(model_dir, vocab_size=None, pack=None):
 
 
 def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_bytes=None,
-                 cache_policy: str = DEFAULT_POLICY, io_threads: int = 4, direct_io: bool = True,
-                 on_route=None, verify_reads: str = "first") -> Session:
+                 cache_policy: str = DEFAULT_POLICY, io_threads: int = IO_THREADS,
+                 direct_io: bool = True, on_route=None, verify_reads: str = "first") -> Session:
     """Open ``model_dir`` for a run (or use ``ckpt``, its already opened Checkpoint).
     Without budgets every weight is resident; with ``trunk_bytes`` and ``cache_bytes`` the
     trunk streams (from ``pack`` when given, else straight from the shards) and experts go

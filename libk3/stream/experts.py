@@ -28,7 +28,7 @@ from .policy import make_policy
 
 
 class ExpertCache:
-    def __init__(self, cfg, table, budget: int, files: FileSet, io_threads: int = 4,
+    def __init__(self, cfg, table, budget: int, files: FileSet, io_threads: int,
                  policy: str = DEFAULT_POLICY):
         self.cfg = cfg
         self.table = table                         # libk3.io.checkpoint.ExpertTable

@@ -11,6 +11,7 @@ from libk3 import __version__
 from k3cli.group import Command, Finite, Rule, gigabytes
 from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_SIZE
+from libk3.engine.defaults import IO_THREADS, PREFILL_CHUNK
 from libk3.engine.generate import gen_problem
 from libk3.engine.sampler import seed_problem, temperature_problem, top_p_problem
 from libk3.errors import UsageError
@@ -108,12 +109,13 @@ class _Printer:
 @click.option("--resident", is_flag=True, help="Load every weight into RAM (small models).")
 @click.option("--cache-policy", type=click.Choice(ONLINE_OBJECT_POLICIES), default=DEFAULT_POLICY,
               show_default=True, help="Expert cache eviction policy (never changes output).")
-@click.option("--io-threads", type=click.IntRange(1, 64), default=4, show_default=True)
+@click.option("--io-threads", type=click.IntRange(1, 64), default=IO_THREADS, show_default=True)
 @click.option("--buffered-io", is_flag=True, help="Do not use O_DIRECT.")
 @click.option("--verify-reads", type=click.Choice(["first", "every"]), default="first",
               show_default=True, help="With --pack: check a trunk layer's CRC-32 the first "
                                       "time this run reads it, or on every read.")
-@click.option("--prefill-chunk", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--prefill-chunk", type=click.IntRange(1), default=PREFILL_CHUNK,
+              show_default=True)
 @click.option("--spec", type=click.IntRange(0, 16), default=0, show_default=True,
               help="Speculative decoding: draft up to N tokens by prompt lookup and verify "
                    "them in one batched forward (greedy only; same tokens as without; backs "
