@@ -10,7 +10,7 @@ and the per-request cost of the policy object k3-run drives. Does not own: the p
 Traces at the real model's shape (93 layers x 896 experts, top-16, 17,547,264 B per
 expert; every layer routed), cyclic in layer order:
 
-* decode: incremental decoding, zipf_s 0.9, locality 0.3, drift 0.02 (trace_synth's
+* decode: incremental decoding, zipf_s 0.9, locality 0.3, drift 0.02 (libk3.synth.traces'
   defaults), 10 million requests: the timed one (every policy at every capacity in
   under 60 s on 2 cores);
 * zipf-1.3, zipf-0.8: independent requests with Zipf popularity (no locality, no drift);
