@@ -16,9 +16,9 @@ import pytest
 
 from k3_run.cli import main as k3run_main
 from libk3.io.checkpoint import Checkpoint
-from libk3.pack import pack
-from libk3.pack_compress import compress
-from libk3.pack_schema import BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, open_pack
+from libk3.pack.writer import pack
+from libk3.pack.compress import compress
+from libk3.pack.schema import BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, open_pack
 
 from .conftest import TINY
 from .pack_mutations import MANIFEST
