@@ -58,11 +58,22 @@ def _streamed(model_dir):
                         cache_bytes=floor.cache_bytes + 1)
 
 
-@pytest.fixture(scope="module", params=["tiny-resident", "tiny-floor", "small-floor"])
+def _half_streamed(model_dir):
+    """Half the trunk (some layers pinned, the rest through the ring) and an eighth of the
+    experts cached: streamed, at a fraction of the floor's run time on small."""
+    with Checkpoint.open(model_dir) as ckpt:
+        sizes = ModelSizes.from_checkpoint(ckpt)
+    return open_session(model_dir, trunk_bytes=sizes.trunk_bytes // 2,
+                        cache_bytes=sizes.cache_all_bytes // 8)
+
+
+# The floor runs on tiny (same code paths: one ring slot, top_k + 1 expert slots, a union
+# larger than the cache); small at the floor tripled this module's time for no new path.
+@pytest.fixture(scope="module", params=["tiny-resident", "tiny-floor", "small-half"])
 def sess(request, tiny_dir, small_dir):
     which, where = request.param.split("-")
     d = tiny_dir if which == "tiny" else small_dir
-    s = open_session(d) if where == "resident" else _streamed(d)
+    s = {"resident": open_session, "floor": _streamed, "half": _half_streamed}[where](d)
     yield s
     s.weights.close()
 

@@ -84,14 +84,15 @@ def test_run_same_logits_at_every_budget_threads_and_pack(which, tiny_dir, small
 
 
 def test_run_minimum_budget_streams_everything(small_dir, tmp_path):
-    """Catches a 'streamed' run that silently keeps everything resident: at the floor the
-    trunk is read every token and experts are evicted."""
+    """Catches a 'streamed' run that silently keeps everything resident: at the floor (one
+    ring slot, budget.floor_problems) the trunk is read every token and experts are
+    evicted."""
     b = _budgets(small_dir)[1]
     rep = tmp_path / "r.json"
     p = k3(small_dir, "--ids", PROMPT, "--gen", 3, *b, "--report-json", rep)
     assert p.returncode == 0, p.stderr
     r = json.loads(rep.read_text())
-    assert r["pinned_layers"] == [] and r["ring_slots"] == 2
+    assert r["pinned_layers"] == [] and r["ring_slots"] == 1
     with Checkpoint.open(small_dir) as ckpt:
         trunk = ModelSizes.from_checkpoint(ckpt).trunk_bytes
     assert r["trunk_bytes_read"] >= 3 * trunk       # prefill chunk + 3 decode steps
