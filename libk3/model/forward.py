@@ -1,16 +1,20 @@
 """The engine's K3 forward pass: model.md §5 composed from numba kernels.
 
-Owns: the order of operations of one forward pass over new tokens against a weight
-provider: T tokens of one sequence (prefill T > 1, decode T = 1), or several sequences in
-lockstep (``Forward.run``: one ``Segment`` per sequence, each with its own State). Does
-not own: where weights come from (resident, streamed, cached: ``libk3.model.weights`` and
-``libk3.stream``), the math inside each op (``libk3.kernels``), sampling or scheduling.
+Owns: the blocks of one decoder layer as functions of (config, layer weights, input,
+state), written in the order of model.md §5 (``kda``, ``mla``, ``route``,
+``latent_moe``, ``dense_mlp``), and ``Forward``, which runs them: the layer loop, the
+AttnRes bookkeeping, several sequences in one pass (``Forward.run``: one ``Segment`` per
+sequence, each with its own State), and fetching each layer's trunk and routed experts
+from a weight provider (``libk3.model.provider``). Does not own: where weights come from
+(resident, streamed, cached: ``libk3.model.weights``, ``libk3.stream``), the math inside
+each op (``libk3.kernels``), sampling or scheduling.
 
 A pass over several sequences stacks their tokens into one block: every op that applies
 weights (projections, norms, AttnRes, router, experts, lm_head) runs once over the block,
 so a layer's trunk is fetched once per pass and each routed expert once for all the
 tokens that chose it (the union over the sequences); only what reads a sequence's own
-state (short conv, KDA recurrence, MLA cache and attention) runs per sequence.
+state (short conv, KDA recurrence, MLA cache and attention) runs per sequence: the
+blocks take one ``KdaSeq`` / ``MlaSeq`` per sequence, its rows of the block and its state.
 
 Same answer everywhere: every op computes each token's values with the same accumulation
 order whether it runs for one token or a block, so prefill, chunked prefill, incremental
@@ -21,12 +25,14 @@ logits; and nothing here depends on the budget or the thread count.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 
 from . import ops as K
 from ..config import K3Config, L2NORM_EPS, MLA_LATENT_NORM_EPS
 from ..errors import NonFiniteError
+from .provider import WeightProvider
 from .state import State
 
 
@@ -47,6 +53,153 @@ def _nonfinite(L, where: str) -> NonFiniteError:
              "MODEL names NaN/Inf tensors")
 
 
+class KdaSeq(NamedTuple):
+    """One sequence's share of a KDA layer: its rows of the pass's block and its state for
+    this layer (model.md §6), both updated in place."""
+    rows: slice
+    conv: np.ndarray        # (3, P, K-1): q, k, v pre-activation history, oldest first
+    S: np.ndarray           # (H, D, D) recurrent state
+
+
+class MlaSeq(NamedTuple):
+    """One sequence's share of an MLA layer: its rows of the block, their absolute
+    positions, and its caches for this layer (rows at those positions are written)."""
+    rows: slice
+    positions: np.ndarray   # (n,) int64
+    latent: np.ndarray      # (capacity, kv_lora_rank) normalised latent
+    rope: np.ndarray        # (capacity, qk_rope_head_dim) raw shared key slice
+
+
+def _per_seq(seqs, X, fn):
+    """fn(seq, its rows of X) for each sequence, stacked back in row order."""
+    if len(seqs) == 1:
+        return fn(seqs[0], X)
+    return np.concatenate([fn(s, X[s.rows]) for s in seqs])
+
+
+# ---- KDA (model.md §5.5) -------------------------------------------------------------
+def kda(cfg: K3Config, lw, x: np.ndarray, seqs: list) -> np.ndarray:
+    """KDA attention of the normalised input x (T, E) -> (T, E); each ``KdaSeq`` of
+    ``seqs`` (in row order, covering all T rows) carries its conv history and S."""
+    T = x.shape[0]
+    H, D = cfg.num_heads, cfg.head_dim
+    q_hat = K.bf16_matmul(lw["self_attn.q_proj.weight"], x)          # (T, P)
+    k_hat = K.bf16_matmul(lw["self_attn.k_proj.weight"], x)
+    v_hat = K.bf16_matmul(lw["self_attn.v_proj.weight"], x)
+    beta = K.sigmoid(K.bf16_matmul(lw["self_attn.b_proj.weight"], x))  # (T, H)
+    z = K.bf16_matmul(lw["self_attn.f_b_proj.weight"],
+                      K.bf16_matmul(lw["self_attn.f_a_proj.weight"], x))  # (T, P)
+
+    def conv(u, j, w):                      # each sequence through its own history
+        return _per_seq(seqs, u, lambda s, u_s: K.short_conv(u_s, w, s.conv[j]))
+    q = conv(q_hat, 0, lw["self_attn.q_conv1d.weight"])
+    k = conv(k_hat, 1, lw["self_attn.k_conv1d.weight"])
+    v = conv(v_hat, 2, lw["self_attn.v_conv1d.weight"])
+    q = K.l2norm(q.reshape(T * H, D), L2NORM_EPS).reshape(T, H, D)
+    k = K.l2norm(k.reshape(T * H, D), L2NORM_EPS).reshape(T, H, D)
+    v = v.reshape(T, H, D)
+    alpha = K.kda_decay(z, lw["self_attn.A_log"][:H], lw["self_attn.dt_bias"],
+                        cfg.gate_lower_bound).reshape(T, H, D)
+    o = _per_seq(seqs, q, lambda s, q_s: K.kda_recurrence(      # each S updated
+        q_s, k[s.rows], v[s.rows], alpha[s.rows], beta[s.rows], D ** -0.5, s.S))
+    o = K.rmsnorm(o.reshape(T * H, D), lw["self_attn.o_norm.weight"], cfg.rms_norm_eps)
+    gate = K.sigmoid(K.bf16_matmul(lw["self_attn.g_proj.weight"], x))
+    return K.bf16_matmul(lw["self_attn.o_proj.weight"], o.reshape(T, H * D) * gate)
+
+
+# ---- gated MLA, latent form (model.md §5.6) ------------------------------------------
+def mla(cfg: K3Config, lw, x: np.ndarray, seqs: list,
+        eps_latent: float = MLA_LATENT_NORM_EPS) -> np.ndarray:
+    """Gated MLA of the normalised input x (T, E) -> (T, E); each ``MlaSeq`` of ``seqs``
+    gets its rows' latent and key slice appended to its caches, then attends to them.
+    ``eps_latent`` is the model's (model.md §5.0); other values are for comparing with
+    vectors made with another one."""
+    T = x.shape[0]
+    H, nope, rope, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
+                        cfg.qk_rope_head_dim, cfg.kv_lora_rank)
+    cq = K.rmsnorm(K.bf16_matmul(lw["self_attn.q_a_proj.weight"], x),
+                   lw["self_attn.q_a_layernorm.weight"], eps_latent)
+    q = K.bf16_matmul(lw["self_attn.q_b_proj.weight"], cq).reshape(T, H, nope + rope)
+    c = K.bf16_matmul(lw["self_attn.kv_a_proj_with_mqa.weight"], x)  # (T, r + rope)
+    latent = K.rmsnorm(np.ascontiguousarray(c[:, :r]), lw["self_attn.kv_a_layernorm.weight"],
+                       eps_latent)
+
+    def attend(s, q_s):                     # one sequence: append to its cache, attend
+        p0, n = int(s.positions[0]), s.positions.shape[0]
+        s.latent[p0:p0 + n] = latent[s.rows]
+        s.rope[p0:p0 + n] = c[s.rows, r:]
+        return K.mla_attention(q_s[..., :nope], q_s[..., nope:], s.positions, s.latent,
+                               s.rope, lw["self_attn.kv_b_proj.weight"],
+                               (nope + rope) ** -0.5, cfg.v_head_dim)   # (n, H * v)
+    out = _per_seq(seqs, q, attend)
+    gate = K.sigmoid(K.bf16_matmul(lw["self_attn.g_proj.weight"], x))
+    return K.bf16_matmul(lw["self_attn.o_proj.weight"], out * gate)
+
+
+# ---- MLPs (model.md §5.7, §5.8) ------------------------------------------------------
+def situ_mlp(cfg: K3Config, gate_proj, up_proj, down_proj, x: np.ndarray) -> np.ndarray:
+    """down . SiTU(gate x, up x) with dense (BF16 or f32) matrices: the dense MLP, the
+    fused shared experts."""
+    h = K.situ(K.bf16_matmul(gate_proj, x), K.bf16_matmul(up_proj, x),
+               cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+    return K.bf16_matmul(down_proj, h)
+
+
+def dense_mlp(cfg: K3Config, lw, x: np.ndarray) -> np.ndarray:
+    """The dense MLP of the first ``first_k_dense_replace`` layers (model.md §5.7)."""
+    return situ_mlp(cfg, lw["mlp.gate_proj.weight"], lw["mlp.up_proj.weight"],
+                    lw["mlp.down_proj.weight"], x)
+
+
+def mxfp4_expert(cfg: K3Config, tensors, z: np.ndarray) -> np.ndarray:
+    """w2 . SiTU(w1 z, w3 z) for one routed expert from its six MXFP4 tensors
+    (EXPERT_PARTS order); z (n, latent) -> (n, latent)."""
+    w1p, w1s, w2p, w2s, w3p, w3s = tensors
+    h = K.situ(K.mxfp4_matmul(w1p, w1s, z), K.mxfp4_matmul(w3p, w3s, z),
+               cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+    return K.mxfp4_matmul(w2p, w2s, h)
+
+
+def route(cfg: K3Config, lw, x: np.ndarray, L=None):
+    """Router (model.md §5.8 steps 1-3) of the full-width x (T, E) -> (ids, weights), both
+    (T, k) in selection order. Refuses NaN/Inf scores (``L`` names the layer)."""
+    logits = K.bf16_matmul(lw["block_sparse_moe.gate.weight"], x)        # (T, N)
+    bias = lw["block_sparse_moe.gate.e_score_correction_bias"]
+    _require_finite(logits, L, "its routing scores")
+    _require_finite(bias, L, "its routing scores")
+    return K.route(logits, bias, cfg.num_experts_per_token, cfg.moe_renormalize,
+                   cfg.routed_scaling_factor)
+
+
+def latent_moe(cfg: K3Config, lw, x: np.ndarray, ids: np.ndarray, w: np.ndarray,
+               expert_batches, expert_mlp=mxfp4_expert) -> np.ndarray:
+    """Stable LatentMoE (model.md §5.8 steps 4-7) of x (T, E) routed to ``ids`` with
+    weights ``w`` -> (T, E). ``expert_batches`` yields {expert id: tensors} covering every
+    routed id; it is first advanced after the latent down-projection and the shared
+    experts, so a fetch started before the call overlaps them. ``expert_mlp(cfg,
+    tensors, z)`` applies one expert (MXFP4 in a checkpoint)."""
+    T = x.shape[0]
+    z = K.bf16_matmul(lw["block_sparse_moe.routed_expert_down_proj.weight"], x)  # (T, lat)
+    y_shared = None
+    if cfg.num_shared_experts > 0:
+        y_shared = situ_mlp(cfg, lw["block_sparse_moe.shared_experts.gate_proj.weight"],
+                            lw["block_sparse_moe.shared_experts.up_proj.weight"],
+                            lw["block_sparse_moe.shared_experts.down_proj.weight"], x)
+    # Each distinct expert is applied once to all the tokens that chose it; outputs are
+    # kept per (token, slot) and summed in selection order, so the result is
+    # bit-identical to token-by-token evaluation.
+    outs = np.zeros((T, ids.shape[1], z.shape[1]), np.float32)
+    for tensors in expert_batches:
+        for e, t in tensors.items():
+            tok, slot = np.nonzero(ids == e)
+            outs[tok, slot] = expert_mlp(cfg, t, np.ascontiguousarray(z[tok]))
+    u = K.weighted_sum(outs, w)                                         # (T, lat)
+    if cfg.latent_moe_use_norm:
+        u = K.rmsnorm(u, lw["block_sparse_moe.routed_expert_norm.weight"], cfg.rms_norm_eps)
+    y = K.bf16_matmul(lw["block_sparse_moe.routed_expert_up_proj.weight"], u)
+    return y if y_shared is None else y + y_shared
+
+
 class Segment:
     """One sequence's share of a pass: its new token ids, its State, whether every fed
     position's logits are wanted (else the last one's), the phase (trace records) and an
@@ -63,17 +216,14 @@ class Segment:
 class Forward:
     """``Forward(cfg, weights)(ids, state)`` -> float32 logits for the fed positions.
 
-    ``weights`` provides ``model()`` (dict of model-level arrays), ``embed(ids)`` (rows of
-    the embedding widened to f32), ``layer(L)`` (mapping
-    suffix -> array: BF16 matrices as uint16 bits, vectors as float32), ``release(L)``,
-    and ``experts(L, ids)`` (expert id -> tuple of six uint8 arrays in EXPERT_PARTS order).
+    ``weights`` is a ``WeightProvider`` (libk3.model.provider).
     ``on_route(L, positions, ids, phase, tag)`` if given is called with each MoE layer's
     routing, once per sequence of the pass.
     ``expert_union[L]`` sums, over passes, the distinct experts layer L fetched
     (``passes`` counts the passes): the union the sequences of a pass share.
     """
 
-    def __init__(self, cfg: K3Config, weights, on_route=None):
+    def __init__(self, cfg: K3Config, weights: WeightProvider, on_route=None):
         self.cfg = cfg
         self.weights = weights
         self.on_route = on_route
@@ -152,13 +302,6 @@ class Forward:
         return [out.get(id(seg), np.zeros((0, cfg.vocab_size), np.float32))
                 for seg in segments]
 
-    @staticmethod
-    def _per_seq(segs, X, fn):
-        """fn(segment, its rows of X) for each sequence, stacked back in row order."""
-        if len(segs) == 1:
-            return fn(segs[0], X)
-        return np.concatenate([fn(s, X[s.r0:s.r1]) for s in segs])
-
     # ---- one decoder layer (model.md §5.3) -------------------------------------------
     def _layer(self, L, lw, prefix, blocks, segs):
         cfg = self.cfg
@@ -175,126 +318,43 @@ class Forward:
             empty = True
         h = K.rmsnorm(x_a, lw["input_layernorm.weight"], eps)
         if cfg.is_mla(L):
-            a = self._mla(L, lw, h, segs)
+            a = mla(cfg, lw, h, [MlaSeq(slice(s.r0, s.r1), s.positions, s.state.mla_latent[L],
+                                        s.state.mla_rope[L]) for s in segs])
         else:
-            a = self._kda(L, lw, h, segs)
+            a = kda(cfg, lw, h, [KdaSeq(slice(s.r0, s.r1), s.state.kda_conv[L],
+                                        s.state.kda_S[L]) for s in segs])
         prefix = a if empty else p + a
         x_m = K.attn_res(blocks + [prefix], K.fold_attn_res(lw["mlp_res_norm.weight"],
                          lw["mlp_res_proj.weight"]), eps)
         h = K.rmsnorm(x_m, lw["post_attention_layernorm.weight"], eps)
         if cfg.is_dense(L):
-            m = self._dense(lw, h)
+            m = dense_mlp(cfg, lw, h)
         else:
             m = self._moe(L, lw, h, segs)
         return prefix + m
 
-    # ---- KDA (model.md §5.5) ---------------------------------------------------------
-    def _kda(self, L, lw, x, segs):
-        cfg = self.cfg
-        T = x.shape[0]
-        H, D = cfg.num_heads, cfg.head_dim
-        q_hat = K.bf16_matmul(lw["self_attn.q_proj.weight"], x)          # (T, P)
-        k_hat = K.bf16_matmul(lw["self_attn.k_proj.weight"], x)
-        v_hat = K.bf16_matmul(lw["self_attn.v_proj.weight"], x)
-        beta = K.sigmoid(K.bf16_matmul(lw["self_attn.b_proj.weight"], x))  # (T, H)
-        z = K.bf16_matmul(lw["self_attn.f_b_proj.weight"],
-                          K.bf16_matmul(lw["self_attn.f_a_proj.weight"], x))  # (T, P)
-
-        def conv(u, j, w):                  # each sequence through its own history
-            return self._per_seq(segs, u, lambda s, u_s: K.short_conv(u_s, w,
-                                                                       s.state.kda_conv[L][j]))
-        q = conv(q_hat, 0, lw["self_attn.q_conv1d.weight"])
-        k = conv(k_hat, 1, lw["self_attn.k_conv1d.weight"])
-        v = conv(v_hat, 2, lw["self_attn.v_conv1d.weight"])
-        q = K.l2norm(q.reshape(T * H, D), L2NORM_EPS).reshape(T, H, D)
-        k = K.l2norm(k.reshape(T * H, D), L2NORM_EPS).reshape(T, H, D)
-        v = v.reshape(T, H, D)
-        alpha = K.kda_decay(z, lw["self_attn.A_log"][:H], lw["self_attn.dt_bias"],
-                            cfg.gate_lower_bound).reshape(T, H, D)
-        o = self._per_seq(segs, q, lambda s, q_s: K.kda_recurrence(   # each S updated
-            q_s, k[s.r0:s.r1], v[s.r0:s.r1], alpha[s.r0:s.r1], beta[s.r0:s.r1], D ** -0.5,
-            s.state.kda_S[L]))
-        o = K.rmsnorm(o.reshape(T * H, D), lw["self_attn.o_norm.weight"], cfg.rms_norm_eps)
-        gate = K.sigmoid(K.bf16_matmul(lw["self_attn.g_proj.weight"], x))
-        return K.bf16_matmul(lw["self_attn.o_proj.weight"], o.reshape(T, H * D) * gate)
-
-    # ---- gated MLA, latent form (model.md §5.6) --------------------------------------
-    def _mla(self, L, lw, x, segs):
-        cfg = self.cfg
-        T = x.shape[0]
-        H, nope, rope, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
-                            cfg.qk_rope_head_dim, cfg.kv_lora_rank)
-        cq = K.rmsnorm(K.bf16_matmul(lw["self_attn.q_a_proj.weight"], x),
-                       lw["self_attn.q_a_layernorm.weight"], MLA_LATENT_NORM_EPS)
-        q = K.bf16_matmul(lw["self_attn.q_b_proj.weight"], cq).reshape(T, H, nope + rope)
-        c = K.bf16_matmul(lw["self_attn.kv_a_proj_with_mqa.weight"], x)  # (T, r + rope)
-        latent = K.rmsnorm(np.ascontiguousarray(c[:, :r]), lw["self_attn.kv_a_layernorm.weight"],
-                           MLA_LATENT_NORM_EPS)
-
-        def attend(s, q_s):                 # one sequence: append to its cache, attend
-            p0, n = int(s.positions[0]), s.r1 - s.r0
-            s.state.mla_latent[L][p0:p0 + n] = latent[s.r0:s.r1]
-            s.state.mla_rope[L][p0:p0 + n] = c[s.r0:s.r1, r:]
-            return K.mla_attention(q_s[..., :nope], q_s[..., nope:], s.positions,
-                                   s.state.mla_latent[L], s.state.mla_rope[L],
-                                   lw["self_attn.kv_b_proj.weight"], (nope + rope) ** -0.5,
-                                   cfg.v_head_dim)                      # (n, H * v)
-        out = self._per_seq(segs, q, attend)
-        gate = K.sigmoid(K.bf16_matmul(lw["self_attn.g_proj.weight"], x))
-        return K.bf16_matmul(lw["self_attn.o_proj.weight"], out * gate)
-
-    # ---- MLPs (model.md §5.7, §5.8) --------------------------------------------------
-    def _situ(self, g, u):
-        return K.situ(g, u, self.cfg.activation_situ_beta, self.cfg.activation_situ_linear_beta)
-
-    def _dense(self, lw, x):
-        h = self._situ(K.bf16_matmul(lw["mlp.gate_proj.weight"], x),
-                       K.bf16_matmul(lw["mlp.up_proj.weight"], x))
-        return K.bf16_matmul(lw["mlp.down_proj.weight"], h)
-
     def _moe(self, L, lw, x, segs):
-        cfg = self.cfg
-        T = x.shape[0]
-        logits = K.bf16_matmul(lw["block_sparse_moe.gate.weight"], x)        # (T, N)
-        bias = lw["block_sparse_moe.gate.e_score_correction_bias"]
-        _require_finite(logits, L, "its routing scores")
-        _require_finite(bias, L, "its routing scores")
-        ids, w = K.route(logits, bias, cfg.num_experts_per_token, cfg.moe_renormalize,
-                         cfg.routed_scaling_factor)                          # (T, k)
+        """Route, report the routing, start fetching the routed experts, run the block."""
+        ids, w = route(self.cfg, lw, x, L)                                  # (T, k)
         if self.on_route is not None:
             for s in segs:
                 self.on_route(L, s.positions, ids[s.r0:s.r1], s.phase, s.tag)
-        # Expert reads start now and overlap the latent down-projection and the shared
-        # expert (pure compute); the routed loop then waits for them.
         flat = ids.reshape(-1)
         distinct = flat[np.sort(np.unique(flat, return_index=True)[1])]   # first-use order
         self.expert_union[L] += distinct.size
-        step = self.weights.max_batch                # a batch never exceeds the cache
-        pending = self.weights.experts_start(L, distinct[:step])
-        z = K.bf16_matmul(lw["block_sparse_moe.routed_expert_down_proj.weight"], x)  # (T, lat)
-        y_shared = None
-        if cfg.num_shared_experts > 0:
-            hs = self._situ(K.bf16_matmul(lw["block_sparse_moe.shared_experts.gate_proj.weight"], x),
-                            K.bf16_matmul(lw["block_sparse_moe.shared_experts.up_proj.weight"], x))
-            y_shared = K.bf16_matmul(lw["block_sparse_moe.shared_experts.down_proj.weight"], hs)
-        # Each distinct expert is fetched once for the whole block of tokens (every
-        # sequence of the pass) and applied to the tokens that chose it; outputs are kept
-        # per (token, slot) and summed in selection order, so the result is bit-identical
-        # to token-by-token evaluation.
-        outs = np.zeros((T, ids.shape[1], z.shape[1]), np.float32)
-        for b in range(0, distinct.size, step):
-            group = distinct[b:b + step]
-            if b > 0:
-                pending = self.weights.experts_start(L, group)
-            tensors = self.weights.experts_finish(pending)
-            for e in group:
-                tok, slot = np.nonzero(ids == e)
-                w1p, w1s, w2p, w2s, w3p, w3s = tensors[int(e)]
-                zs = np.ascontiguousarray(z[tok])
-                hmid = self._situ(K.mxfp4_matmul(w1p, w1s, zs), K.mxfp4_matmul(w3p, w3s, zs))
-                outs[tok, slot] = K.mxfp4_matmul(w2p, w2s, hmid)
-        u = K.weighted_sum(outs, w)                                         # (T, lat)
-        if cfg.latent_moe_use_norm:
-            u = K.rmsnorm(u, lw["block_sparse_moe.routed_expert_norm.weight"], cfg.rms_norm_eps)
-        y = K.bf16_matmul(lw["block_sparse_moe.routed_expert_up_proj.weight"], u)
-        return y if y_shared is None else y + y_shared
+        return latent_moe(self.cfg, lw, x, ids, w, self._expert_batches(L, distinct))
+
+    def _expert_batches(self, L, distinct):
+        """Start reading the first batch of ``distinct`` now (it overlaps the pure compute
+        ``latent_moe`` does first); the iterator finishes it, then reads the rest one
+        batch at a time. A batch never exceeds the provider's ``max_batch`` (the cache)."""
+        step = self.weights.max_batch
+        first = self.weights.experts_start(L, distinct[:step])
+
+        def batches():
+            pending = first
+            for b in range(0, distinct.size, step):
+                if b > 0:
+                    pending = self.weights.experts_start(L, distinct[b:b + step])
+                yield self.weights.experts_finish(pending)
+        return batches()

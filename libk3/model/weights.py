@@ -1,18 +1,13 @@
 """Weight providers: where the forward pass gets its tensors from.
 
-Owns: the provider interface the forward pass is written against, and the simplest
-provider, ``ResidentWeights``, which reads every tensor once from a checkpoint into RAM.
-Does not own: streaming, pinning or caching (``libk3.stream``), which implement the same
-interface so the math never changes with the budget.
+Owns: ``ResidentWeights``, which reads every tensor once from a checkpoint into RAM, and
+``StreamedWeights``, which puts the model-level tensors in RAM and delegates the trunk
+and the routed experts to ``libk3.stream``; both satisfy ``provider.WeightProvider``, so
+the math never changes with the budget. Does not own: streaming, pinning or caching
+(``libk3.stream``), the interface itself (``libk3.model.provider``).
 
-Interface: ``model()`` -> dict(lm_head: a matrix [V, E]; norm, output_attn_res_norm,
-output_attn_res_proj: float32); ``embed(ids)`` -> [T, E] float32 rows (the streamed
-provider reads just those rows: 14 KB each instead of a resident 2.35 GB table);
-``layer(L)`` -> mapping suffix -> array; ``release(L)`` when the forward is done with
-layer L; ``experts(L, ids)`` -> {id: (w1_packed, w1_scale, w2_packed, w2_scale, w3_packed,
-w3_scale)} uint8 arrays. A matrix is in its stored dtype, as ``io.dtypes.matrix_operand``
-gives it (BF16 as uint16 bits widened on the fly by the kernels, F32 as float32, F16
-widened to float32); vectors are float32. Every float dtype is computed exactly.
+``embed`` of the streamed provider reads just the rows asked for (14 KB each on K3
+instead of a resident 2.35 GB table).
 """
 
 from __future__ import annotations
@@ -100,14 +95,12 @@ class ResidentWeights:
     def max_batch(self) -> int:
         return self.cfg.num_experts
 
-    def experts(self, L: int, ids) -> dict:
-        return {int(e): self._experts[(L, int(e))] for e in ids}
-
     def experts_start(self, L: int, ids):
         return (L, ids)
 
     def experts_finish(self, handle) -> dict:
-        return self.experts(*handle)
+        L, ids = handle
+        return {int(e): self._experts[(L, int(e))] for e in ids}
 
 
 class StreamedWeights:
@@ -151,9 +144,6 @@ class StreamedWeights:
     @property
     def max_batch(self) -> int:
         return self.cache.max_batch
-
-    def experts(self, L: int, ids) -> dict:
-        return self.cache.fetch(L, ids)
 
     def experts_start(self, L: int, ids):
         return self.cache.start(L, ids)
