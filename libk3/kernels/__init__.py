@@ -12,7 +12,7 @@ formats/numerics.md (model.md §7):
 * ``mla``         absorbed MLA attention over the latent cache.
 * ``router``      sigmoid top-k router with selection-only bias.
 * ``attnres``     the AttnRes aggregator.
-* ``moe``         SiTU-GLU MLPs (dense and MXFP4) and the routed combine.
+* ``moe``         the routed combine (selection order).
 * ``_dot``/``_simd`` the fixed-order f64 dot product and the vector primitives under it.
 
 Numba caches each kernel per source file and does not track imports: after editing

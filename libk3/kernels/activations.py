@@ -1,7 +1,7 @@
 """Elementwise activations in float32 with libm semantics (model.md §5.0, §7.3).
 
-Owns: ``sigmoid``/``silu`` as scalar device functions and as array kernels, ``situ``
-(the SiTU-GLU product), ``gate_mul`` (o * sigmoid(gate), the KDA and MLA output gates).
+Owns: ``sigmoid``/``silu`` as scalar device functions, ``sigmoid`` and ``situ`` (the
+SiTU-GLU product) as array kernels, ``softmax_f32``.
 Does not own: where the betas come from (config ``situ_beta``, ``situ_linear_beta``).
 
 WHY scalar ``math.exp``/``math.tanh`` on float32 inside numba: they call the C library's
@@ -59,15 +59,6 @@ def sigmoid(x, out):
 
 
 @njit(cache=True, parallel=True)
-def silu(x, out):
-    """out[i] = silu1(x[i]); x, out: [n] float32 (out may be x)."""
-    if out.shape[0] != x.shape[0]:
-        raise ValueError("silu: x and out must have the same length")
-    for i in prange(x.shape[0]):
-        out[i] = silu1(x[i])
-
-
-@njit(cache=True, parallel=True)
 def situ(gate, up, beta1, beta2, out):
     """out[i] = situ1(gate[i], up[i], f32(beta1), f32(beta2)).
 
@@ -80,17 +71,6 @@ def situ(gate, up, beta1, beta2, out):
     b2 = np.float32(beta2)
     for i in prange(n):
         out[i] = situ1(gate[i], up[i], b1, b2)
-
-
-@njit(cache=True, parallel=True)
-def gate_mul(o, gate, out):
-    """out[i] = o[i] * sigmoid1(gate[i]): the output gate of KDA (model.md §5.5 step 9) and MLA
-    (5.6 step 6). o, gate, out: [n] float32. Must not become: a norm after the gate."""
-    n = o.shape[0]
-    if gate.shape[0] != n or out.shape[0] != n:
-        raise ValueError("gate_mul: o, gate and out must have the same length")
-    for i in prange(n):
-        out[i] = o[i] * sigmoid1(gate[i])
 
 
 @njit(cache=True, inline="always")

@@ -36,7 +36,7 @@ def _source(blocks, n_blocks, prefix, s, t):
 
 @njit(cache=True, parallel=True)
 def attnres(blocks, n_blocks, prefix, f, eps, out):
-    """out[t] = sum_s softmax_s(rmsnorm_nogain(v_s[t]) . f) * v_s[t].
+    """out[t] = sum_s softmax_s((v_s[t] / rms(v_s[t])) . f) * v_s[t].
 
     blocks: [>= n_blocks, T, E] float32, snapshots oldest first. n_blocks: int >= 0.
     prefix: [T, E] float32, the running partial sum (always the last source).

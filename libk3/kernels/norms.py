@@ -1,7 +1,8 @@
 """Row-wise RMSNorm and L2Norm (model.md §5.0, §7.2).
 
 Owns: ``rmsnorm`` (with gain: layer norms, final norm, KDA ``o_norm``, MLA latent norms,
-``routed_expert_norm``), ``rmsnorm_nogain`` (AttnRes-style keys), ``l2norm`` (KDA q, k).
+``routed_expert_norm``), ``l2norm`` (KDA q, k). The AttnRes key norm (no gain) is
+inlined in ``attnres.py``.
 All work on a 2-D [rows, n] float32 array; a per-head norm is the same call on the
 [T * H, D] view of a [T, H * D] array. Does not own: which eps a norm uses (the caller
 passes ``rms_norm_eps``, ``MLA_LATENT_NORM_EPS`` or ``L2NORM_EPS`` from ``libk3.config``).
@@ -43,19 +44,6 @@ def rmsnorm(x, w, eps, out):
         inv = np.float32(1.0 / math.sqrt(_sumsq(x[r]) / n + eps))
         for i in range(n):
             out[r, i] = (w[i] * x[r, i]) * inv
-
-
-@njit(cache=True, parallel=True)
-def rmsnorm_nogain(x, eps, out):
-    """out[r, i] = x[r, i] * f32(1 / sqrt(mean_i x[r, i]^2 + eps)): RMSNorm without a gain
-    (the AttnRes key of model.md §5.2 step 1). Shapes as ``rmsnorm``."""
-    rows, n = x.shape
-    if out.shape[0] != rows or out.shape[1] != n:
-        raise ValueError("rmsnorm_nogain: x, out are [rows, n]")
-    for r in prange(rows):
-        inv = np.float32(1.0 / math.sqrt(_sumsq(x[r]) / n + eps))
-        for i in range(n):
-            out[r, i] = x[r, i] * inv
 
 
 @njit(cache=True, parallel=True)
