@@ -220,7 +220,7 @@ def _moe(cfg, d):
     experts = {e: tuple(d[f"experts_{e}_{w}_weight"] for w in ("w1", "w3", "w2"))
                for e in range(d["n_experts"])}
     x = d["in"][0]
-    ids, w = F.route(cfg, lw, x)
+    ids, w = F.route(cfg, lw, x, 0)
     return F.latent_moe(cfg, lw, x, ids, w, [experts],
                         expert_mlp=lambda cfg, t, z: F.situ_mlp(cfg, *t, z))
 

@@ -160,9 +160,9 @@ def mxfp4_expert(cfg: K3Config, tensors, z: np.ndarray) -> np.ndarray:
     return K.mxfp4_matmul(w2p, w2s, h)
 
 
-def route(cfg: K3Config, lw, x: np.ndarray, L=None):
+def route(cfg: K3Config, lw, x: np.ndarray, L: int):
     """Router (model.md §5.8 steps 1-3) of the full-width x (T, E) -> (ids, weights), both
-    (T, k) in selection order. Refuses NaN/Inf scores (``L`` names the layer)."""
+    (T, k) in selection order. Refuses NaN/Inf scores, naming layer ``L``."""
     logits = K.bf16_matmul(lw["block_sparse_moe.gate.weight"], x)        # (T, N)
     bias = lw["block_sparse_moe.gate.e_score_correction_bias"]
     _require_finite(logits, L, "its routing scores")
