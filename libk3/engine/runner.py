@@ -88,7 +88,7 @@ def batch_options(batch, batch_width, shard, spec, serve=False) -> tuple:
 def resolve_run_budget(opts: RunOptions, ckpt):
     """Budget from presets/flags (argv order; ``auto`` sets aside a fixed --batch-width's
     state), refused before loading when it cannot work; then the batch width
-    (``presets.batch_width``). Returns (budget or None when resident, width, reasons)."""
+    (``budget.batch_width``). Returns (budget or None when resident, width, reasons)."""
     from ..doctor.probe import probe_memory
     from ..budget import Budget, ModelSizes, admission_problems, batch_width, resolve_budget
 

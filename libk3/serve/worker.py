@@ -7,7 +7,7 @@ frees its lane), starting a lane from a kept state and offering states back (reu
 earlier turns), handing each lane's tokens back to the event loop as they are sampled,
 and the counters ``/health`` reports. Does not own: HTTP (``app``), the wire format
 (``protocol``), the scheduler and its same-tokens-as-alone rule
-(``libk3.engine.lockstep``), or the width (``libk3.presets.batch_width``, through
+(``libk3.engine.lockstep``), or the width (``libk3.budget.batch_width``, through
 ``Run.width``).
 
 Why one thread: the model's weights, caches and scratch buffers belong to one pass at a
@@ -24,6 +24,7 @@ import threading
 import time
 
 from ..engine import lockstep
+from ..engine.defaults import PREFILL_CHUNK
 from ..errors import K3Error
 
 _RUN_FIGURES = ("cache_hit_rate", "expert_requests", "trunk_bytes_read", "expert_bytes_read",
@@ -58,7 +59,8 @@ class Worker:
     """Decodes submitted jobs, up to ``width`` at once, on its own thread; ``log(line)``
     gets one line per finished request (tokens, s/token, cache hits: ``Run.report``)."""
 
-    def __init__(self, run, width: int = 1, log=None, turns=None, chunk: int = 64):
+    def __init__(self, run, width: int = 1, log=None, turns=None,
+                 chunk: int = PREFILL_CHUNK):
         self.run, self.width, self.log = run, width, log
         self.turns = turns              # a TurnCache (reuse of earlier turns), or None
         self.queue: queue.Queue = queue.Queue()
