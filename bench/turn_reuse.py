@@ -48,9 +48,12 @@ def chat(url, messages, max_tokens):
         return json.loads(r.read())
 
 
-def prefill_seconds(log: Path) -> float:
-    """Prefill seconds of the last request in a server log."""
-    return float(re.findall(r"prefill ([0-9.]+) s", log.read_text())[-1])
+def prefill_seconds(log: Path, requests: int) -> float:
+    """Prefill seconds of the last request in a server log that must hold ``requests``
+    request lines (the server logs a request before answering it)."""
+    found = re.findall(r"^request: .*prefill ([0-9.]+) s", log.read_text(), re.M)
+    assert len(found) == requests, f"{log}: {len(found)} request lines, not {requests}"
+    return float(found[-1])
 
 
 def serve_two_turns(model, reuse_gb, tmp: Path, system: str, run_args, reply=None):
@@ -62,10 +65,12 @@ def serve_two_turns(model, reuse_gb, tmp: Path, system: str, run_args, reply=Non
         chat(url, [{"role": "user", "content": "Hi"}], 1)
         turn1 = [{"role": "system", "content": system},
                  {"role": "user", "content": "What is the capital of France?"}]
+        requests = 2
         if reply is None:
             reply = chat(url, turn1, 8)["choices"][0]["message"]
+            requests += 1
         r2 = chat(url, turn1 + [reply, {"role": "user", "content": "And of Italy?"}], 8)
-        return r2, prefill_seconds(log), reply
+        return r2, prefill_seconds(log, requests), reply
     finally:
         proc.terminate()
         proc.wait(timeout=300)

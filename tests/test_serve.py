@@ -123,6 +123,20 @@ def test_serve_turn_two_resumes_turn_one_with_fresh_results(server, tiny_dir):
     assert _health(server)["turn_reuse"]["hits"] >= 1
 
 
+def test_serve_logs_each_request_before_answering_it(server):
+    """Catches a response sent before its request's log line and /health figures are
+    written (a client, or bench/turn_reuse.py, then read the previous request's line):
+    right after each answer the log holds one more request line and /health counts it."""
+    c = _client(server)
+    for i in range(5):
+        lines = server["log"].read_text().count("request: ")
+        served = _health(server)["served"]
+        c.chat.completions.create(model="tiny", max_tokens=1,
+                                  messages=[{"role": "user", "content": f"count {i}"}])
+        assert server["log"].read_text().count("request: ") == lines + 1
+        assert _health(server)["served"] == served + 1
+
+
 def test_serve_stream_sends_the_same_reply_as_whole(server):
     """Catches streamed deltas that lose, repeat or reorder text, or no finish chunk."""
     c = _client(server)

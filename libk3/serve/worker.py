@@ -159,7 +159,6 @@ class Worker:
             self.turns.offer(lj.state)               # the conversation with this reply
         self.counts["served"] += 1
         self.counts["generated_tokens"] += len(res.generated_ids)
-        job._send(("done", res))
         rep = self.run.report(res)
         self.last = {k: rep[k] for k in _RUN_FIGURES}
         if self.log:
@@ -167,6 +166,8 @@ class Worker:
             rep["startup_seconds"] = None          # said once, when the server started
             self.log(f"request: {len(res.prompt_ids)} prompt tokens ({job.reused} reused), "
                      f"{len(self.jobs) + 1} in flight; {short_text(rep)}")
+        # last: a client holding its response finds its log line and /health figures
+        job._send(("done", res))
 
     def _cancelled(self, job: Job) -> None:
         self.counts["cancelled"] += 1
