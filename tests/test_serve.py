@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import re
 import signal
 import socket
@@ -19,7 +20,9 @@ import pytest
 pytest.importorskip("aiohttp")
 openai = pytest.importorskip("openai")
 
+from libk3.budget import ModelSizes, minimum_budget, peak_bytes  # noqa: E402
 from libk3.engine.chat_template import load_chat_template  # noqa: E402
+from libk3.io.checkpoint import Checkpoint  # noqa: E402
 from libk3.io.tokenizer import K3Tokenizer  # noqa: E402
 from tests.test_run_cli import k3  # noqa: E402
 
@@ -27,13 +30,12 @@ KEY = "test-key-k3"
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_dir, tmp_path_factory):
-    """A live server (with an API key) and its base URL; stopped by SIGTERM at the end."""
-    log = tmp_path_factory.mktemp("serve") / "stderr.log"
+def _start(model, log, *args) -> dict:
+    """A live server (with an API key) started with ``args``: its base URL, port, log
+    and process, once it listens."""
     with open(log, "w") as err:
-        proc = subprocess.Popen(["k3-run", str(tiny_dir), "--serve", "127.0.0.1:0",
-                                 "--api-key", KEY, "--gen", "3"], stderr=err,
+        proc = subprocess.Popen(["k3-run", str(model), "--serve", "127.0.0.1:0",
+                                 "--api-key", KEY, *map(str, args)], stderr=err,
                                 stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     port = None
@@ -41,9 +43,20 @@ def server(tiny_dir, tmp_path_factory):
         m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", log.read_text())
         port = int(m.group(1)) if m else time.sleep(0.2)
     assert port is not None, log.read_text()
-    yield {"url": f"http://127.0.0.1:{port}", "port": port, "log": log, "proc": proc}
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0, log.read_text()
+    return {"url": f"http://127.0.0.1:{port}", "port": port, "log": log, "proc": proc}
+
+
+def _stop(server) -> None:
+    server["proc"].send_signal(signal.SIGTERM)
+    assert server["proc"].wait(timeout=120) == 0, server["log"].read_text()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    """A live server and its base URL; stopped by SIGTERM at the end."""
+    srv = _start(tiny_dir, tmp_path_factory.mktemp("serve") / "stderr.log", "--gen", 3)
+    yield srv
+    _stop(srv)
 
 
 def _client(server, key=KEY):
@@ -110,6 +123,20 @@ def test_serve_turn_two_resumes_turn_one_with_fresh_results(server, tiny_dir):
     assert _health(server)["turn_reuse"]["hits"] >= 1
 
 
+def test_serve_logs_each_request_before_answering_it(server):
+    """Catches a response sent before its request's log line and /health figures are
+    written (a client, or bench/turn_reuse.py, then read the previous request's line):
+    right after each answer the log holds one more request line and /health counts it."""
+    c = _client(server)
+    for i in range(5):
+        lines = server["log"].read_text().count("request: ")
+        served = _health(server)["served"]
+        c.chat.completions.create(model="tiny", max_tokens=1,
+                                  messages=[{"role": "user", "content": f"count {i}"}])
+        assert server["log"].read_text().count("request: ") == lines + 1
+        assert _health(server)["served"] == served + 1
+
+
 def test_serve_stream_sends_the_same_reply_as_whole(server):
     """Catches streamed deltas that lose, repeat or reorder text, or no finish chunk."""
     c = _client(server)
@@ -152,38 +179,88 @@ def test_serve_completions_and_models(server):
     assert [m.id for m in c.models.list().data] == ["tiny"]
 
 
-def test_serve_20_concurrent_requests_answer_as_alone(server):
-    """Catches requests that share state or interleave tokens: 20 at once, each gets
-    the ids the same request gets alone."""
+def test_serve_20_concurrent_requests_answer_as_alone_in_lockstep(server):
+    """Catches requests that share state or interleave tokens, sampling that depends on
+    the neighbours, or a server that still decodes one request at a time: 20 at once
+    (greedy and seeded sampling), each gets the ids the same request gets alone, in
+    fewer passes than the tokens they generate."""
     c = _client(server)
     convos = [[{"role": "user", "content": f"question {i}"}] for i in range(4)]
-    alone = [c.chat.completions.create(model="tiny", messages=m, max_tokens=2)
-             .model_extra["k3"]["generated_ids"] for m in convos]
+    sampling = [{}, {"temperature": 0.9, "seed": 7}, {"temperature": 1.3, "top_p": 0.8,
+                                                      "seed": 2 ** 63}, {"seed": 5}]
+
+    def ask(i):
+        return c.chat.completions.create(model="tiny", messages=convos[i % 4], max_tokens=2,
+                                         **sampling[i % 4]).model_extra["k3"]["generated_ids"]
+    alone = [ask(i) for i in range(4)]
+    before = _health(server)["engine"]
     with concurrent.futures.ThreadPoolExecutor(20) as pool:
-        futs = [pool.submit(c.chat.completions.create, model="tiny", messages=convos[i % 4],
-                            max_tokens=2) for i in range(20)]
-        got = [f.result().model_extra["k3"]["generated_ids"] for f in futs]
+        got = list(pool.map(ask, range(20)))
+    after = _health(server)["engine"]
     assert got == [alone[i % 4] for i in range(20)]
+    passes = after["passes"] - before["passes"]
+    generated = after["generated_tokens"] - before["generated_tokens"]
+    assert generated == sum(len(g) for g in got) and passes < generated, (passes, generated)
+    assert after["max_in_flight"] > 1 and after["width"] >= after["max_in_flight"]
+
+
+def _stream_until_tokens(server, body: dict, n: int) -> socket.socket:
+    """A raw streamed request, read until ``n`` chunks arrived; the open socket."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", server["port"]), timeout=60)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+              b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    got = s.recv(4096)
+    assert got.startswith(b"HTTP/1.1 200")
+    while got.count(b"data:") < n:
+        got += s.recv(4096)
+    return s
+
+
+def _wait_for(server, test, what: str):
+    deadline = time.monotonic() + 120
+    while not test(_health(server)):
+        assert time.monotonic() < deadline, f"waited 120 s for {what}: {_health(server)}"
+        time.sleep(0.05)
 
 
 def test_serve_killed_client_cancels_its_generation(server):
     """Catches a generation that runs on after its client is gone, holding the engine."""
     before = _health(server)["cancelled"]
-    body = json.dumps({"model": "tiny", "messages": MSGS, "max_tokens": 100000,
-                       "stream": True}).encode()
-    s = socket.create_connection(("127.0.0.1", server["port"]), timeout=60)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-              b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Type: application/json\r\n"
-              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    s = _stream_until_tokens(server, {"model": "tiny", "messages": MSGS, "max_tokens": 100000,
+                                      "stream": True}, 1)
     s.close()
-    deadline = time.monotonic() + 120
-    while _health(server)["cancelled"] == before and time.monotonic() < deadline:
-        time.sleep(0.2)
+    _wait_for(server, lambda h: h["cancelled"] > before, "the cancel")
     h = _health(server)
     assert h["cancelled"] == before + 1 and not h["busy"]
     r = _client(server).chat.completions.create(model="tiny", messages=MSGS, max_tokens=1)
     assert r.usage.completion_tokens == 1                                      # still serving
+
+
+def test_serve_killed_client_mid_lockstep_leaves_the_others_unchanged(server):
+    """Catches a cancelled lane that takes its neighbours down, shifts their states or
+    tokens, or keeps its lane: three completions decoding in lockstep beside a stream
+    whose client is killed give the ids they give alone."""
+    c = _client(server)
+
+    def ask(i):
+        return c.completions.create(model="tiny", prompt=[5 + i, 6, 7], max_tokens=12,
+                                    temperature=0.7 * i, seed=i).model_extra["k3"]["generated_ids"]
+    alone = [ask(i) for i in range(3)]
+    before = _health(server)
+    s = _stream_until_tokens(server, {"model": "tiny", "messages": MSGS, "max_tokens": 100000,
+                                      "stream": True}, 3)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futs = [pool.submit(ask, i) for i in range(3)]
+        _wait_for(server, lambda h: h["engine"]["in_flight"] >= 2, "a second lane")
+        s.close()
+        got = [f.result() for f in futs]
+    _wait_for(server, lambda h: h["cancelled"] > before["cancelled"], "the cancel")
+    h = _health(server)
+    assert got == alone and [len(g) for g in got] == [12] * 3
+    assert h["cancelled"] == before["cancelled"] + 1 and h["served"] == before["served"] + 3
+    assert not h["busy"] and h["engine"]["in_flight"] == 0
 
 
 MALFORMED = [
@@ -268,3 +345,69 @@ def test_serve_refuses_a_public_address_without_api_key(tiny_dir):
     assert p.returncode == 2 and "PORT 0..65535" in p.stderr
     p = k3(tiny_dir, "--ids", "1", "--api-key", "k")
     assert p.returncode == 2 and "--api-key goes with --serve" in p.stderr
+
+
+def _vm_hwm(pid: int) -> int:
+    """Peak RSS of a live process (VmHWM), bytes."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
+def test_serve_floor_budget_answers_as_resident_within_its_memory(tiny_dir, tmp_path):
+    """Catches --trunk-gb/--cache-gb ignored by --serve, or a budget that changes what
+    concurrent requests get: a server at the floor budget answers with the ids a resident
+    one gives, streams (trunk read every pass, experts through the cache), logs tokens,
+    s/token and cache hits, and peaks within trunk + cache + fixed overhead + its width's
+    sequence states."""
+    with Checkpoint.open(tiny_dir) as ckpt:
+        sizes = ModelSizes.from_checkpoint(ckpt)
+    floor = minimum_budget(sizes)
+    gb = lambda b: f"{b / 1e9:.9f}"  # noqa: E731
+    width = 4
+    budgets = {"resident": ("--resident",),
+               "floor": ("--trunk-gb", gb(floor.trunk_bytes), "--cache-gb", gb(floor.cache_bytes),
+                         "--reuse-gb", 0)}
+    asks = [({"role": "user", "content": f"tell me about {w}"}, kw) for w, kw in [
+        ("rivers", {}), ("bread", {"temperature": 0.8, "seed": 3}), ("tides", {"seed": 1}),
+        ("owls", {"temperature": 1.1, "top_p": 0.9, "seed": 9}), ("salt", {"max_tokens": 2})]]
+    warm = k3(tiny_dir, "--ids", "1", "--gen", 1, *budgets["floor"][:4])
+    assert warm.returncode == 0, warm.stderr        # kernels compiled outside the measured peak
+    got, figures = {}, {}
+    for name, args in budgets.items():
+        srv = _start(tiny_dir, tmp_path / f"{name}.log", "--batch-width", width, *args)
+        try:
+            c = _client(srv)
+            with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+                got[name] = list(pool.map(lambda a: c.chat.completions.create(
+                    model="tiny", messages=[a[0]], **{"max_tokens": 5, **a[1]})
+                    .model_extra["k3"]["generated_ids"], asks))
+            figures[name] = _health(srv)["engine"]
+            figures[name]["hwm"] = _vm_hwm(srv["proc"].pid)
+        finally:
+            _stop(srv)
+    assert got["floor"] == got["resident"] and all(got["floor"])
+    fl = figures["floor"]
+    assert fl["width"] == width and fl["max_in_flight"] > 1
+    assert fl["trunk_bytes_read"] >= fl["passes"] * sizes.trunk_bytes
+    assert fl["cache_hit_rate"] is not None and figures["resident"]["cache_hit_rate"] is None
+    assert fl["seconds_per_token"] > 0
+    log = (tmp_path / "floor.log").read_text()
+    assert len(re.findall(r"request: .*\d+ tokens, [0-9.]+ s/token .*cache hit [0-9.]+%", log)) \
+        == len(asks), log
+    assert fl["hwm"] <= peak_bytes(floor, sizes, width=width), (fl["hwm"], width)
+
+
+def test_serve_refuses_an_infeasible_budget_before_listening(tiny_dir):
+    """Catches a server that listens (or dies with a traceback) when its budget cannot
+    work: below the floor, or a width whose states do not fit; exit 4, one line."""
+    for args in (("--trunk-gb", "0.000001", "--cache-gb", "0.000001"),
+                 ("--trunk-gb", "0.01", "--cache-gb", "0.01", "--batch-width", 10 ** 6)):
+        p = k3(tiny_dir, "--serve", "127.0.0.1:0", *args)
+        assert p.returncode == 4, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+        assert "serving" not in p.stderr
+    p = k3(tiny_dir, "--serve", "127.0.0.1:0", "--spec", 2)
+    assert p.returncode == 2 and "--spec decodes one prompt" in p.stderr
+    p = k3(tiny_dir, "--ids", "1", "--batch-width", 2)           # control: not a serve
+    assert p.returncode == 2 and "--batch-width also with --serve" in p.stderr

@@ -38,11 +38,13 @@ from .sampler import Sampler
 @dataclasses.dataclass
 class Job:
     """One prompt of a batch. ``tag`` is the caller's handle, passed back with the result
-    (and to trace records as the sequence's tag)."""
+    (and to trace records as the sequence's tag). ``state``: the State to continue (it
+    already holds what came before ``prompt_ids``: an earlier turn), else a new one."""
 
     tag: object
     prompt_ids: list
     settings: GenSettings
+    state: object = None
 
 
 class _Lane:
@@ -155,8 +157,16 @@ class Lockstep:
     def submit(self, job: Job) -> None:
         while len(self.lanes) >= self.width:
             self.step()
-        n = len(job.prompt_ids) + job.settings.gen
-        self.lanes.append(_Lane(job, self.new_state(n), time.perf_counter(), self.keep_logits))
+        state = job.state if job.state is not None else \
+            self.new_state(len(job.prompt_ids) + job.settings.gen)
+        self.lanes.append(_Lane(job, state, time.perf_counter(), self.keep_logits))
+
+    def leave(self, which) -> list:
+        """Drop at once the lanes whose Job ``which(job)`` picks (a request whose client
+        went away); their Jobs. The others' tokens do not change (module docstring)."""
+        gone = [lane.job for lane in self.lanes if which(lane.job)]
+        self.lanes = [lane for lane in self.lanes if not which(lane.job)]
+        return gone
 
     def drain(self) -> None:
         while self.lanes:

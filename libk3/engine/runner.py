@@ -41,7 +41,7 @@ class RunOptions:
     trace_path: str | None = None
     memory_override: int | None = None
     verify_reads: str = "first"
-    batch_width: int | str | None = None   # a batch's lockstep width: N, "auto"; None: no batch
+    batch_width: int | str | None = None   # lockstep width (batch, serve): N, "auto"; None: 1
 
 
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
@@ -51,15 +51,20 @@ def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
                        prefill_chunk=prefill_chunk, spec=spec)
 
 
-def batch_options(batch, batch_width, shard, spec) -> tuple:
-    """(width for RunOptions.batch_width, (K, N) or None) from --batch-width and --shard,
-    which only go with --batch. --spec decodes one prompt at a time: auto becomes 1, an
-    explicit width above 1 is refused (usage error)."""
+def batch_options(batch, batch_width, shard, spec, serve=False) -> tuple:
+    """(width for RunOptions.batch_width, (K, N) or None) from --batch-width (with
+    --batch or --serve) and --shard (with --batch). --spec decodes one prompt at a time:
+    with --batch auto becomes 1 and an explicit width above 1 is refused (usage error);
+    --serve always decodes in lockstep, so it refuses --spec."""
     from .batch import parse_shard
-    if not batch:
-        if batch_width is not None or shard is not None:
-            raise UsageError("--batch-width and --shard go with --batch")
+    if not batch and (shard is not None or (batch_width is not None and not serve)):
+        raise UsageError("--batch-width and --shard go with --batch (--batch-width also "
+                         "with --serve)")
+    if not batch and not serve:
         return None, None
+    if serve and spec:
+        raise UsageError("--spec decodes one prompt at a time; --serve decodes its requests "
+                         "in lockstep", hint="drop --spec")
     width = "auto" if batch_width in (None, "auto") else batch_width
     if width != "auto":
         try:
@@ -83,7 +88,7 @@ def batch_options(batch, batch_width, shard, spec) -> tuple:
 def resolve_run_budget(opts: RunOptions, ckpt):
     """Budget from presets/flags (argv order; ``auto`` sets aside a fixed --batch-width's
     state), refused before loading when it cannot work; then the batch width
-    (``presets.batch_width``). Returns (budget or None when resident, width, reasons)."""
+    (``budget.batch_width``). Returns (budget or None when resident, width, reasons)."""
     from ..doctor.probe import probe_memory
     from ..budget import Budget, ModelSizes, admission_problems, batch_width, resolve_budget
 

@@ -135,7 +135,7 @@ class Server:
         turns = self.worker.turns.summary() if self.worker.turns else None
         return web.json_response({"status": "ok", "queued": self.worker.queued(),
                                   "busy": self.worker.busy, **self.worker.counts,
-                                  "turn_reuse": turns})
+                                  "engine": self.worker.figures(), "turn_reuse": turns})
 
     async def chat(self, request):
         req = check_request(parse_body(await request.read()), True, self.run.cfg.vocab_size)
@@ -272,7 +272,7 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
     from ..engine.turn_cache import TurnCache
     turns = TurnCache(run.cfg, reuse_ram_bytes, reuse_disk_bytes) \
         if reuse_ram_bytes or reuse_disk_bytes else None
-    worker = Worker(run, log, turns)
+    worker = Worker(run, run.width, log, turns, chunk=base_settings.prefill_chunk)
     server = Server(run, worker, base_settings, api_key=api_key, log=log,
                     model_name=os.path.basename(os.path.normpath(str(run.opts.model))))
 
@@ -287,7 +287,8 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
         bound = runner.addresses[0][1] if runner.addresses else port
         shown = f"[{host}]" if ":" in host else host
         log(f"k3 serving {server.model_name} on http://{shown}:{bound}/v1 "
-            "(chat/completions, completions, models; /health); Ctrl-C stops")
+            f"(chat/completions, completions, models; /health), up to {run.width} requests "
+            "decoded together; Ctrl-C stops")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,28 +1,34 @@
-"""The server's one engine: queued requests decoded on one thread through one ``Run``.
+"""The server's one engine: queued requests decoded together, in lockstep, on one thread.
 
-Owns: the request queue, the engine thread, handing each job's tokens back to the event
-loop as they are produced, cancelling a job whose client went away, and the counters
-``/health`` reports. Does not own: HTTP (``app``), the wire format (``protocol``) or
-generation itself (``libk3.engine.runner.run_one``).
+Owns: the request queue, the engine thread that keeps up to ``width`` requests in the
+lanes of one ``Lockstep`` (continuous batching: a request queued while others decode
+joins at the next pass; one that finishes, or whose client went away, leaves at once and
+frees its lane), starting a lane from a kept state and offering states back (reuse of
+earlier turns), handing each lane's tokens back to the event loop as they are sampled,
+and the counters ``/health`` reports. Does not own: HTTP (``app``), the wire format
+(``protocol``), the scheduler and its same-tokens-as-alone rule
+(``libk3.engine.lockstep``), or the width (``libk3.budget.batch_width``, through
+``Run.width``).
 
-Why one thread: the model's state, caches and scratch buffers belong to one forward at
-a time. The loop takes a *list* of jobs (``_take``) and hands it to ``_decode``, which
-today runs them one after another; a lockstep scheduler can take several and decode them
-together without changing the queue or the handlers.
+Why one thread: the model's weights, caches and scratch buffers belong to one pass at a
+time; the lanes' States are their own, so a pass serves every request in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import queue
 import threading
 import time
 
-from ..engine.runner import Abandoned, run_one
+from ..engine import lockstep
+from ..engine.defaults import PREFILL_CHUNK
 from ..errors import K3Error
 
-WIDTH = 1                 # jobs decoded together (lockstep batch decoding: later)
+_RUN_FIGURES = ("cache_hit_rate", "expert_requests", "trunk_bytes_read", "expert_bytes_read",
+                "peak_rss_bytes")
 
 
 @dataclasses.dataclass
@@ -36,26 +42,36 @@ class Job:
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     reused: int = 0               # prompt tokens resumed from a kept state, not prefilled
+    started: float = 0.0          # when it took a lane (time.monotonic)
+    generated: int = 0
 
     def cancel(self) -> None:
         self.cancelled.set()
 
     def _send(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:          # the server's loop is closed: nobody is waiting
+            pass
 
 
 class Worker:
-    """Decodes submitted jobs in arrival order on its own thread; ``log(line)`` gets one
-    line per finished request (tokens, s/token, cache hits: ``Run.report``)."""
+    """Decodes submitted jobs, up to ``width`` at once, on its own thread; ``log(line)``
+    gets one line per finished request (tokens, s/token, cache hits: ``Run.report``)."""
 
-    def __init__(self, run, log=None, turns=None):
-        self.run = run
-        self.log = log
+    def __init__(self, run, width: int = 1, log=None, turns=None,
+                 chunk: int = PREFILL_CHUNK):
+        self.run, self.width, self.log = run, width, log
         self.turns = turns              # a TurnCache (reuse of earlier turns), or None
         self.queue: queue.Queue = queue.Queue()
         self.counts = {"served": 0, "cancelled": 0, "failed": 0, "generated_tokens": 0}
-        self.busy = False
-        self.current = None             # the job being decoded
+        self.jobs: dict = {}            # lane tag -> Job, for the jobs holding a lane
+        self._tags = itertools.count()
+        self.last = dict.fromkeys(_RUN_FIGURES)     # Run.report's, at the last request
+        self.lockstep = lockstep.Lockstep(
+            run.session.forward, lambda n: run.session.new_state(), width, self._done,
+            chunk=chunk, tokenizer=run.session.tokenizer, on_token=self._token)
+        self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
 
@@ -65,80 +81,114 @@ class Worker:
     def queued(self) -> int:
         return self.queue.qsize()
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.jobs)
+
     def close(self) -> None:
-        """Cancel the job in hand and every queued one, then join the thread."""
-        if self.current is not None:
-            self.current.cancel()
+        """Cancel the jobs in flight and every queued one, then join the thread."""
+        self._closing.set()
+        self.queue.put(None)            # wakes the thread if it waits for work
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._closing.is_set():
+            self._admit(wait=not self.jobs)
+            for lj in self.lockstep.leave(lambda lj: self.jobs[lj.tag].cancelled.is_set()):
+                self._cancelled(self.jobs.pop(lj.tag))
+            if self.jobs:
+                self._step()
+        for lj in self.lockstep.leave(lambda lj: True):
+            self.jobs.pop(lj.tag)._send(("cancelled", None))
         while True:
             try:
                 job = self.queue.get_nowait()
             except queue.Empty:
-                break
-            if job is not None:
-                job.cancel()
-                job._send(("cancelled", None))
-        self.queue.put(None)
-        self._thread.join()
-
-    def _take(self, width: int) -> list:
-        """The next jobs: wait for one, then take up to ``width`` - 1 more already queued."""
-        jobs = [self.queue.get()]
-        while len(jobs) < width and jobs[-1] is not None:
-            try:
-                jobs.append(self.queue.get_nowait())
-            except queue.Empty:
-                break
-        return jobs
-
-    def _loop(self) -> None:
-        while True:
-            jobs = self._take(WIDTH)
-            live = [j for j in jobs if j is not None]
-            self._decode(live)
-            if len(live) < len(jobs):
                 return
+            if job is not None:
+                job._send(("cancelled", None))
 
-    def _decode(self, jobs: list) -> None:
-        for job in jobs:
-            self._run(job)
+    def _admit(self, wait: bool) -> None:
+        """Give each free lane a queued job (waiting for one when no lane is busy)."""
+        while len(self.jobs) < self.width and not self._closing.is_set():
+            try:
+                job = self.queue.get(block=wait)
+            except queue.Empty:
+                return
+            wait = False
+            if job is not None:
+                self._start(job)
 
-    def _run(self, job: Job) -> None:
+    def _start(self, job: Job) -> None:
         if job.cancelled.is_set():
-            self.counts["cancelled"] += 1
-            job._send(("cancelled", None))
+            self._cancelled(job)
             return
-        self.busy, self.current = True, job
-        started = time.monotonic()
+        job.started = time.monotonic()
         state, reused = self.turns.take(job.prompt_ids) if self.turns else (None, 0)
-        state = state if state is not None else self.run.session.new_state()
         job.reused = reused
+        tag = next(self._tags)
         try:
-            res = run_one(self.run, job.prompt_ids[reused:], job.settings, on_token=job._send,
-                          should_stop=job.cancelled.is_set, state=state,
-                          after_prefill=self.turns.offer if self.turns else None)
-        except Abandoned:
-            self.counts["cancelled"] += 1
-            job._send(("cancelled", None))
-            if self.log:
-                self.log(f"request cancelled by its client after {time.monotonic() - started:.2f} s")
-            return
+            self.lockstep.submit(lockstep.Job(
+                tag, job.prompt_ids[reused:], job.settings,
+                state if state is not None else self.run.session.new_state()))
         except Exception as e:            # a bad request must not stop the server
-            self.counts["failed"] += 1
-            job._send(("error", e))
-            if self.log:
-                self.log(f"request failed: {e.one_line() if isinstance(e, K3Error) else repr(e)}")
+            self._failed(job, e)
             return
-        finally:
-            self.busy, self.current = False, None
+        self.jobs[tag] = job
+
+    def _step(self) -> None:
+        try:
+            self.lockstep.step()
+        except Exception as e:            # the pass failed for every lane in it
+            self.lockstep.leave(lambda lj: True)
+            jobs, self.jobs = list(self.jobs.values()), {}
+            for job in jobs:
+                self._failed(job, e)
+
+    def _token(self, lj, tok) -> None:
+        job = self.jobs[lj.tag]
+        if job.generated == 0 and self.turns:
+            self.turns.offer(lj.state)    # the prompt is in: keep it for a later request
+        job.generated += 1
+        job._send(tok)
+
+    def _done(self, lj, res) -> None:
+        job = self.jobs.pop(lj.tag)
         res.prompt_ids = list(job.prompt_ids)        # what the client sent, reused or not
         if self.turns:
-            self.turns.offer(state)                  # the conversation with this reply
+            self.turns.offer(lj.state)               # the conversation with this reply
         self.counts["served"] += 1
         self.counts["generated_tokens"] += len(res.generated_ids)
-        job._send(("done", res))
+        rep = self.run.report(res)
+        self.last = {k: rep[k] for k in _RUN_FIGURES}
         if self.log:
             from ..engine.report import short_text
-            rep = self.run.report(res)
             rep["startup_seconds"] = None          # said once, when the server started
-            self.log(f"request: {len(res.prompt_ids)} prompt tokens ({reused} reused); "
-                     f"{short_text(rep)}")
+            self.log(f"request: {len(res.prompt_ids)} prompt tokens ({job.reused} reused), "
+                     f"{len(self.jobs) + 1} in flight; {short_text(rep)}")
+        # last: a client holding its response finds its log line and /health figures
+        job._send(("done", res))
+
+    def _cancelled(self, job: Job) -> None:
+        self.counts["cancelled"] += 1
+        job._send(("cancelled", None))
+        if self.log and job.started:
+            self.log(f"request cancelled by its client after "
+                     f"{time.monotonic() - job.started:.2f} s")
+
+    def _failed(self, job: Job, e: Exception) -> None:
+        self.counts["failed"] += 1
+        job._send(("error", e))
+        if self.log:
+            self.log(f"request failed: {e.one_line() if isinstance(e, K3Error) else repr(e)}")
+
+    def figures(self) -> dict:
+        """What ``/health`` reports of the engine: the lockstep's width, passes, tokens and
+        most requests in flight, seconds in passes per generated token, and the run's
+        figures as of the last finished request (expert cache hits, bytes, peak RSS)."""
+        st = self.lockstep.stats
+        n = st.generated_tokens
+        return {"width": self.width, "in_flight": len(self.jobs), "passes": st.passes,
+                "prompt_tokens": st.prompt_tokens, "generated_tokens": n,
+                "max_in_flight": st.max_active, "seconds": round(st.seconds, 6),
+                "seconds_per_token": round(st.seconds / n, 6) if n else None, **self.last}

@@ -68,8 +68,9 @@ class _Printer:
               help="With --batch: stop cleanly this many minutes after start; the prompt in "
                    "flight is abandoned and redone by the next run.")
 @click.option("--batch-width", default=None, metavar="N|auto",
-              help="With --batch: prompts decoded in lockstep, sharing each weight read "
-                   "(default auto: the most whose state fits beside the budgets).")
+              help="With --batch or --serve: prompts (requests) decoded in lockstep, "
+                   "sharing each weight read (default auto: the most whose state fits "
+                   "beside the budgets).")
 @click.option("--shard", metavar="K/N",
               help="With --batch: run only the ids of shard K of N (README: Batch files).")
 @click.option("--chat", is_flag=True, help="Interactive multi-turn chat on stdin, in the "
@@ -169,7 +170,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         check_address(serve_address, api_key)        # before the model is opened
     if spec and temperature > 0:
         raise UsageError("--spec keeps exactly the greedy result; it needs --temperature 0")
-    width, shard_kn = runner.batch_options(batch, batch_width, shard, spec)
+    width, shard_kn = runner.batch_options(batch, batch_width, shard, spec, serve_address)
     if threads:
         import numba
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
