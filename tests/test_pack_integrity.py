@@ -117,6 +117,20 @@ def _get(doc, path):
     return doc
 
 
+def _mutate(doc, path, op, data):
+    """Apply one drawn change at ``path``: replace it by any JSON value, delete it, or add
+    a key to it (a dict)."""
+    parent = _get(doc, path[:-1])
+    if op == "replace":
+        parent[path[-1]] = data.draw(_JSON, label="value")
+    elif op == "delete":
+        del parent[path[-1]]
+    else:
+        node = _get(doc, path)
+        assume(isinstance(node, dict))
+        node[data.draw(st.text(min_size=1, max_size=6), label="key")] = 0
+
+
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.sampled_from([0, 1, -1, 4096])
     | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8)
@@ -146,15 +160,7 @@ def test_pack_manifest_random_mutation_refused_by_both(tiny_pack, budget_args, d
     paths = list(_nodes(doc))
     path = data.draw(st.sampled_from(paths[1:]), label="path")
     op = data.draw(st.sampled_from(["replace", "delete", "add_key"]), label="op")
-    parent = _get(doc, path[:-1])
-    if op == "replace":
-        parent[path[-1]] = data.draw(_JSON, label="value")
-    elif op == "delete":
-        del parent[path[-1]]
-    else:
-        node = _get(doc, path)
-        assume(isinstance(node, dict))
-        node[data.draw(st.text(min_size=1, max_size=6), label="key")] = 0
+    _mutate(doc, path, op, data)
     assume(_canon(doc) != _canon(json.loads((tiny_pack / MANIFEST).read_text())))
     d = _work_copy(tiny_pack)
     try:

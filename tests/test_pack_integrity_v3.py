@@ -22,7 +22,7 @@ from libk3.pack.schema import BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, open_pack
 
 from .conftest import TINY
 from .pack_mutations import MANIFEST
-from .test_pack_integrity import (IDS, _JSON, _assert_refused, _both, _canon, _get, _nodes,
+from .test_pack_integrity import (IDS, _assert_refused, _both, _canon, _mutate, _nodes,
                                   _work_copy, budget_args)  # noqa: F401  (fixture)
 
 HEALTH = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
@@ -60,15 +60,7 @@ def test_v3_manifest_random_mutation_refused_by_both(tiny_kz, budget_args, data)
     doc = json.loads((tiny_kz / MANIFEST).read_text())
     path = data.draw(st.sampled_from(list(_nodes(doc))[1:]), label="path")
     op = data.draw(st.sampled_from(["replace", "delete", "add_key"]), label="op")
-    parent = _get(doc, path[:-1])
-    if op == "replace":
-        parent[path[-1]] = data.draw(_JSON, label="value")
-    elif op == "delete":
-        del parent[path[-1]]
-    else:
-        node = _get(doc, path)
-        assume(isinstance(node, dict))
-        node[data.draw(st.text(min_size=1, max_size=6), label="key")] = 0
+    _mutate(doc, path, op, data)
     assume(_canon(doc) != _canon(json.loads((tiny_kz / MANIFEST).read_text())))
     # a valid CRC or shard digest that the bytes then fail is reported against the data
     assume(not (path[0] == "layers" and path[-1] == "crc32"))
