@@ -127,16 +127,20 @@ print(r.seconds_per_token, r.generated_ids)
 """
 
 
-def single_section(ckpt_dir, pack_dir, base_rev, rounds, threads, tmp: Path) -> None:
-    """Decode s/token of one prompt: REV's tree (git archive) vs this one, alternating."""
+def single_section(ckpt_dir, pack_dir, base_rev, rounds, threads, resident, tmp: Path) -> None:
+    """Decode s/token of one prompt: REV's tree (git archive) vs this one, alternating; at
+    the floor budgets, or with ``resident`` the whole trunk and every expert held."""
     tree = tmp / "base"
     tree.mkdir()
     arch = subprocess.run(["git", "-C", str(ROOT), "archive", base_rev], capture_output=True,
                           check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=arch, check=True)
     with Checkpoint.open(ckpt_dir) as ckpt:
-        f = minimum_budget(ModelSizes.from_checkpoint(ckpt))
-    budget = f"{f.trunk_bytes + 1},{f.cache_bytes + 1}"
+        sizes = ModelSizes.from_checkpoint(ckpt)
+    f = minimum_budget(sizes)
+    budget = (f"{sizes.trunk_bytes},{sizes.cache_all_bytes}" if resident
+              else f"{f.trunk_bytes + 1},{f.cache_bytes + 1}")
+    print(f"budgets (trunk,cache bytes): {budget}", flush=True)
     got = {"base": [], "head": []}
     toks = {}
     for r in range(rounds + 1):                  # round 0 compiles the base tree's cache
@@ -149,7 +153,7 @@ def single_section(ckpt_dir, pack_dir, base_rev, rounds, threads, tmp: Path) -> 
             toks[name] = ids
             if r:
                 got[name].append(float(spt))
-        print(f"[single round {r} done]", flush=True)
+            print(f"[single round {r} {name}: {float(spt):.3f} s/token]", flush=True)
     b, h = statistics.median(got["base"]), statistics.median(got["head"])
     print(f"one prompt, 32 tokens, s/token (median of {rounds}): {base_rev} {b:.3f} "
           f"{['%.3f' % x for x in got['base']]}, this tree {h:.3f} "
@@ -166,6 +170,8 @@ def main() -> None:
     ap.add_argument("--base", help="commit for the single-prompt before/after (section 3)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, help="numba threads (default: all cores)")
+    ap.add_argument("--single-resident", action="store_true",
+                    help="section 3 with the whole model held (not the floor budgets)")
     ap.add_argument("--sections", default="1,2,3")
     args = ap.parse_args()
     ckpt_dir, pack_dir = checkpoint("medium"), packed("medium")
@@ -185,7 +191,8 @@ def main() -> None:
             join_section(ckpt_dir, pack_dir, args.prompts, args.join_gen, args.threads)
         if "3" in args.sections and args.base:
             print(f"== 3. one prompt before ({args.base}) and after", flush=True)
-            single_section(ckpt_dir, pack_dir, args.base, args.rounds, args.threads, tmp)
+            single_section(ckpt_dir, pack_dir, args.base, args.rounds, args.threads,
+                           args.single_resident, tmp)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,313 @@
+"""Kimi K3 batch decode at the laptop preset, modelled from pieces measured here (issue 12).
+
+Prints bytes read per generated token and s/token at widths 1, 8, 32 in lockstep, and the
+target check (bytes per generated token at width 8 <= 0.35x width 1). What is measured
+and what is arithmetic:
+
+* trunk bytes per pass: arithmetic, the project's byte ledger (``libk3.presets`` on the
+  Kimi K3 reference config, ``libk3.synth.presets.REAL``): at the laptop preset nothing is
+  pinned, so the whole trunk is streamed once per pass; per generated token = / W.
+* expert bytes per pass: the union of the experts routed by W independent sequences, per
+  (MoE layer, step), counted on SYNTHETIC decode traces (``libk3.trace_synth``, its
+  default knobs, one seed per sequence; no recorded Kimi K3 trace exists), times the MXFP4
+  expert size, minus the hits of the laptop cache (its slots, the default policy) on the
+  union stream replayed in the engine's order (``libk3.cache_policy.replay``).
+* per-sequence state: arithmetic (ledger), only for whether W fits (memory column).
+* disk: measured, an O_DIRECT read of a temporary file (size printed) beside the models.
+* compute per pass: measured kernel times at the real widths (BF16 block matmul at hidden
+  7168 on T tokens, applied to the ledger's BF16 trunk and lm_head bytes; the three MXFP4
+  matmuls of one expert on n = 1, 2, 4, ... tokens, linear in between, summed over the
+  union's experts with the n each got in the traces), plus, with ``--real-dims``, what those kernels do not cover (KDA and MLA
+  per token, norms, router, glue) measured as the gap between ``k3-run --batch`` on the
+  3-layer real-dims checkpoint (resident, decode passes only) and the same kernel model
+  of that checkpoint, scaled by 93 / 3 layers. Without ``--real-dims`` that part is 0.
+* s/token: compute / W plus I/O / W (reads and compute in series) and the larger of the
+  two (reads fully hidden behind compute or the reverse); the engine is in between.
+
+    python bench/batch_model.py [--widths 1,8,32] [--steps 64] [--disk-mb 2000]
+                                [--real-dims DIR --real-dims-pack DIR] [--rd-widths 1,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DATA, run, table  # noqa: E402
+
+from libk3.cache_policy import replay  # noqa: E402
+from libk3.config import config_from_dict  # noqa: E402
+from libk3.kernels import bf16, mxfp4  # noqa: E402
+from libk3.policy_registry import DEFAULT_POLICY  # noqa: E402
+from libk3.presets import (GB, ModelSizes, expert_slots, load_presets, load_rules,  # noqa: E402
+                           sequence_bytes, trunk_plan)
+from libk3.synth.presets import REAL, REAL_DIMS  # noqa: E402
+from libk3.trace_synth import synth_routing  # noqa: E402
+
+TARGET = 0.35
+BF16_SHAPE = (8192, 7168)          # a trunk matrix at the real hidden size (117 MB)
+
+
+# ---- the ledger ---------------------------------------------------------------------------
+
+def ledger(preset: str = "laptop") -> dict:
+    cfg = config_from_dict(dict(REAL), source="<Kimi K3 reference>")
+    sizes = ModelSizes.from_config(cfg)
+    p = load_presets()[preset]
+    trunk_budget, cache_budget = int(p.trunk_gb * GB), int(p.cache_gb * GB)
+    plan = trunk_plan(sizes, trunk_budget)
+    return {"cfg": cfg, "sizes": sizes, "trunk_budget": trunk_budget,
+            "cache_budget": cache_budget, "pinned": len(plan.pinned),
+            "streamed": plan.streamed_bytes, "slots": expert_slots(sizes, cache_budget),
+            "sequence": sequence_bytes(sizes, load_rules().context_positions)}
+
+
+# ---- the expert union of W independent sequences -------------------------------------------
+
+def union_stream(width: int, steps: int, n_layers: int, n_experts: int, top_k: int):
+    """-> (keys, union sizes (steps, n_layers), tokens per union expert (flat)).
+    Sequence i is the synthetic decode trace of seed i; per (step, layer) the union is
+    taken in first-use order, sequence by sequence, as the engine fetches it."""
+    picks = np.stack([synth_routing(steps, n_layers=n_layers, n_experts=n_experts,
+                                    top_k=top_k, seed=s)[1].reshape(steps, n_layers, top_k)
+                      for s in range(width)], axis=2)          # (steps, layers, W, k)
+    keys, sizes, counts = [], np.empty((steps, n_layers), np.int64), []
+    for t in range(steps):
+        for L in range(n_layers):
+            flat = picks[t, L].reshape(-1)
+            uniq, first, n = np.unique(flat, return_index=True, return_counts=True)
+            order = np.argsort(first, kind="stable")
+            keys.append(L * n_experts + uniq[order])
+            counts.append(n[order])
+            sizes[t, L] = uniq.size
+    return np.concatenate(keys), sizes, np.concatenate(counts)
+
+
+# ---- measured pieces -----------------------------------------------------------------------
+
+def disk_read_rate(size_mb: int, where: Path) -> float:
+    """Bytes/s of O_DIRECT reads (16 MiB, 4 in flight) of a fresh ``size_mb`` MB file."""
+    chunk, depth = 16 << 20, 4
+    n_chunks = max(1, size_mb * 1_000_000 // chunk)
+    where.mkdir(parents=True, exist_ok=True)
+    fd_w, path = tempfile.mkstemp(prefix="k3-disk-probe-", dir=where)
+    try:
+        block = np.random.default_rng(0).bytes(chunk)
+        for _ in range(n_chunks):
+            os.write(fd_w, block)
+        os.fsync(fd_w)
+        os.close(fd_w)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        bufs = [mmap.mmap(-1, chunk) for _ in range(depth)]      # page-aligned
+        try:
+            def read(i):
+                return os.preadv(fd, [bufs[i % depth]], i * chunk)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(depth) as pool:
+                for lo in range(0, n_chunks, depth):
+                    got = sum(pool.map(read, range(lo, min(lo + depth, n_chunks))))
+                    assert got == chunk * (min(lo + depth, n_chunks) - lo)
+            return n_chunks * chunk / (time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+    finally:
+        os.unlink(path)
+
+
+def _median_seconds(fn, reps: int) -> float:
+    fn()                                                  # compile / warm
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bf16_seconds_per_byte(tokens: int, reps: int) -> float:
+    """Seconds per weight byte of the BF16 block matmul on ``tokens`` tokens."""
+    rng = np.random.default_rng(1)
+    O, I = BF16_SHAPE
+    W = rng.integers(0x3C00, 0x3F80, size=(O, I), dtype=np.uint16)   # moderate BF16 values
+    X = rng.standard_normal((tokens, I)).astype(np.float32)
+    Y = np.empty((tokens, O), np.float32)
+    return _median_seconds(lambda: bf16.matmul(W, X, Y), reps) / W.nbytes
+
+
+def expert_seconds(cfg, tokens: int, reps: int) -> float:
+    """Seconds of one routed expert (w1, w3: [inter, lat]; w2: [lat, inter]; MXFP4) on
+    ``tokens`` tokens."""
+    rng = np.random.default_rng(2)
+    lat, inter = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+
+    def weight(rows, cols):
+        return (rng.integers(0, 256, size=(rows, cols // 2), dtype=np.uint8),
+                np.full((rows, cols // 32), 127, np.uint8))
+    w1, w3, w2 = weight(inter, lat), weight(inter, lat), weight(lat, inter)
+    z = rng.standard_normal((tokens, lat)).astype(np.float32)
+    h = np.empty((tokens, inter), np.float32)
+    h3 = np.empty_like(h)
+    y = np.empty((tokens, lat), np.float32)
+
+    def one():
+        mxfp4.matmul(*w1, z, h)
+        mxfp4.matmul(*w3, z, h3)
+        mxfp4.matmul(*w2, h, y)
+    return _median_seconds(one, reps)
+
+
+class KernelTimes:
+    """Measured kernel times, on demand, per token count (cached)."""
+
+    def __init__(self, cfg, reps: int):
+        self.cfg, self.reps = cfg, reps
+        self._bf16, self._expert = {}, {}
+
+    def bf16_per_byte(self, tokens: int) -> float:
+        if tokens not in self._bf16:
+            self._bf16[tokens] = bf16_seconds_per_byte(tokens, self.reps)
+        return self._bf16[tokens]
+
+    def expert(self, tokens: int) -> float:
+        """Measured at 1, 2, 4, 8, ... tokens; linear in between."""
+        points = [1 << i for i in range(max(1, tokens - 1).bit_length() + 1)]
+        for n in points:
+            if n not in self._expert:
+                self._expert[n] = expert_seconds(self.cfg, n, self.reps)
+        return float(np.interp(tokens, points, [self._expert[n] for n in points]))
+
+    def experts(self, counts) -> float:
+        """Seconds of the union's experts, each on the tokens routed to it."""
+        n = np.bincount(np.asarray(counts, np.int64))
+        return sum(int(c) * self.expert(t) for t, c in enumerate(n) if c)
+
+
+def modelled_compute(sizes: ModelSizes, width: int, counts_per_pass, kt: KernelTimes) -> dict:
+    """Kernel seconds of one pass of ``width`` tokens: BF16 trunk matrices and lm_head,
+    and the routed experts with the token counts of ``counts_per_pass``."""
+    dense = (sizes.bf16_trunk_bytes + sizes.lm_head_bytes) * kt.bf16_per_byte(width)
+    return {"dense": dense, "experts": kt.experts(counts_per_pass)}
+
+
+# ---- real-dims: the part the kernels do not cover -----------------------------------------
+
+def real_dims_pass(ckpt: Path, pack: Path, width: int, gen: int, tmp: Path) -> dict:
+    """``k3-run --batch`` on real-dims, everything resident, ``width`` one-id prompts of
+    ``gen`` tokens: seconds per decode pass (passes 2..gen; the first also pins the trunk
+    and fills the cache) and the mean expert union per MoE layer."""
+    batch, out = tmp / f"rd{width}.jsonl", tmp / f"rd{width}.out.jsonl"
+    batch.write_text("".join(json.dumps({"id": i, "ids": [1000 + 37 * i], "gen": gen}) + "\n"
+                             for i in range(width)))
+    p = run(["k3-run", ckpt, "--pack", pack, "--trunk-gb", "1000", "--cache-gb", "1000",
+             "--batch", batch, "--out", out, "--batch-width", width, "--json"])
+    s = json.loads(p.stdout)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    decode = statistics.median(x["decode_seconds"] for x in lines)
+    union = s["expert_union_per_layer"]
+    return {"pass_seconds": decode / (gen - 1), "union": union, "summary": s}
+
+
+def other_per_layer(ckpt, pack, width, gen, kt, tmp) -> dict:
+    cfg = config_from_dict(dict(REAL_DIMS), source="<real-dims>")
+    sizes = ModelSizes.from_config(cfg)
+    m = real_dims_pass(ckpt, pack, width, gen, tmp)
+    k = cfg.num_experts_per_token
+    counts = []
+    for u in m["union"].values():                 # mean union u: W*k tokens spread over it
+        u = max(1, round(u))
+        base, extra = divmod(width * k, u)
+        counts += [base + 1] * extra + [base] * (u - extra)
+    kern = modelled_compute(sizes, width, counts, kt)
+    gap = m["pass_seconds"] - kern["dense"] - kern["experts"]
+    return {"measured": m["pass_seconds"], "kernels": kern["dense"] + kern["experts"],
+            "per_layer": gap / cfg.num_hidden_layers, "union": m["union"]}
+
+
+# ---- the table -----------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--widths", default="1,8,32")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps of each trace")
+    ap.add_argument("--disk-mb", type=int, default=2000, help="size of the disk probe file")
+    ap.add_argument("--reps", type=int, default=3, help="timed repeats per kernel (median)")
+    ap.add_argument("--real-dims", type=Path, default=os.environ.get("K3_REAL_DIMS"),
+                    help="real-dims checkpoint (or $K3_REAL_DIMS) for the unmodelled part")
+    ap.add_argument("--real-dims-pack", type=Path, default=os.environ.get("K3_REAL_DIMS_PACK"))
+    ap.add_argument("--rd-widths", default="1,8", help="widths run on real-dims")
+    ap.add_argument("--rd-gen", type=int, default=4)
+    args = ap.parse_args()
+    widths = [int(w) for w in args.widths.split(",")]
+
+    led = ledger()
+    cfg, sizes = led["cfg"], led["sizes"]
+    n_moe, E, k = len(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_token
+    print(f"Kimi K3 at laptop: trunk budget {led['trunk_budget'] / GB:.2f} GB "
+          f"({led['pinned']} layers pinned), streamed per pass {led['streamed'] / GB:.3f} GB; "
+          f"cache {led['cache_budget'] / GB:.2f} GB = {led['slots']} slots of "
+          f"{sizes.expert_slot_bytes} B; expert {sizes.expert_bytes} B; "
+          f"per sequence {led['sequence'] / GB:.3f} GB", flush=True)
+
+    kt = KernelTimes(cfg, args.reps)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        other = {}
+        if args.real_dims:
+            pack = args.real_dims_pack or Path(str(args.real_dims) + ".pack")
+            for w in (int(x) for x in args.rd_widths.split(",")):
+                other[w] = other_per_layer(args.real_dims, pack, w, args.rd_gen, kt, tmp)
+                o = other[w]
+                print(f"real-dims width {w}: decode pass {o['measured']:.3f} s measured, "
+                      f"kernel model {o['kernels']:.3f} s, rest {o['per_layer']:.3f} s per "
+                      f"layer; union per MoE layer "
+                      f"{', '.join(f'{v:.1f}' for v in o['union'].values())}", flush=True)
+        disk = disk_read_rate(args.disk_mb, DATA)
+        print(f"disk: O_DIRECT read of a {args.disk_mb} MB file beside the models: "
+              f"{disk / 1e9:.3f} GB/s", flush=True)
+
+    rows, base_bytes, base_peak = [], None, None
+    for w in widths:
+        keys, usize, counts = union_stream(w, args.steps, n_moe, E, k)
+        hits = replay(keys, led["slots"], DEFAULT_POLICY, n_layers=n_moe,
+                      n_experts=E)["hits"]
+        trunk_tok = led["streamed"] / w
+        expert_tok = (keys.size - hits) * sizes.expert_bytes / (args.steps * w)
+        total = trunk_tok + expert_tok
+        base_bytes = base_bytes or total
+        kern = modelled_compute(sizes, w, counts, kt)
+        near = min(other, key=lambda x: abs(x - w)) if other else None
+        rest = other[near]["per_layer"] * cfg.num_hidden_layers if other else 0.0
+        compute_tok = (kern["dense"] + kern["experts"] / args.steps + rest) / w
+        io_tok = total / disk
+        peak = led["trunk_budget"] + led["cache_budget"] + (w - 1) * led["sequence"]
+        base_peak = base_peak or peak
+        rows.append([w, f"{usize.mean():.1f}", f"{hits / keys.size:.4f}",
+                     f"{trunk_tok / GB:.2f}", f"{expert_tok / GB:.2f}", f"{total / GB:.2f}",
+                     f"{total / base_bytes:.3f}x", f"{kern['dense'] / w:.2f}",
+                     f"{kern['experts'] / args.steps / w:.2f}", f"{rest / w:.2f}",
+                     f"{io_tok:.1f}", f"{compute_tok + io_tok:.1f}",
+                     f"{max(compute_tok, io_tok):.1f}", f"+{(peak - base_peak) / GB:.1f}"])
+        print(f"[width {w} done]", flush=True)
+    print(table(rows, ["width", "union/layer", "cache hits", "trunk GB/tok", "expert GB/tok",
+                       "total GB/tok", "vs w1", "dense s/tok", "expert s/tok", "rest s/tok",
+                       "I/O s/tok", "s/tok serial", "s/tok overlapped", "memory GB vs w1"]))
+    if 8 in widths:
+        r = next(x for x in rows if x[0] == 8)
+        ratio = float(r[6].rstrip("x"))
+        print(f"target: width 8 bytes per generated token <= {TARGET}x width 1: "
+              f"{ratio:.3f}x {'met' if ratio <= TARGET else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
