@@ -14,18 +14,24 @@ and what is arithmetic:
   union stream replayed in the engine's order (``libk3.cache_policy.replay``).
 * per-sequence state: arithmetic (ledger), only for whether W fits (memory column).
 * disk: measured, an O_DIRECT read of a temporary file (size printed) beside the models.
-* compute per pass: measured kernel times at the real widths (BF16 block matmul at hidden
-  7168 on T tokens, applied to the ledger's BF16 trunk and lm_head bytes; the three MXFP4
-  matmuls of one expert on n = 1, 2, 4, ... tokens, linear in between, summed over the
-  union's experts with the n each got in the traces), plus, with ``--real-dims``, what those kernels do not cover (KDA and MLA
-  per token, norms, router, glue) measured as the gap between ``k3-run --batch`` on the
-  3-layer real-dims checkpoint (resident, decode passes only) and the same kernel model
-  of that checkpoint, scaled by 93 / 3 layers. Without ``--real-dims`` that part is 0.
+* compute per pass, measured at the real widths: with ``--real-dims DIR`` (or
+  $K3_REAL_DIMS; the 3-layer real-dims synthetic checkpoint, resident, after a warm-up
+  batch) each layer's wall time per decode pass of W one-id prompts in lockstep
+  (``Forward.layer_seconds``): its dense layer counts once for K3's, its KDA+MoE layer
+  68 times, its MLA+MoE layer 24 times (K3's layer map), each minus its own experts, and
+  the rest of its pass (lm_head, embedding, sampling, glue) once. K3's routed experts:
+  the three MXFP4 matmuls of one real expert timed on n = 1, 2, 4, ... tokens (linear in
+  between), summed over the traces' union with the tokens each expert got. Widths not
+  run on real-dims, or no ``--real-dims``: the trunk and lm_head at the BF16 block
+  matmul's measured rate on a 8192 x 7168 matrix instead (no KDA/MLA recurrence, norms
+  or glue: an underestimate), the "compute from" column says which.
+* memory: arithmetic, the planned peak (both budgets + resident + reserve + W sequences of
+  4096 positions, formats/presets.md section 2).
 * s/token: compute / W plus I/O / W (reads and compute in series) and the larger of the
   two (reads fully hidden behind compute or the reverse); the engine is in between.
 
     python bench/batch_model.py [--widths 1,8,32] [--steps 64] [--disk-mb 2000]
-                                [--real-dims DIR --real-dims-pack DIR] [--rd-widths 1,8]
+                                [--real-dims DIR] [--rd-widths 1,8,32] [--rd-gen 3]
 """
 
 from __future__ import annotations
@@ -44,14 +50,14 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, run, table  # noqa: E402
+from common import DATA, ROOT, run, table  # noqa: E402
 
 from libk3.cache_policy import replay  # noqa: E402
 from libk3.config import config_from_dict  # noqa: E402
 from libk3.kernels import bf16, mxfp4  # noqa: E402
 from libk3.policy_registry import DEFAULT_POLICY  # noqa: E402
 from libk3.presets import (GB, ModelSizes, expert_slots, load_presets, load_rules,  # noqa: E402
-                           sequence_bytes, trunk_plan)
+                           overhead_bytes, sequence_bytes, trunk_plan)
 from libk3.synth.presets import REAL, REAL_DIMS  # noqa: E402
 from libk3.trace_synth import synth_routing  # noqa: E402
 
@@ -193,45 +199,69 @@ class KernelTimes:
         return sum(int(c) * self.expert(t) for t, c in enumerate(n) if c)
 
 
-def modelled_compute(sizes: ModelSizes, width: int, counts_per_pass, kt: KernelTimes) -> dict:
-    """Kernel seconds of one pass of ``width`` tokens: BF16 trunk matrices and lm_head,
-    and the routed experts with the token counts of ``counts_per_pass``."""
+def modelled_compute(sizes: ModelSizes, width: int, counts, kt: KernelTimes,
+                     passes: int) -> dict:
+    """Kernel seconds per pass of ``width`` tokens: the BF16 trunk matrices and lm_head at
+    the block matmul's measured rate, and the routed experts with the token counts of
+    ``counts`` (over ``passes`` passes). Leaves out KDA/MLA per token, norms and glue."""
     dense = (sizes.bf16_trunk_bytes + sizes.lm_head_bytes) * kt.bf16_per_byte(width)
-    return {"dense": dense, "experts": kt.experts(counts_per_pass)}
+    return {"dense": dense, "experts": kt.experts(counts) / passes}
 
 
-# ---- real-dims: the part the kernels do not cover -----------------------------------------
+# ---- real-dims: whole layers at the real widths --------------------------------------------
 
-def real_dims_pass(ckpt: Path, pack: Path, width: int, gen: int, tmp: Path) -> dict:
-    """``k3-run --batch`` on real-dims, everything resident, ``width`` one-id prompts of
-    ``gen`` tokens: seconds per decode pass (passes 2..gen; the first also pins the trunk
-    and fills the cache) and the mean expert union per MoE layer."""
-    batch, out = tmp / f"rd{width}.jsonl", tmp / f"rd{width}.out.jsonl"
-    batch.write_text("".join(json.dumps({"id": i, "ids": [1000 + 37 * i], "gen": gen}) + "\n"
-                             for i in range(width)))
-    p = run(["k3-run", ckpt, "--pack", pack, "--trunk-gb", "1000", "--cache-gb", "1000",
-             "--batch", batch, "--out", out, "--batch-width", width, "--json"])
-    s = json.loads(p.stdout)
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    decode = statistics.median(x["decode_seconds"] for x in lines)
-    union = s["expert_union_per_layer"]
-    return {"pass_seconds": decode / (gen - 1), "union": union, "summary": s}
+_LAYERS = r"""
+import json, sys
+from libk3.engine.generate import GenSettings
+from libk3.engine.lockstep import Job, run_lockstep
+from libk3.engine.session import open_session
+from libk3.model.state import State
+s = open_session(sys.argv[1])                      # every weight resident
+width, gen = int(sys.argv[2]), int(sys.argv[3])
+def batch(n, first):
+    return [Job(i, [first + 37 * i], GenSettings(gen=gen)) for i in range(n)]
+new_state = lambda n: State(s.cfg, capacity=n)
+run_lockstep(s.forward, new_state, batch(8, 500), 8, lambda j, r: None)   # load, warm
+f = s.forward
+layers0, union0, passes0 = list(f.layer_seconds), list(f.expert_union), f.passes
+st = run_lockstep(s.forward, new_state, batch(width, 1000), width, lambda j, r: None)
+n = f.passes - passes0
+print(json.dumps({"passes": n, "pass_seconds": st.seconds / n,
+                  "layers": [(a - b) / n for a, b in zip(f.layer_seconds, layers0)],
+                  "union": [(a - b) / n for a, b in zip(f.expert_union, union0)]}))
+"""
 
 
-def other_per_layer(ckpt, pack, width, gen, kt, tmp) -> dict:
-    cfg = config_from_dict(dict(REAL_DIMS), source="<real-dims>")
-    sizes = ModelSizes.from_config(cfg)
-    m = real_dims_pass(ckpt, pack, width, gen, tmp)
-    k = cfg.num_experts_per_token
-    counts = []
-    for u in m["union"].values():                 # mean union u: W*k tokens spread over it
-        u = max(1, round(u))
-        base, extra = divmod(width * k, u)
-        counts += [base + 1] * extra + [base] * (u - extra)
-    kern = modelled_compute(sizes, width, counts, kt)
-    gap = m["pass_seconds"] - kern["dense"] - kern["experts"]
-    return {"measured": m["pass_seconds"], "kernels": kern["dense"] + kern["experts"],
-            "per_layer": gap / cfg.num_hidden_layers, "union": m["union"]}
+def real_dims_layers(ckpt: Path, width: int, gen: int) -> dict:
+    """Per decode pass of ``width`` one-id prompts on the resident real-dims checkpoint
+    (after a warm-up batch that loads every weight): seconds of the whole pass, of each
+    layer (``Forward.layer_seconds``), and the mean expert union of each layer."""
+    p = run([sys.executable, "-c", _LAYERS, ckpt, width, gen], cwd=ROOT)
+    return json.loads(p.stdout.splitlines()[-1])
+
+
+def even_counts(width: int, top_k: int, union: float) -> list:
+    """Token counts of ``union`` experts sharing ``width * top_k`` routed tokens evenly."""
+    u = max(1, round(union))
+    base, extra = divmod(width * top_k, u)
+    return [base + 1] * extra + [base] * (u - extra)
+
+
+def measured_pass(rd: dict, rd_cfg, cfg, width: int, counts_per_pass, kt, steps: int) -> dict:
+    """Kimi K3 compute per pass from real-dims' measured layers: its dense layer once, its
+    KDA+MoE and MLA+MoE layers (experts taken out by the kernel model of its own union)
+    once per such layer of K3, K3's experts by the kernel model of the traces' union, and
+    real-dims' rest of the pass (lm_head, embedding, sampling, glue) once."""
+    k = rd_cfg.num_experts_per_token
+    trunk = {}
+    for L, t in enumerate(rd["layers"]):
+        if L in rd_cfg.moe_layers:
+            t -= kt.experts(even_counts(width, k, rd["union"][L]))
+        trunk[("mla" if rd_cfg.is_mla(L) else "kda", L in rd_cfg.moe_layers)] = max(0.0, t)
+    rest = max(0.0, rd["pass_seconds"] - sum(rd["layers"]))
+    layers = sum(trunk[("mla" if cfg.is_mla(L) else "kda", L in cfg.moe_layers)]
+                 for L in range(cfg.num_hidden_layers))
+    return {"dense": layers + rest, "experts": kt.experts(counts_per_pass) / steps}
 
 
 # ---- the table -----------------------------------------------------------------------------
@@ -244,9 +274,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="timed repeats per kernel (median)")
     ap.add_argument("--real-dims", type=Path, default=os.environ.get("K3_REAL_DIMS"),
                     help="real-dims checkpoint (or $K3_REAL_DIMS) for the unmodelled part")
-    ap.add_argument("--real-dims-pack", type=Path, default=os.environ.get("K3_REAL_DIMS_PACK"))
-    ap.add_argument("--rd-widths", default="1,8", help="widths run on real-dims")
-    ap.add_argument("--rd-gen", type=int, default=4)
+    ap.add_argument("--rd-widths", default="1,8,32", help="widths run on real-dims")
+    ap.add_argument("--rd-gen", type=int, default=3, help="tokens per real-dims prompt")
     args = ap.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
 
@@ -260,23 +289,20 @@ def main() -> None:
           f"per sequence {led['sequence'] / GB:.3f} GB", flush=True)
 
     kt = KernelTimes(cfg, args.reps)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        other = {}
-        if args.real_dims:
-            pack = args.real_dims_pack or Path(str(args.real_dims) + ".pack")
-            for w in (int(x) for x in args.rd_widths.split(",")):
-                other[w] = other_per_layer(args.real_dims, pack, w, args.rd_gen, kt, tmp)
-                o = other[w]
-                print(f"real-dims width {w}: decode pass {o['measured']:.3f} s measured, "
-                      f"kernel model {o['kernels']:.3f} s, rest {o['per_layer']:.3f} s per "
-                      f"layer; union per MoE layer "
-                      f"{', '.join(f'{v:.1f}' for v in o['union'].values())}", flush=True)
-        disk = disk_read_rate(args.disk_mb, DATA)
-        print(f"disk: O_DIRECT read of a {args.disk_mb} MB file beside the models: "
-              f"{disk / 1e9:.3f} GB/s", flush=True)
+    rd = {}
+    if args.real_dims:
+        rd_cfg = config_from_dict(dict(REAL_DIMS), source="<real-dims>")
+        for w in (int(x) for x in args.rd_widths.split(",")):
+            rd[w] = real_dims_layers(args.real_dims, w, args.rd_gen)
+            print(f"real-dims width {w}, per decode pass ({rd[w]['passes']} passes): "
+                  f"{rd[w]['pass_seconds']:.3f} s; layers "
+                  f"{', '.join(f'{t:.3f}' for t in rd[w]['layers'])} s; expert union "
+                  f"{', '.join(f'{u:.1f}' for u in rd[w]['union'])}", flush=True)
+    disk = disk_read_rate(args.disk_mb, DATA)
+    print(f"disk: O_DIRECT read of a {args.disk_mb} MB file beside the models: "
+          f"{disk / 1e9:.3f} GB/s", flush=True)
 
-    rows, base_bytes, base_peak = [], None, None
+    rows, base_bytes = [], None
     for w in widths:
         keys, usize, counts = union_stream(w, args.steps, n_moe, E, k)
         hits = replay(keys, led["slots"], DEFAULT_POLICY, n_layers=n_moe,
@@ -285,23 +311,24 @@ def main() -> None:
         expert_tok = (keys.size - hits) * sizes.expert_bytes / (args.steps * w)
         total = trunk_tok + expert_tok
         base_bytes = base_bytes or total
-        kern = modelled_compute(sizes, w, counts, kt)
-        near = min(other, key=lambda x: abs(x - w)) if other else None
-        rest = other[near]["per_layer"] * cfg.num_hidden_layers if other else 0.0
-        compute_tok = (kern["dense"] + kern["experts"] / args.steps + rest) / w
+        if w in rd:
+            comp, source = measured_pass(rd[w], rd_cfg, cfg, w, counts, kt, args.steps), \
+                "real-dims layers"
+        else:
+            comp, source = modelled_compute(sizes, w, counts, kt, args.steps), "kernels only"
+        compute_tok = (comp["dense"] + comp["experts"]) / w
         io_tok = total / disk
-        peak = led["trunk_budget"] + led["cache_budget"] + (w - 1) * led["sequence"]
-        base_peak = base_peak or peak
+        peak = led["trunk_budget"] + led["cache_budget"] + overhead_bytes(sizes, width=w)
         rows.append([w, f"{usize.mean():.1f}", f"{hits / keys.size:.4f}",
                      f"{trunk_tok / GB:.2f}", f"{expert_tok / GB:.2f}", f"{total / GB:.2f}",
-                     f"{total / base_bytes:.3f}x", f"{kern['dense'] / w:.2f}",
-                     f"{kern['experts'] / args.steps / w:.2f}", f"{rest / w:.2f}",
-                     f"{io_tok:.1f}", f"{compute_tok + io_tok:.1f}",
-                     f"{max(compute_tok, io_tok):.1f}", f"+{(peak - base_peak) / GB:.1f}"])
+                     f"{total / base_bytes:.3f}x", source, f"{comp['dense'] / w:.2f}",
+                     f"{comp['experts'] / w:.2f}", f"{io_tok:.1f}",
+                     f"{compute_tok + io_tok:.1f}", f"{max(compute_tok, io_tok):.1f}",
+                     f"{peak / GB:.2f}"])
         print(f"[width {w} done]", flush=True)
     print(table(rows, ["width", "union/layer", "cache hits", "trunk GB/tok", "expert GB/tok",
-                       "total GB/tok", "vs w1", "dense s/tok", "expert s/tok", "rest s/tok",
-                       "I/O s/tok", "s/tok serial", "s/tok overlapped", "memory GB vs w1"]))
+                       "total GB/tok", "vs w1", "compute from", "trunk s/tok", "expert s/tok",
+                       "I/O s/tok", "s/tok serial", "s/tok overlapped", "peak GB"]))
     if 8 in widths:
         r = next(x for x in rows if x[0] == 8)
         ratio = float(r[6].rstrip("x"))
