@@ -329,6 +329,11 @@ def main() -> None:
     print(table(rows, ["width", "union/layer", "cache hits", "trunk GB/tok", "expert GB/tok",
                        "total GB/tok", "vs w1", "compute from", "trunk s/tok", "expert s/tok",
                        "I/O s/tok", "s/tok serial", "s/tok overlapped", "peak GB"]))
+    print("one expert's three MXFP4 matmuls, median s at n tokens: "
+          + ", ".join(f"{n}: {t:.4f}" for n, t in sorted(kt._expert.items())))
+    if kt._bf16:
+        print("BF16 block matmul 8192 x 7168, GB/s of weights at T tokens: "
+              + ", ".join(f"{n}: {1e-9 / t:.2f}" for n, t in sorted(kt._bf16.items())))
     if 8 in widths:
         r = next(x for x in rows if x[0] == 8)
         ratio = float(r[6].rstrip("x"))

@@ -8,9 +8,13 @@ Prints, side by side in one run:
 2. Continuous batching: a newcomer's prefill joining the decode step's pass vs running
    as a pass of its own (library, width 8, same prompts), wall time and passes.
 3. With --base REV: one prompt (``--ids``, 32 tokens) decode s/token of this tree and of
-   REV, alternating, median of --rounds (target: within 5 %).
+   REV, alternating, median of --rounds (target: within 5 %); at the floor budgets, or
+   with --single-resident every weight held. REV before lockstep decode: 1e7f284 (main's
+   first parent of the h6-lockstep merge 708a881).
 
     python bench/batch_throughput.py [--widths 1,4,8,16] [--base REV] [--threads N]
+
+The Kimi K3 figures of the issue are modelled by ``bench/batch_model.py``.
 
 Generates scratch/medium (~5 GB) and its pack on first use.
 """
