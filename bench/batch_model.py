@@ -233,9 +233,10 @@ print(json.dumps({"passes": n, "pass_seconds": st.seconds / n,
 
 
 def real_dims_layers(ckpt: Path, width: int, gen: int) -> dict:
-    """Per decode pass of ``width`` one-id prompts on the resident real-dims checkpoint
-    (after a warm-up batch that loads every weight): seconds of the whole pass, of each
-    layer (``Forward.layer_seconds``), and the mean expert union of each layer."""
+    """Per pass of ``width`` one-id prompts on the resident real-dims checkpoint (after a
+    warm-up batch that loads every weight; a one-id prefill is a decode pass's work):
+    seconds of the whole pass, of each layer (``Forward.layer_seconds``), and the mean
+    expert union of each layer."""
     p = run([sys.executable, "-c", _LAYERS, ckpt, width, gen], cwd=ROOT)
     return json.loads(p.stdout.splitlines()[-1])
 
