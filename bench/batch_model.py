@@ -4,14 +4,14 @@ Prints bytes read per generated token and s/token at widths 1, 8, 32 in lockstep
 target check (bytes per generated token at width 8 <= 0.35x width 1). What is measured
 and what is arithmetic:
 
-* trunk bytes per pass: arithmetic, the project's byte ledger (``libk3.presets`` on the
-  Kimi K3 reference config, ``libk3.synth.presets.REAL``): at the laptop preset nothing is
+* trunk bytes per pass: arithmetic, the project's byte ledger (``libk3.budget`` on the
+  Kimi K3 reference config, ``libk3.k3_dims.REAL``): at the laptop preset nothing is
   pinned, so the whole trunk is streamed once per pass; per generated token = / W.
 * expert bytes per pass: the union of the experts routed by W independent sequences, per
-  (MoE layer, step), counted on SYNTHETIC decode traces (``libk3.trace_synth``, its
+  (MoE layer, step), counted on SYNTHETIC decode traces (``libk3.synth.traces``, its
   default knobs, one seed per sequence; no recorded Kimi K3 trace exists), times the MXFP4
   expert size, minus the hits of the laptop cache (its slots, the default policy) on the
-  union stream replayed in the engine's order (``libk3.cache_policy.replay``).
+  union stream replayed in the engine's order (``libk3.trace.replay``).
 * per-sequence state: arithmetic (ledger), only for whether W fits (memory column).
 * disk: measured, an O_DIRECT read of a temporary file (size printed) beside the models.
 * compute per pass, measured at the real widths: with ``--real-dims DIR`` (or
@@ -52,14 +52,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, ROOT, run, table  # noqa: E402
 
-from libk3.cache_policy import replay  # noqa: E402
+from libk3.budget import (GB, ModelSizes, expert_slots, load_presets, load_rules,  # noqa: E402
+                          overhead_bytes, sequence_bytes, trunk_plan)
 from libk3.config import config_from_dict  # noqa: E402
+from libk3.k3_dims import real_config  # noqa: E402
 from libk3.kernels import bf16, mxfp4  # noqa: E402
-from libk3.policy_registry import DEFAULT_POLICY  # noqa: E402
-from libk3.presets import (GB, ModelSizes, expert_slots, load_presets, load_rules,  # noqa: E402
-                           overhead_bytes, sequence_bytes, trunk_plan)
-from libk3.synth.presets import REAL, REAL_DIMS  # noqa: E402
-from libk3.trace_synth import synth_routing  # noqa: E402
+from libk3.policies.registry import DEFAULT_POLICY  # noqa: E402
+from libk3.synth.presets import REAL_DIMS  # noqa: E402
+from libk3.synth.traces import synth_routing  # noqa: E402
+from libk3.trace.replay import replay  # noqa: E402
 
 TARGET = 0.35
 BF16_SHAPE = (8192, 7168)          # a trunk matrix at the real hidden size (117 MB)
@@ -68,7 +69,7 @@ BF16_SHAPE = (8192, 7168)          # a trunk matrix at the real hidden size (117
 # ---- the ledger ---------------------------------------------------------------------------
 
 def ledger(preset: str = "laptop") -> dict:
-    cfg = config_from_dict(dict(REAL), source="<Kimi K3 reference>")
+    cfg = real_config()
     sizes = ModelSizes.from_config(cfg)
     p = load_presets()[preset]
     trunk_budget, cache_budget = int(p.trunk_gb * GB), int(p.cache_gb * GB)
