@@ -8,9 +8,16 @@ Prints, side by side in one run:
 2. Continuous batching: a newcomer's prefill joining the decode step's pass vs running
    as a pass of its own (library, width 8, same prompts), wall time and passes.
 3. With --base REV: one prompt (``--ids``, 32 tokens) decode s/token of this tree and of
-   REV, alternating, median of --rounds (target: within 5 %).
+   REV, alternating, median of --rounds (target: within 5 %); at the floor budgets, or
+   with --single-resident every weight read into RAM at open (``k3-run --resident``: the
+   decode s/token is compute only, no disk). REV before lockstep decode: 1e7f284 (main's
+   first parent of the h6-lockstep merge 708a881). REV's tree is extracted into a
+   temporary directory and run with this venv's packages. Also prints the decode steps'
+   process CPU time per token (all threads), steadier than wall time on a shared machine.
 
     python bench/batch_throughput.py [--widths 1,4,8,16] [--base REV] [--threads N]
+
+The Kimi K3 figures of the issue are modelled by ``bench/batch_model.py``.
 
 Generates scratch/medium (~5 GB) and its pack on first use.
 """
@@ -113,31 +120,46 @@ def join_section(ckpt_dir, pack_dir, n, gen, threads) -> None:
 
 
 _SINGLE = r"""
-import sys
+import sys, time
 sys.path.insert(0, sys.argv[1])
 import numba
 if int(sys.argv[5]): numba.set_num_threads(int(sys.argv[5]))
 from libk3.engine.session import open_session
 from libk3.engine.generate import GenSettings, generate
-s = open_session(sys.argv[2], pack=sys.argv[3], trunk_bytes=int(sys.argv[4].split(",")[0]),
-                 cache_bytes=int(sys.argv[4].split(",")[1]))
+if sys.argv[4] == "resident":                     # every weight read at open, no pack
+    s = open_session(sys.argv[2])
+else:
+    s = open_session(sys.argv[2], pack=sys.argv[3], trunk_bytes=int(sys.argv[4].split(",")[0]),
+                     cache_bytes=int(sys.argv[4].split(",")[1]))
 ids = [int(x) for x in sys.stdin.read().split(",")]
-r = generate(s.forward, s.new_state(), ids, GenSettings(gen=32))
-print(r.seconds_per_token, r.generated_ids)
+cpu = [0.0]
+def forward(*a, **kw):                             # process CPU time of the decode steps
+    c0 = time.process_time()
+    out = s.forward(*a, **kw)
+    if kw.get("phase") == "decode":
+        cpu[0] += time.process_time() - c0
+    return out
+r = generate(forward, s.new_state(), ids, GenSettings(gen=32))
+print(r.seconds_per_token, cpu[0] / len(r.generated_ids), r.generated_ids)
 """
 
 
-def single_section(ckpt_dir, pack_dir, base_rev, rounds, threads, tmp: Path) -> None:
-    """Decode s/token of one prompt: REV's tree (git archive) vs this one, alternating."""
+def single_section(ckpt_dir, pack_dir, base_rev, rounds, threads, resident, tmp: Path) -> None:
+    """Decode s/token of one prompt: REV's tree (git archive, in ``tmp``) vs this one,
+    alternating; at the floor budgets from the pack, or with ``resident`` every weight
+    read into RAM when the session opens (no pack, no cache: decode is compute only)."""
     tree = tmp / "base"
     tree.mkdir()
     arch = subprocess.run(["git", "-C", str(ROOT), "archive", base_rev], capture_output=True,
                           check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=arch, check=True)
     with Checkpoint.open(ckpt_dir) as ckpt:
-        f = minimum_budget(ModelSizes.from_checkpoint(ckpt))
-    budget = f"{f.trunk_bytes + 1},{f.cache_bytes + 1}"
+        sizes = ModelSizes.from_checkpoint(ckpt)
+    f = minimum_budget(sizes)
+    budget = "resident" if resident else f"{f.trunk_bytes + 1},{f.cache_bytes + 1}"
+    print(f"budgets (trunk,cache bytes): {budget}", flush=True)
     got = {"base": [], "head": []}
+    cpu = {"base": [], "head": []}
     toks = {}
     for r in range(rounds + 1):                  # round 0 compiles the base tree's cache
         for name, root in (("base", tree), ("head", ROOT)):
@@ -145,16 +167,20 @@ def single_section(ckpt_dir, pack_dir, base_rev, rounds, threads, tmp: Path) -> 
                                 str(pack_dir), budget, str(threads or 0)],
                                input=",".join(map(str, PROMPT_IDS)), capture_output=True,
                                text=True, check=True)
-            spt, ids = p.stdout.split(" ", 1)
-            toks[name] = ids
+            spt, cps, ids = p.stdout.split(" ", 2)
+            toks.setdefault(name, set()).add(ids)
             if r:
                 got[name].append(float(spt))
-        print(f"[single round {r} done]", flush=True)
-    b, h = statistics.median(got["base"]), statistics.median(got["head"])
-    print(f"one prompt, 32 tokens, s/token (median of {rounds}): {base_rev} {b:.3f} "
-          f"{['%.3f' % x for x in got['base']]}, this tree {h:.3f} "
-          f"{['%.3f' % x for x in got['head']]}: {h / b:.3f}x; same ids: "
-          f"{'yes' if toks['base'] == toks['head'] else 'NO'}")
+                cpu[name].append(float(cps))
+            print(f"[single round {r} {name}: {float(spt):.3f} s/token, "
+                  f"{float(cps):.3f} CPU s/token]", flush=True)
+    same = len(toks["base"] | toks["head"]) == 1
+    for what, d in (("s/token", got), ("CPU s/token", cpu)):
+        b, h = statistics.median(d["base"]), statistics.median(d["head"])
+        print(f"one prompt, 32 tokens, {what} (median of {rounds}): {base_rev} {b:.3f} "
+              f"{['%.3f' % x for x in d['base']]}, this tree {h:.3f} "
+              f"{['%.3f' % x for x in d['head']]}: {h / b:.3f}x")
+    print(f"same ids in every run: {'yes' if same else 'NO'}")
 
 
 def main() -> None:
@@ -166,6 +192,9 @@ def main() -> None:
     ap.add_argument("--base", help="commit for the single-prompt before/after (section 3)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, help="numba threads (default: all cores)")
+    ap.add_argument("--single-resident", action="store_true",
+                    help="section 3 with every weight in RAM (k3-run --resident), not the "
+                         "floor budgets")
     ap.add_argument("--sections", default="1,2,3")
     args = ap.parse_args()
     ckpt_dir, pack_dir = checkpoint("medium"), packed("medium")
@@ -185,7 +214,8 @@ def main() -> None:
             join_section(ckpt_dir, pack_dir, args.prompts, args.join_gen, args.threads)
         if "3" in args.sections and args.base:
             print(f"== 3. one prompt before ({args.base}) and after", flush=True)
-            single_section(ckpt_dir, pack_dir, args.base, args.rounds, args.threads, tmp)
+            single_section(ckpt_dir, pack_dir, args.base, args.rounds, args.threads,
+                           args.single_resident, tmp)
 
 
 if __name__ == "__main__":
