@@ -117,6 +117,13 @@ def _get(doc, path):
     return doc
 
 
+def _flip_bit(path, bit):
+    """Flip bit ``bit`` (0 = the first byte's lowest) of the file at ``path`` in place."""
+    blob = bytearray(path.read_bytes())
+    blob[bit // 8] ^= 1 << (bit % 8)
+    path.write_bytes(bytes(blob))
+
+
 def _mutate(doc, path, op, data):
     """Apply one drawn change at ``path``: replace it by any JSON value, delete it, or add
     a key to it (a dict)."""
@@ -186,9 +193,7 @@ def test_pack_index_any_bit_flip_refused_by_both(tiny_pack, budget_args, data):
     bit = data.draw(st.integers(0, size * 8 - 1), label="bit")
     d = _work_copy(tiny_pack)
     try:
-        blob = bytearray((d / INDEX).read_bytes())
-        blob[bit // 8] ^= 1 << (bit % 8)
-        (d / INDEX).write_bytes(bytes(blob))
+        _flip_bit(d / INDEX, bit)
         _assert_refused(_both(d, TINY, budget_args), INDEX)
     finally:
         shutil.rmtree(d.parent)

@@ -22,8 +22,8 @@ from libk3.pack.schema import BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, open_pack
 
 from .conftest import TINY
 from .pack_mutations import MANIFEST
-from .test_pack_integrity import (IDS, _assert_refused, _both, _canon, _mutate, _nodes,
-                                  _work_copy, budget_args)  # noqa: F401  (fixture)
+from .test_pack_integrity import (IDS, _assert_refused, _both, _canon, _flip_bit, _mutate,
+                                  _nodes, _work_copy, budget_args)  # noqa: F401  (fixture)
 
 HEALTH = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 
@@ -85,9 +85,7 @@ def test_v3_any_bit_flip_refused_by_both_or_harmless(name, tiny_kz, budget_args,
     bit = data.draw(st.integers(0, size * 8 - 1), label="bit")
     d = _work_copy(tiny_kz)
     try:
-        blob = bytearray((d / name).read_bytes())
-        blob[bit // 8] ^= 1 << (bit % 8)
-        (d / name).write_bytes(bytes(blob))
+        _flip_bit(d / name, bit)
         out = _both(d, TINY, budget_args)
         codes = sorted(c for c, _ in out.values())
         if codes == [0, 0]:
