@@ -266,20 +266,18 @@ def check_stop_strings(run: Run, settings: GenSettings) -> None:
 
 
 def run_one(run: Run, prompt_ids, settings: GenSettings, *, on_token=None, keep_logits=False,
-            load_state=None, save_state=None, should_stop=None, state=None,
-            after_prefill=None):
-    """One prompt. ``should_stop()``, if given, is asked at every prefill chunk and token;
-    when it answers True the prompt is abandoned (Abandoned is raised, nothing saved).
-    ``state``: continue this state (else a new one, or ``load_state``'s)."""
+            load_state=None, save_state=None, should_stop=None):
+    """One prompt, from a new state or ``load_state``'s. ``should_stop()``, if given, is
+    asked at every prefill chunk and token; when it answers True the prompt is abandoned
+    (Abandoned is raised, nothing saved)."""
     check_stop_strings(run, settings)
-    if state is None:
-        state = _load_state(run, load_state)
+    state = _load_state(run, load_state)
     progress = _prefill_bar(len(prompt_ids))
     if should_stop is not None:
         progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
     res = generate(run.session.forward, state, prompt_ids, settings,
                    tokenizer=run.session.tokenizer, on_token=on_token, keep_logits=keep_logits,
-                   progress=progress, after_prefill=after_prefill)
+                   progress=progress)
     if save_state:
         state.save(save_state)
     return res
