@@ -31,7 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, ROOT, checkpoint, packed, table  # noqa: E402
 
-TOOLS = {"libk3": "libk3", "k3_run": "tools/k3-run", "k3_trace": "tools/k3-trace"}
+TOOLS = {"libk3": "libk3", "k3_run": "tools/k3-run", "k3_trace": "tools/k3-trace",
+         "k3cli": "tools/k3cli"}             # k3cli: trees after issue 15's regroup
 LAUNCH = "import sys; from {mod}.cli import main; sys.argv[0] = '{prog}'; main()"
 
 
@@ -41,7 +42,7 @@ def tree_shim(src: Path, shim: Path) -> Path:
     shim.mkdir(parents=True, exist_ok=True)
     for name, rel in TOOLS.items():
         link = shim / name
-        if not link.exists():
+        if not link.exists() and (src / rel).exists():
             link.symlink_to(src / rel)
     return shim
 

@@ -71,27 +71,31 @@ def test_run_reads_the_tokenizer_only_for_text(tiny_dir, tmp_path, warm):
 
 CHECK_IMPORTS = '''
 import sys
+WATCHED = ("numba", "numpy", "libk3.kernels", "libk3.model", "tokenizers")
 sys.argv = {argv!r}
 from {module} import main
 try:
     main()
 except SystemExit:
     pass
-sys.stderr.write("\\nLOADED " + " ".join(sorted(m for m in ("numba", "libk3.kernels", "libk3.model", "tokenizers") if m in sys.modules)))
+sys.stderr.write("\\nLOADED " + " ".join(sorted(m for m in WATCHED if m in sys.modules)))
 '''
 
 
 @pytest.mark.parametrize("module, argv, loaded", [
     ("k3_run.cli", ["k3-run", "--help"], ""),
     ("k3_run.cli", ["k3-run", "--version"], ""),
-    ("k3_trace.cli", ["k3-trace", "stats", "TRACE"], ""),
+    ("k3_pack.cli", ["k3-pack", "--help"], ""),
+    ("k3_trace.cli", ["k3-trace", "stats", "TRACE"], "numpy"),
     ("k3_trace.cli", ["k3-trace", "replay", "TRACE", "--slots", "4", "--policy", "lru"],
-     "numba"),
-    ("k3_doctor.cli", ["k3-doctor", "--quick"], "numba"),
+     "numba numpy"),
+    ("k3_doctor.cli", ["k3-doctor", "--quick"], "numba numpy"),
 ])
 def test_tools_import_no_kernels_they_do_not_run(module, argv, loaded, tmp_path):
     """Catches a front end (or a module it needs) importing the numba kernels, the model
-    or the tokenizer at import time: seconds of start-up for --help or trace stats."""
+    or the tokenizer at import time: seconds of start-up for --help or trace stats; and
+    numpy for --help and --version (a third of --help's time: the option rules once
+    pulled it in through the sampler)."""
     from libk3.synth.traces import write_synth_trace
 
     trace = tmp_path / "t.k3trace"

@@ -8,7 +8,7 @@ Input line: {"id": str|int (required, unique), "prompt": str | "ids": [int] | "m
 [message] (exactly one; "messages" with optional "tools" and "template_kwargs", rendered
 with the model's chat template, formats/chat.md), optional "gen", "temperature", "top_p", "seed", "stop" (str or list of str), "stop_ids"
 ([int])}. The settings follow the same rules as the options (``gen_problem``,
-``sampler.temperature_problem``, ...). A malformed line, or one with a bad setting, is
+``settings.temperature_problem``, ...). A malformed line, or one with a bad setting, is
 reported with its line number and skipped; it never stops the batch.
 Lines are split on b"\n" only (U+2028 and U+2029 are legal inside a JSON string, and a
 trailing \r is JSON whitespace) and each is decoded as strict UTF-8: invalid bytes are
@@ -38,8 +38,9 @@ from pathlib import Path
 from ..errors import FormatError, K3IOError
 from ..io.atomic import write_error
 from .chat_request import conversation_problem
-from .generate import GenSettings, gen_problem, token_ids_problem
-from .sampler import seed_problem, temperature_problem, top_p_problem
+from .generate import GenSettings
+from .settings import (gen_problem, seed_problem, temperature_problem, token_ids_problem,
+                       top_p_problem)
 
 _RULES = {"gen": gen_problem, "temperature": temperature_problem, "top_p": top_p_problem,
           "seed": seed_problem}

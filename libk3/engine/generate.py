@@ -17,27 +17,11 @@ import numpy as np
 
 from typing import TYPE_CHECKING
 
-from ..config import K3_CONTEXT as MAX_POSITIONS
 from .defaults import PREFILL_CHUNK
 
 if TYPE_CHECKING:                  # the model is not imported by option parsing (start-up)
     from ..model.state import State
 from .sampler import Sampler
-
-
-def gen_problem(n) -> str | None:
-    """Why ``n`` is not a number of tokens to generate (0 .. the trained context), or None."""
-    if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_POSITIONS:
-        return None
-    return f"gen must be an integer 0 .. {MAX_POSITIONS:,} (the trained context), got {n!r}"
-
-
-def token_ids_problem(ids, vocab_size: int) -> str | None:
-    """Why ``ids`` is not a list (or tuple) of token ids 0 .. vocab_size - 1, or None."""
-    if isinstance(ids, (list, tuple)) and all(type(i) is int and 0 <= i < vocab_size
-                                              for i in ids):
-        return None
-    return f"token ids must be integers 0..{vocab_size - 1}, got {str(ids)[:60]}"
 
 
 class Abandoned(Exception):

@@ -189,7 +189,14 @@ def cache_dir(kern: Kernel):
     return getattr(kern.dispatcher()._cache, "cache_path", None)
 
 
+_announced = False              # the notice is said once per process, whatever the groups
+
+
 def _announce(kern: Kernel, stream) -> None:
+    global _announced
+    if _announced:
+        return
+    _announced = True
     if cache_dir(kern) is None:
         stream.write("compiling k3 kernels for this CPU; numba has no writable cache "
                      "directory here, so every run compiles (set NUMBA_CACHE_DIR)…\n")

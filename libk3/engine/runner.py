@@ -21,7 +21,8 @@ from .defaults import IO_THREADS, PREFILL_CHUNK
 from ..trace.format import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
 from .batch_sink import BatchSink
-from .generate import Abandoned, GenSettings, generate, token_ids_problem
+from .generate import Abandoned, GenSettings, generate
+from .settings import token_ids_problem
 from .report import run_report, startup_seconds
 from .session import open_session, parse_ids  # noqa: F401  (parse_ids re-exported for the CLI)
 
@@ -121,19 +122,24 @@ class Run:
         ckpt = Checkpoint.open(opts.model)       # indexed once, for the budget and the run
         try:
             self.budget, self.width, self.width_reasons = resolve_run_budget(opts, ckpt)
-            from .precompile import prepare     # before the expert cache calls its policy
-            self.compile_seconds = prepare(["forward"] + ([] if opts.resident
-                                                           else ["expert-cache"]))
+            from .precompile import prepare     # the expert cache builds its policy
+            self.compile_seconds = 0.0 if opts.resident else prepare(["expert-cache"])
+            on_route = self._record if opts.trace_path else None
+            self.session = open_session(
+                opts.model, ckpt=ckpt, pack=opts.pack,
+                trunk_bytes=None if opts.resident else self.budget.trunk_bytes,
+                cache_bytes=None if opts.resident else self.budget.cache_bytes,
+                cache_policy=opts.cache_policy, io_threads=opts.io_threads,
+                direct_io=opts.direct_io, on_route=on_route, verify_reads=opts.verify_reads)
         except BaseException:
             ckpt.close()
             raise
-        on_route = self._record if opts.trace_path else None
-        self.session = open_session(
-            opts.model, ckpt=ckpt, pack=opts.pack,
-            trunk_bytes=None if opts.resident else self.budget.trunk_bytes,
-            cache_bytes=None if opts.resident else self.budget.cache_bytes,
-            cache_policy=opts.cache_policy, io_threads=opts.io_threads,
-            direct_io=opts.direct_io, on_route=on_route, verify_reads=opts.verify_reads)
+        try:    # the forward's kernels load while the session's first reads (lm_head, the
+            self.compile_seconds += prepare(["forward"])    # ring's layers) are under way
+        except BaseException:
+            self.session.weights.close()
+            ckpt.close()
+            raise
         self.seq = 0                       # which prompt of a batch (trace records)
         self._chat = None
         if opts.trace_path:

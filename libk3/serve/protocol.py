@@ -18,8 +18,8 @@ import json
 import time
 
 from ..engine.chat_request import conversation_problem
-from ..engine.generate import gen_problem, token_ids_problem
-from ..engine.sampler import seed_problem, temperature_problem, top_p_problem
+from ..engine.settings import (gen_problem, seed_problem, temperature_problem,
+                               token_ids_problem, top_p_problem)
 
 MAX_STOP = 4                     # stop sequences per request (as the OpenAI API)
 

@@ -11,7 +11,7 @@ import click
 from libk3 import __version__
 from k3cli.group import DefaultGroup, Finite, Rule
 from k3cli.support import handle_errors, print_json
-from libk3.engine.sampler import seed_problem
+from libk3.engine.settings import seed_problem
 
 
 @click.group(cls=DefaultGroup, default="pack",

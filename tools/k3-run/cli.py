@@ -12,8 +12,7 @@ from k3cli.group import Command, Finite, Rule, gigabytes
 from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_SIZE
 from libk3.engine.defaults import IO_THREADS, PREFILL_CHUNK
-from libk3.engine.generate import gen_problem
-from libk3.engine.sampler import seed_problem, temperature_problem, top_p_problem
+from libk3.engine.settings import gen_problem, seed_problem, temperature_problem, top_p_problem
 from libk3.errors import UsageError
 from libk3.io import atomic
 from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
