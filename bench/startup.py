@@ -6,14 +6,20 @@
   share of the wall time;
 * the tokenizer of the real vocabulary: derived in memory vs read from its cache;
 * ``k3-run --help``;
-* ``k3-trace stats`` on a 100k-request trace.
+* ``k3-trace stats`` on a 100k-request trace;
+* with ``--c-engine BIN --c-trunk DIR``: whole-process wall time of this tree's k3-run
+  against the public C engine on real-dims, the same prompt, 6 generated tokens and the
+  same budgets (trunk ``--c-trunk-gb``, experts streamed from a 0.4 GB cache), the two
+  alternated, the page cache of both engines' files dropped before every run. BIN is the
+  C engine's ``k3`` binary (built outside this repository), DIR the trunk its packer
+  wrote from real-dims (``pack_trunk.py MODEL DIR 3``).
 
 BASE is extracted with ``git archive`` into ``scratch/startup-base/`` (its numba cache
 is compiled on its first run, once). Both trees run under this venv's Python with
 PYTHONPATH pointing at the tree, so launching costs the same. ``--threads 1`` keeps the
 shared machine's other processes from stretching the compute (start-up has no threads).
 
-    python bench/startup.py [--base main] [--runs 3]
+    python bench/startup.py [--base main] [--runs 3] [--c-engine BIN --c-trunk DIR]
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, ROOT, checkpoint, packed, table  # noqa: E402
+from common import DATA, ROOT, checkpoint, drop_page_cache, packed, table  # noqa: E402
 
 TOOLS = {"libk3": "libk3", "k3_run": "tools/k3-run", "k3_trace": "tools/k3-trace",
          "k3cli": "tools/k3cli"}             # k3cli: trees after issue 15's regroup
@@ -113,12 +119,56 @@ def tokenizer_rows(model: Path, runs: int) -> list:
     return [[label, f"{med(v):.2f} s"] for label, v in times.items()]
 
 
+C_PROMPT, C_GEN, C_CACHE_GB = "1,2,3", 6, 0.4
+
+
+def c_engine_section(model: Path, pack: Path, engine: Path, c_trunk: Path, trunk_gb: float,
+                     runs: int, tmp: Path) -> None:
+    """Whole-process wall time, k3-run (this tree, installed) vs the C engine."""
+    budget = ["--trunk-gb", trunk_gb, "--cache-gb", C_CACHE_GB]
+    cmds = {"k3": ["k3-run", model, "--pack", pack, *budget, "--ids", C_PROMPT, "--gen", C_GEN,
+                   "--report-json", tmp / "k3.json"],
+            "C": [engine, model, "--trunk", c_trunk, *budget, "--ids", C_PROMPT, "--gen", C_GEN,
+                  "--incremental", "--out", tmp / "c.json"]}
+    out = {"k3": tmp / "k3.json", "C": tmp / "c.json"}
+    walls, ids = {n: [] for n in cmds}, {n: set() for n in cmds}
+    for _ in range(runs):
+        for name, cmd in cmds.items():
+            for p in (model, pack, c_trunk):
+                drop_page_cache(p)
+            t0 = time.perf_counter()
+            p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            if p.returncode != 0:
+                sys.stderr.write(p.stdout[-2000:] + p.stderr[-2000:])
+                raise SystemExit(f"{name} failed ({p.returncode})")
+            walls[name].append(wall)
+            ids[name].add(tuple(json.loads(out[name].read_text())["generated_ids"]))
+    k3, c = med(walls["k3"]), med(walls["C"])
+    print(f"\nreal-dims, --ids {C_PROMPT} --gen {C_GEN}, trunk {trunk_gb} GB, cache "
+          f"{C_CACHE_GB} GB, page cache dropped before each run ({runs} runs each, "
+          "alternated; whole-process wall seconds)")
+    print(table([[n, " ".join(f"{w:.2f}" for w in walls[n]), f"{med(walls[n]):.2f}"]
+                 for n in cmds], ["engine", "runs", "median"]))
+    print(f"k3 / C engine: {k3 / c:.2f}x (target <= 0.95x); same generated ids: "
+          f"{len(ids['k3']) == 1 and ids['k3'] == ids['C']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="main")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--c-engine", type=Path, help="the C engine's k3 binary")
+    ap.add_argument("--c-trunk", type=Path, help="real-dims trunk packed by the C engine")
+    ap.add_argument("--c-trunk-gb", type=float, default=3.7, help="both engines' trunk budget")
+    ap.add_argument("--only-c", action="store_true", help="run only the C-engine section")
     a = ap.parse_args()
     model, pack = checkpoint("real-dims"), packed("real-dims")
+    if a.c_engine:
+        c_engine_section(model, pack, a.c_engine, a.c_trunk, a.c_trunk_gb, a.runs,
+                         Path(tempfile.mkdtemp()))
+        if a.only_c:
+            return
     trees = {"base": base_tree(a.base), "head": tree_shim(ROOT, DATA / "startup-head")}
     tmp = Path(tempfile.mkdtemp())
     run_args = [model, "--pack", pack, "--preset", "laptop", "--ids", 1, "--gen", 0,

@@ -11,8 +11,8 @@
   and read in place, never copied):
   each of its 229,376 values is drawn uniformly inside the E2M1 rounding interval of its
   code, times its group's scale (section text says what that assumes);
-* run: ``k3-run --pack`` at the floor budget (a ring of two layers: the whole trunk read
-  every token) raw vs compressed, rounds alternating, same tokens required.
+* run: ``k3-run --pack`` at the floor budget (one ring slot: the whole trunk read every
+  token, with no read-ahead) raw vs compressed, rounds alternating, same tokens required.
 
     python bench/trunk_compress.py [--rounds 3] [--gen 4] [--keep]
 
@@ -178,8 +178,8 @@ def run_section(ck: Path, raw_pack: Path, kz_pack: Path, rounds: int, gen: int) 
                              f"{rep['trunk_decode_seconds']:.1f}",
                              f"{rep['trunk_wait_seconds']:.1f}",
                              f"{rep['peak_rss_bytes'] / 1e9:.2f}"])
-    print(f"\n== k3-run real-dims at the floor budget (trunk {floor.trunk_bytes / 1e9:.2f} GB: "
-          f"a ring of two layers), --ids 1,2,3,4 --gen {gen}")
+    print(f"\n== k3-run real-dims at the floor budget ({floor.reasons[0]}), "
+          f"--ids 1,2,3,4 --gen {gen}")
     print(table(rows, ["round", "pack", "s/token", "trunk GB read", "read s", "decode s",
                        "wait s", "peak RSS GB"]))
     a, b = float(np.median(spt["raw"])), float(np.median(spt["compressed"]))
