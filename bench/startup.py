@@ -15,7 +15,7 @@
   wrote from real-dims (``pack_trunk.py MODEL DIR 3``).
 
 BASE is extracted with ``git archive`` into ``scratch/startup-base/`` (its numba cache
-is compiled on its first run, once). Both trees run under this venv's Python with
+is compiled on its first run, once) and packs real-dims with its own k3-pack there. Both trees run under this venv's Python with
 PYTHONPATH pointing at the tree, so launching costs the same. ``--threads 1`` keeps the
 shared machine's other processes from stretching the compute (start-up has no threads).
 
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, ROOT, checkpoint, drop_page_cache, packed, table  # noqa: E402
 
 TOOLS = {"libk3": "libk3", "k3_run": "tools/k3-run", "k3_trace": "tools/k3-trace",
-         "k3cli": "tools/k3cli"}             # k3cli: trees after issue 15's regroup
+         "k3_pack": "tools/k3-pack", "k3cli": "tools/k3cli"}             # k3cli: trees after issue 15's regroup
 LAUNCH = "import sys; from {mod}.cli import main; sys.argv[0] = '{prog}'; main()"
 
 
@@ -87,12 +87,24 @@ def tool(shim: Path, prog: str, args, report: Path | None = None):
 
 
 def side_by_side(trees: dict, prog: str, args, runs: int, tmp: Path, with_report=False):
-    """{tree: [(wall, report)]}, the trees alternated run by run."""
+    """{tree: [(wall, report)]}, the trees alternated run by run (``args``: a list, or
+    {tree: list})."""
     out = {name: [] for name in trees}
     for i in range(runs):
         for name, shim in trees.items():
             rep = tmp / f"{name}-{i}.json" if with_report else None
-            out[name].append(tool(shim, prog, args, rep))
+            out[name].append(tool(shim, prog, args[name] if isinstance(args, dict) else args,
+                                  rep))
+    return out
+
+
+def tree_pack(shim: Path, model: Path) -> Path:
+    """real-dims packed by the tree at ``shim``'s own k3-pack (pack formats change between
+    commits), once per tree."""
+    out = shim.parent / "real-dims.pack"
+    if not (out / "trunk.json").exists():
+        print(f"[setup] packing real-dims with {shim.parent.name}'s k3-pack ...", flush=True)
+        tool(shim, "k3-pack", [model, out, "--quiet"])
     return out
 
 
@@ -171,8 +183,9 @@ def main() -> None:
             return
     trees = {"base": base_tree(a.base), "head": tree_shim(ROOT, DATA / "startup-head")}
     tmp = Path(tempfile.mkdtemp())
-    run_args = [model, "--pack", pack, "--preset", "laptop", "--ids", 1, "--gen", 0,
-                "--threads", 1]
+    packs = {"base": tree_pack(trees["base"], model), "head": pack}
+    run_args = {name: [model, "--pack", packs[name], "--preset", "laptop", "--ids", 1,
+                       "--gen", 0, "--threads", 1] for name in trees}
     print(f"[setup] warm-up run of each tree (compiles {a.base}'s kernels once) ...", flush=True)
     side_by_side(trees, "k3-run", run_args, 1, tmp, with_report=True)
 
