@@ -166,6 +166,35 @@ def c_engine_section(model: Path, pack: Path, engine: Path, c_trunk: Path, trunk
           f"{len(ids['k3']) == 1 and ids['k3'] == ids['C']}")
 
 
+def light_section(trees: dict, runs: int, tmp: Path) -> None:
+    """``--help``, ``k3-trace stats`` on 100k requests, and start-up on the tiny fixture
+    (its reads are 3 MB: what start-up costs besides reading)."""
+    res = side_by_side(trees, "k3-run", ["--help"], max(5, runs), tmp)
+    helps = {n: med(w for w, _ in v) for n, v in res.items()}
+
+    trace = DATA / "startup-100k.k3trace"
+    if not trace.exists():
+        from libk3.synth.traces import write_synth_trace
+        write_synth_trace(trace, 68)                # 68 tokens x 93 layers x 16 = 101,184
+    res = side_by_side(trees, "k3-trace", ["stats", trace], max(5, runs), tmp)
+    stats = {n: med(w for w, _ in v) for n, v in res.items()}
+    print("\nlight commands (medians of 5, seconds)")
+    print(table([["k3-run --help", f"{helps['base']:.2f}", f"{helps['head']:.2f}",
+                  f"{helps['head'] / helps['base']:.2f}x"],
+                 ["k3-trace stats (101,184 requests)", f"{stats['base']:.2f}",
+                  f"{stats['head']:.2f}", f"{stats['head'] / stats['base']:.2f}x"]],
+                ["command", "base", "head", "head / base"]))
+    tiny = ROOT / "fixtures" / "tiny"
+    args = [tiny, "--ids", 1, "--gen", 0, "--threads", 1]
+    side_by_side(trees, "k3-run", args, 1, tmp, with_report=True)      # warm
+    res = side_by_side(trees, "k3-run", args, max(5, runs), tmp, with_report=True)
+    print("\nfixtures/tiny, k3-run --ids 1 --gen 0 --threads 1 (medians of 5, seconds)")
+    print(table([[n, f"{med(w for w, _ in v):.2f}",
+                  "-" if v[0][1].get("startup_seconds") is None else
+                  f"{med(r['startup_seconds'] for _, r in v):.2f}"] for n, v in res.items()],
+                ["tree", "wall", "start-up"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="main")
@@ -173,16 +202,19 @@ def main() -> None:
     ap.add_argument("--c-engine", type=Path, help="the C engine's k3 binary")
     ap.add_argument("--c-trunk", type=Path, help="real-dims trunk packed by the C engine")
     ap.add_argument("--c-trunk-gb", type=float, default=3.7, help="both engines' trunk budget")
-    ap.add_argument("--only-c", action="store_true", help="run only the C-engine section")
+    ap.add_argument("--only", choices=("c", "light"),
+                    help="run only the C-engine section or only the light commands")
     a = ap.parse_args()
     model, pack = checkpoint("real-dims"), packed("real-dims")
-    if a.c_engine:
+    if a.c_engine and a.only in (None, "c"):
         c_engine_section(model, pack, a.c_engine, a.c_trunk, a.c_trunk_gb, a.runs,
                          Path(tempfile.mkdtemp()))
-        if a.only_c:
-            return
+    if a.only == "c":
+        return
     trees = {"base": base_tree(a.base), "head": tree_shim(ROOT, DATA / "startup-head")}
     tmp = Path(tempfile.mkdtemp())
+    if a.only == "light":
+        return light_section(trees, a.runs, tmp)
     packs = {"base": tree_pack(trees["base"], model), "head": pack}
     run_args = {name: [model, "--pack", packs[name], "--preset", "laptop", "--ids", 1,
                        "--gen", 0, "--threads", 1] for name in trees}
@@ -208,21 +240,7 @@ def main() -> None:
     print("\nreal vocabulary (163,584 ranks): tokenizer ready to encode, in a fresh process")
     print(table(tokenizer_rows(model, a.runs), ["tokenizer", "median"]))
 
-    res = side_by_side(trees, "k3-run", ["--help"], max(5, a.runs), tmp)
-    helps = {n: med(w for w, _ in v) for n, v in res.items()}
-
-    trace = DATA / "startup-100k.k3trace"
-    if not trace.exists():
-        from libk3.synth.traces import write_synth_trace
-        write_synth_trace(trace, 68)                # 68 tokens x 93 layers x 16 = 101,184
-    res = side_by_side(trees, "k3-trace", ["stats", trace], max(5, a.runs), tmp)
-    stats = {n: med(w for w, _ in v) for n, v in res.items()}
-    print("\nlight commands (medians of 5, seconds)")
-    print(table([["k3-run --help", f"{helps['base']:.2f}", f"{helps['head']:.2f}",
-                  f"{helps['head'] / helps['base']:.2f}x"],
-                 ["k3-trace stats (101,184 requests)", f"{stats['base']:.2f}",
-                  f"{stats['head']:.2f}", f"{stats['head'] / stats['base']:.2f}x"]],
-                ["command", "base", "head", "head / base"]))
+    light_section(trees, a.runs, tmp)
 
 
 if __name__ == "__main__":
