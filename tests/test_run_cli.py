@@ -95,8 +95,28 @@ def test_run_minimum_budget_streams_everything(small_dir, tmp_path):
     assert r["pinned_layers"] == [] and r["ring_slots"] == 1
     with Checkpoint.open(small_dir) as ckpt:
         trunk = ModelSizes.from_checkpoint(ckpt).trunk_bytes
-    assert r["trunk_bytes_read"] >= 3 * trunk       # prefill chunk + 3 decode steps
+    assert r["trunk_bytes_read"] >= 3 * trunk       # prefill chunk + 2 decode steps
     assert r["cache_hit_rate"] < 0.5
+
+
+def test_run_feeds_the_last_token_only_when_the_state_is_kept(tiny_dir, tmp_path):
+    """Catches a one-shot run that feeds its last token for nothing (at the floor, a whole
+    trunk read: 1/7 of a 6-token run), and a saved state that lacks that token."""
+    from libk3.config import load_config
+    from libk3.model.state import State
+
+    b = _budgets(tiny_dir)[1]                       # the floor: every pass reads the trunk
+    reps = {}
+    for name, extra in (("once", ()), ("saved", ("--save-state", tmp_path / "s.k3state"))):
+        rep = tmp_path / f"{name}.json"
+        p = k3(tiny_dir, "--ids", PROMPT, "--gen", 4, *b, *extra, "--report-json", rep)
+        assert p.returncode == 0, p.stderr
+        reps[name] = json.loads(rep.read_text())
+    assert reps["once"]["generated_ids"] == reps["saved"]["generated_ids"]
+    # one prefill pass (14 ids, one chunk) + 3 decode passes, vs + 4 when the state is kept
+    assert reps["saved"]["trunk_bytes_read"] * 4 == reps["once"]["trunk_bytes_read"] * 5
+    st = State.load(load_config(tiny_dir), tmp_path / "s.k3state")
+    assert st.pos == len(PROMPT.split(",")) + 4
 
 
 def test_run_budget_below_minimum_refused_before_work(small_dir):

@@ -5,7 +5,8 @@ collecting logits for ``--logits-out``. Does not own: weights, printing, or the 
 
 Every generated token is fed back (its logits row is produced), so the state after a
 call holds the whole conversation and a later turn continues without re-prefill, and
-``--logits-out`` has one row per prompt or generated token (row i predicts token i+1).
+``--logits-out`` has one row per prompt or generated token (row i predicts token i+1);
+a one-shot run that keeps neither passes ``feed_last=False`` and skips the last pass.
 """
 
 from __future__ import annotations
@@ -74,9 +75,12 @@ def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=
 
 def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokenizer=None,
              on_token=None, keep_logits: bool = False, progress=None,
-             after_prefill=None) -> GenResult:
+             after_prefill=None, feed_last: bool = True) -> GenResult:
     """Run one prompt. ``on_token(id)`` is called as each token is produced;
-    ``after_prefill(state)`` once the prompt is in the state (reuse of earlier turns)."""
+    ``after_prefill(state)`` once the prompt is in the state (reuse of earlier turns).
+    With ``feed_last`` False (and no ``keep_logits``), the token that ends generation by
+    length or stop id is not fed: nothing would use its pass (at the floor, a whole trunk
+    read), and the state then ends before it."""
     sampler = Sampler(settings.temperature, settings.top_p, settings.seed)
     prompt_ids = [int(i) for i in prompt_ids]
     t0 = time.perf_counter()
@@ -112,7 +116,9 @@ def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokeni
             budget.update(len(drafts), len(accepted))
         else:
             accepted = []
-            logits = forward([tok], state, all_logits=True, phase="decode")
+            ends = len(generated) + 1 >= settings.gen or tok in settings.stop_ids
+            logits = (None if ends and not feed_last and not keep_logits else
+                      forward([tok], state, all_logits=True, phase="decode"))
         fed = [tok] + accepted
         kept = 0
         for t in fed:
@@ -130,6 +136,8 @@ def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokeni
                 break
         if kept < len(fed):          # a stop string inside accepted drafts: drop the rest
             logits = refeed(forward, state, snap, fed[:kept], spec_stats)
+        if logits is None:             # the unfed last token: generation ends here
+            break
         if keep_logits:
             rows.append(logits)
         last = logits[-1]

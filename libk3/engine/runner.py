@@ -283,7 +283,7 @@ def run_one(run: Run, prompt_ids, settings: GenSettings, *, on_token=None, keep_
         progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
     res = generate(run.session.forward, state, prompt_ids, settings,
                    tokenizer=run.session.tokenizer, on_token=on_token, keep_logits=keep_logits,
-                   progress=progress)
+                   progress=progress, feed_last=bool(save_state))
     if save_state:
         state.save(save_state)
     return res
