@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import CheckpointError, K3IOError
 
 ALIGN = 4096
-YIELD_CHUNK = 1 << 20          # trunk read-ahead yields to expert reads every 1 MiB
+YIELD_CHUNK = 4 << 20          # trunk read-ahead yields to expert reads every 4 MiB
 
 
 def align_down(n: int) -> int:

@@ -35,9 +35,10 @@ from ..budget import plan_trunk
 from ..io.direct import FileSet, ReadCancelled, aligned_empty, window_bytes
 
 
-# Trunk read-ahead pieces in flight at once: deeper queues the expert reads on the
-# critical path behind the read-ahead (bench/README.md, "Disk and read-ahead").
-READ_AHEAD_DEPTH = 2
+# Trunk read-ahead pieces in flight at once: 4 x 4 MiB read real-dims' GB-sized layers
+# faster than 2 x 1 MiB; deeper queues expert reads behind the read-ahead (bench/README.md,
+# "Disk and read-ahead").
+READ_AHEAD_DEPTH = 4
 # When a packed layer's CRC is checked: the first time this process reads it (pinned
 # layers at load, ring layers on their first pass), or on every read (formats/pack.md).
 VERIFY_READS = ("first", "every")
