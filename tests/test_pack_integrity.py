@@ -175,7 +175,7 @@ def test_pack_manifest_random_mutation_refused_by_both(tiny_pack, budget_args, d
         if path[:2] == ("source", "shards") and op == "replace" and len(path) == 4:
             needle = "different checkpoint"            # a shard's size or content differs
         elif path[0] == "layers" and path[-1] == "crc32" and op == "replace" \
-                and type(parent["crc32"]) is int and 0 <= parent["crc32"] < 2**32:
+                and type(crc := _get(doc, path[:-1])["crc32"]) is int and 0 <= crc < 2**32:
             needle = TRUNK                             # a valid CRC that the bytes fail
         else:
             needle = MANIFEST

@@ -112,7 +112,7 @@ class DirectFile:
 
     def read_window(self, offset: int, nbytes: int, buf: np.ndarray, what: str = "",
                     yield_to: "ReadGate | None" = None, pool=None, depth: int = 1,
-                    cancel: "threading.Event | None" = None) -> int:
+                    cancel: "threading.Event | None" = None, on_piece=None) -> int:
         """Read the aligned window around [offset, offset+nbytes) into ``buf`` (aligned,
         at least ``window_bytes(nbytes)``); returns where the payload starts in ``buf``.
         A short read at the end of the file is fine if it covers the payload. With
@@ -120,7 +120,9 @@ class DirectFile:
         ``pool`` as well, keep ``depth`` pieces in flight on it (one sequential stream at
         a time reads slower than the disk can: bench/perf.py disk). With ``cancel``, a
         piece-wise read raises ReadCancelled once it is set (a read-ahead nobody will use
-        stops within a few pieces instead of reading a whole layer at exit)."""
+        stops within a few pieces instead of reading a whole layer at exit). With
+        ``on_piece`` (no ``yield_to``), read in YIELD_CHUNK pieces and call
+        ``on_piece(lo, hi)`` with each landed piece's range of ``buf``, in order."""
         start = align_down(offset)
         end = min(align_up(offset + nbytes), align_up(self.size))
         view = memoryview(buf)[:end - start]
@@ -129,13 +131,16 @@ class DirectFile:
         else:
             got = 0
             while got < len(view):
-                piece = view[got:] if yield_to is None else view[got:got + YIELD_CHUNK]
+                piece = (view[got:] if yield_to is None and on_piece is None else
+                         view[got:got + YIELD_CHUNK])
                 if yield_to is not None:
                     yield_to.wait_clear()
                     _check(cancel)
                 n = self._pread(piece, start + got, what)
                 if n == 0:
                     break
+                if on_piece is not None:
+                    on_piece(got, got + n)
                 got += n
                 if n < len(piece):
                     break                           # end of file inside the last block

@@ -32,7 +32,7 @@ from ..errors import FormatError
 from ..io import inventory
 from ..io.dtypes import bound_extra_bytes, matrix_operand, widen
 from ..budget import plan_trunk
-from ..io.direct import FileSet, ReadCancelled, aligned_empty, window_bytes
+from ..io.direct import FileSet, ReadCancelled, align_down, aligned_empty, window_bytes
 
 
 # Trunk read-ahead pieces in flight at once: 4 x 4 MiB read real-dims' GB-sized layers
@@ -96,6 +96,44 @@ def runs_from_pack(pack_dir, manifest: dict, blocks: list | None = None) -> list
             for lay in manifest["layers"]]
 
 
+class _FoldedCrc:
+    """The CRC-32 of a layer's payload computed piece by piece on a helper thread while the
+    foreground read fetches the next piece (zlib.crc32 and preadv both release the GIL):
+    at the floor every layer's first read is foreground, and a whole-trunk CRC after each
+    read would add its time to the first token."""
+
+    def __init__(self, run: LayerRun, buf):
+        self.lo = run.offset - align_down(run.offset)       # the payload inside the window
+        self.hi = self.lo + run.nbytes
+        self.buf = buf
+        self.crc = 0
+        self.seconds = 0.0
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-trunk-crc")
+        self.last = None
+
+    def _fold(self, a: int, b: int) -> None:
+        t0 = time.perf_counter()
+        self.crc = zlib.crc32(self.buf[a:b], self.crc)
+        self.seconds += time.perf_counter() - t0
+
+    def feed(self, a: int, b: int) -> None:
+        a, b = max(a, self.lo), min(b, self.hi)
+        if a < b:                    # one worker: pieces fold in order
+            self.last = self.pool.submit(self._fold, a, b)
+
+    def result(self) -> tuple:
+        """(crc, seconds spent folding) once every piece is in."""
+        try:
+            if self.last is not None:
+                self.last.result()
+        finally:
+            self.close()
+        return self.crc, self.seconds
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
 class TrunkStreamer:
     """Weight-provider half for trunk layers: ``layer(L)`` / ``release(L)``."""
 
@@ -150,17 +188,28 @@ class TrunkStreamer:
         run = self.runs[L]
         if run.blocks is not None:
             return self._read_coded(run, buf, background)
+        check = run.crc32 is not None and (self.verify_reads == "every"
+                                           or L not in self._verified)
+        folded = _FoldedCrc(run, buf) if check and not background else None
         t0 = time.perf_counter()
-        base = self.files.get(run.path).read_window(
-            run.offset, run.nbytes, buf, what=f"layer {L} trunk",
-            yield_to=self.files.gate if background else None,
-            pool=self._pool if background else None, depth=READ_AHEAD_DEPTH,
-            cancel=self._cancel if background else None)
+        try:
+            base = self.files.get(run.path).read_window(
+                run.offset, run.nbytes, buf, what=f"layer {L} trunk",
+                yield_to=self.files.gate if background else None,
+                pool=self._pool if background else None, depth=READ_AHEAD_DEPTH,
+                cancel=self._cancel if background else None,
+                on_piece=folded.feed if folded is not None else None)
+        except BaseException:
+            if folded is not None:
+                folded.close()
+            raise
         dt = time.perf_counter() - t0
         with self._cond:
             self.stats["bytes_read"] += run.nbytes
             self.stats["read_seconds"] += dt
-        if run.crc32 is not None and (self.verify_reads == "every" or L not in self._verified):
+        if folded is not None:
+            self._crc_result(run, *folded.result())
+        elif check:
             self._check_crc(run, buf, base)
         return base
 
@@ -186,9 +235,12 @@ class TrunkStreamer:
         ring layers, so it overlaps compute (zlib.crc32 releases the GIL)."""
         t0 = time.perf_counter()
         crc = zlib.crc32(buf[base:base + run.nbytes])
+        self._crc_result(run, crc, time.perf_counter() - t0)
+
+    def _crc_result(self, run: LayerRun, crc: int, seconds: float) -> None:
         with self._cond:
             self.stats["crc_checks"] += 1
-            self.stats["crc_seconds"] += time.perf_counter() - t0
+            self.stats["crc_seconds"] += seconds
         if crc != run.crc32:
             raise crc_mismatch(run.path, run.layer, run.crc32, crc)
         self._verified.add(run.layer)
