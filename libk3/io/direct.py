@@ -27,6 +27,7 @@ from ..errors import CheckpointError, K3IOError
 
 ALIGN = 4096
 YIELD_CHUNK = 4 << 20          # trunk read-ahead yields to expert reads every 4 MiB
+FOLD_CHUNK = 32 << 20          # a foreground read hands over pieces this size (on_piece)
 
 
 def align_down(n: int) -> int:
@@ -121,7 +122,7 @@ class DirectFile:
         a time reads slower than the disk can: bench/perf.py disk). With ``cancel``, a
         piece-wise read raises ReadCancelled once it is set (a read-ahead nobody will use
         stops within a few pieces instead of reading a whole layer at exit). With
-        ``on_piece`` (no ``yield_to``), read in YIELD_CHUNK pieces and call
+        ``on_piece`` (no ``yield_to``), read in FOLD_CHUNK pieces and call
         ``on_piece(lo, hi)`` with each landed piece's range of ``buf``, in order."""
         start = align_down(offset)
         end = min(align_up(offset + nbytes), align_up(self.size))
@@ -131,8 +132,8 @@ class DirectFile:
         else:
             got = 0
             while got < len(view):
-                piece = (view[got:] if yield_to is None and on_piece is None else
-                         view[got:got + YIELD_CHUNK])
+                piece = (view[got:got + YIELD_CHUNK] if yield_to is not None else
+                         view[got:got + FOLD_CHUNK] if on_piece is not None else view[got:])
                 if yield_to is not None:
                     yield_to.wait_clear()
                     _check(cancel)
