@@ -15,8 +15,9 @@
   wrote from real-dims (``pack_trunk.py MODEL DIR 3``).
 
 BASE is extracted with ``git archive`` into ``scratch/startup-base/`` (its numba cache
-is compiled on its first run, once) and packs real-dims with its own k3-pack there. Both trees run under this venv's Python with
-PYTHONPATH pointing at the tree, so launching costs the same. ``--threads 1`` keeps the
+is compiled on its first run, once) and packs real-dims with its own k3-pack there. Both
+trees run under this venv's Python with PYTHONPATH pointing at the tree, so launching
+costs the same. ``--threads 1`` keeps the
 shared machine's other processes from stretching the compute (start-up has no threads).
 
     python bench/startup.py [--base main] [--runs 3] [--c-engine BIN --c-trunk DIR]
@@ -38,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, ROOT, checkpoint, drop_page_cache, packed, table  # noqa: E402
 
 TOOLS = {"libk3": "libk3", "k3_run": "tools/k3-run", "k3_trace": "tools/k3-trace",
-         "k3_pack": "tools/k3-pack", "k3cli": "tools/k3cli"}             # k3cli: trees after issue 15's regroup
+         "k3_pack": "tools/k3-pack",
+         "k3cli": "tools/k3cli"}            # k3cli: trees after issue 15's regroup
 LAUNCH = "import sys; from {mod}.cli import main; sys.argv[0] = '{prog}'; main()"
 
 

@@ -134,14 +134,13 @@ class Run:
         except BaseException:
             ckpt.close()
             raise
+        self.seq = 0                       # which prompt of a batch (trace records)
+        self._chat = None
         try:    # the forward's kernels load while the session's first reads (lm_head, the
             self.compile_seconds += prepare(["forward"])    # ring's layers) are under way
         except BaseException:
-            self.session.weights.close()
-            ckpt.close()
+            self.close(failed=True)
             raise
-        self.seq = 0                       # which prompt of a batch (trace records)
-        self._chat = None
         if opts.trace_path:
             from .. import __version__
             from ..trace.format import TraceWriter, header_for_config
