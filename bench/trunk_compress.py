@@ -1,9 +1,10 @@
 """Compressed trunk (issue 16), side by side in one run, on the real-dims checkpoint:
 
-* codec: stored fraction and decode rate of the chosen codec (BF16 exponent plane in
-  zstd, ``libk3.stream.trunk_codec``) against the numba Huffman table decoder we wrote
-  first (``bench/huffman_candidate.py``), per core and on every core, on the same bytes
-  (the largest BF16 tensor of real-dims layer 1, up to 64 MiB);
+* codec: stored fraction and decode rate of the chosen codec (a 4-bit exponent code
+  with escapes, ``libk3.stream.trunk_codec``) against the zstd exponent plane k3 shipped
+  first (``bench/zstd_candidate.py``) and a numba Huffman table decoder
+  (``bench/huffman_candidate.py``), per core and on every core, on the same bytes (the
+  largest BF16 tensor of real-dims layer 1, up to 64 MiB);
 * pack: the whole real-dims trunk compressed (fraction of raw), decode rate of whole
   layers on every core, and the O_DIRECT sequential read rate of the raw trunk.bin;
 * mxfp4-derived: the same codec figures on BF16 values built from the released MXFP4
@@ -93,6 +94,7 @@ def mxfp4_derived(copies: int = 64) -> np.ndarray | None:
 
 def codec_section(raw: np.ndarray, name: str) -> None:
     import huffman_candidate as hc
+    import zstd_candidate as zc
 
     rows = []
     plan = plan_blocks([("w", 0, raw.size, "BF16")])
@@ -106,16 +108,18 @@ def codec_section(raw: np.ndarray, name: str) -> None:
         t = _best(lambda: c.decode(p, 0, len(p), src, 0, out, False, "x", 0))
         tc = _best(lambda: c.decode(p, 0, len(p), src, 0, out, True, "x", 0))
         c.close()
-        rows.append(["zstd exponent plane (chosen)", threads, f"{len(blob) / raw.size:.4f}",
+        rows.append(["4-bit exponent code (chosen)", threads, f"{len(blob) / raw.size:.4f}",
                      f"{raw.size / t / 1e9:.2f}", f"{raw.size / tc / 1e9:.2f}"])
-    hb = hc.encode_all(raw.view(np.uint16))
-    for threads in (1, 2):
-        out16 = np.empty(raw.size // 2, np.uint16)
-        hc.decode_all(hb, out16, threads)
-        assert out16.view(np.uint8).tobytes() == raw.tobytes()
-        t = _best(lambda: hc.decode_all(hb, out16, threads))
-        rows.append(["numba Huffman table (candidate)", threads, f"{hb.stored / raw.size:.4f}",
-                     f"{raw.size / t / 1e9:.2f}", "-"])
+    for label, mod in (("zstd exponent plane (shipped first)", zc),
+                       ("numba Huffman table (candidate)", hc)):
+        enc = mod.encode_all(raw.view(np.uint16))
+        for threads in (1, 2):
+            out16 = np.empty(raw.size // 2, np.uint16)
+            mod.decode_all(enc, out16, threads)
+            assert out16.view(np.uint8).tobytes() == raw.tobytes()
+            t = _best(lambda: mod.decode_all(enc, out16, threads))
+            rows.append([label, threads, f"{enc.stored / raw.size:.4f}",
+                         f"{raw.size / t / 1e9:.2f}", "-"])
     ent = _exponent_entropy(raw)
     print(f"\n== codec, {raw.size / 2**20:.0f} MiB of {name} (exponent entropy {ent:.2f} bits: "
           f"entropy bound {(8 + ent) / 16:.4f} of raw)")

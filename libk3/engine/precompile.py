@@ -138,10 +138,12 @@ def _groups() -> dict:
         + sum((driven("hits", new, i64_1) for new in (lfu_new, llfu_new, adaptive_new)), ()))
     probe = group("libk3.doctor.probe", ("_prange_sum", (f64_1,)))
     u8_1, u16_1 = a(nt.uint8, 1), a(nt.uint16, 1)
-    ro_u8_1 = nt.Array(nt.uint8, 1, "C", readonly=True)     # np.frombuffer of zstd's bytes
-    trunk_codec = group(k + "bf16_planes", ("merge_planes", (ro_u8_1, u8_1, u16_1)),
-                        ("merge_planes", (ro_u8_1, ro_u8_1, u16_1)),
-                        ("split_planes", (u16_1, u8_1, u8_1)))
+    ro_u8_1 = nt.Array(nt.uint8, 1, "C", readonly=True)     # np.frombuffer of a file's bytes
+    ro_u16_1 = nt.Array(nt.uint16, 1, "C", readonly=True)
+    trunk_codec = group(k + "bf16_planes",
+                        *(("decode_blocks", (src, u8_1, i64_1, i64_1, u8_1, i64_1, i64_1, i64,
+                                             i64)) for src in (u8_1, ro_u8_1)),
+                        *(("encode_block", (src, u8_1)) for src in (u16_1, ro_u16_1)))
     timing += trunk_codec                         # k3-doctor times the trunk decoder too
     return {"forward": forward,                   # k3-run
             "expert-cache": online_policies + trunk_codec,   # k3-run, streamed

@@ -225,9 +225,9 @@ class _Fields:
     def __init__(self, path: Path):
         self.path = path
 
-    def fail(self, field: str, problem: str, expected=None, found=None):
+    def fail(self, field: str, problem: str, expected=None, found=None, hint=None):
         raise FormatError(f"{field}: {problem}", path=self.path, expected=expected,
-                          found=None if found is None else _show(found))
+                          found=None if found is None else _show(found), hint=hint)
 
     def obj(self, v, field: str, keys) -> dict:
         if type(v) is not dict:
@@ -251,10 +251,10 @@ class _Fields:
             self.fail(field, "must be a JSON list", found=v)
         return v
 
-    def eq(self, v, want, field: str, problem: str = "has the wrong value"):
+    def eq(self, v, want, field: str, problem: str = "has the wrong value", hint=None):
         """``v`` equals ``want`` with the same JSON types all the way down (1.0 is not 1)."""
         if _first_diff(want, v, field):
-            self.fail(field, problem, expected=_show(want), found=v)
+            self.fail(field, problem, expected=_show(want), found=v, hint=hint)
         return v
 
     def file_name(self, v, field: str) -> str:
@@ -415,7 +415,8 @@ def _check_codec_schema(f: _Fields, codec) -> None:
     """``trunk_codec``: this k3's codec and block plan, and the block index's size and CRC."""
     f.obj(codec, "trunk_codec", _CODEC_KEYS)
     for k, want in trunk_codec.codec_params().items():
-        f.eq(codec[k], want, f"trunk_codec.{k}", "is not the codec this k3 decodes")
+        f.eq(codec[k], want, f"trunk_codec.{k}", "is not the codec this k3 decodes",
+             hint=REPACK_HINT.replace("NEW_OUT", "NEW_OUT --compress-trunk"))
     f.eq(codec["block_index"], BLOCK_INDEX_FILE, "trunk_codec.block_index")
     f.int(codec["block_index_bytes"], "trunk_codec.block_index_bytes")
     f.int(codec["block_index_crc32"], "trunk_codec.block_index_crc32", hi=0xFFFFFFFF)

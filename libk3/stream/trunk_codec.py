@@ -9,18 +9,14 @@ and the one error naming a bad block. Does not own: files, reads or the manifest
 
 A layer run is cut tensor by tensor (in run order) into blocks of at most BLOCK_BYTES of
 output. A block of a BF16 tensor of at least MIN_CODED_BYTES (at an even offset) is
-CODED: its k sign+mantissa bytes, then one zstd frame of its k exponent bytes; every
-other block is RAW (its bytes as they are). Blocks are independent, so any split of a
-layer's blocks across threads decodes the same bytes.
-Why zstd and not a numba Huffman decoder: per core, zstd decoded 1.7-2.3x faster than
-the best numba table decoder we wrote, for 0.025 more stored bytes (bench/README.md
-"Trunk compression"; the candidate is bench/huffman_candidate.py), and releases the GIL.
+CODED (``libk3.kernels.bf16_planes``: a 4-bit exponent code with escapes); every other
+block is RAW (its bytes as they are). Blocks are independent, so any split of a layer's
+blocks across threads decodes the same bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,11 +24,11 @@ import numpy as np
 
 from .. import names
 from ..errors import FormatError
+from ..kernels.bf16_block import HEADER_BYTES, PROBLEMS, coded_range
 
-CODEC = "bf16-exponent-zstd"
+CODEC = "bf16-exponent-nibble"
 BLOCK_BYTES = 256 << 10            # output bytes per block (the last of a tensor: fewer)
 MIN_CODED_BYTES = 64 << 10         # smaller BF16 tensors stay raw
-ZSTD_LEVEL = 1                     # level 1 compressed the plane as well as 3 and 9 (bench)
 RAW, CODED = 0, 1
 INDEX_RECORD = np.dtype([("stored", "<u4"), ("crc32", "<u4")])     # trunk.blocks, per block
 DAMAGED_HINT = "the pack is damaged: re-pack (k3-pack verify names every bad block)"
@@ -41,12 +37,6 @@ DAMAGED_HINT = "the pack is damaged: re-pack (k3-pack verify names every bad blo
 def codec_params() -> dict:
     """trunk.json's ``trunk_codec`` fields that fix the block plan."""
     return {"name": CODEC, "block_bytes": BLOCK_BYTES, "min_coded_bytes": MIN_CODED_BYTES}
-
-
-def coded_bound(k):
-    """Most bytes a CODED block of k values may take: the plane plus zstd's bound for k
-    bytes (ZSTD_COMPRESSBOUND, k <= 128 KiB)."""
-    return k + k + (k >> 8) + 64
 
 
 @dataclasses.dataclass
@@ -80,7 +70,8 @@ class BlockPlan:
         k = self.out_len // 2
         raw = self.kind == RAW
         bad_raw = raw & (self.in_len != self.out_len)
-        bad_coded = ~raw & ((self.in_len <= k) | (self.in_len > coded_bound(k)))
+        fewest, most = coded_range(k)
+        bad_coded = ~raw & ((self.in_len < fewest) | (self.in_len > most))
         bad = np.flatnonzero(bad_raw | bad_coded)
         if not bad.size:
             return None
@@ -139,30 +130,17 @@ def block_error(path, layer: int, plan: BlockPlan, b: int, problem: str, expecte
 
 
 class Codec:
-    """Encodes and decodes blocks on ``threads`` threads (zstd, zlib and the plane
-    kernels release the GIL). Each thread keeps its own zstd contexts."""
+    """Encodes and decodes blocks on ``threads`` threads (the block kernels and zlib
+    release the GIL)."""
 
     def __init__(self, threads: int = 1):
         self.threads = max(1, int(threads))
-        self._local = threading.local()
         self._pool = (ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="k3-decode")
                       if self.threads > 1 else None)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-
-    def _zstd(self):
-        import zstandard
-
-        loc = self._local
-        if not hasattr(loc, "d"):
-            loc.c = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=False,
-                                             write_content_size=True, write_dict_id=False)
-            loc.d = zstandard.ZstdDecompressor()
-            loc.exp = np.empty(BLOCK_BYTES // 2, np.uint8)    # encoding's planes
-            loc.sm = np.empty(BLOCK_BYTES // 2, np.uint8)
-        return loc
 
     def _map(self, fn, n_items: int, weights: np.ndarray) -> list:
         """fn(lo, hi) over contiguous ranges of about equal weight, one per thread."""
@@ -180,23 +158,21 @@ class Codec:
         """(stored bytes of blocks ``lo..hi-1`` concatenated, their INDEX_RECORD rows).
         Block b's bytes are at ``src[src_at + out_off[b] - out_off[lo]]`` (default: ``src``
         is the whole run)."""
-        from ..kernels.bf16_planes import split_planes  # numba: not for manifest checks
+        from ..kernels.bf16_planes import encode_block  # numba: not for manifest checks
 
         hi = len(plan) if hi is None else hi
         blobs: list = [None] * (hi - lo)
         base = src_at - (int(plan.out_off[lo]) if hi > lo else 0)
 
         def work(a, z_hi):
-            z = self._zstd()
+            scratch = np.empty(HEADER_BYTES + BLOCK_BYTES, np.uint8)
             for b in range(lo + a, lo + z_hi):
                 o, n = base + int(plan.out_off[b]), int(plan.out_len[b])
                 raw = src[o:o + n]
                 if plan.kind[b] == RAW:
                     blobs[b - lo] = raw.tobytes()
                     continue
-                k = n // 2
-                split_planes(raw.view(np.uint16), z.exp[:k], z.sm[:k])
-                blobs[b - lo] = z.sm[:k].tobytes() + z.c.compress(z.exp[:k])
+                blobs[b - lo] = scratch[:encode_block(raw.view(np.uint16), scratch)].tobytes()
 
         self._map(work, hi - lo, plan.out_len[lo:hi])
         rec = np.zeros(hi - lo, INDEX_RECORD)
@@ -212,50 +188,29 @@ class Codec:
         ``src[src_at + in_off[b] - in_off[lo]]``. With ``check``, each block's CRC-32 is
         compared first. Raises ``block_error`` for the first bad block (in block order)
         after every thread has stopped."""
-        from ..kernels.bf16_planes import merge_planes  # numba: not for manifest checks
+        from ..kernels.bf16_planes import decode_blocks  # numba: not for manifest checks
 
-        base = src_at - int(plan.in_off[lo])
+        if hi <= lo:
+            return
+        in_off = plan.in_off + (src_at - int(plan.in_off[lo]))
+        out_off = plan.out_off - out_base
+        if (in_off[lo] < 0 or in_off[hi - 1] + plan.in_len[hi - 1] > src.size
+                or out_off[lo] < 0 or out_off[hi - 1] + plan.out_len[hi - 1] > out.size):
+            raise ValueError("blocks outside the buffers they are decoded from or into")
 
         def work(a, z_hi):
-            z = self._zstd()
-            for b in range(lo + a, lo + z_hi):
-                s = src[base + plan.in_off[b]: base + plan.in_off[b] + plan.in_len[b]]
-                if check:
-                    crc = zlib.crc32(s)
+            b0, b1 = lo + a, lo + z_hi
+            if check:
+                for b in range(b0, b1):
+                    crc = zlib.crc32(src[in_off[b]:in_off[b] + plan.in_len[b]])
                     if crc != plan.crc32[b]:
                         return b, "stored bytes do not match their checksum (crc32)", \
                             f"{int(plan.crc32[b]):#010x}", f"{crc:#010x}"
-                o, n = int(plan.out_off[b]) - out_base, int(plan.out_len[b])
-                if plan.kind[b] == RAW:
-                    out[o:o + n] = s
-                    continue
-                k = n // 2
-                exponent, bad = _unzstd(z.d, s[k:], k)
-                if bad:
-                    return b, bad, None, None
-                merge_planes(exponent, s[:k], out[o:o + n].view(np.uint16))
-            return None
+            b, status = decode_blocks(src, plan.kind, in_off, plan.in_len, out, out_off,
+                                      plan.out_len, b0, b1)
+            return None if b < 0 else (int(b), PROBLEMS[int(status)], None, None)
 
         errs = [e for e in self._map(work, hi - lo, plan.in_len[lo:hi]) if e]
         if errs:
             b, problem, want, got = min(errs)
             raise block_error(path, layer, plan, b, problem, want, got)
-
-
-def _unzstd(dctx, frame, k: int):
-    """(exponent plane of exactly k bytes, None) from one zstd frame, or (None, problem)."""
-    import zstandard
-
-    try:
-        size = zstandard.frame_content_size(frame)
-    except zstandard.ZstdError:
-        return None, "not a zstd frame"
-    if size != k:
-        return None, f"its zstd frame holds {size} bytes, not the block's {k} exponents"
-    try:
-        data = dctx.decompress(frame, max_output_size=k)
-    except zstandard.ZstdError as e:
-        return None, f"does not decode ({' '.join(str(e).split())[:80]})"
-    if len(data) != k:
-        return None, "its zstd frame decodes to the wrong length"
-    return np.frombuffer(data, np.uint8), None
