@@ -1,7 +1,8 @@
 """The coded block of the compressed trunk (formats/pack.md "Compressed trunk"): BF16
 values as a sign+mantissa plane, a 4-bit exponent plane and a list of escapes, and back.
 
-Owns: the byte-exact block kernels the trunk codec uses (the layout's constants are\n``libk3.kernels.bf16_block``).
+Owns: the byte-exact block kernels the trunk codec uses (the layout's constants are
+``libk3.kernels.bf16_block``).
 Does not own: which bytes form a block, checksums or error text
 (``libk3.stream.trunk_codec``).
 

@@ -217,8 +217,7 @@ class TrunkStreamer:
         """Read and decode a compressed layer into ``buf`` (the run at offset 0), checking
         its blocks' CRCs when its CRC would be checked (``verify_reads``)."""
         check = self.verify_reads == "every" or run.layer not in self._verified
-        kw = (dict(yield_to=self.files.gate, pool=self._pool, depth=READ_AHEAD_DEPTH,
-                   cancel=self._cancel) if background else {})
+        kw = dict(yield_to=self.files.gate, cancel=self._cancel) if background else {}
         nread, dt, dec = self._coded.read(run, buf, check, "bg" if background else "fg", **kw)
         with self._cond:
             self.stats["bytes_read"] += nread
