@@ -56,10 +56,9 @@ def small_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def real_sparse(tmp_path_factory):
-    """real-sparse synthesised once (~30 s, no disk) and diagnosed once on an 8 GB machine."""
-    d = synth_checkpoint(tmp_path_factory.mktemp("rs") / "real-sparse", "real-sparse",
-                         progress=False)
+def real_sparse(real_sparse_dir):
+    """real-sparse (synthesised once per run, conftest) diagnosed once on an 8 GB machine."""
+    d = real_sparse_dir
     diag = doctor.diagnose(d, quick=True, memory=hwprobe.assumed_memory(8 * 10**9))
     return d, diag
 

@@ -205,7 +205,7 @@ def test_run_chat_two_turns_with_saved_state_equals_one_session(tiny_dir, tmp_pa
     assert both.returncode == 0, both.stderr
     st = tmp_path / "chat.k3state"
     one = k3(tiny_dir, "--chat", "--gen", 6, "--save-state", st, input="hello there\n\n")
-    assert one.returncode == 0, one.stderr and st.exists()
+    assert one.returncode == 0 and st.exists(), one.stderr
     two = k3(tiny_dir, "--chat", "--gen", 6, "--load-state", st, input="and again\n\n")
     assert two.returncode == 0, two.stderr
     replies = [line for line in both.stdout.splitlines() if line.strip()]
