@@ -284,7 +284,8 @@ def _check_structure(cfg: K3Config, doc: dict, source: str) -> None:
     found, kda_layers = _lookup(doc, "lin", ("kda_layers",))
     if found:
         expect = sorted(set(range(1, n + 1)) - set(cfg.full_attn_layers))
-        if not isinstance(kda_layers, list) or sorted(kda_layers) != expect:
+        if (not isinstance(kda_layers, list) or not all(type(i) is int for i in kda_layers)
+                or sorted(kda_layers) != expect):        # [null, null] must not reach sorted
             errs.append("kda_layers is not the exact complement of full_attn_layers")
     found, full_rank = _lookup(doc, "lin", ("use_full_rank_gate",))
     if found and full_rank is not True:

@@ -92,6 +92,17 @@ def test_config_kda_layers_must_be_the_complement():
         config_from_dict(doc)
 
 
+@pytest.mark.parametrize("value", [[None, None], [1, "2"], [1.0, 2.0], [True, 2]])
+def test_config_kda_layers_of_other_types_refused_not_crashed(value):
+    """Catches kda_layers entries that are not integers reaching sorted() (a TypeError
+    traceback for [null, null], found by the hostile-config property test) or being
+    taken as layer numbers (1.0, true)."""
+    doc = _nested(TINY)
+    doc["text_config"]["linear_attn_config"]["kda_layers"] = value
+    with pytest.raises(ConfigError, match="complement"):
+        config_from_dict(doc)
+
+
 def test_config_quantization_config_asserted_when_present():
     """Catches reading an MXFP4 checkpoint whose quantization says another scheme."""
     doc = _nested(TINY)
