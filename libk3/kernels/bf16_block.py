@@ -18,7 +18,18 @@ PROBLEMS = {
 }
 
 
+def nibble_bytes(k, n_escapes):
+    """Stored bytes of a NIBBLE block of k values with ``n_escapes`` escapes (plain
+    arithmetic: the kernels compile this same function)."""
+    return HEADER_BYTES + k + (k + 1) // 2 + 5 * n_escapes
+
+
+def verbatim_bytes(k):
+    """Stored bytes of a VERBATIM block of k values."""
+    return HEADER_BYTES + 2 * k
+
+
 def coded_range(k: int) -> tuple:
     """(fewest, most) stored bytes of a coded block of k values: the nibble form with no
     escape, and the verbatim form."""
-    return HEADER_BYTES + k + (k + 1) // 2, HEADER_BYTES + 2 * k
+    return nibble_bytes(k, 0), verbatim_bytes(k)

@@ -24,14 +24,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from . import bf16_block
 from .bf16_block import (BAD_ESCAPE, BAD_HEADER, BAD_LENGTH, ESCAPE, HEADER_BYTES, MAX_BASE,
                          NIBBLE, OK, VERBATIM, WINDOW)
 
-
-@njit(cache=True, nogil=True)
-def nibble_bytes(k, n_escapes):
-    """Stored bytes of a NIBBLE block of k values with ``n_escapes`` escapes."""
-    return HEADER_BYTES + k + (k + 1) // 2 + 5 * n_escapes
+nibble_bytes = njit(cache=True, nogil=True)(bf16_block.nibble_bytes)
+verbatim_bytes = njit(cache=True, nogil=True)(bf16_block.verbatim_bytes)
 
 
 @njit(cache=True, nogil=True)
@@ -52,10 +50,10 @@ def encode_block(u16, out):
             best, base = held, max(e - (WINDOW - 1), 0)
     n = k - best
     out[:HEADER_BYTES] = 0
-    if nibble_bytes(k, n) >= HEADER_BYTES + 2 * k:
+    if nibble_bytes(k, n) >= verbatim_bytes(k):
         out[0] = VERBATIM
-        out[HEADER_BYTES:HEADER_BYTES + 2 * k] = u16.view(np.uint8)
-        return HEADER_BYTES + 2 * k
+        out[HEADER_BYTES:verbatim_bytes(k)] = u16.view(np.uint8)
+        return verbatim_bytes(k)
     out[0], out[1] = NIBBLE, base
     for s in range(4):
         out[4 + s] = (n >> (8 * s)) & 0xFF
@@ -111,7 +109,7 @@ def decode_block(blk, out):
     if mode == VERBATIM:
         if n != 0 or base != 0:
             return BAD_HEADER
-        if blk.shape[0] != HEADER_BYTES + 2 * k:
+        if blk.shape[0] != verbatim_bytes(k):
             return BAD_LENGTH
         out[:] = blk[HEADER_BYTES:]
         return OK
