@@ -11,7 +11,7 @@ model code, so the engine can ask it for memory), deciding anything
 Why these measurements:
 * k3-run reads the trunk in large sequential runs and experts as 17,547,264-byte random
   reads (model.md §3.5) from a pool of threads, so those are what is timed, with
-  ``os.preadv`` into page-aligned buffers (``mmap.mmap(-1, n)``) under O_DIRECT when
+  ``os.preadv`` into the engine's buffers (``io.direct.aligned_empty``) under O_DIRECT when
   the filesystem allows it.
 * A figure the page cache could satisfy is not disk speed. With O_DIRECT the cache is
   bypassed; without it the file's cached pages are dropped first
@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
-from ..io.direct import ALIGN, align_up   # O_DIRECT alignment (formats/pack.md)
+from ..io.direct import ALIGN, align_up, aligned_empty   # O_DIRECT alignment (formats/pack.md)
 from ..k3_dims import EXPERT_BYTES
 
 PACKAGES = ("numpy", "numba", "llvmlite", "tokenizers", "safetensors", "zstandard")
@@ -407,7 +407,7 @@ class _Reads:
         self.errors = []
 
     def _worker(self, deadline: float) -> None:
-        buf = mmap.mmap(-1, self.size)
+        buf = aligned_empty(self.size)
         try:
             while not self.stop.is_set() and time.perf_counter() < deadline:
                 with self.lock:
@@ -422,8 +422,6 @@ class _Reads:
                     self.bar.update(n)
         except OSError as e:
             self.errors.append(e)
-        finally:
-            buf.close()
 
     def run(self) -> float:
         """Bytes per second over the wall time of the whole batch."""

@@ -1,13 +1,20 @@
 """Page-aligned buffers and positioned reads that use O_DIRECT where the filesystem allows.
 
-Owns: allocating aligned arenas (anonymous mmap: page-aligned, counted in RSS only when
-touched, so the budget is what we allocate), opening a file for direct reads with a
+Owns: allocating aligned arenas (private anonymous mmap: page-aligned, counted in RSS only
+when touched, so the budget is what we allocate), opening a file for direct reads with a
 buffered fallback, and reading the 4096-aligned window that encloses an unaligned byte
 range. Does not own: what to read (``trunk``, ``experts``).
 
 Why O_DIRECT: streamed bytes are used once per token; through the page cache they would
 evict each other and count against the machine, not against k3's budget (the public C
 engine measured 1,878 MB/s buffered vs 6,553 MB/s direct under a cgroup, PRIOR-ART 3).
+Why huge pages: a direct read lands in the buffer's physical pages, and a request to the
+disk carries a bounded number of discontiguous segments (254 on this VM's virtio disk);
+into scattered 4 KiB pages a 4 MiB read went out as ~700 KiB requests and took twice as
+long as into 2 MiB pages, which go out as 4 MiB requests (bench/README.md "Trunk
+compression"). So a buffer of at least a huge page starts on a huge-page boundary and its
+whole huge pages are advised MADV_HUGEPAGE (a hint: without THP it is 4 KiB pages as
+before); its tail stays in small pages so touching it costs no more RSS than its bytes.
 Why a window: O_DIRECT needs offset, length and buffer aligned to the block size; an
 expert run starts anywhere (17,547,264 bytes happens to be a multiple of 4096, but run
 starts are not), so we read the aligned window around it and hand out a view.
@@ -26,6 +33,7 @@ import numpy as np
 from ..errors import CheckpointError, K3IOError
 
 ALIGN = 4096
+HUGE_PAGE = 2 << 20            # x86-64 and arm64 (4 KiB base pages) transparent huge page
 YIELD_CHUNK = 4 << 20          # trunk read-ahead yields to expert reads every 4 MiB
 FOLD_CHUNK = 32 << 20          # a foreground read hands over pieces this size (on_piece)
 
@@ -39,9 +47,21 @@ def align_up(n: int) -> int:
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
-    """A page-aligned uint8 array of ``nbytes`` (rounded up to ALIGN)."""
-    mm = mmap.mmap(-1, max(ALIGN, align_up(nbytes)))
-    return np.frombuffer(mm, dtype=np.uint8)
+    """A page-aligned uint8 array of ``nbytes`` (rounded up to ALIGN), private to this
+    process; from HUGE_PAGE bytes on, huge-page aligned with its whole huge pages advised
+    MADV_HUGEPAGE (module docstring)."""
+    n = max(ALIGN, align_up(nbytes))
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if n < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.frombuffer(mmap.mmap(-1, n, flags=flags), dtype=np.uint8)
+    mm = mmap.mmap(-1, n + HUGE_PAGE, flags=flags)       # untouched slack: address space only
+    whole = np.frombuffer(mm, dtype=np.uint8)
+    skip = -whole.ctypes.data % HUGE_PAGE
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE, skip, n - n % HUGE_PAGE)
+    except OSError:                                      # no THP in this kernel: small pages
+        pass
+    return whole[skip:skip + n]
 
 
 class ReadCancelled(Exception):
