@@ -12,6 +12,10 @@
   and read in place, never copied):
   each of its 229,376 values is drawn uniformly inside the E2M1 rounding interval of its
   code, times its group's scale (section text says what that assumes);
+* buffers: direct reads of the compressed trunk in the coded reader's pattern (4 MiB
+  pieces, 4 in flight) into Python's default anonymous mapping (shared: shmem, 4 KiB
+  pages wherever they fall) vs ``aligned_empty`` (private, huge pages), alternating, with
+  the mean request size the disk saw (its /sys/dev/block stat);
 * stream: the trunk streamer alone at the floor (every layer through one ring slot, no
   forward), raw vs compressed, rounds alternating;
 * run: ``k3-run --pack`` at the floor budget (one ring slot: the whole trunk read every
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -170,6 +175,55 @@ def pack_section(raw_pack: Path, kz_pack: Path) -> dict:
     return {"fraction": stored / raw_bytes, "decode_bps": dec, "seq_bps": seq}
 
 
+def _disk_stat(path: Path):
+    """(requests, sectors) read so far by the block device holding ``path``, or None."""
+    st = os.stat(path)
+    f = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat")
+    if not f.exists():
+        return None
+    x = f.read_text().split()
+    return int(x[0]), int(x[2])
+
+
+def buffer_section(kz_pack: Path, rounds: int, piece: int = 4 << 20, depth: int = 4) -> None:
+    """Direct reads of trunk.kz, ``depth`` pieces in flight, into two kinds of buffer."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    from libk3.io.direct import aligned_empty
+
+    path = kz_pack / "trunk.kz"
+    kinds = {"mmap.mmap(-1, n) (shared)":
+             [memoryview(mmap.mmap(-1, piece)) for _ in range(depth + 2)],
+             "aligned_empty (private, huge pages)":
+             [memoryview(aligned_empty(piece)) for _ in range(depth + 2)]}
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    size = os.fstat(fd).st_size - os.fstat(fd).st_size % piece
+    rows, rate = [], {k: [] for k in kinds}
+    with ThreadPoolExecutor(max_workers=depth) as pool:
+        for r in range(rounds):
+            for name, bufs in kinds.items():
+                s0, t0, flight = _disk_stat(path), time.perf_counter(), {}
+                for k, off in enumerate(range(0, size, piece)):
+                    if k - depth in flight:
+                        flight.pop(k - depth).result()
+                    flight[k] = pool.submit(os.preadv, fd, [bufs[k % len(bufs)]], off)
+                for f in flight.values():
+                    f.result()
+                dt, s1 = time.perf_counter() - t0, _disk_stat(path)
+                req = (f"{(s1[1] - s0[1]) * 512 / max(1, s1[0] - s0[0]) / 1024:.0f}"
+                       if s0 and s1 else "-")
+                rate[name].append(size / dt)
+                rows.append([r + 1, name, f"{size / dt / 1e9:.2f}", req])
+    os.close(fd)
+    print(f"\n== direct reads of trunk.kz ({size / 1e9:.2f} GB), {piece >> 20} MiB pieces, "
+          f"{depth} in flight")
+    print(table(rows, ["round", "buffers", "GB/s", "mean request KiB"]))
+    a, b = (float(np.median(v)) for v in rate.values())
+    print(f"median: aligned_empty {b / 1e9:.2f} GB/s = {b / a:.2f}x the shared mapping's "
+          f"{a / 1e9:.2f}")
+
+
 def stream_section(ck: Path, raw_pack: Path, kz_pack: Path, rounds: int, passes: int = 4) -> None:
     """The trunk streamer alone at the floor (one ring slot, no forward): every layer read
     (and decoded) ``passes`` times per round, raw and compressed alternating; the first
@@ -258,6 +312,7 @@ def main() -> None:
     else:
         codec_section(derived, "BF16 drawn from the released MXFP4 sample (64 draws)")
     pack_section(raw_pack, kz)
+    buffer_section(kz, args.rounds)
     stream_section(ck, raw_pack, kz, args.rounds)
     if not args.skip_run:
         run_section(ck, raw_pack, kz, args.rounds, args.gen)

@@ -3,16 +3,19 @@ or a pinned buffer: its stored bytes in pieces through a few small staging buffe
 READ_DEPTH pieces in flight while the landed ones are decoded, a whole piece per decode
 thread.
 
-Owns: the staging buffers (READ_DEPTH + one per decode thread, per lane of at most
-STAGE_BYTES: one lane for the read-ahead thread, one for reads on the forward's thread),
+Owns: the staging buffers (READ_DEPTH + DECODE_QUEUE per lane, of at most STAGE_BYTES
+each: one lane for the read-ahead thread, one for reads on the forward's thread),
 the piece schedule and the read / decode timings. Does not own: the codec and its checks
 (``libk3.stream.trunk_codec``), which layer goes where (``libk3.stream.trunk``).
 
 Why pieces: staging a whole compressed layer would add ~0.75 of the largest layer to the
-fixed overhead; the pieces add 2 x (READ_DEPTH + threads) x STAGE_BYTES in all. Why
-several in flight and a piece per thread: one piece at a time left the disk idle between
-pieces, and splitting each piece across the threads made every piece wait for the
-slower half (bench/README.md "Trunk compression").
+fixed overhead; the pieces add 2 x (READ_DEPTH + DECODE_QUEUE) x STAGE_BYTES (80 MiB)
+in all, 40 MiB at the floor (one lane). Why several in flight and a piece per thread: one
+piece at a time left the disk idle between pieces, and splitting each piece across the
+threads made every piece wait for the slower half. Why a decode queue deeper than the
+decode threads: pieces land in bursts, and with a buffer per thread the next reads waited
+for the decoders; a pass of the floor loop took 7 % longer (bench/README.md "Trunk
+compression").
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from .trunk_codec import Codec
 
 STAGE_BYTES = 4 << 20        # stored bytes per piece (a block is at most ~257 KiB)
 READ_DEPTH = 4               # pieces in flight per lane
+DECODE_QUEUE = 6             # landed pieces per lane waiting for or in a decoder
 
 
 class CodedReader:
@@ -40,7 +44,7 @@ class CodedReader:
     def _lane(self, name: str):
         if name not in self._lanes:
             self._lanes[name] = ([aligned_empty(window_bytes(STAGE_BYTES))
-                                  for _ in range(READ_DEPTH + self.threads)],
+                                  for _ in range(READ_DEPTH + DECODE_QUEUE)],
                                  ThreadPoolExecutor(max_workers=READ_DEPTH,
                                                     thread_name_prefix=f"k3-stage-{name}"))
         return self._lanes[name]
