@@ -401,3 +401,44 @@ def test_pack_of_the_earlier_zstd_codec_refused_with_the_way_out(small_kz, tmp_p
     with pytest.raises(FormatError, match=r"trunk_codec\.name: is not the codec this k3 "
                                           r"decodes.*bf16-exponent-zstd.*--compress-trunk"):
         open_pack(old)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_streamer_lanes_and_bytes_of_a_compressed_pack(small_dir, small_raw, small_kz, share):
+    """Catches a lane shape other than the reader documents (the floor's one lane full;
+    beside a read-ahead, the forward's lane small) and any byte of a layer that differs
+    from the raw pack's, through both lanes and a second pass."""
+    from libk3.budget import ModelSizes, minimum_budget
+    from libk3.io.direct import FileSet
+    from libk3.pack.schema import open_pack
+    from libk3.stream import coded_reader
+    from libk3.stream.trunk import TrunkStreamer, runs_from_pack
+
+    with Checkpoint.open(small_dir) as c:
+        sizes = ModelSizes.from_checkpoint(c)
+        budget = max(minimum_budget(sizes).trunk_bytes + 1, int(sizes.trunk_bytes * share))
+        streams = []
+        for pk_dir in (small_raw, small_kz):
+            pk = open_pack(pk_dir, c)
+            streams.append(TrunkStreamer(c.config, runs_from_pack(pk_dir, pk.manifest,
+                                                                  pk.blocks),
+                                         budget, FileSet(use_direct=True)))
+        raw, kz = streams
+        try:
+            assert kz.n_slots == raw.n_slots and (kz.n_slots >= 2) == (share > 0)
+            if share > 0:
+                assert kz.pinned_plan                      # both lanes are used
+            for _ in range(2):
+                for L in range(len(kz.runs)):
+                    a, b = raw.layer(L), kz.layer(L)
+                    assert a.keys() == b.keys()
+                    for k in a:
+                        assert np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)), (L, k)
+                    raw.release(L)
+                    kz.release(L)
+            want = ({"fg": coded_reader.SMALL_LANE, "bg": coded_reader.LANE} if share > 0
+                    else {"fg": coded_reader.LANE})
+            assert {n: kz._coded.shapes[n] for n in kz._coded._lanes} == want
+        finally:
+            raw.close()
+            kz.close()

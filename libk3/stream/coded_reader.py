@@ -1,21 +1,22 @@
 """Reading a compressed trunk layer (formats/pack.md "Compressed trunk") into a ring slot
-or a pinned buffer: its stored bytes in pieces through a few small staging buffers,
-READ_DEPTH pieces in flight while the landed ones are decoded, a whole piece per decode
-thread.
+or a pinned buffer: its stored bytes in pieces through a few staging buffers, several
+pieces in flight while the landed ones are decoded, a whole piece per decode thread.
 
-Owns: the staging buffers (READ_DEPTH + DECODE_QUEUE per lane, of at most STAGE_BYTES
-each: one lane for the read-ahead thread, one for reads on the forward's thread),
-the piece schedule and the read / decode timings. Does not own: the codec and its checks
-(``libk3.stream.trunk_codec``), which layer goes where (``libk3.stream.trunk``).
+Owns: the staging buffers, in lanes (one for the read-ahead thread, one for reads on the
+forward's thread), the piece schedule and the read / decode timings. Does not own: the
+codec and its checks (``libk3.stream.trunk_codec``), which layer goes where
+(``libk3.stream.trunk``).
 
 Why pieces: staging a whole compressed layer would add ~0.75 of the largest layer to the
-fixed overhead; the pieces add 2 x (READ_DEPTH + DECODE_QUEUE) x STAGE_BYTES (80 MiB)
-in all, 40 MiB at the floor (one lane). Why several in flight and a piece per thread: one
-piece at a time left the disk idle between pieces, and splitting each piece across the
-threads made every piece wait for the slower half. Why a decode queue deeper than the
-decode threads: pieces land in bursts, and with a buffer per thread the next reads waited
-for the decoders; a pass of the floor loop took 7 % longer (bench/README.md "Trunk
-compression").
+fixed overhead; a LANE adds 64 MiB (the floor has one lane), a SMALL_LANE 12 MiB (the
+forward's lane beside a read-ahead only loads pinned layers, once), so at most 76 MiB,
+inside the runtime reserve. Why 48 MiB in flight: inside k3-run the disk idles while a
+layer computes, and with 16 MiB in flight the compressed trunk pass took 0.87-1.06x of
+raw's time, with 48 MiB 0.86-0.89x (64 MiB did better still but overran the reserve at
+the real-dims floor; bench/README.md "Trunk compression"). Why a decode queue beside the
+pieces in flight: pieces land in bursts, and with no buffer to spare the next reads waited
+for the decoders. Why a piece per decode thread: splitting each piece across the threads
+made every piece wait for the slower half.
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ from concurrent.futures import ThreadPoolExecutor
 from ..io.direct import aligned_empty, window_bytes
 from .trunk_codec import Codec
 
-STAGE_BYTES = 4 << 20        # stored bytes per piece (a block is at most ~257 KiB)
-READ_DEPTH = 4               # pieces in flight per lane
-DECODE_QUEUE = 6             # landed pieces per lane waiting for or in a decoder
+# A lane's shape: (stored bytes per piece (a block is at most ~257 KiB), pieces in
+# flight, landed pieces waiting for or in a decoder).
+LANE = (8 << 20, 6, 2)
+SMALL_LANE = (4 << 20, 2, 1)
 
 
 class CodedReader:
-    def __init__(self, files, threads: int):
+    def __init__(self, files, threads: int, read_ahead: bool = False):
         self.files = files
         self.threads = max(1, int(threads))
+        self.shapes = {"bg": LANE, "fg": SMALL_LANE if read_ahead else LANE}
         self.codec = Codec(1)                # one piece per decode thread
         self._decode = ThreadPoolExecutor(max_workers=self.threads,
                                           thread_name_prefix="k3-decode")
@@ -43,9 +46,10 @@ class CodedReader:
 
     def _lane(self, name: str):
         if name not in self._lanes:
-            self._lanes[name] = ([aligned_empty(window_bytes(STAGE_BYTES))
-                                  for _ in range(READ_DEPTH + DECODE_QUEUE)],
-                                 ThreadPoolExecutor(max_workers=READ_DEPTH,
+            piece, depth, queue = self.shapes[name]
+            self._lanes[name] = ([aligned_empty(window_bytes(piece))
+                                  for _ in range(depth + queue)],
+                                 ThreadPoolExecutor(max_workers=depth,
                                                     thread_name_prefix=f"k3-stage-{name}"))
         return self._lanes[name]
 
@@ -56,9 +60,10 @@ class CodedReader:
         seconds waiting for pieces to land, seconds waiting for the decoders); the two add
         up to the layer's wall time. A bad block raises the first in block order."""
         plan = run.blocks
-        groups = self._groups.get(run.layer)
+        piece, depth, _ = self.shapes[lane]
+        groups = self._groups.get((run.layer, piece))
         if groups is None:
-            groups = self._groups[run.layer] = plan.groups(STAGE_BYTES)
+            groups = self._groups[run.layer, piece] = plan.groups(piece)
         f = self.files.get(run.path)
         bufs, stage = self._lane(lane)
 
@@ -73,7 +78,7 @@ class CodedReader:
                               run.layer)
 
         read_s = decode_s = 0.0
-        reads = {g: stage.submit(fetch, g) for g in range(min(READ_DEPTH, len(groups)))}
+        reads = {g: stage.submit(fetch, g) for g in range(min(depth, len(groups)))}
         decodes: dict = {}
         try:
             for g in range(len(groups)):
@@ -81,7 +86,7 @@ class CodedReader:
                 at = reads.pop(g).result()
                 t1 = time.perf_counter()
                 decodes[g] = self._decode.submit(decode, g, at)
-                nxt = g + READ_DEPTH                 # its buffer was piece nxt - len(bufs)'s
+                nxt = g + depth                      # its buffer was piece nxt - len(bufs)'s
                 if nxt < len(groups):
                     if nxt - len(bufs) in decodes:
                         decodes.pop(nxt - len(bufs)).result()

@@ -162,7 +162,8 @@ class TrunkStreamer:
             import numba
 
             from .coded_reader import CodedReader
-            self._coded = CodedReader(files, numba.get_num_threads())
+            self._coded = CodedReader(files, numba.get_num_threads(),
+                                      read_ahead=self.n_slots >= 2)
         self._slots = [aligned_empty(b) for b in self.slot_bytes]
         # slot tag: None (free), ("reading", L, gen), ("ready", L, gen), ("inuse", L, gen)
         self._tag = [None] * self.n_slots
