@@ -12,10 +12,10 @@
   and read in place, never copied):
   each of its 229,376 values is drawn uniformly inside the E2M1 rounding interval of its
   code, times its group's scale (section text says what that assumes);
-* buffers: direct reads of the compressed trunk in the coded reader's pattern (4 MiB
-  pieces, 4 in flight) into Python's default anonymous mapping (shared: shmem, 4 KiB
-  pages wherever they fall) vs ``aligned_empty`` (private, huge pages), alternating, with
-  the mean request size the disk saw (its /sys/dev/block stat);
+* buffers: direct reads of the compressed trunk (4 MiB pieces, 4 in flight) into
+  Python's default anonymous mapping (shared: shmem, 4 KiB pages wherever they fall) vs
+  ``aligned_empty`` (private, huge pages), alternating, with the mean request size the
+  disk saw (its /sys/dev/block stat);
 * stream: the trunk streamer alone at the floor (every layer through one ring slot, no
   forward), raw vs compressed, rounds alternating;
 * run: ``k3-run --pack`` at the floor budget (one ring slot: the whole trunk read every
@@ -198,7 +198,7 @@ def buffer_section(kz_pack: Path, rounds: int, piece: int = 4 << 20, depth: int 
              "aligned_empty (private, huge pages)":
              [memoryview(aligned_empty(piece)) for _ in range(depth + 2)]}
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    size = os.fstat(fd).st_size - os.fstat(fd).st_size % piece
+    size = os.fstat(fd).st_size // piece * piece
     rows, rate = [], {k: [] for k in kinds}
     with ThreadPoolExecutor(max_workers=depth) as pool:
         for r in range(rounds):

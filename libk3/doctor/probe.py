@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.metadata
-import mmap
 import os
 import platform
 import random
@@ -339,11 +338,7 @@ def o_direct_check(path) -> tuple:
     except OSError as e:
         return False, f"O_DIRECT open fails: {e.strerror}"
     try:
-        buf = mmap.mmap(-1, ALIGN)
-        try:
-            os.preadv(fd, [buf], 0)
-        finally:
-            buf.close()
+        os.preadv(fd, [aligned_empty(ALIGN)], 0)
     except OSError as e:
         return False, f"O_DIRECT read fails: {e.strerror}"
     finally:

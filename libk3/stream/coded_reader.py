@@ -36,10 +36,9 @@ SMALL_LANE = (4 << 20, 2, 1)
 class CodedReader:
     def __init__(self, files, threads: int, read_ahead: bool = False):
         self.files = files
-        self.threads = max(1, int(threads))
         self.shapes = {"bg": LANE, "fg": SMALL_LANE if read_ahead else LANE}
         self.codec = Codec(1)                # one piece per decode thread
-        self._decode = ThreadPoolExecutor(max_workers=self.threads,
+        self._decode = ThreadPoolExecutor(max_workers=max(1, int(threads)),
                                           thread_name_prefix="k3-decode")
         self._lanes: dict = {}
         self._groups: dict = {}
