@@ -370,8 +370,9 @@ def plan_trunk(sizes, budget: int):
     Everything fits: all pinned, no ring. Otherwise a ring of 2 slots (sized for the two
     largest unpinned layers: the layer in use and the one being read) if the budget allows
     it, else 1 slot; then pin largest-first while pins + slots still fit. Costs count the
-    layers' bytes; the few KB of alignment around each buffer are part of the documented
-    fixed overhead. BudgetError below ``trunk_floor``."""
+    layers' bytes; the few KB of alignment around each buffer, and a compressed layer's
+    room to decode in place (at most one block, ``BlockPlan.in_place``), are part of the
+    documented fixed overhead. BudgetError below ``trunk_floor``."""
     n = len(sizes)
     if sum(sizes) <= budget:
         return set(range(n)), []

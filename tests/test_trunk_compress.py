@@ -206,6 +206,56 @@ def test_codec_damaged_block_names_it_or_decodes_without_crash(pos, flip):
     assert out[:run.size].tobytes() == run.tobytes()           # control: intact bytes decode
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(0, 60_000), escapes=st.sampled_from([0.0, 0.01, 0.2, 1.0]),
+       block=st.sampled_from([64, 1000, 4096]), pages=st.integers(1, 3),
+       seed=st.integers(0, 2**32 - 1))
+def test_in_place_schedule_decodes_exactly_in_any_order_it_allows(n, escapes, block, pages,
+                                                                  seed):
+    """Catches an in-place schedule that lets a block's output overwrite stored bytes not
+    yet decoded (``BlockPlan.in_place`` too small, a missing wait in ``Task.after``) or
+    lets a piece still being read land on decoded output: every piece is read at any
+    moment (reads all start at once and land in any order), each run of blocks decodes
+    at a random moment its piece and its waits allow, and the buffer ends up the run
+    exactly, with at most one block plus 8 bytes a block (and two pages) of room."""
+    from libk3.io.direct import ALIGN, align_up
+    from libk3.stream.coded_reader import schedule
+
+    rng = np.random.default_rng(seed)
+    v = ((rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(
+        np.uint16)
+    at = rng.random(n) < escapes                  # 1.0: random bits, stored verbatim
+    v[at] = rng.integers(0, 1 << 16, int(at.sum()), dtype=np.uint16)
+    f32 = rng.integers(0, 256, 4 * (seed % 700), np.uint8)
+    run = np.frombuffer(v.tobytes() + f32.tobytes(), np.uint8).copy()
+    plan = plan_blocks([("w", 0, v.nbytes, "BF16"), ("f", v.nbytes, f32.size, "F32")],
+                       block, 0)
+    codec = Codec(1)
+    blob, rec = codec.encode(run, plan)
+    p = plan.with_index(rec)
+    s = schedule(p, len(blob), pages * ALIGN)
+    size = s.at + align_up(len(blob))
+    assert size <= run.size + int(p.in_len.max(initial=0)) + 8 * len(p) + 2 * ALIGN
+    stored = np.frombuffer(blob, np.uint8)
+    buf = np.full(size, 0xAA, np.uint8)
+    landed, done = set(), set()
+    while len(done) < len(s.tasks):
+        ready = [("read", k) for k in range(len(s.pieces)) if k not in landed]
+        ready += [("decode", i) for i, t in enumerate(s.tasks) if i not in done
+                  and all(k in landed for k in range(t.piece + 1)) and set(t.after) <= done]
+        what, i = ready[rng.integers(len(ready))]
+        if what == "read":
+            a, n = s.pieces[i]
+            buf[s.at + a:s.at + a + n] = stored[a:a + n]
+            landed.add(i)
+        else:
+            t = s.tasks[i]
+            codec.decode(p, t.lo, t.hi, buf, s.at + int(p.in_off[t.lo]), buf, True, "x", 0)
+            done.add(i)
+    codec.close()
+    assert buf[:run.size].tobytes() == run.tobytes()
+
+
 # ---- packs end to end -----------------------------------------------------------------
 
 def test_compress_pack_layout_and_verify(small_raw, small_kz, small_dir):
@@ -404,15 +454,18 @@ def test_pack_of_the_earlier_zstd_codec_refused_with_the_way_out(small_kz, tmp_p
 
 
 @pytest.mark.parametrize("share", [0.0, 0.5])
-def test_streamer_lanes_and_bytes_of_a_compressed_pack(small_dir, small_raw, small_kz, share):
-    """Catches a lane shape other than the reader documents (the floor's one lane full;
-    beside a read-ahead, the forward's lane small) and any byte of a layer that differs
-    from the raw pack's, through both lanes and a second pass."""
+def test_streamer_decodes_a_compressed_pack_in_place_exactly(small_dir, small_raw, small_kz,
+                                                             share):
+    """Catches any byte of a layer that differs from the raw pack's when decoded in place,
+    through the floor's single slot, the read-ahead and pinned layers, over two passes,
+    and buffers without room to decode in place or with more than one block's (a slot
+    holds its raw layer plus the largest ring layer's room; a pinned layer's buffer its
+    own)."""
     from libk3.budget import ModelSizes, minimum_budget
-    from libk3.io.direct import FileSet
+    from libk3.io.direct import FileSet, window_bytes
     from libk3.pack.schema import open_pack
-    from libk3.stream import coded_reader
     from libk3.stream.trunk import TrunkStreamer, runs_from_pack
+    from libk3.stream.trunk_codec import BLOCK_BYTES
 
     with Checkpoint.open(small_dir) as c:
         sizes = ModelSizes.from_checkpoint(c)
@@ -427,7 +480,12 @@ def test_streamer_lanes_and_bytes_of_a_compressed_pack(small_dir, small_raw, sma
         try:
             assert kz.n_slots == raw.n_slots and (kz.n_slots >= 2) == (share > 0)
             if share > 0:
-                assert kz.pinned_plan                      # both lanes are used
+                assert kz.pinned_plan                      # both read pools are used
+            room = [r.buffer_bytes - window_bytes(r.nbytes) for r in kz.runs]
+            assert all(0 <= x <= BLOCK_BYTES + 8 * len(r.blocks) + 4096
+                       for x, r in zip(room, kz.runs))
+            assert [a - b for a, b in zip(kz.slot_bytes, raw.slot_bytes)] == \
+                [max(room[L] for L in kz.ring)] * kz.n_slots
             for _ in range(2):
                 for L in range(len(kz.runs)):
                     a, b = raw.layer(L), kz.layer(L)
@@ -436,9 +494,7 @@ def test_streamer_lanes_and_bytes_of_a_compressed_pack(small_dir, small_raw, sma
                         assert np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)), (L, k)
                     raw.release(L)
                     kz.release(L)
-            want = ({"fg": coded_reader.SMALL_LANE, "bg": coded_reader.LANE} if share > 0
-                    else {"fg": coded_reader.LANE})
-            assert {n: kz._coded.shapes[n] for n in kz._coded._lanes} == want
+            assert set(kz._coded._pools) == ({"fg", "bg"} if share > 0 else {"fg"})
         finally:
             raw.close()
             kz.close()

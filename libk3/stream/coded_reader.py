@@ -1,108 +1,149 @@
 """Reading a compressed trunk layer (formats/pack.md "Compressed trunk") into a ring slot
-or a pinned buffer: its stored bytes in pieces through a few staging buffers, several
-pieces in flight while the landed ones are decoded, a whole piece per decode thread.
+or a pinned buffer, decoding it in place: the layer's stored bytes are read into the
+buffer's tail, several pieces in flight, and each landed run of blocks is decoded into the
+buffer's front while later pieces are still being read.
 
-Owns: the staging buffers, in lanes (one for the read-ahead thread, one for reads on the
-forward's thread), the piece schedule and the read / decode timings. Does not own: the
-codec and its checks (``libk3.stream.trunk_codec``), which layer goes where
+Owns: the in-place schedule (which pieces are read, which blocks decode once a piece has
+landed, which earlier decodes each must wait for), the read pools and the read / decode
+timings. Does not own: the codec, its checks and where the stored bytes go
+(``libk3.stream.trunk_codec``, ``BlockPlan.in_place``), which layer goes where
 (``libk3.stream.trunk``).
 
-Why pieces: staging a whole compressed layer would add ~0.75 of the largest layer to the
-fixed overhead; a LANE adds 64 MiB (the floor has one lane), a SMALL_LANE 12 MiB (the
-forward's lane beside a read-ahead only loads pinned layers, once), so at most 76 MiB,
-inside the runtime reserve. Why 48 MiB in flight: inside k3-run the disk idles while a
-layer computes, and with 16 MiB in flight the compressed trunk pass took 0.87-1.06x of
-raw's time, with 48 MiB 0.86-0.89x (64 MiB did better still but overran the reserve at
-the real-dims floor; bench/README.md "Trunk compression"). Why a decode queue beside the
-pieces in flight: pieces land in bursts, and with no buffer to spare the next reads waited
-for the decoders. Why a piece per decode thread: splitting each piece across the threads
-made every piece wait for the slower half.
+Why in place: staging buffers cost fixed overhead, so they were few and small (48 MiB in
+flight), and inside k3-run the compressed pass stayed at 0.86-0.89x of raw's time, which
+reads a whole layer in one request; reading into the buffer itself costs at most one
+block of room per buffer and lets the queue be as deep as the disk wants (bench/README.md
+"Trunk compression"). Why the waits: a block's output never reaches its own stored bytes,
+but it may cover an earlier block's, so a run of blocks decodes only after every earlier
+run whose stored bytes it would overwrite has been decoded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..io.direct import aligned_empty, window_bytes
-from .trunk_codec import Codec
+import numpy as np
 
-# A lane's shape: (stored bytes per piece (a block is at most ~257 KiB), pieces in
-# flight, landed pieces waiting for or in a decoder).
-LANE = (8 << 20, 6, 2)
-SMALL_LANE = (4 << 20, 2, 1)
+from ..io.direct import ALIGN, align_up
+from .trunk_codec import BlockPlan, Codec
+
+# A read pool's shape: (stored bytes per piece, pieces in flight). The floor reads every
+# layer on the forward's thread ("fg"); beside a read-ahead ("bg") that lane only loads
+# pinned layers, once, and the read-ahead keeps a shallower queue so expert reads are
+# not queued behind it (the raw read-ahead's READ_AHEAD_DEPTH rule).
+FOREGROUND = (8 << 20, 16)
+READ_AHEAD = (8 << 20, 6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """Blocks lo..hi-1, decodable once piece ``piece`` (and every piece before it) has
+    landed and the tasks ``after`` have finished."""
+
+    lo: int
+    hi: int
+    piece: int
+    after: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    at: int                   # where the stored bytes start in the buffer
+    pieces: list              # (offset in the stored span, length), in order
+    tasks: list               # Task, in block order
+
+
+def schedule(plan: BlockPlan, stored: int, piece: int) -> Schedule:
+    """How one layer of ``stored`` bytes (blocks ``plan``) is read in pieces of ``piece``
+    bytes (a multiple of ALIGN) and decoded in place."""
+    at = plan.in_place(ALIGN)
+    pieces = [(a, min(piece, stored - a)) for a in range(0, stored, piece)]
+    in_end = plan.in_off + plan.in_len
+    out_end = plan.out_off + plan.out_len
+    tasks: list = []
+    lo = 0
+    for k, (a, n) in enumerate(pieces):
+        hi = int(np.searchsorted(in_end, a + n, side="right"))
+        if hi > lo:
+            o0, o1 = int(plan.out_off[lo]), int(out_end[hi - 1])
+            after = tuple(u for u, t in enumerate(tasks)
+                          if at + int(plan.in_off[t.lo]) < o1 and at + int(in_end[t.hi - 1]) > o0)
+            tasks.append(Task(lo, hi, k, after))
+            lo = hi
+    return Schedule(at, pieces, tasks)
 
 
 class CodedReader:
-    def __init__(self, files, threads: int, read_ahead: bool = False):
+    def __init__(self, files, threads: int):
         self.files = files
-        self.shapes = {"bg": LANE, "fg": SMALL_LANE if read_ahead else LANE}
-        self.codec = Codec(1)                # one piece per decode thread
+        self.shapes = {"fg": FOREGROUND, "bg": READ_AHEAD}
+        self.codec = Codec(1)                # one run of blocks per decode thread
         self._decode = ThreadPoolExecutor(max_workers=max(1, int(threads)),
                                           thread_name_prefix="k3-decode")
-        self._lanes: dict = {}
-        self._groups: dict = {}
+        self._pools: dict = {}
+        self._schedules: dict = {}
 
-    def _lane(self, name: str):
-        if name not in self._lanes:
-            piece, depth, queue = self.shapes[name]
-            self._lanes[name] = ([aligned_empty(window_bytes(piece))
-                                  for _ in range(depth + queue)],
-                                 ThreadPoolExecutor(max_workers=depth,
-                                                    thread_name_prefix=f"k3-stage-{name}"))
-        return self._lanes[name]
+    def _pool(self, lane: str) -> ThreadPoolExecutor:
+        if lane not in self._pools:
+            self._pools[lane] = ThreadPoolExecutor(max_workers=self.shapes[lane][1],
+                                                   thread_name_prefix=f"k3-read-{lane}")
+        return self._pools[lane]
 
     def read(self, run, buf, check: bool, lane: str, **read_kw) -> tuple:
-        """Decode layer ``run`` (a LayerRun with ``blocks``) into ``buf`` from offset 0;
-        with ``check``, every block's CRC first. ``read_kw`` goes to each piece's
-        ``read_window`` (the read-ahead's gate and cancel). Returns (stored bytes read,
-        seconds waiting for pieces to land, seconds waiting for the decoders); the two add
-        up to the layer's wall time. A bad block raises the first in block order."""
+        """Decode layer ``run`` (a LayerRun with ``blocks``) into ``buf`` from offset 0
+        (``buf`` holds at least ``run.buffer_bytes``); with ``check``, every block's CRC
+        first. ``read_kw`` goes to each piece's ``read_window`` (the read-ahead's gate and
+        cancel). Returns (stored bytes read, seconds waiting for pieces to land, seconds
+        waiting for the decoders); the two add up to the layer's wall time. A bad block
+        raises the first in block order."""
         plan = run.blocks
-        piece, depth, _ = self.shapes[lane]
-        groups = self._groups.get((run.layer, piece))
-        if groups is None:
-            groups = self._groups[run.layer, piece] = plan.groups(piece)
+        piece = self.shapes[lane][0]
+        s = self._schedules.get((run.layer, piece))
+        if s is None:
+            s = self._schedules[run.layer, piece] = schedule(plan, run.stored, piece)
+        if buf.size < s.at + align_up(run.stored):
+            raise ValueError(f"layer {run.layer}: buffer too small to decode in place")
         f = self.files.get(run.path)
-        bufs, stage = self._lane(lane)
+        what = f"layer {run.layer} trunk"
 
-        def fetch(g):
-            a, n = plan.span(*groups[g])
-            return f.read_window(run.offset + a, n, bufs[g % len(bufs)],
-                                 what=f"layer {run.layer} trunk", **read_kw)
+        def fetch(a, n):
+            return f.read_window(run.offset + a, n, buf[s.at + a:], what=what, **read_kw)
 
-        def decode(g, at):
-            lo, hi = groups[g]
-            self.codec.decode(plan, lo, hi, bufs[g % len(bufs)], at, buf, check, run.path,
-                              run.layer)
+        decodes: list = []
 
+        def decode(t, after):
+            for d in after:
+                if d.exception() is not None:     # an earlier block is bad: the layer is
+                    return                        # refused, and its bytes are not needed
+            self.codec.decode(plan, t.lo, t.hi, buf, s.at + int(plan.in_off[t.lo]), buf,
+                              check, run.path, run.layer)
+
+        reads = [self._pool(lane).submit(fetch, a, n) for a, n in s.pieces]
         read_s = decode_s = 0.0
-        reads = {g: stage.submit(fetch, g) for g in range(min(depth, len(groups)))}
-        decodes: dict = {}
         try:
-            for g in range(len(groups)):
+            t_next = 0
+            for k, r in enumerate(reads):
                 t0 = time.perf_counter()
-                at = reads.pop(g).result()
-                t1 = time.perf_counter()
-                decodes[g] = self._decode.submit(decode, g, at)
-                nxt = g + depth                      # its buffer was piece nxt - len(bufs)'s
-                if nxt < len(groups):
-                    if nxt - len(bufs) in decodes:
-                        decodes.pop(nxt - len(bufs)).result()
-                    reads[nxt] = stage.submit(fetch, nxt)
-                read_s += t1 - t0
-                decode_s += time.perf_counter() - t1
+                r.result()
+                read_s += time.perf_counter() - t0
+                while t_next < len(s.tasks) and s.tasks[t_next].piece == k:
+                    t = s.tasks[t_next]
+                    # submitted in order to a FIFO pool: every task waited on has started
+                    decodes.append(self._decode.submit(decode, t, [decodes[u] for u in t.after]))
+                    t_next += 1
             t0 = time.perf_counter()
-            for g in sorted(decodes):
-                decodes.pop(g).result()
+            for d in decodes:
+                d.result()
             decode_s += time.perf_counter() - t0
         finally:
-            for fut in [*reads.values(), *decodes.values()]:
-                fut.exception()       # every piece lands and decodes before its buffer is reused
+            for fut in [*reads, *decodes]:
+                fut.exception()       # every read and decode ends before the buffer is reused
         return run.stored, read_s, decode_s
 
     def close(self) -> None:
-        for _, stage in self._lanes.values():
-            stage.shutdown(wait=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
         self._decode.shutdown(wait=True)
         self.codec.close()

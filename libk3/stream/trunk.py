@@ -32,7 +32,8 @@ from ..errors import FormatError
 from ..io import inventory
 from ..io.dtypes import bound_extra_bytes, matrix_operand, widen
 from ..budget import plan_trunk
-from ..io.direct import FileSet, ReadCancelled, align_down, aligned_empty, window_bytes
+from ..io.direct import (ALIGN, FileSet, ReadCancelled, align_down, align_up, aligned_empty,
+                         window_bytes)
 
 
 # Trunk read-ahead pieces in flight at once: 4 x 4 MiB read real-dims' GB-sized layers
@@ -67,6 +68,15 @@ class LayerRun:
         self.tensors = tensors        # suffix -> (suboffset, nbytes, dtype, shape)
         self.crc32 = crc32
         self.blocks, self.stored = blocks, stored
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The buffer a read of this layer needs: its aligned window, or for a compressed
+        layer room to decode it in place (``BlockPlan.in_place``), whichever is larger."""
+        if self.blocks is None:
+            return window_bytes(self.nbytes)
+        return max(window_bytes(self.nbytes),
+                   self.blocks.in_place(ALIGN) + align_up(self.stored))
 
     @property
     def held_bytes(self) -> int:
@@ -148,12 +158,15 @@ class TrunkStreamer:
         self._verified: set = set()   # layers whose bytes matched their CRC in this process
         self.pinned_plan, capacities = plan_trunk([r.held_bytes for r in runs], budget)
         self.n_slots = len(capacities)
-        self.slot_bytes = [window_bytes(c) for c in capacities]
+        self.ring = [i for i in range(len(runs)) if i not in self.pinned_plan]
+        self._need = [r.buffer_bytes for r in runs]     # a read's buffer, by layer
+        room = max((self._need[L] - window_bytes(runs[L].nbytes) for L in self.ring),
+                   default=0)                           # a compressed layer's in-place room
+        self.slot_bytes = [window_bytes(c) + room for c in capacities]
         self.matrix = [{spec.name[len(names.layer_prefix(L)):]
                         for spec in inventory.layer_trunk(cfg, L) if spec.kind == inventory.MATRIX}
                        for L in range(cfg.num_hidden_layers)]
         self.pinned: dict = {}
-        self.ring = [i for i in range(len(runs)) if i not in self.pinned_plan]
         self.stats = {"bytes_read": 0, "read_seconds": 0.0, "wait_seconds": 0.0, "binds": 0,
                       "pinned_hits": 0, "ring_reads": 0, "crc_checks": 0, "crc_seconds": 0.0,
                       "bytes_decoded": 0, "decode_seconds": 0.0}
@@ -162,8 +175,7 @@ class TrunkStreamer:
             import numba
 
             from .coded_reader import CodedReader
-            self._coded = CodedReader(files, numba.get_num_threads(),
-                                      read_ahead=self.n_slots >= 2)
+            self._coded = CodedReader(files, numba.get_num_threads())
         self._slots = [aligned_empty(b) for b in self.slot_bytes]
         # slot tag: None (free), ("reading", L, gen), ("ready", L, gen), ("inuse", L, gen)
         self._tag = [None] * self.n_slots
@@ -264,7 +276,7 @@ class TrunkStreamer:
             self.stats["pinned_hits"] += 1
             return self.pinned[L]
         if L in self.pinned_plan:
-            buf = aligned_empty(window_bytes(self.runs[L].nbytes))
+            buf = aligned_empty(self._need[L])
             self.pinned[L] = self._bind(L, buf, self._read(L, buf))
             return self.pinned[L]
         self.stats["ring_reads"] += 1
@@ -315,7 +327,7 @@ class TrunkStreamer:
                 with self._cond:
                     while True:
                         L = self.ring[self._read_ptr]
-                        need = window_bytes(self.runs[L].nbytes)
+                        need = self._need[L]
                         i = next((j for j, t in enumerate(self._tag)
                                   if t is None and self.slot_bytes[j] >= need), None)
                         if self._stop or i is not None:

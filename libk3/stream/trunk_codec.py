@@ -79,6 +79,18 @@ class BlockPlan:
         return b, ("a raw block's stored length is not its length" if raw[b] else
                    "a coded block's stored length is outside what its values can take")
 
+    def in_place(self, align: int) -> int:
+        """Where the layer's stored bytes start in a buffer it is decoded into from offset
+        0 (a multiple of ``align``): far enough in that every block's output ends at or
+        before its own stored bytes begin, so decoding blocks in order never overwrites a
+        block not yet decoded (``libk3.stream.coded_reader``). A coded block stores at most
+        8 bytes more than its values, so this plus the stored bytes exceeds the decoded
+        run by at most one block's stored bytes plus 8 bytes a block (and alignment)."""
+        if not len(self):
+            return 0
+        reach = int(np.max(self.out_off + self.out_len - self.in_off))
+        return max(0, -(-reach // align) * align)
+
     def groups(self, max_bytes: int, stored: bool = True) -> list:
         """(first, end) block ranges in order whose stored bytes (or, with ``stored``
         False, output bytes) are at most ``max_bytes`` (or one block)."""
