@@ -21,9 +21,11 @@
 * run: ``k3-run --pack`` at the floor budget (one ring slot: the whole trunk read every
   token, with no read-ahead) raw vs compressed, which goes first alternating by round,
   same tokens required; the target is judged on the median of the rounds' ratios (each
-  pair a minute apart, so the disk's drift within the run mostly cancels).
+  pair a minute apart, so the disk's drift within the run mostly cancels);
+* base (with ``--base REV``): the same k3-run at the floor, raw pack, the tree at REV
+  against this one, alternating (what the floor's refill at release is worth alone).
 
-    python bench/trunk_compress.py [--rounds 3] [--gen 4] [--keep]
+    python bench/trunk_compress.py [--rounds 3] [--gen 4] [--keep] [--base REV]
 
 Models go to scratch/ (git-ignored); the compressed pack is a copy of the raw one and is
 deleted at the end unless --keep.
@@ -44,7 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # tests.conformance
-from common import DATA, checkpoint, k3_run_report, packed, run, table  # noqa: E402
+from common import DATA, ROOT, checkpoint, k3_run_report, packed, run, table  # noqa: E402
 
 from libk3.doctor.probe import sequential_read_rate  # noqa: E402
 from libk3.io.checkpoint import Checkpoint  # noqa: E402
@@ -266,11 +268,7 @@ def stream_section(ck: Path, raw_pack: Path, kz_pack: Path, rounds: int, passes:
 
 
 def run_section(ck: Path, raw_pack: Path, kz_pack: Path, rounds: int, gen: int) -> None:
-    with Checkpoint.open(ck) as c:
-        sizes = ModelSizes.from_checkpoint(c)
-    floor = minimum_budget(sizes)
-    flags = ["--trunk-gb", f"{(floor.trunk_bytes + 1) / 1e9:.9f}", "--cache-gb",
-             f"{sizes.expert_slot_bytes * (sizes.top_k + 1) / 1e9:.9f}"]
+    flags, reason = floor_flags(ck)
     rows, spt, ids = [], {"raw": [], "compressed": []}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
@@ -286,7 +284,7 @@ def run_section(ck: Path, raw_pack: Path, kz_pack: Path, rounds: int, gen: int) 
                              f"{rep['trunk_decode_seconds']:.1f}",
                              f"{rep['trunk_wait_seconds']:.1f}",
                              f"{rep['peak_rss_bytes'] / 1e9:.2f}"])
-    print(f"\n== k3-run real-dims at the floor budget ({floor.reasons[0]}), "
+    print(f"\n== k3-run real-dims at the floor budget ({reason}), "
           f"--ids 1,2,3,4 --gen {gen}")
     print(table(rows, ["round", "pack", "s/token", "trunk GB read", "read s", "decode s",
                        "wait s", "peak RSS GB"]))
@@ -298,12 +296,53 @@ def run_section(ck: Path, raw_pack: Path, kz_pack: Path, rounds: int, gen: int) 
           f"{ids['raw'] == ids['compressed']}")
 
 
+def floor_flags(ck: Path) -> tuple:
+    """(k3-run flags of the floor budget, its reason) for checkpoint ``ck``."""
+    with Checkpoint.open(ck) as c:
+        sizes = ModelSizes.from_checkpoint(c)
+    floor = minimum_budget(sizes)
+    return (["--trunk-gb", f"{(floor.trunk_bytes + 1) / 1e9:.9f}", "--cache-gb",
+             f"{sizes.expert_slot_bytes * (sizes.top_k + 1) / 1e9:.9f}"], floor.reasons[0])
+
+
+def base_section(ck: Path, raw_pack: Path, base: str, rounds: int, gen: int) -> None:
+    """k3-run at the floor on the raw pack: the tree at ``base`` vs this one, alternating
+    which goes first."""
+    from startup import base_tree, tool, tree_shim
+
+    flags, _ = floor_flags(ck)
+    args = [ck, "--pack", raw_pack, "--ids", "1,2,3,4", "--gen", gen, *flags]
+    trees = {"base": base_tree(base),
+             "this tree": tree_shim(ROOT, DATA / "startup-head")}
+    spt = {name: [] for name in trees}
+    rows, ids = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            names = list(trees) if r % 2 == 0 else list(trees)[::-1]
+            for name in names:
+                _, rep_ = tool(trees[name], "k3-run", args, Path(tmp) / f"{name}{r}.json")
+                ids.setdefault(name, rep_["generated_ids"])
+                spt[name].append(rep_["seconds_per_token"])
+                rows.append([r + 1, name, f"{rep_['seconds_per_token']:.3f}",
+                             f"{rep_['trunk_read_seconds']:.1f}",
+                             f"{rep_['trunk_wait_seconds']:.1f}",
+                             f"{rep_['peak_rss_bytes'] / 1e9:.3f}"])
+    print(f"\n== k3-run real-dims at the floor, raw pack: {base} vs this tree, --gen {gen}")
+    print(table(rows, ["round", "tree", "s/token", "read s", "wait s", "peak RSS GB"]))
+    paired = np.array(spt["this tree"]) / np.array(spt["base"])
+    print(f"this tree / base within each round: {' '.join(f'{x:.3f}' for x in paired)}, "
+          f"median {float(np.median(paired)):.3f}x; same tokens: "
+          f"{ids['base'] == ids['this tree']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gen", type=int, default=4)
     ap.add_argument("--keep", action="store_true", help="keep the compressed pack")
     ap.add_argument("--skip-run", action="store_true")
+    ap.add_argument("--base", help="also run k3-run at the floor from the tree at this "
+                                   "revision against this one (raw pack)")
     args = ap.parse_args()
     ck = checkpoint("real-dims")
     raw_pack = packed("real-dims")
@@ -326,6 +365,8 @@ def main() -> None:
     stream_section(ck, raw_pack, kz, args.rounds)
     if not args.skip_run:
         run_section(ck, raw_pack, kz, args.rounds, args.gen)
+    if args.base:
+        base_section(ck, raw_pack, args.base, args.rounds, args.gen)
     if not args.keep:
         shutil.rmtree(kz)
 

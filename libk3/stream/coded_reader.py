@@ -82,14 +82,12 @@ class CodedReader:
         self.codec = Codec(1)                # one run of blocks per decode thread
         self._decode = ThreadPoolExecutor(max_workers=max(1, int(threads)),
                                           thread_name_prefix="k3-decode")
-        self._pools: dict = {}
+        # both made now (threads start on first use): the floor's refill thread and the
+        # forward's pinned loads read through "fg" at once
+        self._pools = {lane: ThreadPoolExecutor(max_workers=depth,
+                                                thread_name_prefix=f"k3-read-{lane}")
+                       for lane, (_, depth) in self.shapes.items()}
         self._schedules: dict = {}
-
-    def _pool(self, lane: str) -> ThreadPoolExecutor:
-        if lane not in self._pools:
-            self._pools[lane] = ThreadPoolExecutor(max_workers=self.shapes[lane][1],
-                                                   thread_name_prefix=f"k3-read-{lane}")
-        return self._pools[lane]
 
     def read(self, run, buf, check: bool, lane: str, **read_kw) -> tuple:
         """Decode layer ``run`` (a LayerRun with ``blocks``) into ``buf`` from offset 0
@@ -120,7 +118,7 @@ class CodedReader:
             self.codec.decode(plan, t.lo, t.hi, buf, s.at + int(plan.in_off[t.lo]), buf,
                               check, run.path, run.layer)
 
-        reads = [self._pool(lane).submit(fetch, a, n) for a, n in s.pieces]
+        reads = [self._pools[lane].submit(fetch, a, n) for a, n in s.pieces]
         read_s = decode_s = 0.0
         try:
             t_next = 0

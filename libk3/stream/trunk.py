@@ -11,9 +11,13 @@ which LRU scores zero; a pinned layer is a hit on every token, so the hit rate i
 pinned bytes' share, and pinning the largest layers first also shrinks the ring slots
 (a slot must hold the largest UNpinned layer).
 Why two slots: one is computed on while the reader fills the next (the public engine
-measured 1.70x from that overlap). One slot is the minimum that can work; it reads
-synchronously, because a reader that overwrote the slot in use emitted wrong tokens
-there (PRIOR-ART 3). Slot rules: never hand out a slot being computed or being read.
+measured 1.70x from that overlap). One slot is the minimum that can work: the forward
+computes on it, so nothing is read while it is in use (a reader that overwrote the slot
+in use emitted wrong tokens there, PRIOR-ART 3), but the moment the forward releases it
+the next ring layer starts reading into it, so that read overlaps whatever the forward
+does before asking: at the end of a pass the head, sampling and the next token's
+embedding (bench/README.md "Trunk compression"). Slot rules: never hand out a slot being
+computed or being read.
 """
 
 from __future__ import annotations
@@ -189,6 +193,9 @@ class TrunkStreamer:
         self._cancel = threading.Event()     # set by close(): abandon the read-ahead
         self._thread = None
         self._pool = None
+        self._refill = None           # one slot: (layer, future of its read) after a release
+        self._refiller = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-trunk-refill")
+                          if self.n_slots == 1 else None)
         if self.n_slots >= 2:
             self._pool = ThreadPoolExecutor(max_workers=READ_AHEAD_DEPTH,
                                             thread_name_prefix="k3-trunk-io")
@@ -281,7 +288,10 @@ class TrunkStreamer:
             return self.pinned[L]
         self.stats["ring_reads"] += 1
         if self.n_slots == 1:
-            return self._bind(L, self._slots[0], self._read(L, self._slots[0]))
+            base = self._take_refill(L)
+            if base is None:
+                base = self._read(L, self._slots[0])
+            return self._bind(L, self._slots[0], base)
         t0 = time.perf_counter()
         with self._cond:
             if self._expect != L:
@@ -301,8 +311,28 @@ class TrunkStreamer:
         self.stats["wait_seconds"] += time.perf_counter() - t0
         return self._bind(L, self._slots[hit], self._base[hit])
 
+    def _take_refill(self, L: int):
+        """The one slot's base if the refill started at the last release read layer L,
+        else None (the slot is free to read into once any refill has ended: its error, a
+        damaged or unreadable pack, is raised either way)."""
+        if self._refill is None:
+            return None
+        want, fut = self._refill
+        self._refill = None
+        t0 = time.perf_counter()
+        try:
+            base = fut.result()
+        finally:
+            self.stats["wait_seconds"] += time.perf_counter() - t0
+        return base if want == L else None
+
     def release(self, L: int) -> None:
-        if self.n_slots < 2 or L in self.pinned_plan:
+        if L in self.pinned_plan:
+            return
+        if self.n_slots == 1:
+            if self._refill is None and not self._stop:
+                nxt = self.ring[(self.ring.index(L) + 1) % len(self.ring)]
+                self._refill = (nxt, self._refiller.submit(self._read, nxt, self._slots[0]))
             return
         with self._cond:
             for i, t in enumerate(self._tag):
@@ -359,6 +389,8 @@ class TrunkStreamer:
             self._thread.join(timeout=5)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self._refiller is not None:
+            self._refiller.shutdown(wait=True)    # a refill nobody will use ends first
         if self._coded is not None:
             self._coded.close()
 
