@@ -193,7 +193,9 @@ class TrunkStreamer:
         self._cancel = threading.Event()     # set by close(): abandon the read-ahead
         self._thread = None
         self._pool = None
-        self._refill = None           # one slot: (layer, future of its read) after a release
+        # one slot: (layer, future of its read, its counters) started by a release; a
+        # refill nobody takes (after the last pass) is not counted as read
+        self._refill = None
         self._refiller = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-trunk-refill")
                           if self.n_slots == 1 else None)
         if self.n_slots >= 2:
@@ -204,10 +206,13 @@ class TrunkStreamer:
             self._thread.start()
 
     # ---- reading and binding ---------------------------------------------------------
-    def _read(self, L: int, buf, background: bool = False) -> int:
+    def _read(self, L: int, buf, background: bool = False, tally: dict | None = None) -> int:
+        """Read layer L into ``buf``; returns where its run starts. Counters go to
+        ``tally`` (default: ``stats``)."""
+        tally = self.stats if tally is None else tally
         run = self.runs[L]
         if run.blocks is not None:
-            return self._read_coded(run, buf, background)
+            return self._read_coded(run, buf, background, tally)
         check = run.crc32 is not None and (self.verify_reads == "every"
                                            or L not in self._verified)
         folded = _FoldedCrc(run, buf) if check and not background else None
@@ -225,41 +230,41 @@ class TrunkStreamer:
             raise
         dt = time.perf_counter() - t0
         with self._cond:
-            self.stats["bytes_read"] += run.nbytes
-            self.stats["read_seconds"] += dt
+            tally["bytes_read"] += run.nbytes
+            tally["read_seconds"] += dt
         if folded is not None:
-            self._crc_result(run, *folded.result())
+            self._crc_result(run, *folded.result(), tally)
         elif check:
-            self._check_crc(run, buf, base)
+            self._check_crc(run, buf, base, tally)
         return base
 
-    def _read_coded(self, run: LayerRun, buf, background: bool) -> int:
+    def _read_coded(self, run: LayerRun, buf, background: bool, tally: dict) -> int:
         """Read and decode a compressed layer into ``buf`` (the run at offset 0), checking
         its blocks' CRCs when its CRC would be checked (``verify_reads``)."""
         check = self.verify_reads == "every" or run.layer not in self._verified
         kw = dict(yield_to=self.files.gate, cancel=self._cancel) if background else {}
         nread, dt, dec = self._coded.read(run, buf, check, "bg" if background else "fg", **kw)
         with self._cond:
-            self.stats["bytes_read"] += nread
-            self.stats["read_seconds"] += dt
-            self.stats["bytes_decoded"] += run.nbytes
-            self.stats["decode_seconds"] += dec
-            self.stats["crc_checks"] += int(check)
+            tally["bytes_read"] += nread
+            tally["read_seconds"] += dt
+            tally["bytes_decoded"] += run.nbytes
+            tally["decode_seconds"] += dec
+            tally["crc_checks"] += int(check)
         if check:
             self._verified.add(run.layer)
         return 0
 
-    def _check_crc(self, run: LayerRun, buf, base: int) -> None:
+    def _check_crc(self, run: LayerRun, buf, base: int, tally: dict) -> None:
         """Refuse bytes that differ from the manifest's CRC. On the read-ahead thread for
         ring layers, so it overlaps compute (zlib.crc32 releases the GIL)."""
         t0 = time.perf_counter()
         crc = zlib.crc32(buf[base:base + run.nbytes])
-        self._crc_result(run, crc, time.perf_counter() - t0)
+        self._crc_result(run, crc, time.perf_counter() - t0, tally)
 
-    def _crc_result(self, run: LayerRun, crc: int, seconds: float) -> None:
+    def _crc_result(self, run: LayerRun, crc: int, seconds: float, tally: dict) -> None:
         with self._cond:
-            self.stats["crc_checks"] += 1
-            self.stats["crc_seconds"] += seconds
+            tally["crc_checks"] += 1
+            tally["crc_seconds"] += seconds
         if crc != run.crc32:
             raise crc_mismatch(run.path, run.layer, run.crc32, crc)
         self._verified.add(run.layer)
@@ -317,13 +322,16 @@ class TrunkStreamer:
         damaged or unreadable pack, is raised either way)."""
         if self._refill is None:
             return None
-        want, fut = self._refill
+        want, fut, tally = self._refill
         self._refill = None
         t0 = time.perf_counter()
         try:
             base = fut.result()
         finally:
             self.stats["wait_seconds"] += time.perf_counter() - t0
+            with self._cond:
+                for k, v in tally.items():
+                    self.stats[k] += v
         return base if want == L else None
 
     def release(self, L: int) -> None:
@@ -332,7 +340,9 @@ class TrunkStreamer:
         if self.n_slots == 1:
             if self._refill is None and not self._stop:
                 nxt = self.ring[(self.ring.index(L) + 1) % len(self.ring)]
-                self._refill = (nxt, self._refiller.submit(self._read, nxt, self._slots[0]))
+                tally = dict.fromkeys(self.stats, 0)     # counted once the read is taken
+                self._refill = (nxt, self._refiller.submit(self._read, nxt, self._slots[0],
+                                                           tally=tally), tally)
             return
         with self._cond:
             for i, t in enumerate(self._tag):
