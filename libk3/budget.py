@@ -16,8 +16,8 @@ Why the memory model is what it is (numbers are Kimi K3's, model.md §3.5, §6):
   it, read on demand. Keeping it resident would put the floor at ~9.6 GB and make an
   8 GB machine unusable, where the C engine ran in 8.24 GB (PRIOR-ART 11).
 * The trunk budget pays for the ring first, then for pins (PRIOR-ART 3). The ring runs
-  with one slot for the largest layer (2.34 GB: the dense layer 0), reading
-  synchronously; that is the feasibility floor (``floor_problems``, the one rule k3-run,
+  with one slot for the largest layer (2.34 GB: the dense layer 0), refilled only once
+  released, never while computed on; that is the feasibility floor (``floor_problems``, the one rule k3-run,
   k3-doctor and ``k3-trace size`` apply). Two slots, for the two largest layers
   (3.61 GB), let the reader fill one while the other is computed on; ``auto`` prefers
   that ring when memory allows.
@@ -333,7 +333,8 @@ class TrunkPlan:
 
 def trunk_floor(layer_bytes) -> int:
     """The smallest trunk budget that runs: one ring slot for the largest layer (the
-    ring then reads synchronously, ``libk3.stream.trunk``), or the whole trunk if smaller."""
+    ring then reads a layer only once the last is released, ``libk3.stream.trunk``), or
+    the whole trunk if smaller."""
     return min(max(layer_bytes, default=0), sum(layer_bytes))
 
 
