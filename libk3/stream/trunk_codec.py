@@ -204,23 +204,23 @@ class Codec:
 
         if hi <= lo:
             return
-        in_off = plan.in_off + (src_at - int(plan.in_off[lo]))
-        out_off = plan.out_off - out_base
-        if (in_off[lo] < 0 or in_off[hi - 1] + plan.in_len[hi - 1] > src.size
-                or out_off[lo] < 0 or out_off[hi - 1] + plan.out_len[hi - 1] > out.size):
+        # blocks lo..hi-1 only, indexed from 0: a piece of a layer costs its own blocks
+        kind, in_len, out_len = plan.kind[lo:hi], plan.in_len[lo:hi], plan.out_len[lo:hi]
+        in_off = plan.in_off[lo:hi] + (src_at - int(plan.in_off[lo]))
+        out_off = plan.out_off[lo:hi] - out_base
+        if (in_off[0] < 0 or in_off[-1] + in_len[-1] > src.size
+                or out_off[0] < 0 or out_off[-1] + out_len[-1] > out.size):
             raise ValueError("blocks outside the buffers they are decoded from or into")
 
-        def work(a, z_hi):
-            b0, b1 = lo + a, lo + z_hi
+        def work(a, z):
             if check:
-                for b in range(b0, b1):
-                    crc = zlib.crc32(src[in_off[b]:in_off[b] + plan.in_len[b]])
-                    if crc != plan.crc32[b]:
-                        return b, "stored bytes do not match their checksum (crc32)", \
-                            f"{int(plan.crc32[b]):#010x}", f"{crc:#010x}"
-            b, status = decode_blocks(src, plan.kind, in_off, plan.in_len, out, out_off,
-                                      plan.out_len, b0, b1)
-            return None if b < 0 else (int(b), PROBLEMS[int(status)], None, None)
+                for i in range(a, z):
+                    crc = zlib.crc32(src[in_off[i]:in_off[i] + in_len[i]])
+                    if crc != plan.crc32[lo + i]:
+                        return lo + i, "stored bytes do not match their checksum (crc32)", \
+                            f"{int(plan.crc32[lo + i]):#010x}", f"{crc:#010x}"
+            b, status = decode_blocks(src, kind, in_off, in_len, out, out_off, out_len, a, z)
+            return None if b < 0 else (lo + int(b), PROBLEMS[int(status)], None, None)
 
         errs = [e for e in self._map(work, hi - lo, plan.in_len[lo:hi]) if e]
         if errs:
