@@ -228,6 +228,20 @@ def buffer_section(kz_pack: Path, rounds: int, piece: int = 4 << 20, depth: int 
           f"{a / 1e9:.2f}")
 
 
+def in_turn(items, r: int):
+    """``items`` in order on even rounds, reversed on odd ones: which goes first
+    alternates, so the disk's drift within a run hits both sides alike."""
+    return items if r % 2 == 0 else items[::-1]
+
+
+def per_round(num: list, den: list) -> str:
+    """Each round's ratio num/den and their median, as printed (the target is judged on
+    the median)."""
+    ratios = np.array(num) / np.array(den)
+    return (f"within each round: {' '.join(f'{x:.3f}' for x in ratios)}, median "
+            f"{float(np.median(ratios)):.3f}x")
+
+
 def stream_section(ck: Path, raw_pack: Path, kz_pack: Path, rounds: int, passes: int = 4) -> None:
     """The trunk streamer alone at the floor (one ring slot, no forward): every layer read
     (and decoded) ``passes`` times per round, raw and compressed alternating; the first
@@ -239,8 +253,7 @@ def stream_section(ck: Path, raw_pack: Path, kz_pack: Path, rounds: int, passes:
     with Checkpoint.open(ck) as c:
         slot = minimum_budget(ModelSizes.from_checkpoint(c)).trunk_bytes + 1
         for r in range(rounds):
-            both = (("raw", raw_pack), ("compressed", kz_pack))
-            for name, pk_dir in both if r % 2 == 0 else both[::-1]:
+            for name, pk_dir in in_turn((("raw", raw_pack), ("compressed", kz_pack)), r):
                 pk = open_pack(pk_dir, c)
                 ts = TrunkStreamer(c.config, runs_from_pack(pk_dir, pk.manifest, pk.blocks),
                                    slot, FileSet(use_direct=True))
@@ -261,10 +274,8 @@ def stream_section(ck: Path, raw_pack: Path, kz_pack: Path, rounds: int, passes:
     print(table(rows, ["round", "pack", "first pass s", "later passes s (median)",
                        "GB read", "read s", "decode s"]))
     a, b = float(np.median(steady["raw"])), float(np.median(steady["compressed"]))
-    paired = np.array(steady["compressed"]) / np.array(steady["raw"])
-    print(f"median later pass: raw {a:.2f} s, compressed {b:.2f} s = {b / a:.3f}x; within "
-          f"each round: {' '.join(f'{x:.3f}' for x in paired)}, median "
-          f"{float(np.median(paired)):.3f}x")
+    print(f"median later pass: raw {a:.2f} s, compressed {b:.2f} s = {b / a:.3f}x; "
+          f"{per_round(steady['compressed'], steady['raw'])}")
 
 
 def run_section(ck: Path, raw_pack: Path, kz_pack: Path, rounds: int, gen: int) -> None:
@@ -272,8 +283,7 @@ def run_section(ck: Path, raw_pack: Path, kz_pack: Path, rounds: int, gen: int) 
     rows, spt, ids = [], {"raw": [], "compressed": []}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
-            both = (("raw", raw_pack), ("compressed", kz_pack))
-            for name, pk in both if r % 2 == 0 else both[::-1]:     # drift hits both
+            for name, pk in in_turn((("raw", raw_pack), ("compressed", kz_pack)), r):
                 rep = k3_run_report([ck, "--pack", pk, "--ids", "1,2,3,4", "--gen", gen, *flags],
                                     Path(tmp), f"{name}{r}")
                 ids.setdefault(name, rep["generated_ids"])
@@ -289,10 +299,8 @@ def run_section(ck: Path, raw_pack: Path, kz_pack: Path, rounds: int, gen: int) 
     print(table(rows, ["round", "pack", "s/token", "trunk GB read", "read s", "decode s",
                        "wait s", "peak RSS GB"]))
     a, b = float(np.median(spt["raw"])), float(np.median(spt["compressed"]))
-    paired = np.array(spt["compressed"]) / np.array(spt["raw"])
     print(f"median s/token: raw {a:.3f}, compressed {b:.3f} = {b / a:.3f}x; compressed / raw "
-          f"within each round: {' '.join(f'{x:.3f}' for x in paired)}, median "
-          f"{float(np.median(paired)):.3f}x (target <= 0.85x); same tokens: "
+          f"{per_round(spt['compressed'], spt['raw'])} (target <= 0.85x); same tokens: "
           f"{ids['raw'] == ids['compressed']}")
 
 
@@ -318,8 +326,7 @@ def base_section(ck: Path, raw_pack: Path, base: str, rounds: int, gen: int) -> 
     rows, ids = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
-            names = list(trees) if r % 2 == 0 else list(trees)[::-1]
-            for name in names:
+            for name in in_turn(list(trees), r):
                 _, rep_ = tool(trees[name], "k3-run", args, Path(tmp) / f"{name}{r}.json")
                 ids.setdefault(name, rep_["generated_ids"])
                 spt[name].append(rep_["seconds_per_token"])
@@ -329,9 +336,7 @@ def base_section(ck: Path, raw_pack: Path, base: str, rounds: int, gen: int) -> 
                              f"{rep_['peak_rss_bytes'] / 1e9:.3f}"])
     print(f"\n== k3-run real-dims at the floor, raw pack: {base} vs this tree, --gen {gen}")
     print(table(rows, ["round", "tree", "s/token", "read s", "wait s", "peak RSS GB"]))
-    paired = np.array(spt["this tree"]) / np.array(spt["base"])
-    print(f"this tree / base within each round: {' '.join(f'{x:.3f}' for x in paired)}, "
-          f"median {float(np.median(paired)):.3f}x; same tokens: "
+    print(f"this tree / base {per_round(spt['this tree'], spt['base'])}; same tokens: "
           f"{ids['base'] == ids['this tree']}")
 
 

@@ -311,10 +311,13 @@ class TrunkStreamer:
                     break
                 self._cond.wait()
             self._tag[hit] = ("inuse", L, self._gen)
-            k = self.ring.index(L)
-            self._expect = self.ring[(k + 1) % len(self.ring)]
+            self._expect = self._ring_next(L)
         self.stats["wait_seconds"] += time.perf_counter() - t0
         return self._bind(L, self._slots[hit], self._base[hit])
+
+    def _ring_next(self, L: int) -> int:
+        """The ring layer a pass reads after ring layer L (after the last, the first)."""
+        return self.ring[(self.ring.index(L) + 1) % len(self.ring)]
 
     def _take_refill(self, L: int):
         """The one slot's base if the refill started at the last release read layer L,
@@ -339,7 +342,7 @@ class TrunkStreamer:
             return
         if self.n_slots == 1:
             if self._refill is None and not self._stop:
-                nxt = self.ring[(self.ring.index(L) + 1) % len(self.ring)]
+                nxt = self._ring_next(L)
                 tally = dict.fromkeys(self.stats, 0)     # counted once the read is taken
                 self._refill = (nxt, self._refiller.submit(self._read, nxt, self._slots[0],
                                                            tally=tally), tally)
