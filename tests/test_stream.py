@@ -95,18 +95,98 @@ def test_floor_slot_is_refilled_with_the_next_layer_at_release(tiny_dir):
         ts = TrunkStreamer(ckpt.config, runs, max(r.nbytes for r in runs), FileSet())
         assert ts.n_slots == 1
         want = {L: load_layer(ckpt, ckpt.config, L) for L in range(len(runs))}
-        counted = runs[0].nbytes                     # the first layer: read when asked
+        counted = 0
         for L in list(range(len(runs))) * 2:
+            fill = ts._fill
             _check_bound(ts.layer(L), want[L])
-            assert ts.stats["bytes_read"] == counted, L
+            assert fill is None or ts._fill is fill, L      # the refill is what is handed out
             ts.release(L)
+            counted += runs[L].nbytes
+            assert ts.stats["bytes_read"] == counted, L
             nxt = (L + 1) % len(runs)
-            layer, read, tally = ts._refill
-            read.result()
-            assert layer == nxt and tally["bytes_read"] == runs[nxt].nbytes
-            counted += runs[nxt].nbytes
+            assert ts._fill.layer == nxt
+            ts._fill.future.result()                       # read before it is asked for
+            assert ts._fill.tally["bytes_read"] == runs[nxt].nbytes
         ts.close()
-        assert ts.stats["bytes_read"] == counted - runs[0].nbytes
+        assert ts.stats["bytes_read"] == counted
+
+
+def _floor(ckpt, monkeypatch, piece=4096):
+    """A one-slot streamer over ``ckpt``'s trunk runs reading in ``piece``-byte pieces."""
+    from libk3.stream import piece_reader
+    monkeypatch.setattr(piece_reader, "FOREGROUND", (piece, 3))
+    runs = runs_from_checkpoint(ckpt)
+    files = FileSet()
+    ts = TrunkStreamer(ckpt.config, runs, max(r.nbytes for r in runs), files)
+    assert ts.n_slots == 1
+    return ts, files, runs
+
+
+def _first_and_last(run) -> tuple:
+    """The run's first tensor and the first tensor whose bytes start past the first's
+    end by a page (so they are in different pieces)."""
+    order = sorted(run.tensors, key=lambda k: run.tensors[k][0])
+    first = order[0]
+    end = sum(run.tensors[first][:2])
+    last = next(k for k in reversed(order) if run.tensors[k][0] >= end + 2 * 4096)
+    return first, last
+
+
+def test_floor_hands_out_a_layers_first_tensors_while_its_later_bytes_land(tiny_dir,
+                                                                           monkeypatch):
+    """Catches a floor slot handed out only once its whole layer is in (the forward then
+    computes nothing while the layer's later tensors are read), and a tensor bound before
+    its own bytes landed: with the reads of a layer's later pieces held, its first tensor
+    comes with the right bytes and a later one waits; once released, every tensor is
+    right."""
+    from .held_reads import HeldReads, within
+    with Checkpoint.open(tiny_dir) as ckpt:
+        ts, files, runs = _floor(ckpt, monkeypatch)
+        want = load_layer(ckpt, ckpt.config, 0)
+        first, last = _first_and_last(runs[0])
+        hold = HeldReads(files, runs[0].path, runs[0].offset + runs[0].tensors[last][0] - 4096)
+        try:
+            lw = within(lambda: ts.layer(0))
+            got = within(lambda: lw[first])
+            assert got.tobytes() == want[first].tobytes()
+            with pytest.raises(AssertionError, match="still waiting"):
+                within(lambda: lw[last], 1.0)
+            assert hold.held
+        finally:
+            hold.release()
+        _check_bound(lw, want)
+        ts.release(0)
+        ts.close()
+        files.close()
+
+
+def test_floor_read_failing_past_the_first_tensors_raises_when_they_are_asked_for(
+        tiny_dir, monkeypatch):
+    """Catches a failed read of a layer's later bytes that is lost (the forward computing
+    on a slot that was never filled), or that leaves the slot unusable: the tensors
+    before the failure are right, a later one raises the read's error, so does the
+    release, and the next pass reads the layer again."""
+    from libk3.errors import K3IOError
+    from .held_reads import HeldReads
+    with Checkpoint.open(tiny_dir) as ckpt:
+        ts, files, runs = _floor(ckpt, monkeypatch)
+        want = load_layer(ckpt, ckpt.config, 0)
+        first, last = _first_and_last(runs[0])
+        f = files.get(runs[0].path)
+        read_window = f.read_window
+        HeldReads(files, runs[0].path, runs[0].offset + runs[0].tensors[last][0] - 4096,
+                  error=K3IOError("read failed: injected", path=runs[0].path))
+        lw = ts.layer(0)
+        assert lw[first].tobytes() == want[first].tobytes()
+        with pytest.raises(K3IOError, match="injected"):
+            lw[last]
+        with pytest.raises(K3IOError, match="injected"):
+            ts.release(0)
+        f.read_window = read_window                       # the disk is back
+        _check_bound(ts.layer(0), want)
+        ts.release(0)
+        ts.close()
+        files.close()
 
 
 def test_expert_cache_under_pressure_serves_the_right_bytes(small_dir):

@@ -219,7 +219,7 @@ def test_in_place_schedule_decodes_exactly_in_any_order_it_allows(n, escapes, bl
     at a random moment its piece and its waits allow, and the buffer ends up the run
     exactly, with at most one block plus 8 bytes a block (and two pages) of room."""
     from libk3.io.direct import ALIGN, align_up
-    from libk3.stream.coded_reader import schedule
+    from libk3.stream.piece_reader import schedule
 
     rng = np.random.default_rng(seed)
     v = ((rng.standard_normal(n) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(
@@ -497,3 +497,76 @@ def test_streamer_decodes_a_compressed_pack_in_place_exactly(small_dir, small_ra
         finally:
             raw.close()
             kz.close()
+
+
+def _floor_streamer(c, pack_dir, monkeypatch, piece=16384):
+    """A one-slot streamer over a pack of ``c``, reading in ``piece``-byte pieces."""
+    from libk3.budget import ModelSizes, minimum_budget
+    from libk3.io.direct import FileSet
+    from libk3.pack.schema import open_pack
+    from libk3.stream import piece_reader
+    from libk3.stream.trunk import TrunkStreamer, runs_from_pack
+
+    monkeypatch.setattr(piece_reader, "FOREGROUND", (piece, 3))
+    pk = open_pack(pack_dir, c)
+    files = FileSet()
+    ts = TrunkStreamer(c.config, runs_from_pack(pack_dir, pk.manifest, pk.blocks),
+                       minimum_budget(ModelSizes.from_checkpoint(c)).trunk_bytes + 1, files)
+    assert ts.n_slots == 1
+    return ts, files
+
+
+def test_floor_hands_out_a_compressed_layers_first_tensors_while_later_blocks_land(
+        small_dir, small_kz, monkeypatch):
+    """Catches a compressed floor layer handed out only once all of it is decoded, or a
+    tensor bound before its blocks were decoded: with the stored bytes of the layer's last
+    tensor held, its first tensor comes right (checked and decoded) and the last waits;
+    once released, every tensor equals the checkpoint's."""
+    from libk3.model.weights import load_layer
+    from .held_reads import HeldReads, within
+
+    with Checkpoint.open(small_dir) as c:
+        ts, files = _floor_streamer(c, small_kz, monkeypatch)
+        run = ts.runs[0]
+        plan = run.blocks
+        first = min(run.tensors, key=lambda k: run.tensors[k][0])
+        last = plan.tensor[-1]
+        b = plan.tensor.index(last)
+        hold = HeldReads(files, run.path, run.offset + int(plan.in_off[b]))
+        want = load_layer(c, c.config, 0)
+        try:
+            lw = within(lambda: ts.layer(0))
+            assert within(lambda: lw[first]).tobytes() == want[first].tobytes()
+            with pytest.raises(AssertionError, match="still waiting"):
+                within(lambda: lw[last], 1.0)
+            assert hold.held
+        finally:
+            hold.release()
+        for k in want:
+            assert lw[k].tobytes() == want[k].tobytes(), k
+        ts.release(0)
+        ts.close()
+        files.close()
+
+
+def test_floor_withholds_a_raw_layer_until_its_crc_matched(small_dir, small_raw, tmp_path,
+                                                           monkeypatch):
+    """Catches a raw layer's tensors handed out before the layer's one CRC was checked: a
+    damaged byte in its last tensor must refuse even its first tensor (the forward never
+    computes on bytes the checksum has not passed)."""
+    bad = tmp_path / "bad.pack"
+    shutil.copytree(small_raw, bad)
+    lay = json.loads((bad / "trunk.json").read_text())["layers"][0]
+    first = min(lay["tensors"], key=lambda k: lay["tensors"][k]["off"])
+    last = max(lay["tensors"].values(), key=lambda t: t["off"])
+    with open(bad / "trunk.bin", "r+b") as fh:
+        fh.seek(lay["file_off"] + last["off"] + 11)
+        byte = fh.read(1)[0]
+        fh.seek(-1, 1)
+        fh.write(bytes([byte ^ 0x40]))
+    with Checkpoint.open(small_dir) as c:
+        ts, files = _floor_streamer(c, bad, monkeypatch)
+        with pytest.raises(FormatError, match="checksum"):
+            ts.layer(0)[first]
+        ts.close()
+        files.close()

@@ -2,9 +2,9 @@
 streamed through a ring of layer slots filled by a read-ahead thread.
 
 Owns: choosing which layers to pin, the ring and its reader thread, binding a layer's
-bytes to named arrays. Does not own: the math (a bound layer is exactly what
-``ResidentWeights.layer`` returns), the expert cache, or reading and decoding a
-compressed pack's layer (``libk3.stream.coded_reader``).
+bytes to named arrays. Does not own: the math (a bound layer holds exactly what
+``ResidentWeights.layer`` returns), the expert cache, or reading a layer in pieces and
+decoding a compressed one (``libk3.stream.piece_reader``).
 
 Why largest-first pinning: every token visits layers 0..n-1 in order, a cyclic scan on
 which LRU scores zero; a pinned layer is a hit on every token, so the hit rate is the
@@ -16,8 +16,11 @@ computes on it, so nothing is read while it is in use (a reader that overwrote t
 in use emitted wrong tokens there, PRIOR-ART 3), but the moment the forward releases it
 the next ring layer starts reading into it, so that read overlaps whatever the forward
 does before asking: at the end of a pass the head, sampling and the next token's
-embedding (bench/README.md "Trunk compression"). Slot rules: never hand out a slot being
-computed or being read.
+embedding. And the one slot's layer is handed out while it is still landing: each tensor
+is bound once the bytes before its end are in (``landing``), so the forward computes a
+layer's first tensors while its later ones are read (bench/README.md "Trunk
+compression"). Slot rules: never hand out a slot being computed or being read, except
+the bytes of the one slot that have landed.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 import zlib
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,6 +42,7 @@ from ..io.dtypes import bound_extra_bytes, matrix_operand, widen
 from ..budget import plan_trunk
 from ..io.direct import (ALIGN, FileSet, ReadCancelled, align_down, align_up, aligned_empty,
                          window_bytes)
+from .landing import Landing
 
 
 # Trunk read-ahead pieces in flight at once: 4 x 4 MiB read real-dims' GB-sized layers
@@ -174,12 +179,12 @@ class TrunkStreamer:
         self.stats = {"bytes_read": 0, "read_seconds": 0.0, "wait_seconds": 0.0, "binds": 0,
                       "pinned_hits": 0, "ring_reads": 0, "crc_checks": 0, "crc_seconds": 0.0,
                       "bytes_decoded": 0, "decode_seconds": 0.0}
-        self._coded = None          # a compressed pack's reader (its decoder uses every thread)
-        if any(r.blocks is not None for r in runs):
-            import numba
+        self._pieces = None         # the floor's and a compressed pack's reader (its
+        if self.n_slots == 1 or any(r.blocks is not None for r in runs):  # decoder uses
+            import numba                                                  # every thread)
 
-            from .coded_reader import CodedReader
-            self._coded = CodedReader(files, numba.get_num_threads())
+            from .piece_reader import PieceReader
+            self._pieces = PieceReader(files, numba.get_num_threads())
         self._slots = [aligned_empty(b) for b in self.slot_bytes]
         # slot tag: None (free), ("reading", L, gen), ("ready", L, gen), ("inuse", L, gen)
         self._tag = [None] * self.n_slots
@@ -193,9 +198,9 @@ class TrunkStreamer:
         self._cancel = threading.Event()     # set by close(): abandon the read-ahead
         self._thread = None
         self._pool = None
-        # one slot: (layer, future of its read, its counters) started by a release; a
-        # refill nobody takes (after the last pass) is not counted as read
-        self._refill = None
+        # one slot: the _Fill reading into it (asked for by layer() or started by a
+        # release); counted when it ends, so a refill nobody takes is not counted as read
+        self._fill = None
         self._refiller = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-trunk-refill")
                           if self.n_slots == 1 else None)
         if self.n_slots >= 2:
@@ -206,15 +211,28 @@ class TrunkStreamer:
             self._thread.start()
 
     # ---- reading and binding ---------------------------------------------------------
-    def _read(self, L: int, buf, background: bool = False, tally: dict | None = None) -> int:
+    def _checks(self, run: LayerRun) -> bool:
+        """Whether this read of ``run`` checks its CRC (``verify_reads``)."""
+        return ((run.crc32 is not None or run.blocks is not None)
+                and (self.verify_reads == "every" or run.layer not in self._verified))
+
+    def _read(self, L: int, buf, background: bool = False, tally: dict | None = None,
+              landing: Landing | None = None) -> int:
         """Read layer L into ``buf``; returns where its run starts. Counters go to
-        ``tally`` (default: ``stats``)."""
+        ``tally`` (default: ``stats``). ``landing`` (the floor's slot) learns each final
+        prefix of ``buf``, except for a raw run whose CRC is checked: its one CRC covers
+        the whole run, so nothing of it is final before the whole is read and matched."""
         tally = self.stats if tally is None else tally
         run = self.runs[L]
+        check = self._checks(run)
         if run.blocks is not None:
-            return self._read_coded(run, buf, background, tally)
-        check = run.crc32 is not None and (self.verify_reads == "every"
-                                           or L not in self._verified)
+            return self._read_coded(run, buf, background, tally, check, landing)
+        if landing is not None and not check:
+            nread, dt, _ = self._pieces.read(run, buf, False, "fg", landing, self._cancel)
+            with self._cond:
+                tally["bytes_read"] += nread
+                tally["read_seconds"] += dt
+            return run.offset - align_down(run.offset)
         folded = _FoldedCrc(run, buf) if check and not background else None
         t0 = time.perf_counter()
         try:
@@ -238,12 +256,14 @@ class TrunkStreamer:
             self._check_crc(run, buf, base, tally)
         return base
 
-    def _read_coded(self, run: LayerRun, buf, background: bool, tally: dict) -> int:
+    def _read_coded(self, run: LayerRun, buf, background: bool, tally: dict, check: bool,
+                    landing: Landing | None) -> int:
         """Read and decode a compressed layer into ``buf`` (the run at offset 0), checking
-        its blocks' CRCs when its CRC would be checked (``verify_reads``)."""
-        check = self.verify_reads == "every" or run.layer not in self._verified
-        kw = dict(yield_to=self.files.gate, cancel=self._cancel) if background else {}
-        nread, dt, dec = self._coded.read(run, buf, check, "bg" if background else "fg", **kw)
+        its blocks' CRCs with ``check`` (a block is final once it matched and decoded)."""
+        kw = dict(yield_to=self.files.gate) if background else {}
+        cancel = self._cancel if background or landing is not None else None
+        nread, dt, dec = self._pieces.read(run, buf, check, "bg" if background else "fg",
+                                           landing, cancel, **kw)
         with self._cond:
             tally["bytes_read"] += nread
             tally["read_seconds"] += dt
@@ -270,17 +290,18 @@ class TrunkStreamer:
         self._verified.add(run.layer)
 
     def _bind(self, L: int, buf, base: int) -> dict:
-        """suffix -> array: matrices in the dtype the run records for them (views of
-        ``buf`` when aligned, ``matrix_operand``), vectors widened to f32."""
-        out = {}
-        for sfx, (sub, nb, dt, shape) in self.runs[L].tensors.items():
-            raw = buf[base + sub: base + sub + nb]
-            if sfx in self.matrix[L]:
-                out[sfx] = matrix_operand(raw, dt, shape)
-            else:
-                out[sfx] = np.ascontiguousarray(widen(raw, dt, shape), dtype=np.float32)
+        """suffix -> array, every tensor of layer L (``_bind_one``)."""
         self.stats["binds"] += 1
-        return out
+        return {sfx: self._bind_one(L, sfx, buf, base) for sfx in self.runs[L].tensors}
+
+    def _bind_one(self, L: int, sfx: str, buf, base: int):
+        """A matrix in the dtype the run records for it (a view of ``buf`` when aligned,
+        ``matrix_operand``), a vector widened to f32."""
+        sub, nb, dt, shape = self.runs[L].tensors[sfx]
+        raw = buf[base + sub: base + sub + nb]
+        if sfx in self.matrix[L]:
+            return matrix_operand(raw, dt, shape)
+        return np.ascontiguousarray(widen(raw, dt, shape), dtype=np.float32)
 
     # ---- the provider interface -----------------------------------------------------
     def layer(self, L: int) -> dict:
@@ -293,10 +314,14 @@ class TrunkStreamer:
             return self.pinned[L]
         self.stats["ring_reads"] += 1
         if self.n_slots == 1:
-            base = self._take_refill(L)
-            if base is None:
-                base = self._read(L, self._slots[0])
-            return self._bind(L, self._slots[0], base)
+            fill = self._fill
+            if fill is not None and fill.layer != L:   # a refill for another layer (an
+                self._fill = None                      # aborted pass): let it end first
+                self._end_fill(fill)
+            if self._fill is None:
+                self._fill = self._start_fill(L)
+            self.stats["binds"] += 1
+            return _LandingLayer(self, L, self._fill)
         t0 = time.perf_counter()
         with self._cond:
             if self._expect != L:
@@ -319,33 +344,43 @@ class TrunkStreamer:
         """The ring layer a pass reads after ring layer L (after the last, the first)."""
         return self.ring[(self.ring.index(L) + 1) % len(self.ring)]
 
-    def _take_refill(self, L: int):
-        """The one slot's base if the refill started at the last release read layer L,
-        else None (the slot is free to read into once any refill has ended: its error, a
-        damaged or unreadable pack, is raised either way)."""
-        if self._refill is None:
-            return None
-        want, fut, tally = self._refill
-        self._refill = None
+    # ---- the floor's one slot ---------------------------------------------------------
+    def _start_fill(self, L: int) -> "_Fill":
+        """Start reading layer L into the one slot on the refill thread."""
+        fill = _Fill(L, dict.fromkeys(self.stats, 0))
+        fill.future = self._refiller.submit(self._fill_slot, fill)
+        return fill
+
+    def _fill_slot(self, fill: "_Fill") -> None:
+        try:
+            fill.base = self._read(fill.layer, self._slots[0], tally=fill.tally,
+                                   landing=fill.landing)
+        except BaseException as e:
+            fill.landing.fail(e)
+            raise
+        fill.landing.finish()
+
+    def _end_fill(self, fill: "_Fill") -> None:
+        """Wait for every byte of ``fill`` (the slot is then free to read into), count it,
+        and raise its error, if any (a damaged or unreadable pack)."""
         t0 = time.perf_counter()
         try:
-            base = fut.result()
+            fill.future.result()
         finally:
             self.stats["wait_seconds"] += time.perf_counter() - t0
             with self._cond:
-                for k, v in tally.items():
+                for k, v in fill.tally.items():
                     self.stats[k] += v
-        return base if want == L else None
 
     def release(self, L: int) -> None:
         if L in self.pinned_plan:
             return
         if self.n_slots == 1:
-            if self._refill is None and not self._stop:
-                nxt = self._ring_next(L)
-                tally = dict.fromkeys(self.stats, 0)     # counted once the read is taken
-                self._refill = (nxt, self._refiller.submit(self._read, nxt, self._slots[0],
-                                                           tally=tally), tally)
+            fill, self._fill = self._fill, None
+            if fill is not None:
+                self._end_fill(fill)
+            if not self._stop:
+                self._fill = self._start_fill(self._ring_next(L))
             return
         with self._cond:
             for i, t in enumerate(self._tag):
@@ -403,11 +438,55 @@ class TrunkStreamer:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self._refiller is not None:
-            self._refiller.shutdown(wait=True)    # a refill nobody will use ends first
-        if self._coded is not None:
-            self._coded.close()
+            self._refiller.shutdown(wait=True)    # a refill nobody will use stops first
+        if self._pieces is not None:
+            self._pieces.close()
 
     def describe(self) -> dict:
         return {"pinned_layers": sorted(self.pinned_plan), "ring_slots": self.n_slots,
                 "slot_bytes": self.slot_bytes,
                 "pinned_bytes": sum(self.runs[L].nbytes for L in self.pinned_plan)}
+
+
+class _Fill:
+    """The floor slot's read of one layer: where its run starts in the slot (``base``, set
+    by the read), which prefix of the slot is final, the read's future and counters."""
+
+    __slots__ = ("layer", "tally", "landing", "future", "base")
+
+    def __init__(self, layer: int, tally: dict):
+        self.layer, self.tally = layer, tally
+        self.landing = Landing()
+        self.future = None
+        self.base = None
+
+
+class _LandingLayer(Mapping):
+    """The floor slot's layer, handed out while it lands: a tensor is bound when first
+    asked for, once the bytes before its end are final (waiting counts as the forward's
+    wait). Same arrays as ``TrunkStreamer._bind``; valid until the layer's release."""
+
+    def __init__(self, streamer: TrunkStreamer, L: int, fill: _Fill):
+        self._ts, self._L, self._fill = streamer, L, fill
+        self._run = streamer.runs[L]
+        # where the run starts in the slot, known before the read sets fill.base
+        self._base = (0 if self._run.blocks is not None
+                      else self._run.offset - align_down(self._run.offset))
+        self._bound: dict = {}
+
+    def __getitem__(self, sfx: str):
+        arr = self._bound.get(sfx)
+        if arr is None:
+            sub, nb, dt, shape = self._run.tensors[sfx]
+            t0 = time.perf_counter()
+            self._fill.landing.wait(self._base + sub + nb)
+            self._ts.stats["wait_seconds"] += time.perf_counter() - t0
+            arr = self._bound[sfx] = self._ts._bind_one(self._L, sfx, self._ts._slots[0],
+                                                        self._base)
+        return arr
+
+    def __iter__(self):
+        return iter(self._run.tensors)
+
+    def __len__(self) -> int:
+        return len(self._run.tensors)

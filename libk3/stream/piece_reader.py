@@ -1,13 +1,14 @@
-"""Reading a compressed trunk layer (formats/pack.md "Compressed trunk") into a ring slot
-or a pinned buffer, decoding it in place: the layer's stored bytes are read into the
-buffer's tail, several pieces in flight, and each landed run of blocks is decoded into the
-buffer's front while later pieces are still being read.
+"""Reading one trunk layer into a buffer in pieces, many in flight: a raw layer's pieces
+land where they belong; a compressed layer (formats/pack.md "Compressed trunk") is decoded
+in place, its stored bytes read into the buffer's tail and each landed run of blocks
+decoded into the buffer's front while later pieces are still being read. Either way a
+``Landing`` learns which prefix of the buffer is final as it grows.
 
-Owns: the in-place schedule (which pieces are read, which blocks decode once a piece has
+Owns: the pieces of a read, the in-place schedule (which blocks decode once a piece has
 landed, which earlier decodes each must wait for), the read pools and the read / decode
 timings. Does not own: the codec, its checks and where the stored bytes go
-(``libk3.stream.trunk_codec``, ``BlockPlan.in_place``), which layer goes where
-(``libk3.stream.trunk``).
+(``libk3.stream.trunk_codec``, ``BlockPlan.in_place``), which layer goes where or when a
+raw layer's whole-run CRC is checked (``libk3.stream.trunk``).
 
 Why in place: staging buffers cost fixed overhead, so they were few and small (48 MiB in
 flight), and inside k3-run the compressed pass stayed at 0.86-0.89x of raw's time, which
@@ -26,12 +27,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..io.direct import ALIGN, align_up
+from ..io.direct import ALIGN, ReadCancelled, align_down, align_up, window_bytes
+from .landing import Landing
 from .trunk_codec import BlockPlan, Codec
 
-# A read pool's shape: (stored bytes per piece, pieces in flight). The floor reads every
-# layer on the forward's thread ("fg"); beside a read-ahead ("bg") that lane only loads
-# pinned layers, once, and the read-ahead keeps a shallower queue so expert reads are
+# A read pool's shape: (stored bytes per piece, pieces in flight). The floor's one slot
+# reads every layer through "fg"; beside a read-ahead ("bg") that lane only loads pinned
+# compressed layers, once, and the read-ahead keeps a shallower queue so expert reads are
 # not queued behind it (the raw read-ahead's READ_AHEAD_DEPTH rule).
 FOREGROUND = (8 << 20, 16)
 READ_AHEAD = (8 << 20, 6)
@@ -75,7 +77,7 @@ def schedule(plan: BlockPlan, stored: int, piece: int) -> Schedule:
     return Schedule(at, pieces, tasks)
 
 
-class CodedReader:
+class PieceReader:
     def __init__(self, files, threads: int):
         self.files = files
         self.shapes = {"fg": FOREGROUND, "bg": READ_AHEAD}
@@ -89,26 +91,42 @@ class CodedReader:
                        for lane, (_, depth) in self.shapes.items()}
         self._schedules: dict = {}
 
-    def read(self, run, buf, check: bool, lane: str, **read_kw) -> tuple:
-        """Decode layer ``run`` (a LayerRun with ``blocks``) into ``buf`` from offset 0
-        (``buf`` holds at least ``run.buffer_bytes``); with ``check``, every block's CRC
-        first. ``read_kw`` goes to each piece's ``read_window`` (the read-ahead's gate and
-        cancel). Returns (stored bytes read, seconds waiting for pieces to land, seconds
-        waiting for the decoders); the two add up to the layer's wall time. A bad block
-        raises the first in block order."""
-        plan = run.blocks
+    def _fetcher(self, run, buf, at: int, cancel, read_kw: dict):
+        """fetch(a, n): the run's stored bytes [a, a+n) from the aligned ``run.offset``
+        into ``buf[at + a:]`` (a raw run: its aligned window, ``at`` 0)."""
+        f = self.files.get(run.path)
+        what = f"layer {run.layer} trunk"
+        start = align_down(run.offset)
+
+        def fetch(a, n):
+            if cancel is not None and cancel.is_set():    # closing: nobody needs the layer
+                raise ReadCancelled()
+            return f.read_window(start + a, n, buf[at + a:], what=what, cancel=cancel,
+                                 **read_kw)
+        return fetch
+
+    def read(self, run, buf, check: bool, lane: str, landing: Landing | None = None,
+             cancel=None, **read_kw) -> tuple:
+        """Read layer ``run`` (a LayerRun) into ``buf``: a raw run's aligned window from
+        offset 0, a compressed run decoded from offset 0 (``buf`` holds at least
+        ``run.buffer_bytes``); with ``check``, every compressed block's CRC first (a raw
+        run's CRC is the caller's). ``landing`` is told each final prefix; ``cancel`` (an
+        Event) stops the read between pieces; ``read_kw`` goes to each piece's
+        ``read_window`` (the read-ahead's gate). Returns (bytes read, seconds waiting for
+        pieces to land, seconds waiting for the decoders); the two add up to the layer's
+        wall time. A bad block raises the first in block order."""
         piece = self.shapes[lane][0]
+        if run.blocks is None:
+            return self._read_raw(run, buf, piece, lane, landing, cancel, read_kw)
+        plan = run.blocks
         s = self._schedules.get((run.layer, piece))
         if s is None:
             s = self._schedules[run.layer, piece] = schedule(plan, run.stored, piece)
         if buf.size < s.at + align_up(run.stored):
             raise ValueError(f"layer {run.layer}: buffer too small to decode in place")
-        f = self.files.get(run.path)
-        what = f"layer {run.layer} trunk"
-
-        def fetch(a, n):
-            return f.read_window(run.offset + a, n, buf[s.at + a:], what=what, **read_kw)
-
+        if landing is not None:
+            landing.plan([plan.out_off[t.hi - 1] + plan.out_len[t.hi - 1] for t in s.tasks])
+        fetch = self._fetcher(run, buf, s.at, cancel, read_kw)
         decodes: list = []
 
         def decode(t, after):
@@ -129,7 +147,10 @@ class CodedReader:
                 while t_next < len(s.tasks) and s.tasks[t_next].piece == k:
                     t = s.tasks[t_next]
                     # submitted in order to a FIFO pool: every task waited on has started
-                    decodes.append(self._decode.submit(decode, t, [decodes[u] for u in t.after]))
+                    d = self._decode.submit(decode, t, [decodes[u] for u in t.after])
+                    if landing is not None:      # a task skipped after a bad block ends
+                        d.add_done_callback(_marker(landing, t_next))   # past the prefix
+                    decodes.append(d)
                     t_next += 1
             t0 = time.perf_counter()
             for d in decodes:
@@ -140,8 +161,38 @@ class CodedReader:
                 fut.exception()       # every read and decode ends before the buffer is reused
         return run.stored, read_s, decode_s
 
+    def _read_raw(self, run, buf, piece: int, lane: str, landing, cancel, read_kw) -> tuple:
+        span = run.offset - align_down(run.offset) + run.nbytes    # the payload's end in buf
+        if buf.size < window_bytes(run.nbytes):
+            raise ValueError(f"layer {run.layer}: buffer too small for its window")
+        pieces = [(a, min(piece, span - a)) for a in range(0, span, piece)]
+        if landing is not None:
+            landing.plan([a + n for a, n in pieces])
+        fetch = self._fetcher(run, buf, 0, cancel, read_kw)
+        reads = []
+        for k, (a, n) in enumerate(pieces):
+            reads.append(self._pools[lane].submit(fetch, a, n))
+            if landing is not None:
+                reads[-1].add_done_callback(_marker(landing, k))
+        t0 = time.perf_counter()
+        try:
+            for r in reads:
+                r.result()
+        finally:
+            for r in reads:
+                r.exception()         # every piece ends before the buffer is reused
+        return run.nbytes, time.perf_counter() - t0, 0.0
+
     def close(self) -> None:
         for pool in self._pools.values():
             pool.shutdown(wait=True)
         self._decode.shutdown(wait=True)
         self.codec.close()
+
+
+def _marker(landing: Landing, k: int):
+    """A done-callback marking unit k of ``landing`` if its future succeeded."""
+    def mark(fut):
+        if not fut.cancelled() and fut.exception() is None:
+            landing.mark(k)
+    return mark
