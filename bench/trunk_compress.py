@@ -26,6 +26,7 @@
   against this one, alternating (what the floor's refill at release is worth alone).
 
     python bench/trunk_compress.py [--rounds 3] [--gen 4] [--keep] [--base REV]
+                                   [--sections run,base]
 
 Models go to scratch/ (git-ignored); the compressed pack is a copy of the raw one and is
 deleted at the end unless --keep.
@@ -340,15 +341,25 @@ def base_section(ck: Path, raw_pack: Path, base: str, rounds: int, gen: int) -> 
           f"{ids['base'] == ids['this tree']}")
 
 
+SECTIONS = ("codec", "pack", "buffers", "stream", "run", "base")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gen", type=int, default=4)
     ap.add_argument("--keep", action="store_true", help="keep the compressed pack")
     ap.add_argument("--skip-run", action="store_true")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"which of {','.join(SECTIONS)} to run (base needs --base)")
     ap.add_argument("--base", help="also run k3-run at the floor from the tree at this "
                                    "revision against this one (raw pack)")
     args = ap.parse_args()
+    want = set(args.sections.split(","))
+    if want - set(SECTIONS):
+        ap.error(f"--sections: unknown {sorted(want - set(SECTIONS))}")
+    if args.skip_run:
+        want.discard("run")
     ck = checkpoint("real-dims")
     raw_pack = packed("real-dims")
     kz = DATA / "real-dims.kz.pack"
@@ -358,19 +369,23 @@ def main() -> None:
         t0 = time.perf_counter()
         run(["k3-pack", "compress", kz, "--quiet"])
         print(f"[setup] k3-pack compress: {time.perf_counter() - t0:.1f} s", flush=True)
-    name, raw = sample_tensor(ck)
-    codec_section(raw, name)
-    derived = mxfp4_derived()
-    if derived is None:
-        print("\n== mxfp4-derived: the conformance data is not present; skipped")
-    else:
-        codec_section(derived, "BF16 drawn from the released MXFP4 sample (64 draws)")
-    pack_section(raw_pack, kz)
-    buffer_section(kz, args.rounds)
-    stream_section(ck, raw_pack, kz, args.rounds)
-    if not args.skip_run:
+    if "codec" in want:
+        name, raw = sample_tensor(ck)
+        codec_section(raw, name)
+        derived = mxfp4_derived()
+        if derived is None:
+            print("\n== mxfp4-derived: the conformance data is not present; skipped")
+        else:
+            codec_section(derived, "BF16 drawn from the released MXFP4 sample (64 draws)")
+    if "pack" in want:
+        pack_section(raw_pack, kz)
+    if "buffers" in want:
+        buffer_section(kz, args.rounds)
+    if "stream" in want:
+        stream_section(ck, raw_pack, kz, args.rounds)
+    if "run" in want:
         run_section(ck, raw_pack, kz, args.rounds, args.gen)
-    if args.base:
+    if args.base and "base" in want:
         base_section(ck, raw_pack, args.base, args.rounds, args.gen)
     if not args.keep:
         shutil.rmtree(kz)

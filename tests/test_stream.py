@@ -84,12 +84,13 @@ def test_trunk_ring_binds_the_right_bytes_across_passes_and_aborts(tiny_dir, slo
         files.close()
 
 
-def test_floor_slot_is_refilled_with_the_next_layer_at_release(tiny_dir):
+def test_floor_slot_reads_the_next_layer_ahead_and_counts_what_was_taken(tiny_dir):
     """Catches a one-slot ring that reads only when asked (its read then overlaps nothing
-    the forward does between layers, such as the head at the end of a pass): once a
-    layer is released, the next ring layer (after the last, the first) is read before
-    the forward asks for it, handing it out reads nothing more, and a refill nobody takes
-    is not counted as read (so a run's report does not depend on when it closed)."""
+    the forward does between layers, such as the head at the end of a pass): once a layer
+    is handed out, the next ring layer (after the last, the first) is being read, at the
+    latest from its release on, before the forward asks for it; handing it out reads
+    nothing more, and a read-ahead nobody takes is not counted as read (so a run's report
+    does not depend on when it closed)."""
     with Checkpoint.open(tiny_dir) as ckpt:
         runs = runs_from_checkpoint(ckpt)
         ts = TrunkStreamer(ckpt.config, runs, max(r.nbytes for r in runs), FileSet())
@@ -97,14 +98,15 @@ def test_floor_slot_is_refilled_with_the_next_layer_at_release(tiny_dir):
         want = {L: load_layer(ckpt, ckpt.config, L) for L in range(len(runs))}
         counted = 0
         for L in list(range(len(runs))) * 2:
-            fill = ts._fill
-            _check_bound(ts.layer(L), want[L])
-            assert fill is None or ts._fill is fill, L      # the refill is what is handed out
+            ahead = ts._fill
+            lw = ts.layer(L)
+            assert ahead is None or lw._fill is ahead, L        # the read-ahead is handed out
+            _check_bound(lw, want[L])
+            nxt = (L + 1) % len(runs)
+            assert ts._fill.layer == nxt
             ts.release(L)
             counted += runs[L].nbytes
             assert ts.stats["bytes_read"] == counted, L
-            nxt = (L + 1) % len(runs)
-            assert ts._fill.layer == nxt
             ts._fill.future.result()                       # read before it is asked for
             assert ts._fill.tally["bytes_read"] == runs[nxt].nbytes
         ts.close()
@@ -120,6 +122,53 @@ def _floor(ckpt, monkeypatch, piece=4096):
     ts = TrunkStreamer(ckpt.config, runs, max(r.nbytes for r in runs), files)
     assert ts.n_slots == 1
     return ts, files, runs
+
+
+def test_floor_reads_the_next_layer_into_the_room_beside_the_layer_in_use(tiny_dir, tmp_path,
+                                                                         monkeypatch):
+    """Catches a one-slot ring whose next layer waits for the release although the slot
+    has room beside the layer in use (the disk then idles while the forward computes the
+    layer's last tensors), and a read ahead that writes over the layer in use: over two
+    passes, a next layer whose region is clear of the one in use is read whole before the
+    release, one that overlaps it is not, and every layer in use keeps its bytes."""
+    import time
+
+    from libk3.io.direct import ALIGN, align_up
+    from libk3.stream.trunk import LayerRun
+    from .held_reads import within
+    with Checkpoint.open(tiny_dir) as ckpt:
+        ts, files, runs = _floor(ckpt, monkeypatch)
+        ts.close()
+        # layer 12's run behind 2x its size of padding in a file of its own: a slot three
+        # times the other layers, so some fit beside the one in use and some do not
+        r = runs[12]
+        d = 2 * r.nbytes
+        wide = tmp_path / "wide.bin"
+        wide.write_bytes(bytes(d) + ckpt.read_span(r.path, r.offset, r.nbytes).tobytes())
+        runs[12] = LayerRun(12, wide, 0, r.nbytes + d,
+                            {k: (sub + d, nb, dt, sh) for k, (sub, nb, dt, sh) in r.tensors.items()})
+        ts = TrunkStreamer(ckpt.config, runs, runs[12].nbytes, files)
+        assert ts.n_slots == 1
+        want = {L: load_layer(ckpt, ckpt.config, L) for L in range(len(runs))}
+        beside = over = 0
+        for L in list(range(len(runs))) * 2:
+            lw = ts.layer(L)
+            use, ahead = lw._fill, ts._fill
+            nxt = runs[ahead.layer]                    # the bytes its read writes
+            written = ahead.at + align_up(nxt.offset % ALIGN + nxt.nbytes)
+            clear = ahead.at >= use.at + ts._need[L] or written <= use.at
+            if clear:
+                within(ahead.future.result)            # read whole while L is in use
+                beside += 1
+            else:
+                time.sleep(0.2)
+                assert not ahead.future.done(), L      # waits for L's region
+                over += 1
+            _check_bound(lw, want[L])
+            ts.release(L)
+        assert beside and over
+        ts.close()
+        files.close()
 
 
 def _first_and_last(run) -> tuple:

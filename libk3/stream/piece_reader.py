@@ -106,46 +106,68 @@ class PieceReader:
         return fetch
 
     def read(self, run, buf, check: bool, lane: str, landing: Landing | None = None,
-             cancel=None, **read_kw) -> tuple:
+             cancel=None, admit=None, **read_kw) -> tuple:
         """Read layer ``run`` (a LayerRun) into ``buf``: a raw run's aligned window from
         offset 0, a compressed run decoded from offset 0 (``buf`` holds at least
         ``run.buffer_bytes``); with ``check``, every compressed block's CRC first (a raw
         run's CRC is the caller's). ``landing`` is told each final prefix; ``cancel`` (an
-        Event) stops the read between pieces; ``read_kw`` goes to each piece's
-        ``read_window`` (the read-ahead's gate). Returns (bytes read, seconds waiting for
-        pieces to land, seconds waiting for the decoders); the two add up to the layer's
-        wall time. A bad block raises the first in block order."""
-        piece = self.shapes[lane][0]
-        if run.blocks is None:
-            return self._read_raw(run, buf, piece, lane, landing, cancel, read_kw)
+        Event) stops the read between pieces; ``admit(lo, hi, depth)``, called before
+        bytes ``[lo, hi)`` of ``buf`` are written (a piece read, a run of blocks
+        decoded), returns once they may be and how many pieces may be in flight then
+        (default: the lane's); ``read_kw`` goes to each piece's ``read_window`` (the
+        read-ahead's gate). Returns (bytes read, seconds waiting for pieces to land,
+        seconds waiting for the decoders); the two add up to the layer's wall time. A bad
+        block raises the first in block order."""
+        piece, depth = self.shapes[lane]
         plan = run.blocks
-        s = self._schedules.get((run.layer, piece))
-        if s is None:
-            s = self._schedules[run.layer, piece] = schedule(plan, run.stored, piece)
-        if buf.size < s.at + align_up(run.stored):
-            raise ValueError(f"layer {run.layer}: buffer too small to decode in place")
+        if plan is None:
+            if buf.size < window_bytes(run.nbytes):
+                raise ValueError(f"layer {run.layer}: buffer too small for its window")
+            span = run.offset - align_down(run.offset) + run.nbytes   # payload end in buf
+            at, tasks = 0, []
+            pieces = [(a, min(piece, span - a)) for a in range(0, span, piece)]
+            units = [a + n for a, n in pieces]
+        else:
+            s = self._schedules.get((run.layer, piece))
+            if s is None:
+                s = self._schedules[run.layer, piece] = schedule(plan, run.stored, piece)
+            if buf.size < s.at + align_up(run.stored):
+                raise ValueError(f"layer {run.layer}: buffer too small to decode in place")
+            at, pieces, tasks = s.at, s.pieces, s.tasks
+            units = [plan.out_off[t.hi - 1] + plan.out_len[t.hi - 1] for t in tasks]
         if landing is not None:
-            landing.plan([plan.out_off[t.hi - 1] + plan.out_len[t.hi - 1] for t in s.tasks])
-        fetch = self._fetcher(run, buf, s.at, cancel, read_kw)
-        decodes: list = []
+            landing.plan(units)
+        fetch = self._fetcher(run, buf, at, cancel, read_kw)
+        pool = self._pools[lane]
 
         def decode(t, after):
             for d in after:
                 if d.exception() is not None:     # an earlier block is bad: the layer is
                     return                        # refused, and its bytes are not needed
-            self.codec.decode(plan, t.lo, t.hi, buf, s.at + int(plan.in_off[t.lo]), buf,
+            self.codec.decode(plan, t.lo, t.hi, buf, at + int(plan.in_off[t.lo]), buf,
                               check, run.path, run.layer)
 
-        reads = [self._pools[lane].submit(fetch, a, n) for a, n in s.pieces]
+        reads: list = []
+        decodes: list = []
         read_s = decode_s = 0.0
         try:
             t_next = 0
-            for k, r in enumerate(reads):
+            for k in range(len(pieces)):
+                while len(reads) < len(pieces):          # keep the queue full
+                    a, n = pieces[len(reads)]
+                    allowed = depth if admit is None else admit(at + a, at + a + n, depth)
+                    if len(reads) > k and len(reads) - k >= allowed:
+                        break
+                    reads.append(pool.submit(fetch, a, n))
+                    if landing is not None and plan is None:
+                        reads[-1].add_done_callback(_marker(landing, len(reads) - 1))
                 t0 = time.perf_counter()
-                r.result()
+                reads[k].result()
                 read_s += time.perf_counter() - t0
-                while t_next < len(s.tasks) and s.tasks[t_next].piece == k:
-                    t = s.tasks[t_next]
+                while t_next < len(tasks) and tasks[t_next].piece == k:
+                    t = tasks[t_next]
+                    if admit is not None:
+                        admit(int(plan.out_off[t.lo]), int(units[t_next]), depth)
                     # submitted in order to a FIFO pool: every task waited on has started
                     d = self._decode.submit(decode, t, [decodes[u] for u in t.after])
                     if landing is not None:      # a task skipped after a bad block ends
@@ -159,29 +181,7 @@ class PieceReader:
         finally:
             for fut in [*reads, *decodes]:
                 fut.exception()       # every read and decode ends before the buffer is reused
-        return run.stored, read_s, decode_s
-
-    def _read_raw(self, run, buf, piece: int, lane: str, landing, cancel, read_kw) -> tuple:
-        span = run.offset - align_down(run.offset) + run.nbytes    # the payload's end in buf
-        if buf.size < window_bytes(run.nbytes):
-            raise ValueError(f"layer {run.layer}: buffer too small for its window")
-        pieces = [(a, min(piece, span - a)) for a in range(0, span, piece)]
-        if landing is not None:
-            landing.plan([a + n for a, n in pieces])
-        fetch = self._fetcher(run, buf, 0, cancel, read_kw)
-        reads = []
-        for k, (a, n) in enumerate(pieces):
-            reads.append(self._pools[lane].submit(fetch, a, n))
-            if landing is not None:
-                reads[-1].add_done_callback(_marker(landing, k))
-        t0 = time.perf_counter()
-        try:
-            for r in reads:
-                r.result()
-        finally:
-            for r in reads:
-                r.exception()         # every piece ends before the buffer is reused
-        return run.nbytes, time.perf_counter() - t0, 0.0
+        return (run.nbytes if plan is None else run.stored), read_s, decode_s
 
     def close(self) -> None:
         for pool in self._pools.values():

@@ -40,8 +40,8 @@ from ..errors import FormatError
 from ..io import inventory
 from ..io.dtypes import bound_extra_bytes, matrix_operand, widen
 from ..budget import plan_trunk
-from ..io.direct import (ALIGN, FileSet, ReadCancelled, align_down, align_up, aligned_empty,
-                         window_bytes)
+from ..io.direct import (ALIGN, HUGE_PAGE, FileSet, ReadCancelled, align_down, align_up,
+                         aligned_empty, window_bytes)
 from .landing import Landing
 
 
@@ -49,6 +49,9 @@ from .landing import Landing
 # faster than 2 x 1 MiB; deeper queues expert reads behind the read-ahead (bench/README.md,
 # "Disk and read-ahead").
 READ_AHEAD_DEPTH = 4
+# The floor slot's read ahead of the forward keeps at most this many pieces in flight
+# (``piece_reader``'s, 8 MiB), so an expert read waits behind at most ~48 MiB.
+READ_AHEAD_PIECES = 6
 # When a packed layer's CRC is checked: the first time this process reads it (pinned
 # layers at load, ring layers on their first pass), or on every read (formats/pack.md).
 VERIFY_READS = ("first", "every")
@@ -198,9 +201,12 @@ class TrunkStreamer:
         self._cancel = threading.Event()     # set by close(): abandon the read-ahead
         self._thread = None
         self._pool = None
-        # one slot: the _Fill reading into it (asked for by layer() or started by a
-        # release); counted when it ends, so a refill nobody takes is not counted as read
+        # one slot: the layer in use (a _Fill, its region of the slot) and the next one's
+        # _Fill, started when the one in use is handed out; a fill is counted when it ends,
+        # so a read-ahead nobody takes is not counted as read
+        self._use = None
         self._fill = None
+        self._space = threading.Condition()     # the region in use changed
         self._refiller = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-trunk-refill")
                           if self.n_slots == 1 else None)
         if self.n_slots >= 2:
@@ -217,22 +223,26 @@ class TrunkStreamer:
                 and (self.verify_reads == "every" or run.layer not in self._verified))
 
     def _read(self, L: int, buf, background: bool = False, tally: dict | None = None,
-              landing: Landing | None = None) -> int:
+              landing: Landing | None = None, admit=None) -> int:
         """Read layer L into ``buf``; returns where its run starts. Counters go to
-        ``tally`` (default: ``stats``). ``landing`` (the floor's slot) learns each final
-        prefix of ``buf``, except for a raw run whose CRC is checked: its one CRC covers
-        the whole run, so nothing of it is final before the whole is read and matched."""
+        ``tally`` (default: ``stats``). ``landing`` and ``admit`` (the floor's slot: see
+        ``PieceReader.read``) learn each final prefix of ``buf`` and say when a part of it
+        may be written, except for a raw run whose CRC is checked: its one CRC covers the
+        whole run, so nothing of it is final before the whole is read and matched."""
         tally = self.stats if tally is None else tally
         run = self.runs[L]
         check = self._checks(run)
         if run.blocks is not None:
-            return self._read_coded(run, buf, background, tally, check, landing)
+            return self._read_coded(run, buf, background, tally, check, landing, admit)
         if landing is not None and not check:
-            nread, dt, _ = self._pieces.read(run, buf, False, "fg", landing, self._cancel)
+            nread, dt, _ = self._pieces.read(run, buf, False, "fg", landing, self._cancel,
+                                             admit)
             with self._cond:
                 tally["bytes_read"] += nread
                 tally["read_seconds"] += dt
             return run.offset - align_down(run.offset)
+        if admit is not None:
+            admit(0, self._need[L], 1)
         folded = _FoldedCrc(run, buf) if check and not background else None
         t0 = time.perf_counter()
         try:
@@ -257,13 +267,13 @@ class TrunkStreamer:
         return base
 
     def _read_coded(self, run: LayerRun, buf, background: bool, tally: dict, check: bool,
-                    landing: Landing | None) -> int:
+                    landing: Landing | None, admit=None) -> int:
         """Read and decode a compressed layer into ``buf`` (the run at offset 0), checking
         its blocks' CRCs with ``check`` (a block is final once it matched and decoded)."""
         kw = dict(yield_to=self.files.gate) if background else {}
         cancel = self._cancel if background or landing is not None else None
         nread, dt, dec = self._pieces.read(run, buf, check, "bg" if background else "fg",
-                                           landing, cancel, **kw)
+                                           landing, cancel, admit, **kw)
         with self._cond:
             tally["bytes_read"] += nread
             tally["read_seconds"] += dt
@@ -314,14 +324,21 @@ class TrunkStreamer:
             return self.pinned[L]
         self.stats["ring_reads"] += 1
         if self.n_slots == 1:
-            fill = self._fill
-            if fill is not None and fill.layer != L:   # a refill for another layer (an
-                self._fill = None                      # aborted pass): let it end first
-                self._end_fill(fill)
-            if self._fill is None:
-                self._fill = self._start_fill(L)
+            if self._use is not None:
+                raise RuntimeError(f"layer {L} asked for before layer {self._use.layer} "
+                                   "was released")
+            fill, self._fill = self._fill, None
+            if fill is not None and fill.layer != L:   # read ahead for another layer (an
+                self._end_fill(fill)                   # aborted pass): let it end first
+                fill = None
+            if fill is None:
+                fill = self._start_fill(L)
+            with self._space:
+                self._use = fill
+            if not self._stop:
+                self._fill = self._start_fill(self._ring_next(L))
             self.stats["binds"] += 1
-            return _LandingLayer(self, L, self._fill)
+            return _LandingLayer(self, L, fill)
         t0 = time.perf_counter()
         with self._cond:
             if self._expect != L:
@@ -345,20 +362,54 @@ class TrunkStreamer:
         return self.ring[(self.ring.index(L) + 1) % len(self.ring)]
 
     # ---- the floor's one slot ---------------------------------------------------------
+    def _place(self, L: int) -> int:
+        """Where layer L's region of the slot starts: after the layer in use if it fits
+        there (on a huge-page boundary if that fits too), else at the start."""
+        use, need, room = self._use, self._need[L], self.slot_bytes[0]
+        if use is not None:
+            end = use.at + self._need[use.layer]
+            for at in (-(-end // HUGE_PAGE) * HUGE_PAGE, align_up(end)):
+                if at + need <= room:
+                    return at
+        return 0
+
     def _start_fill(self, L: int) -> "_Fill":
-        """Start reading layer L into the one slot on the refill thread."""
-        fill = _Fill(L, dict.fromkeys(self.stats, 0))
+        """Start reading layer L into its region of the one slot on the refill thread
+        (after any fill before it: one thread)."""
+        fill = _Fill(L, dict.fromkeys(self.stats, 0), self._place(L))
         fill.future = self._refiller.submit(self._fill_slot, fill)
         return fill
 
     def _fill_slot(self, fill: "_Fill") -> None:
         try:
-            fill.base = self._read(fill.layer, self._slots[0], tally=fill.tally,
-                                   landing=fill.landing)
+            fill.base = self._read(fill.layer, self._slots[0][fill.at:], tally=fill.tally,
+                                   landing=fill.landing,
+                                   admit=lambda lo, hi, depth: self._admit(fill, lo, hi, depth))
         except BaseException as e:
             fill.landing.fail(e)
             raise
         fill.landing.finish()
+
+    def _admit(self, fill: "_Fill", lo: int, hi: int, depth: int) -> int:
+        """Wait until bytes [lo, hi) of ``fill``'s region are clear of the layer in use;
+        then the pieces in flight allowed: the lane's ``depth`` while no layer is in use,
+        else the read-ahead's, after any urgent (expert) read (the read is then ahead of
+        the forward, whose expert reads must not queue behind it)."""
+        a, b = fill.at + lo, fill.at + hi
+        with self._space:
+            while True:
+                if self._cancel.is_set():
+                    raise ReadCancelled()
+                use = self._use
+                if use is None or use is fill or b <= use.at or a >= use.at + self._need[use.layer]:
+                    break
+                if not threading.main_thread().is_alive():   # exiting without close():
+                    raise ReadCancelled()                    # the release will not come
+                self._space.wait(1.0)
+        if use is None or use is fill:
+            return depth
+        self.files.gate.wait_clear()
+        return min(depth, READ_AHEAD_PIECES)
 
     def _end_fill(self, fill: "_Fill") -> None:
         """Wait for every byte of ``fill`` (the slot is then free to read into), count it,
@@ -376,11 +427,15 @@ class TrunkStreamer:
         if L in self.pinned_plan:
             return
         if self.n_slots == 1:
-            fill, self._fill = self._fill, None
-            if fill is not None:
+            fill = self._use
+            if fill is None or fill.layer != L:
+                return
+            try:
                 self._end_fill(fill)
-            if not self._stop:
-                self._fill = self._start_fill(self._ring_next(L))
+            finally:
+                with self._space:
+                    self._use = None
+                    self._space.notify_all()
             return
         with self._cond:
             for i, t in enumerate(self._tag):
@@ -433,6 +488,8 @@ class TrunkStreamer:
             self._stop = True
             self._cancel.set()
             self._cond.notify_all()
+        with self._space:
+            self._space.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._pool is not None:
@@ -449,13 +506,14 @@ class TrunkStreamer:
 
 
 class _Fill:
-    """The floor slot's read of one layer: where its run starts in the slot (``base``, set
-    by the read), which prefix of the slot is final, the read's future and counters."""
+    """The floor slot's read of one layer: where its region of the slot starts (``at``)
+    and its run inside the region (``base``, set by the read), which prefix of the region
+    is final, the read's future and counters."""
 
-    __slots__ = ("layer", "tally", "landing", "future", "base")
+    __slots__ = ("layer", "tally", "at", "landing", "future", "base")
 
-    def __init__(self, layer: int, tally: dict):
-        self.layer, self.tally = layer, tally
+    def __init__(self, layer: int, tally: dict, at: int):
+        self.layer, self.tally, self.at = layer, tally, at
         self.landing = Landing()
         self.future = None
         self.base = None
@@ -470,8 +528,8 @@ class _LandingLayer(Mapping):
         self._ts, self._L, self._fill = streamer, L, fill
         self._run = streamer.runs[L]
         # where the run starts in the slot, known before the read sets fill.base
-        self._base = (0 if self._run.blocks is not None
-                      else self._run.offset - align_down(self._run.offset))
+        self._base = fill.at + (0 if self._run.blocks is not None
+                                else self._run.offset - align_down(self._run.offset))
         self._bound: dict = {}
 
     def __getitem__(self, sfx: str):
@@ -479,7 +537,7 @@ class _LandingLayer(Mapping):
         if arr is None:
             sub, nb, dt, shape = self._run.tensors[sfx]
             t0 = time.perf_counter()
-            self._fill.landing.wait(self._base + sub + nb)
+            self._fill.landing.wait(self._base - self._fill.at + sub + nb)
             self._ts.stats["wait_seconds"] += time.perf_counter() - t0
             arr = self._bound[sfx] = self._ts._bind_one(self._L, sfx, self._ts._slots[0],
                                                         self._base)
