@@ -16,11 +16,11 @@ Why the memory model is what it is (numbers are Kimi K3's, model.md §3.5, §6):
   it, read on demand. Keeping it resident would put the floor at ~9.6 GB and make an
   8 GB machine unusable, where the C engine ran in 8.24 GB (PRIOR-ART 11).
 * The trunk budget pays for the ring first, then for pins (PRIOR-ART 3). The ring runs
-  with one slot for the largest layer (2.34 GB: the dense layer 0), refilled only once
-  released, never while computed on; that is the feasibility floor (``floor_problems``,
-  the one rule k3-run, k3-doctor and ``k3-trace size`` apply). Two slots, for the two largest layers
-  (3.61 GB), let the reader fill one while the other is computed on; ``auto`` prefers
-  that ring when memory allows.
+  with one slot for the largest layer (2.34 GB: the dense layer 0), the next layer read
+  into the room beside the one in use and into its bytes only once released; that is the
+  feasibility floor (``floor_problems``, the one rule k3-run, k3-doctor and ``k3-trace
+  size`` apply). Two slots, for the two largest layers (3.61 GB), let the reader fill one
+  while the other is computed on; ``auto`` prefers that ring when memory allows.
 * Pins go largest first: a pinned byte is a byte not read per token, and pinning the
   largest layers also shrinks the ring the rest needs. ``plan_trunk`` is the split
   k3-run's trunk streamer runs, so the doctor's estimate streams the layers k3-run will.

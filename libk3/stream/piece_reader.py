@@ -32,9 +32,10 @@ from .landing import Landing
 from .trunk_codec import BlockPlan, Codec
 
 # A read pool's shape: (stored bytes per piece, pieces in flight). The floor's one slot
-# reads every layer through "fg"; beside a read-ahead ("bg") that lane only loads pinned
-# compressed layers, once, and the read-ahead keeps a shallower queue so expert reads are
-# not queued behind it (the raw read-ahead's READ_AHEAD_DEPTH rule).
+# reads every layer through "fg"; beside a two-slot read-ahead ("bg") that lane only
+# loads pinned compressed layers, once. A read ahead of the forward (the read-ahead, or
+# the floor's next layer while one is in use) keeps the shallower queue, so expert reads
+# are not queued behind it (the raw read-ahead's READ_AHEAD_DEPTH rule).
 FOREGROUND = (8 << 20, 16)
 READ_AHEAD = (8 << 20, 6)
 

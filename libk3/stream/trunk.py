@@ -11,16 +11,15 @@ which LRU scores zero; a pinned layer is a hit on every token, so the hit rate i
 pinned bytes' share, and pinning the largest layers first also shrinks the ring slots
 (a slot must hold the largest UNpinned layer).
 Why two slots: one is computed on while the reader fills the next (the public engine
-measured 1.70x from that overlap). One slot is the minimum that can work: the forward
-computes on it, so nothing is read while it is in use (a reader that overwrote the slot
-in use emitted wrong tokens there, PRIOR-ART 3), but the moment the forward releases it
-the next ring layer starts reading into it, so that read overlaps whatever the forward
-does before asking: at the end of a pass the head, sampling and the next token's
-embedding. And the one slot's layer is handed out while it is still landing: each tensor
-is bound once the bytes before its end are in (``landing``), so the forward computes a
+measured 1.70x from that overlap). One slot, for the largest layer, is the minimum that
+can work, and the floor keeps the disk busy in it all the same: the next ring layer is
+read from the moment the layer in use is handed out, into the room the slot has beside
+it and, as the forward releases it, into the rest (no byte of the layer in use is
+written while it is in use: a reader that overwrote the slot in use emitted wrong tokens
+there, PRIOR-ART 3); and a layer is handed out while it is still landing, each tensor
+bound once the bytes before its end are in (``landing``), so the forward computes a
 layer's first tensors while its later ones are read (bench/README.md "Trunk
-compression"). Slot rules: never hand out a slot being computed or being read, except
-the bytes of the one slot that have landed.
+compression"). Slot rules: never hand out bytes being read, never read into bytes in use.
 """
 
 from __future__ import annotations
@@ -49,9 +48,6 @@ from .landing import Landing
 # faster than 2 x 1 MiB; deeper queues expert reads behind the read-ahead (bench/README.md,
 # "Disk and read-ahead").
 READ_AHEAD_DEPTH = 4
-# The floor slot's read ahead of the forward keeps at most this many pieces in flight
-# (``piece_reader``'s, 8 MiB), so an expert read waits behind at most ~48 MiB.
-READ_AHEAD_PIECES = 6
 # When a packed layer's CRC is checked: the first time this process reads it (pinned
 # layers at load, ring layers on their first pass), or on every read (formats/pack.md).
 VERIFY_READS = ("first", "every")
@@ -409,7 +405,7 @@ class TrunkStreamer:
         if use is None or use is fill:
             return depth
         self.files.gate.wait_clear()
-        return min(depth, READ_AHEAD_PIECES)
+        return min(depth, self._pieces.shapes["bg"][1])
 
     def _end_fill(self, fill: "_Fill") -> None:
         """Wait for every byte of ``fill`` (the slot is then free to read into), count it,

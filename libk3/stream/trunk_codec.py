@@ -83,7 +83,7 @@ class BlockPlan:
         """Where the layer's stored bytes start in a buffer it is decoded into from offset
         0 (a multiple of ``align``): far enough in that every block's output ends at or
         before its own stored bytes begin, so decoding blocks in order never overwrites a
-        block not yet decoded (``libk3.stream.coded_reader``). A coded block stores at most
+        block not yet decoded (``libk3.stream.piece_reader``). A coded block stores at most
         8 bytes more than its values, so this plus the stored bytes exceeds the decoded
         run by at most one block's stored bytes plus 8 bytes a block (and alignment)."""
         if not len(self):
