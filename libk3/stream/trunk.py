@@ -310,7 +310,7 @@ class TrunkStreamer:
         return np.ascontiguousarray(widen(raw, dt, shape), dtype=np.float32)
 
     # ---- the provider interface -----------------------------------------------------
-    def layer(self, L: int) -> dict:
+    def layer(self, L: int) -> Mapping:
         if L in self.pinned:
             self.stats["pinned_hits"] += 1
             return self.pinned[L]
@@ -378,9 +378,9 @@ class TrunkStreamer:
 
     def _fill_slot(self, fill: "_Fill") -> None:
         try:
-            fill.base = self._read(fill.layer, self._slots[0][fill.at:], tally=fill.tally,
-                                   landing=fill.landing,
-                                   admit=lambda lo, hi, depth: self._admit(fill, lo, hi, depth))
+            self._read(fill.layer, self._slots[0][fill.at:], tally=fill.tally,
+                       landing=fill.landing,
+                       admit=lambda lo, hi, depth: self._admit(fill, lo, hi, depth))
         except BaseException as e:
             fill.landing.fail(e)
             raise
@@ -502,17 +502,15 @@ class TrunkStreamer:
 
 
 class _Fill:
-    """The floor slot's read of one layer: where its region of the slot starts (``at``)
-    and its run inside the region (``base``, set by the read), which prefix of the region
-    is final, the read's future and counters."""
+    """The floor slot's read of one layer: where its region of the slot starts (``at``),
+    which prefix of the region is final, the read's future and counters."""
 
-    __slots__ = ("layer", "tally", "at", "landing", "future", "base")
+    __slots__ = ("layer", "tally", "at", "landing", "future")
 
     def __init__(self, layer: int, tally: dict, at: int):
         self.layer, self.tally, self.at = layer, tally, at
         self.landing = Landing()
         self.future = None
-        self.base = None
 
 
 class _LandingLayer(Mapping):
@@ -522,10 +520,10 @@ class _LandingLayer(Mapping):
 
     def __init__(self, streamer: TrunkStreamer, L: int, fill: _Fill):
         self._ts, self._L, self._fill = streamer, L, fill
-        self._run = streamer.runs[L]
-        # where the run starts in the slot, known before the read sets fill.base
-        self._base = fill.at + (0 if self._run.blocks is not None
-                                else self._run.offset - align_down(self._run.offset))
+        self._run = run = streamer.runs[L]
+        # where the run starts in its region: a compressed run is decoded from 0, a raw
+        # one is read in its aligned window (what TrunkStreamer._read returns)
+        self._at = 0 if run.blocks is not None else run.offset - align_down(run.offset)
         self._bound: dict = {}
 
     def __getitem__(self, sfx: str):
@@ -533,10 +531,10 @@ class _LandingLayer(Mapping):
         if arr is None:
             sub, nb, dt, shape = self._run.tensors[sfx]
             t0 = time.perf_counter()
-            self._fill.landing.wait(self._base - self._fill.at + sub + nb)
+            self._fill.landing.wait(self._at + sub + nb)
             self._ts.stats["wait_seconds"] += time.perf_counter() - t0
             arr = self._bound[sfx] = self._ts._bind_one(self._L, sfx, self._ts._slots[0],
-                                                        self._base)
+                                                        self._fill.at + self._at)
         return arr
 
     def __iter__(self):
