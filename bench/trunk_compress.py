@@ -23,7 +23,7 @@
   same tokens required; the target is judged on the median of the rounds' ratios (each
   pair a minute apart, so the disk's drift within the run mostly cancels);
 * base (with ``--base REV``): the same k3-run at the floor, raw pack, the tree at REV
-  against this one, alternating (what the floor's refill at release is worth alone).
+  against this one, alternating (what this tree's floor changes are worth alone).
 
     python bench/trunk_compress.py [--rounds 3] [--gen 4] [--keep] [--base REV]
                                    [--sections run,base]

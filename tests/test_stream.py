@@ -115,12 +115,10 @@ def test_floor_slot_reads_the_next_layer_ahead_and_counts_what_was_taken(tiny_di
 
 def _floor(ckpt, monkeypatch, piece=4096):
     """A one-slot streamer over ``ckpt``'s trunk runs reading in ``piece``-byte pieces."""
-    from libk3.stream import piece_reader
-    monkeypatch.setattr(piece_reader, "FOREGROUND", (piece, 3))
+    from .floor_helpers import floor_streamer
     runs = runs_from_checkpoint(ckpt)
-    files = FileSet()
-    ts = TrunkStreamer(ckpt.config, runs, max(r.nbytes for r in runs), files)
-    assert ts.n_slots == 1
+    ts, files = floor_streamer(ckpt.config, runs, max(r.nbytes for r in runs), monkeypatch,
+                               piece)
     return ts, files, runs
 
 
@@ -135,7 +133,7 @@ def test_floor_reads_the_next_layer_into_the_room_beside_the_layer_in_use(tiny_d
 
     from libk3.io.direct import ALIGN, align_up
     from libk3.stream.trunk import LayerRun
-    from .held_reads import within
+    from .floor_helpers import within
     with Checkpoint.open(tiny_dir) as ckpt:
         ts, files, runs = _floor(ckpt, monkeypatch)
         ts.close()
@@ -188,7 +186,7 @@ def test_floor_hands_out_a_layers_first_tensors_while_its_later_bytes_land(tiny_
     its own bytes landed: with the reads of a layer's later pieces held, its first tensor
     comes with the right bytes and a later one waits; once released, every tensor is
     right."""
-    from .held_reads import HeldReads, within
+    from .floor_helpers import HeldReads, within
     with Checkpoint.open(tiny_dir) as ckpt:
         ts, files, runs = _floor(ckpt, monkeypatch)
         want = load_layer(ckpt, ckpt.config, 0)
@@ -216,7 +214,7 @@ def test_floor_read_failing_past_the_first_tensors_raises_when_they_are_asked_fo
     before the failure are right, a later one raises the read's error, so does the
     release, and the next pass reads the layer again."""
     from libk3.errors import K3IOError
-    from .held_reads import HeldReads
+    from .floor_helpers import HeldReads
     with Checkpoint.open(tiny_dir) as ckpt:
         ts, files, runs = _floor(ckpt, monkeypatch)
         want = load_layer(ckpt, ckpt.config, 0)

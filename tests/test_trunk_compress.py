@@ -502,18 +502,14 @@ def test_streamer_decodes_a_compressed_pack_in_place_exactly(small_dir, small_ra
 def _floor_streamer(c, pack_dir, monkeypatch, piece=16384):
     """A one-slot streamer over a pack of ``c``, reading in ``piece``-byte pieces."""
     from libk3.budget import ModelSizes, minimum_budget
-    from libk3.io.direct import FileSet
     from libk3.pack.schema import open_pack
-    from libk3.stream import piece_reader
-    from libk3.stream.trunk import TrunkStreamer, runs_from_pack
+    from libk3.stream.trunk import runs_from_pack
+    from .floor_helpers import floor_streamer
 
-    monkeypatch.setattr(piece_reader, "FOREGROUND", (piece, 3))
     pk = open_pack(pack_dir, c)
-    files = FileSet()
-    ts = TrunkStreamer(c.config, runs_from_pack(pack_dir, pk.manifest, pk.blocks),
-                       minimum_budget(ModelSizes.from_checkpoint(c)).trunk_bytes + 1, files)
-    assert ts.n_slots == 1
-    return ts, files
+    return floor_streamer(c.config, runs_from_pack(pack_dir, pk.manifest, pk.blocks),
+                          minimum_budget(ModelSizes.from_checkpoint(c)).trunk_bytes + 1,
+                          monkeypatch, piece)
 
 
 def test_floor_hands_out_a_compressed_layers_first_tensors_while_later_blocks_land(
@@ -523,7 +519,7 @@ def test_floor_hands_out_a_compressed_layers_first_tensors_while_later_blocks_la
     tensor held, its first tensor comes right (checked and decoded) and the last waits;
     once released, every tensor equals the checkpoint's."""
     from libk3.model.weights import load_layer
-    from .held_reads import HeldReads, within
+    from .floor_helpers import HeldReads, within
 
     with Checkpoint.open(small_dir) as c:
         ts, files = _floor_streamer(c, small_kz, monkeypatch)

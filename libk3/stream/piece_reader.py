@@ -85,7 +85,7 @@ class PieceReader:
         self.codec = Codec(1)                # one run of blocks per decode thread
         self._decode = ThreadPoolExecutor(max_workers=max(1, int(threads)),
                                           thread_name_prefix="k3-decode")
-        # both made now (threads start on first use): the floor's refill thread and the
+        # both made now (threads start on first use): the floor's fill thread and the
         # forward's pinned loads read through "fg" at once
         self._pools = {lane: ThreadPoolExecutor(max_workers=depth,
                                                 thread_name_prefix=f"k3-read-{lane}")
@@ -124,7 +124,7 @@ class PieceReader:
         if plan is None:
             if buf.size < window_bytes(run.nbytes):
                 raise ValueError(f"layer {run.layer}: buffer too small for its window")
-            span = run.offset - align_down(run.offset) + run.nbytes   # payload end in buf
+            span = run.buffer_at + run.nbytes                         # payload end in buf
             at, tasks = 0, []
             pieces = [(a, min(piece, span - a)) for a in range(0, span, piece)]
             units = [a + n for a, n in pieces]

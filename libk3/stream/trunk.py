@@ -78,6 +78,12 @@ class LayerRun:
         self.blocks, self.stored = blocks, stored
 
     @property
+    def buffer_at(self) -> int:
+        """Where the run starts in a buffer it is read into: a compressed run is decoded
+        from offset 0, a raw one is read in its aligned window."""
+        return 0 if self.blocks is not None else self.offset - align_down(self.offset)
+
+    @property
     def buffer_bytes(self) -> int:
         """The buffer a read of this layer needs: its aligned window, or for a compressed
         layer room to decode it in place (``BlockPlan.in_place``), whichever is larger."""
@@ -121,7 +127,7 @@ class _FoldedCrc:
     read would add its time to the first token."""
 
     def __init__(self, run: LayerRun, buf):
-        self.lo = run.offset - align_down(run.offset)       # the payload inside the window
+        self.lo = run.buffer_at                             # the payload inside the window
         self.hi = self.lo + run.nbytes
         self.buf = buf
         self.crc = 0
@@ -203,8 +209,8 @@ class TrunkStreamer:
         self._use = None
         self._fill = None
         self._space = threading.Condition()     # the region in use changed
-        self._refiller = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-trunk-refill")
-                          if self.n_slots == 1 else None)
+        self._filler = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-trunk-fill")
+                        if self.n_slots == 1 else None)
         if self.n_slots >= 2:
             self._pool = ThreadPoolExecutor(max_workers=READ_AHEAD_DEPTH,
                                             thread_name_prefix="k3-trunk-io")
@@ -228,15 +234,8 @@ class TrunkStreamer:
         tally = self.stats if tally is None else tally
         run = self.runs[L]
         check = self._checks(run)
-        if run.blocks is not None:
-            return self._read_coded(run, buf, background, tally, check, landing, admit)
-        if landing is not None and not check:
-            nread, dt, _ = self._pieces.read(run, buf, False, "fg", landing, self._cancel,
-                                             admit)
-            with self._cond:
-                tally["bytes_read"] += nread
-                tally["read_seconds"] += dt
-            return run.offset - align_down(run.offset)
+        if run.blocks is not None or (landing is not None and not check):
+            return self._read_pieces(run, buf, background, tally, check, landing, admit)
         if admit is not None:
             admit(0, self._need[L], 1)
         folded = _FoldedCrc(run, buf) if check and not background else None
@@ -262,10 +261,11 @@ class TrunkStreamer:
             self._check_crc(run, buf, base, tally)
         return base
 
-    def _read_coded(self, run: LayerRun, buf, background: bool, tally: dict, check: bool,
-                    landing: Landing | None, admit=None) -> int:
-        """Read and decode a compressed layer into ``buf`` (the run at offset 0), checking
-        its blocks' CRCs with ``check`` (a block is final once it matched and decoded)."""
+    def _read_pieces(self, run: LayerRun, buf, background: bool, tally: dict, check: bool,
+                     landing: Landing | None, admit=None) -> int:
+        """Read ``run`` into ``buf`` through the piece reader: a compressed layer decoded
+        (its blocks' CRCs checked with ``check``: a block is final once it matched and
+        decoded), or a raw one whose CRC is not due."""
         kw = dict(yield_to=self.files.gate) if background else {}
         cancel = self._cancel if background or landing is not None else None
         nread, dt, dec = self._pieces.read(run, buf, check, "bg" if background else "fg",
@@ -273,12 +273,13 @@ class TrunkStreamer:
         with self._cond:
             tally["bytes_read"] += nread
             tally["read_seconds"] += dt
-            tally["bytes_decoded"] += run.nbytes
-            tally["decode_seconds"] += dec
+            if run.blocks is not None:
+                tally["bytes_decoded"] += run.nbytes
+                tally["decode_seconds"] += dec
             tally["crc_checks"] += int(check)
         if check:
             self._verified.add(run.layer)
-        return 0
+        return run.buffer_at
 
     def _check_crc(self, run: LayerRun, buf, base: int, tally: dict) -> None:
         """Refuse bytes that differ from the manifest's CRC. On the read-ahead thread for
@@ -363,17 +364,17 @@ class TrunkStreamer:
         there (on a huge-page boundary if that fits too), else at the start."""
         use, need, room = self._use, self._need[L], self.slot_bytes[0]
         if use is not None:
-            end = use.at + self._need[use.layer]
-            for at in (-(-end // HUGE_PAGE) * HUGE_PAGE, align_up(end)):
+            for at in (-(-use.end // HUGE_PAGE) * HUGE_PAGE, align_up(use.end)):
                 if at + need <= room:
                     return at
         return 0
 
     def _start_fill(self, L: int) -> "_Fill":
-        """Start reading layer L into its region of the one slot on the refill thread
+        """Start reading layer L into its region of the one slot on the fill thread
         (after any fill before it: one thread)."""
-        fill = _Fill(L, dict.fromkeys(self.stats, 0), self._place(L))
-        fill.future = self._refiller.submit(self._fill_slot, fill)
+        at = self._place(L)
+        fill = _Fill(L, dict.fromkeys(self.stats, 0), at, at + self._need[L])
+        fill.future = self._filler.submit(self._fill_slot, fill)
         return fill
 
     def _fill_slot(self, fill: "_Fill") -> None:
@@ -397,7 +398,7 @@ class TrunkStreamer:
                 if self._cancel.is_set():
                     raise ReadCancelled()
                 use = self._use
-                if use is None or use is fill or b <= use.at or a >= use.at + self._need[use.layer]:
+                if use is None or use is fill or b <= use.at or a >= use.end:
                     break
                 if not threading.main_thread().is_alive():   # exiting without close():
                     raise ReadCancelled()                    # the release will not come
@@ -490,8 +491,8 @@ class TrunkStreamer:
             self._thread.join(timeout=5)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        if self._refiller is not None:
-            self._refiller.shutdown(wait=True)    # a refill nobody will use stops first
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)      # a read ahead nobody will use stops first
         if self._pieces is not None:
             self._pieces.close()
 
@@ -502,13 +503,14 @@ class TrunkStreamer:
 
 
 class _Fill:
-    """The floor slot's read of one layer: where its region of the slot starts (``at``),
-    which prefix of the region is final, the read's future and counters."""
+    """The floor slot's read of one layer: its region of the slot (``at`` to ``end``: the
+    layer's read buffer), which prefix of the region is final, the read's future and
+    counters."""
 
-    __slots__ = ("layer", "tally", "at", "landing", "future")
+    __slots__ = ("layer", "tally", "at", "end", "landing", "future")
 
-    def __init__(self, layer: int, tally: dict, at: int):
-        self.layer, self.tally, self.at = layer, tally, at
+    def __init__(self, layer: int, tally: dict, at: int, end: int):
+        self.layer, self.tally, self.at, self.end = layer, tally, at, end
         self.landing = Landing()
         self.future = None
 
@@ -520,10 +522,8 @@ class _LandingLayer(Mapping):
 
     def __init__(self, streamer: TrunkStreamer, L: int, fill: _Fill):
         self._ts, self._L, self._fill = streamer, L, fill
-        self._run = run = streamer.runs[L]
-        # where the run starts in its region: a compressed run is decoded from 0, a raw
-        # one is read in its aligned window (what TrunkStreamer._read returns)
-        self._at = 0 if run.blocks is not None else run.offset - align_down(run.offset)
+        self._run = streamer.runs[L]
+        self._at = self._run.buffer_at          # where the run starts in its region
         self._bound: dict = {}
 
     def __getitem__(self, sfx: str):

@@ -1,10 +1,24 @@
-"""Holding a streamer's reads: reads of one file at or past an offset wait until released
-(or fail), so a test can look at what a layer hands out while its later bytes are still
-on their way."""
+"""The floor's one-slot streamer under test: built to read in small pieces, its reads of
+one file at or past an offset held until released (or failed), so a test can look at
+what a layer hands out while its later bytes are still on their way."""
 
 from __future__ import annotations
 
 import threading
+
+
+def floor_streamer(cfg, runs, budget: int, monkeypatch, piece: int):
+    """(a one-slot TrunkStreamer over ``runs`` reading in ``piece``-byte pieces, 3 in
+    flight, its FileSet)."""
+    from libk3.io.direct import FileSet
+    from libk3.stream import piece_reader
+    from libk3.stream.trunk import TrunkStreamer
+
+    monkeypatch.setattr(piece_reader, "FOREGROUND", (piece, 3))
+    files = FileSet()
+    ts = TrunkStreamer(cfg, runs, budget, files)
+    assert ts.n_slots == 1
+    return ts, files
 
 
 class HeldReads:
