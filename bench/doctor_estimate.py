@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-size-mb", type=float, default=1000.0)
     args = ap.parse_args(argv)
 
-    from libk3.doctor import probe as hwprobe
+    from libk3.machine import memory as hwprobe
     from libk3.doctor import report as doctor
 
     mem = hwprobe.probe_memory(None if args.assume_memory_gb is None

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, checkpoint, drop_page_cache, run, table  # noqa: E402
 
-from libk3.doctor.probe import measure_reads, o_direct_check  # noqa: E402
+from libk3.machine.storage import measure_reads, o_direct_check  # noqa: E402
 from libk3.io.direct import aligned_empty  # noqa: E402
 
 BLOCK = 16 << 20

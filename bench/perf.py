@@ -183,7 +183,7 @@ def section_disk(tmp, rounds: int = 3):
     reference measured just before its run, and the median round is the result."""
     import statistics
 
-    from libk3.doctor.probe import measure_reads
+    from libk3.machine.storage import measure_reads
     ck, pk = checkpoint("medium"), packed("medium")
     sizes, flags = _floor_flags("medium")
     shards = sorted(ck.glob("*.safetensors"))

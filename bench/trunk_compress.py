@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # tests.conformance
 from common import DATA, ROOT, checkpoint, k3_run_report, packed, run, table  # noqa: E402
 
-from libk3.doctor.probe import sequential_read_rate  # noqa: E402
+from libk3.machine.storage import sequential_read_rate  # noqa: E402
 from libk3.io.checkpoint import Checkpoint  # noqa: E402
 from libk3.pack.schema import open_pack  # noqa: E402
 from libk3.budget import ModelSizes, minimum_budget  # noqa: E402

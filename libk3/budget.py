@@ -5,7 +5,7 @@ sizes as the budget sees them (``ModelSizes``), the fixed overhead a run needs b
 its two budgets, the smallest budget that can work, the ``auto`` rule, resolving
 ``--preset``/``--trunk-gb``/``--cache-gb`` in argv order, how a trunk budget splits into
 pinned layers and a ring, and whether a budget fits a machine's memory. Does not own:
-probing the machine (``libk3.doctor.probe``), streaming or caching (``libk3.stream``), or
+probing the machine (``libk3.machine``), streaming or caching (``libk3.stream``), or
 printing (the click front ends).
 
 Why the memory model is what it is (numbers are Kimi K3's, model.md §3.5, §6):

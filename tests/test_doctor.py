@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from libk3 import budget
-from libk3.doctor import probe as hwprobe
+from libk3.machine import memory as hwmem, storage as hwstore
 from libk3.doctor import report as doctor
-from libk3.engine import timing
+from libk3.doctor import timing
 from libk3.errors import BudgetError, FormatError, UsageError
 from libk3.io.checkpoint import Checkpoint
 from libk3.budget import GB, ModelSizes
@@ -39,7 +39,7 @@ def _run_cli(*args, timeout=120):
 
 
 def _probe_files(d: Path) -> list:
-    return sorted(p.name for p in Path(d).iterdir() if p.name.startswith(hwprobe.PROBE_PREFIX))
+    return sorted(p.name for p in Path(d).iterdir() if p.name.startswith(hwstore.PROBE_PREFIX))
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def small_ckpt(tmp_path_factory):
 def real_sparse(real_sparse_dir):
     """real-sparse (synthesised once per run, conftest) diagnosed once on an 8 GB machine."""
     d = real_sparse_dir
-    diag = doctor.diagnose(d, quick=True, memory=hwprobe.assumed_memory(8 * 10**9))
+    diag = doctor.diagnose(d, quick=True, memory=hwmem.assumed_memory(8 * 10**9))
     return d, diag
 
 
@@ -192,16 +192,16 @@ def test_hwprobe_cgroup_limit_is_the_smallest_on_the_path(tmp_path):
     """Catches reading only the leaf group, treating 'max' or v1's 2^63 as a limit, or
     ignoring the cgroup when MemAvailable is larger."""
     proc = _fake_cgroup_tree(tmp_path / "a", "max", "6000000000", "9223372036854771712")
-    mem = hwprobe.probe_memory(proc=str(proc))
+    mem = hwmem.probe_memory(proc=str(proc))
     assert mem.cgroup_limit_bytes == 6_000_000_000 and "v2" in mem.cgroup_source
     assert mem.available_bytes == 12_000_000 * 1024
     assert mem.usable_bytes == 6_000_000_000
     proc = _fake_cgroup_tree(tmp_path / "b", "max", "max", "9223372036854771712")
-    mem = hwprobe.probe_memory(proc=str(proc))                         # control: no limit
+    mem = hwmem.probe_memory(proc=str(proc))                         # control: no limit
     assert mem.cgroup_limit_bytes is None and mem.usable_bytes == 12_000_000 * 1024
     proc = _fake_cgroup_tree(tmp_path / "c", "max", "max", "3000000000")
-    assert hwprobe.probe_memory(proc=str(proc)).cgroup_limit_bytes == 3_000_000_000
-    fake = hwprobe.probe_memory(override_bytes=8 * 10**9)
+    assert hwmem.probe_memory(proc=str(proc)).cgroup_limit_bytes == 3_000_000_000
+    fake = hwmem.probe_memory(override_bytes=8 * 10**9)
     assert fake.assumed and fake.usable_bytes == 8 * 10**9
 
 
@@ -212,8 +212,8 @@ def test_hwprobe_never_times_holes_and_uses_real_shards_in_place(tmp_path):
     sparse.mkdir()
     with open(sparse / "model-00001-of-000001.safetensors", "wb") as f:
         f.truncate(200 << 20)
-    assert not hwprobe.holds_data(sparse / "model-00001-of-000001.safetensors")
-    info = hwprobe.probe_storage(sparse, model_files=list(sparse.iterdir()),
+    assert not hwstore.holds_data(sparse / "model-00001-of-000001.safetensors")
+    info = hwstore.probe_storage(sparse, model_files=list(sparse.iterdir()),
                                  probe_bytes=40 << 20, min_model_bytes=1, **FAST)
     assert info["measured_on"] == "temporary file" and "sparse" in " ".join(info["notes"])
     dense = tmp_path / "dense"
@@ -221,9 +221,9 @@ def test_hwprobe_never_times_holes_and_uses_real_shards_in_place(tmp_path):
     rng = np.random.default_rng(0)
     for i in range(2):
         (dense / f"s{i}.safetensors").write_bytes(rng.bytes(40 << 20))
-    assert hwprobe.holds_data(dense / "s0.safetensors")                  # control
+    assert hwstore.holds_data(dense / "s0.safetensors")                  # control
     before = sorted(p.name for p in dense.iterdir())
-    info = hwprobe.probe_storage(dense, model_files=sorted(dense.iterdir()),
+    info = hwstore.probe_storage(dense, model_files=sorted(dense.iterdir()),
                                  min_model_bytes=1, **FAST)
     assert info["measured_on"] == "model shards"
     r = info["reads"]
@@ -321,7 +321,7 @@ def test_doctor_small_measures_disk_and_estimates_every_preset(small_ckpt, tmp_p
     """Catches estimates without measurements, a probe file left behind, or a pick that
     does not hold the whole small model."""
     diag = doctor.diagnose(small_ckpt, tmp_path / "pack", probe_bytes=48 << 20,
-                           memory=hwprobe.assumed_memory(8 * 10**9), **FAST)
+                           memory=hwmem.assumed_memory(8 * 10**9), **FAST)
     rep = diag.report
     assert diag.exit_status == 0, rep["problems"]
     st = rep["storage"][0]
@@ -342,10 +342,10 @@ def test_doctor_missing_shard_fails_naming_the_shard(tiny_copy, tmp_path):
     which file to fetch again."""
     d = tmp_path / "partial"
     shutil.copytree(tiny_copy, d)
-    control = doctor.diagnose(d, quick=True, memory=hwprobe.assumed_memory(8 * 10**9))
+    control = doctor.diagnose(d, quick=True, memory=hwmem.assumed_memory(8 * 10**9))
     assert control.exit_status == 0
     (d / "model-00007-of-000014.safetensors").unlink()
-    diag = doctor.diagnose(d, quick=True, memory=hwprobe.assumed_memory(8 * 10**9))
+    diag = doctor.diagnose(d, quick=True, memory=hwmem.assumed_memory(8 * 10**9))
     assert diag.exit_status == 1
     probs = diag.report["problems"]
     assert any("model-00007-of-000014.safetensors" in p and "missing" in p for p in probs)
@@ -375,7 +375,7 @@ def test_doctor_stale_pack_is_reported_and_a_new_directory_suggested(tiny_copy, 
     out = tmp_path / "pack"
     with Checkpoint.open(tiny_copy) as ck:
         pack(ck, out, progress=False)
-    mem = hwprobe.assumed_memory(8 * 10**9)
+    mem = hwmem.assumed_memory(8 * 10**9)
     same = doctor.diagnose(tiny_copy, out, quick=True, memory=mem)      # control
     assert same.report["model"]["pack"]["state"] == "complete"
     assert len(same.report["next_commands"]) == 1
@@ -388,7 +388,7 @@ def test_doctor_stale_pack_is_reported_and_a_new_directory_suggested(tiny_copy, 
 
 def test_doctor_too_little_disk_for_the_pack_fails(tiny_copy, tmp_path):
     """Catches a pack destination without room being accepted."""
-    mem = hwprobe.assumed_memory(8 * 10**9)
+    mem = hwmem.assumed_memory(8 * 10**9)
     ok = doctor.diagnose(tiny_copy, tmp_path / "p", quick=True, memory=mem)
     assert ok.exit_status == 0
     full = doctor.diagnose(tiny_copy, tmp_path / "p", quick=True, memory=mem,
@@ -422,21 +422,21 @@ def test_doctor_refuses_4gb_for_real_sparse_but_not_for_tiny(real_sparse):
     """Catches a memory check that passes any machine, or one that refuses models that
     do fit (the tiny control)."""
     _, diag = real_sparse
-    dec = doctor.decide(diag.sizes, hwprobe.assumed_memory(4 * 10**9))
+    dec = doctor.decide(diag.sizes, hwmem.assumed_memory(4 * 10**9))
     assert dec["pick"] is None
     assert [p for p in dec["problems"] if p.startswith("memory:") and "smallest working" in p]
-    tiny = doctor.diagnose(FIXTURE, quick=True, memory=hwprobe.assumed_memory(4 * 10**9))
+    tiny = doctor.diagnose(FIXTURE, quick=True, memory=hwmem.assumed_memory(4 * 10**9))
     assert tiny.exit_status == 0 and tiny.report["decision"]["pick"] == "laptop"
 
 
 def test_doctor_machine_only_report_without_a_model():
     """Catches a doctor that needs a model argument to say anything."""
-    diag = doctor.diagnose(None, quick=True, memory=hwprobe.assumed_memory(16 * 10**9))
+    diag = doctor.diagnose(None, quick=True, memory=hwmem.assumed_memory(16 * 10**9))
     rep = diag.report
     assert rep["model"] is None and rep["storage"] == [] and diag.exit_status == 0
     assert rep["decision"]["sizes_of"].startswith("Kimi K3")
     assert rep["machine"]["numba"]["layer"] in ("tbb", "omp", "workqueue")
-    low = doctor.diagnose(None, quick=True, memory=hwprobe.assumed_memory(4 * 10**9))
+    low = doctor.diagnose(None, quick=True, memory=hwmem.assumed_memory(4 * 10**9))
     assert low.exit_status == 1
 
 
@@ -461,7 +461,7 @@ def test_doctor_estimate_follows_the_stated_formula(real_sizes):
 def _wait_for_probe(d: Path, proc, full_size=None, timeout=60.0) -> Path:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        files = [p for p in d.iterdir() if p.name.startswith(hwprobe.PROBE_PREFIX)]
+        files = [p for p in d.iterdir() if p.name.startswith(hwstore.PROBE_PREFIX)]
         if files and (full_size is None or _size(files[0]) >= full_size):
             return files[0]
         assert proc.poll() is None, proc.communicate()
@@ -505,7 +505,7 @@ def test_doctor_compression_advice_both_ways(real_sizes):
     dec = {"decode_bytes_per_s": 4e9, "fraction": 0.67}
 
     def advice(mem_gb, seq_bps):
-        d = doctor.decide(real_sizes, hwprobe.assumed_memory(int(mem_gb * 1e9)),
+        d = doctor.decide(real_sizes, hwmem.assumed_memory(int(mem_gb * 1e9)),
                           seq_bps=seq_bps, rand_bps=1e9, kernels=k)
         return doctor.compression_advice(d["presets"][d["pick"]]["estimate"], seq_bps, dec)
 

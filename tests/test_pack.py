@@ -236,7 +236,7 @@ def test_pack_streams_same_logits_as_shards(tiny_dir, tmp_path):
 def test_pack_reports_mb_per_s_against_the_source_disk_read(small_dir, tmp_path):
     """Catches a summary without the source disk's read rate when asked for it, a probe
     that runs when refused, and a rate that is not the pack's MB/s over the probe's."""
-    from libk3.doctor.probe import o_direct_check
+    from libk3.machine.storage import o_direct_check
     shard = sorted(small_dir.glob("*.safetensors"))[-1]
     direct = o_direct_check(shard)[0]
     p = k3pack(small_dir, tmp_path / "a", "--source-probe", "--json", "--quiet")

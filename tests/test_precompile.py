@@ -158,8 +158,8 @@ def test_precompile_table_covers_every_tool_path(tiny_dir, tmp_path):
     install it would compile inside the first layer, unannounced and timed as prefill."""
     import k3_run.cli as run_cli
     import k3_trace.cli as trace_cli
-    from libk3.doctor import probe as hwprobe
-    from libk3.engine import timing
+    from libk3.machine import parallel
+    from libk3.doctor import timing
     from libk3.synth.traces import write_synth_trace
 
     trace = tmp_path / "t.k3trace"
@@ -178,7 +178,7 @@ def test_precompile_table_covers_every_tool_path(tiny_dir, tmp_path):
             assert res.exit_code == 0, res.output
         res = cli.invoke(trace_cli.main, ["replay", str(trace), "--slots", "4,8", "--jobs", "1"])
         assert res.exit_code == 0, res.output
-        hwprobe.threading_layer()
+        parallel.layer_check()
         timing.measure_kernels(seconds=0.001, rows=64, cols=64, working_set=1 << 16)
     compiled = [(str(ev.data["dispatcher"]), ev.data["args"]) for _, ev in rec.buffer
                 if ev.is_start]
@@ -206,4 +206,4 @@ def test_doctor_compile_reports_every_kernel_and_where_cached():
                                        "kda", "mla", "router", "moe", "bf16_planes")} | {
         "libk3.policies." + m for m in ("lru", "lfu", "layer_lfu", "adaptive", "drive",
                                         "belady", "s3fifo")} | {
-        "libk3.policies.online", "libk3.doctor.probe"}
+        "libk3.policies.online", "libk3.machine.parallel"}

@@ -1,11 +1,11 @@
 """k3-doctor's report: can this machine run this model, with which preset, and what next.
 
-Owns: putting the machine facts (``libk3.doctor.probe``), the model directory's health
+Owns: putting the machine facts (``facts``), the model directory's health
 (config, shard completeness, each shard's size against its own header), the pack
 directory's state, the presets (``libk3.budget``) and a per-token time estimate
 together into one JSON-ready report with its exit status, and rendering that report as
-text. Does not own: measuring (``libk3.doctor.probe``, ``libk3.engine.timing``), budget rules (``libk3.budget``), packing (``libk3.pack.writer``)
-or option parsing (``tools/k3-doctor``).
+text. Does not own: measuring (``libk3.machine``, ``timing``), budget rules
+(``libk3.budget``), packing (``libk3.pack.writer``) or option parsing (``tools/k3-doctor``).
 
 Exit status: 0 the machine can run the model; 1 it cannot, with every reason listed
 (incomplete or invalid checkpoint, memory below the smallest working budget, too little
@@ -34,7 +34,8 @@ from ..budget import GB, ModelSizes
 from ..config import K3Config, load_config
 from ..errors import BudgetError, CheckpointError, ConfigError
 from ..k3_dims import real_config
-from . import probe
+from ..machine import memory as _memory, storage
+from . import facts
 
 EXAMPLE_PROMPT = "The capital of France is"
 EXAMPLE_IDS = "1,2,3"             # for models without a tokenizer
@@ -50,7 +51,7 @@ class Diagnosis:
 
     report: dict
     sizes: ModelSizes | None
-    memory: probe.MemoryInfo
+    memory: _memory.MemoryInfo
     exit_status: int
 
 
@@ -101,7 +102,7 @@ def inspect_model(model_dir, pack_dir) -> tuple:
                      "present": len(present), "indexed": weight_map is not None,
                      "apparent_bytes": apparent, "allocated_bytes": allocated,
                      "problems": [e.one_line() for e in shard_problems]}
-    if apparent and allocated < probe.DATA_FRACTION * apparent:
+    if apparent and allocated < storage.DATA_FRACTION * apparent:
         warnings.append(f"the shards are sparse: {allocated / GB:.2f} GB allocated of "
                         f"{apparent / GB:.2f} GB (a synthetic checkpoint? holes read as zeros)")
     for tok in ("tiktoken.model", "tokenizer_config.json"):
@@ -299,18 +300,19 @@ def compression_advice(est: dict | None, seq_bps, decode: dict | None) -> dict:
 # ---- the whole report ------------------------------------------------------------------
 
 def diagnose(model=None, pack=None, *, quick: bool = False,
-             memory: probe.MemoryInfo | None = None,
-             probe_bytes: int = probe.DEFAULT_PROBE_BYTES, progress: bool = False,
+             memory: _memory.MemoryInfo | None = None,
+             probe_bytes: int = storage.DEFAULT_PROBE_BYTES, progress: bool = False,
              seq_seconds: float = 3.0, rand_seconds: float = 1.5,
              pack_free_bytes: int | None = None, read_bps: float | None = None,
-             decode_bps: float | None = None) -> Diagnosis:
+             decode_bps: float | None = None, probe_tmp=None) -> Diagnosis:
     """Probe, inspect and decide. ``memory`` overrides the memory probe (simulated
     machines); ``pack_free_bytes`` overrides the free space seen at the pack directory
     (tests); ``read_bps`` the measured sequential read rate and ``decode_bps`` the
-    compressed trunk's measured decode rate. ``quick`` skips the disk, kernel and decode
-    measurements (no estimates)."""
-    mem = memory if memory is not None else probe.probe_memory()
-    machine = probe.probe_machine(mem)
+    compressed trunk's measured decode rate; ``probe_tmp`` is where a probe file goes
+    first (``storage.probe_dir``; default the temporary directory). ``quick`` skips the
+    disk, kernel and decode measurements (no estimates)."""
+    mem = memory if memory is not None else _memory.probe_memory()
+    machine = facts.probe_machine(mem)
     problems, warnings = list(), list(machine["warnings"])
     model_sec, sizes = None, None
     pack_dir = Path(pack) if pack is not None else (default_pack_dir(model) if model else None)
@@ -318,30 +320,34 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
         model_sec, sizes, p, w = inspect_model(model, pack_dir)
         problems += p
         warnings += w
-    # storage: each directory once per filesystem, the model's first (its shards)
-    storage, measured_dev = [], {}
+    # storage: each directory once per filesystem, the model's first (its shards); a
+    # probe file never goes into the model's or the pack's directory
+    stores, measured_dev = [], {}
     targets = []
     if model is not None:
         targets.append(("model", Path(model)))
     if pack_dir is not None:
         targets.append(("pack" if pack is not None else "pack (suggested)", pack_dir))
+    avoid = [d for _, d in targets]
     for role, d in targets:
-        dev = os.stat(probe.existing_ancestor(d)).st_dev
+        dev = os.stat(storage.existing_ancestor(d)).st_dev
         shards = sorted(Path(d).glob("*.safetensors")) if role == "model" else []
         if dev in measured_dev:
-            info = probe.probe_storage(d, measure=False, model_files=shards)
+            info = storage.probe_storage(d, measure=False, model_files=shards,
+                                          avoid=avoid, tmp=probe_tmp)
             info["reads"] = measured_dev[dev]["reads"]
             info["measured_on"] = measured_dev[dev]["measured_on"]
             info["measured"] = measured_dev[dev]["measured"]
             info["notes"].append(f"same filesystem as {measured_dev[dev]['directory']}; "
                                  "measured once")
         else:
-            info = probe.probe_storage(d, measure=not quick, model_files=shards,
+            info = storage.probe_storage(d, measure=not quick, model_files=shards,
+                                         avoid=avoid, tmp=probe_tmp,
                                          probe_bytes=probe_bytes, seq_seconds=seq_seconds,
                                          rand_seconds=rand_seconds, progress=progress)
             measured_dev[dev] = info
         info["role"] = role
-        storage.append(info)
+        stores.append(info)
         if info["o_direct"] is False:
             warnings.append(f"{d}: O_DIRECT does not work here ({info['o_direct_note']}); "
                             "k3-run will read through the page cache")
@@ -351,19 +357,22 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
         sizes = ModelSizes.from_config(cfg)
     kernels = None
     if not quick:
-        from ..engine import timing
         from ..engine.precompile import prepare
-        prepare(["kernel-timing"])               # announced here, after the disk probe
+        from . import timing
+        prepare(["kernel-timing"], show=progress)    # announced here, after the disk probe
         bf16_shapes, mxfp4_shapes = timing.kernel_shapes(cfg or load_config(model))
-        kernels = timing.measure_kernels(bf16_shapes=bf16_shapes, mxfp4_shapes=mxfp4_shapes)
-    seq_bps, rand_bps = _speeds(storage)
+        kernels = timing.measure_kernels_twice(bf16_shapes=bf16_shapes,
+                                               mxfp4_shapes=mxfp4_shapes)
+        if kernels["unreliable"]:
+            warnings.append("kernel timings are unreliable: " + kernels["unreliable"])
+    seq_bps, rand_bps = _speeds(stores)
     seq_bps = read_bps or seq_bps
     decision = decide(sizes, mem, seq_bps=seq_bps, rand_bps=rand_bps, kernels=kernels)
     decode = None
     if not quick:
         import numba
 
-        from ..engine import timing
+        from . import timing
         decode = timing.measure_trunk_decode(numba.get_num_threads())
         if decode_bps:
             decode["decode_bytes_per_s"] = float(decode_bps)
@@ -374,11 +383,11 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
     problems += decision["problems"]
     disk = None
     if model_sec is not None and model_sec.get("pack"):
-        disk = _disk_check(model_sec["pack"], storage, pack_free_bytes)
+        disk = _disk_check(model_sec["pack"], stores, pack_free_bytes)
         if disk["problem"]:
             problems.append(disk["problem"])
     nxt = _next_steps(model, pack, pack_dir, model_sec, decision, problems)
-    report = {"machine": machine, "storage": storage, "model": model_sec, "kernels": kernels,
+    report = {"machine": machine, "storage": stores, "model": model_sec, "kernels": kernels,
               "decision": decision, "disk_for_pack": disk, "problems": problems,
               "warnings": warnings, "next_commands": nxt["commands"], "next_step": nxt["text"],
               "quick": quick, "can_run": not problems, "exit_status": 1 if problems else 0}
@@ -466,10 +475,15 @@ def render_text(report: dict) -> str:
     w(f"python {m['python']} ({m['implementation']}), "
       + ", ".join(f"{k} {v or 'missing'}" for k, v in m["packages"].items()))
     thr = m["numba"]
-    w(f"numba threading layer: {thr['layer']} ({thr['threads']} threads)")
+    w(f"numba threading layer: {thr['layer']} ({thr['threads']} threads, idle threads "
+      f"{'sleep' if thr['wait_policy'] == 'PASSIVE' else 'wait ' + str(thr['wait_policy'])})")
     cpu = m["cpu"]
     isa = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["isa"].items())
-    w(f"cpu: {cpu['model'] or cpu['machine']}, {cpu['cores_usable']} usable cores; {isa}")
+    w(f"cpu: {cpu['model'] or cpu['machine']}, {cpu['cores_usable']} usable cores "
+      f"({cpu['allowance']['why']}); {isa}")
+    load = m["load"]
+    w(f"load: {', '.join(load['busy']) if load['busy'] else 'the CPUs were free'} "
+      f"(sampled {load['seconds']:.1f} s; load average {load['loadavg_1m']})")
     mem = m["memory"]
     cg = _gb(mem["cgroup_limit_bytes"]) if mem["cgroup_limit_bytes"] else "none"
     w(f"memory: total {_gb(mem['total_bytes'])}, available {_gb(mem['available_bytes'])}, "
@@ -496,6 +510,11 @@ def render_text(report: dict) -> str:
         w(f"== kernels ({k['source']}): BF16 {_mbs(k['bf16_bytes_per_s'])}, "
           f"MXFP4 {_mbs(k['mxfp4_bytes_per_s'])} of weights, one token at the model's "
           "matrix shapes, weights from RAM")
+        if k.get("unreliable"):
+            lo, hi = k["bf16_range_bytes_per_s"]
+            mlo, mhi = k["mxfp4_range_bytes_per_s"]
+            w(f"unreliable ({k['unreliable']}): measured twice, BF16 {_mbs(lo)} to "
+              f"{_mbs(hi)}, MXFP4 {_mbs(mlo)} to {_mbs(mhi)}; the estimates use the faster")
     ms = report.get("model")
     if ms:
         w(f"== model {ms['path']}")

@@ -31,7 +31,7 @@ class BatchSink:
         fwd = run.session.forward
         self.union0, self.passes0 = list(fwd.expert_union), fwd.passes
         self.generated = 0
-        self.bar = _bar()
+        self.bar = _bar(run.opts.progress)
         self.ids = {}                       # line -> the line's id
         self.chats = set()                  # lines given as "messages"
         self.lockstep = None
@@ -74,8 +74,7 @@ class BatchSink:
 
     def _token(self, job, tok) -> None:
         self.generated += 1
-        if self.bar is not None:
-            self.bar.set_postfix(tokens=self.generated, refresh=False)
+        self.bar.set_postfix(tokens=self.generated, refresh=False)
 
     def _done(self, job, res) -> None:
         lineno = job.tag
@@ -93,9 +92,8 @@ class BatchSink:
                              "stop_reason": res.stop_reason,
                              "prefill_seconds": round(res.prefill_seconds, 6),
                              "decode_seconds": round(res.decode_seconds, 6)})
-        if self.bar is not None:
-            self.bar.set_postfix(tokens=self.generated, refresh=False)
-            self.bar.update(1)
+        self.bar.set_postfix(tokens=self.generated, refresh=False)
+        self.bar.update(1)
 
     def close(self) -> dict:
         """Finish every prompt in flight; the batch's aggregate figures."""
@@ -104,8 +102,7 @@ class BatchSink:
                 self.lockstep.drain()
             except Abandoned:
                 self.abandoned += self._drop_lanes()
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
         secs = time.perf_counter() - self.t0
         fwd = self.run.session.forward
         passes = fwd.passes - self.passes0
@@ -130,7 +127,7 @@ class BatchSink:
         }
 
 
-def _bar():
-    """A tqdm bar on stderr over finished prompts, with generated tokens (on a terminal)."""
-    from tqdm import tqdm
-    return tqdm(unit="prompt", desc="batch", disable=None, leave=False)
+def _bar(show: bool):
+    """Progress over finished prompts, with generated tokens, on stderr (``progress.bar``)."""
+    from .. import progress
+    return progress.bar(unit="prompt", desc="batch", show=show)

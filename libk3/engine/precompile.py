@@ -2,10 +2,10 @@
 
 Owns: the table of every numba entry point the tools call from Python, with the exact
 argument types they call it with; finding which of those numba's on-disk cache does not
-hold yet; compiling them up front under a one-line notice and a tqdm bar (nothing is
+hold yet; compiling them up front under a one-line notice and a progress bar (nothing is
 printed when all are cached), then loading the rest; and where numba keeps that cache.
 Does not own: the kernels (``libk3.kernels``, ``libk3.policies``, ``libk3.trace.replay``,
-``libk3.doctor.report.probe``) or when a tool runs (its front end, or the engine for k3-run, calls
+``libk3.machine.parallel``) or when a tool runs (its front end, or the engine for k3-run, calls
 ``prepare``).
 
 Why a table of signatures: numba compiles lazily at a kernel's first call, so a fresh
@@ -35,6 +35,8 @@ import os
 import pickle
 import sys
 import time
+
+from .. import progress as _progress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +138,7 @@ def _groups() -> dict:
         + group(pol("s3fifo"), ("sizes", (i64,)), ("simulate", (i64_1, i64, i64, i64, i64,
                                                                  i64)))
         + sum((driven("hits", new, i64_1) for new in (lfu_new, llfu_new, adaptive_new)), ()))
-    probe = group("libk3.doctor.probe", ("_prange_sum", (f64_1,)))
+    probe = group("libk3.machine.parallel", ("_prange_sum", (f64_1,)))
     u8_1, u16_1 = a(nt.uint8, 1), a(nt.uint16, 1)
     ro_u8_1 = nt.Array(nt.uint8, 1, "C", readonly=True)     # np.frombuffer of a file's bytes
     ro_u16_1 = nt.Array(nt.uint16, 1, "C", readonly=True)
@@ -207,10 +209,11 @@ def _announce(kern: Kernel, stream) -> None:
     stream.flush()
 
 
-def _prepare(todo, stream) -> tuple:
+def _prepare(todo, stream, show: bool = True) -> tuple:
     """Each kernel of ``todo`` in table order compiled or loaded from the cache (an entry
     may take a type an earlier one returns, so they are checked one by one). The notice
-    and a bar over the rest of the table come at the first kernel numba's cache lacks.
+    and a bar over the rest of the table (unless not ``show``) come at the first kernel
+    numba's cache lacks.
     -> (seconds spent compiling, kernels compiled)."""
     stream = sys.stderr if stream is None else stream
     spent, compiled, bar = 0.0, 0, None
@@ -218,11 +221,9 @@ def _prepare(todo, stream) -> tuple:
         for i, kern in enumerate(todo):
             missing = is_cached(kern) is False
             if missing and bar is None:
-                from tqdm import tqdm
-
                 _announce(kern, stream)
-                bar = tqdm(total=len(todo) - i, unit="kernel", desc="compiling",
-                           file=stream, leave=False, disable=None)
+                bar = _progress.bar(total=len(todo) - i, unit="kernel", desc="compiling",
+                                    stream=stream, show=show)
             if bar is not None:
                 bar.set_postfix_str(kern.label, refresh=True)
             t0 = time.perf_counter()
@@ -238,26 +239,26 @@ def _prepare(todo, stream) -> tuple:
     return spent, compiled
 
 
-def prepare(groups, *, stream=None) -> float:
+def prepare(groups, *, stream=None, show: bool = True) -> float:
     """Make every kernel of ``groups`` callable without further work (see
     ``prepare_kernels``); the seconds spent compiling, 0.0 when all were cached."""
-    return prepare_kernels(kernels(groups), stream=stream)
+    return prepare_kernels(kernels(groups), stream=stream, show=show)
 
 
-def prepare_kernels(todo, *, stream=None) -> float:
+def prepare_kernels(todo, *, stream=None, show: bool = True) -> float:
     """Compile the kernels of ``todo`` that numba's cache lacks (announced once, with a
     bar), load the rest from the cache; returns the seconds spent compiling. Why load
     eagerly: the first call would load them anyway, inside the first layer; loaded here
     they count as start-up, and prefill times only the forward."""
-    return _prepare(todo, stream)[0]
+    return _prepare(todo, stream, show)[0]
 
 
-def compile_all(*, stream=None) -> dict:
+def compile_all(*, stream=None, show: bool = True) -> dict:
     """``k3-doctor --compile``: every kernel of every group ready; what it took and where
     numba keeps them."""
     todo = kernels(GROUPS)
     t0 = time.perf_counter()
-    seconds, compiled = _prepare(todo, stream)
+    seconds, compiled = _prepare(todo, stream, show)
     dirs = sorted({d for d in (cache_dir(kern) for kern in todo) if d is not None})
     return {"kernels": len(todo), "compiled": compiled,
             "compile_seconds": round(seconds, 3),

@@ -43,6 +43,7 @@ class RunOptions:
     memory_override: int | None = None
     verify_reads: str = "first"
     batch_width: int | str | None = None   # lockstep width (batch, serve): N, "auto"; None: 1
+    progress: bool = True                  # progress on stderr (progress.bar); --quiet: none
 
 
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
@@ -90,7 +91,7 @@ def resolve_run_budget(opts: RunOptions, ckpt):
     """Budget from presets/flags (argv order; ``auto`` sets aside a fixed --batch-width's
     state), refused before loading when it cannot work; then the batch width
     (``budget.batch_width``). Returns (budget or None when resident, width, reasons)."""
-    from ..doctor.probe import probe_memory
+    from ..machine.memory import probe_memory
     from ..budget import Budget, ModelSizes, admission_problems, batch_width, resolve_budget
 
     sizes = ModelSizes.from_checkpoint(ckpt)
@@ -123,7 +124,8 @@ class Run:
         try:
             self.budget, self.width, self.width_reasons = resolve_run_budget(opts, ckpt)
             from .precompile import prepare     # the expert cache builds its policy
-            self.compile_seconds = 0.0 if opts.resident else prepare(["expert-cache"])
+            self.compile_seconds = 0.0 if opts.resident else prepare(["expert-cache"],
+                                                                             show=opts.progress)
             on_route = self._record if opts.trace_path else None
             self.session = open_session(
                 opts.model, ckpt=ckpt, pack=opts.pack,
@@ -137,7 +139,7 @@ class Run:
         self.seq = 0                       # which prompt of a batch (trace records)
         self._chat = None
         try:    # the forward's kernels load while the session's first reads (lm_head, the
-            self.compile_seconds += prepare(["forward"])    # ring's layers) are under way
+            self.compile_seconds += prepare(["forward"], show=opts.progress)    # ring's layers) are under way
         except BaseException:
             self.close(failed=True)
             raise
@@ -277,7 +279,7 @@ def run_one(run: Run, prompt_ids, settings: GenSettings, *, on_token=None, keep_
     (Abandoned is raised, nothing saved)."""
     check_stop_strings(run, settings)
     state = _load_state(run, load_state)
-    progress = _prefill_bar(len(prompt_ids))
+    progress = _prefill_bar(len(prompt_ids), run.opts.progress)
     if should_stop is not None:
         progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
     res = generate(run.session.forward, state, prompt_ids, settings,
@@ -297,13 +299,12 @@ def _checked(callback, should_stop):
     return call
 
 
-def _prefill_bar(n: int):
-    """A tqdm bar on stderr for prefill (shown on a terminal for prompts over a chunk)."""
-    if n <= 64:
+def _prefill_bar(n: int, show: bool):
+    """Progress of a prefill on stderr, for prompts over a chunk (``progress.bar``)."""
+    if n <= PREFILL_CHUNK or not show:
         return None
-    from tqdm import tqdm
-    bar = tqdm(total=n, unit="tok", desc="prefill", leave=False, disable=None)
-    return bar.update
+    from .. import progress
+    return progress.bar(total=n, unit="tok", desc="prefill").update
 
 
 @dataclasses.dataclass

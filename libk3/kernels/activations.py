@@ -21,6 +21,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from . import team
+
 _ONE = np.float32(1.0)
 
 
@@ -54,8 +56,10 @@ def sigmoid(x, out):
     """out[i] = sigmoid1(x[i]); x, out: [n] float32 (out may be x)."""
     if out.shape[0] != x.shape[0]:
         raise ValueError("sigmoid: x and out must have the same length")
+    nt = team.narrow(x.shape[0] * team.TRANSCENDENTAL)
     for i in prange(x.shape[0]):
         out[i] = sigmoid1(x[i])
+    team.widen(nt)
 
 
 @njit(cache=True, parallel=True)
@@ -69,8 +73,10 @@ def situ(gate, up, beta1, beta2, out):
         raise ValueError("situ: gate, up and out must have the same length")
     b1 = np.float32(beta1)
     b2 = np.float32(beta2)
+    nt = team.narrow(n * 2 * team.TRANSCENDENTAL)
     for i in prange(n):
         out[i] = situ1(gate[i], up[i], b1, b2)
+    team.widen(nt)
 
 
 @njit(cache=True, inline="always")

@@ -21,6 +21,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from . import team
+
 from .activations import softmax_f32
 
 _CHUNK = 1024
@@ -52,6 +54,7 @@ def attnres(blocks, n_blocks, prefix, f, eps, out):
             or f.shape[0] != E or out.shape[0] != T or out.shape[1] != E:
         raise ValueError("attnres: blocks [>=n_blocks, T, E], prefix and out [T, E], f [E]")
     scores = np.empty((T, S), dtype=np.float32)
+    nt = team.narrow(T * S * E * 8)
     for ts in prange(T * S):
         t = ts // S
         s = ts % S
@@ -81,3 +84,4 @@ def attnres(blocks, n_blocks, prefix, f, eps, out):
             ps = p[t, s]
             for i in range(lo, hi):
                 o[i] += ps * v[i]
+    team.widen(nt)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from . import team
+
 from ._dot import dot16, dot16_x4, dot16_x4_t2
 
 
@@ -36,6 +38,7 @@ def matvec(W, x, y):
     if x.shape[0] != I or y.shape[0] != O:
         raise ValueError("matvec: W is [O, I], x must be [I] and y [O]")
     groups = O // 4
+    nt = team.narrow(W.nbytes)
     for g in prange(groups + 1):
         if g < groups:
             o = 4 * g
@@ -47,6 +50,7 @@ def matvec(W, x, y):
         else:
             for o in range(4 * groups, O):
                 y[o] = np.float32(dot16(W[o], x))
+    team.widen(nt)
 
 
 @njit(cache=True, parallel=True)
@@ -62,6 +66,7 @@ def matmul(W, X, Y):
     if X.shape[1] != I or Y.shape[0] != T or Y.shape[1] != O:
         raise ValueError("matmul: W is [O, I], X must be [T, I] and Y [T, O]")
     groups = O // 4
+    nt = team.narrow(W.nbytes * T)
     for g in prange(groups + 1):
         if g < groups:
             o = 4 * g
@@ -87,3 +92,4 @@ def matmul(W, X, Y):
             for o in range(4 * groups, O):
                 for t in range(T):
                     Y[t, o] = np.float32(dot16(W[o], X[t]))
+    team.widen(nt)

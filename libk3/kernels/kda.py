@@ -19,6 +19,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from . import team
+
 from .activations import sigmoid1, silu1
 
 
@@ -41,6 +43,7 @@ def short_conv(u, w, hist, out):
     if w.shape[0] != C or hist.shape[0] != C or hist.shape[1] != K - 1 \
             or out.shape[0] != T or out.shape[1] != C:
         raise ValueError("short_conv: u, out [T, C]; w [C, K]; hist [C, K-1]")
+    nt = team.narrow(T * C * K * 4)
     for c in prange(C):
         for t in range(T):
             acc = w[c, K - 1] * u[t, c]
@@ -59,6 +62,7 @@ def short_conv(u, w, hist, out):
                 hist[c, i] = u[tau, c]
             else:
                 hist[c, i] = hist[c, i + T]
+    team.widen(nt)
 
 
 @njit(cache=True, parallel=True)
@@ -77,6 +81,7 @@ def kda_decay(z, A_log, dt_bias, lower_bound, g_out, alpha_out):
         raise ValueError("kda_decay: z, g_out, alpha_out [T, H*D]; A_log [H]; dt_bias [H*D]")
     D = P // H
     lb = np.float32(lower_bound)
+    nt = team.narrow(T * P * 2 * team.TRANSCENDENTAL)
     for tc in prange(T * P):                    # elements are independent (decode: T = 1)
         t = tc // P
         c = tc % P
@@ -84,6 +89,7 @@ def kda_decay(z, A_log, dt_bias, lower_bound, g_out, alpha_out):
         g = lb * sigmoid1(a * (z[t, c] + dt_bias[c]))
         g_out[t, c] = g
         alpha_out[t, c] = math.exp(g)
+    team.widen(nt)
 
 
 @njit(cache=True, parallel=True)
@@ -116,6 +122,7 @@ def kda_recurrence(q, k, v, alpha, beta, q_scale, S, out):
                          "beta [T, H]; S [H, Dk, Dv]")
     qs = np.float32(q_scale)
     zero = np.float32(0.0)
+    nt = team.narrow(T * H * Dk * Dv * 8)
     for h in prange(H):
         d = np.empty(Dv, dtype=np.float32)
         Sh = S[h]

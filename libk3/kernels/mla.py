@@ -33,6 +33,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from . import team
+
 from ._dot import dot16, dot16_x4
 from ._simd import widen_f32
 from .activations import softmax_f32
@@ -66,6 +68,8 @@ def mla_attention(q_nope, q_rope, positions, latent, k_rope, kv_b, scale, out):
             raise ValueError("mla_attention: a position lies outside the cache")
     sc = np.float32(scale)
     zero = np.float32(0.0)
+    span = positions[T - 1] + 1 if T > 0 else 0        # cache rows the last query reads
+    nt = team.narrow(T * (kv_b.nbytes + H * span * (r + rope) * 8))
     for grp in prange((H + 3) // 4):
         # Four heads per task share every cache-row load (dot16_x4). A short last group
         # repeats its last head; the repeat is computed and never written.
@@ -114,3 +118,4 @@ def mla_attention(q_nope, q_rope, positions, latent, k_rope, kv_b, scale, out):
                     row0 = hs[i] * (nope + v) + nope
                     for j in range(v):
                         out[t, hs[i], j] = np.float32(dot16(kv_b[row0 + j], abar[i]))
+    team.widen(nt)

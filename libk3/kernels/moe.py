@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from . import team
+
 
 @njit(cache=True, parallel=True)
 def combine_routed(expert_out, weights, out):
@@ -26,6 +28,7 @@ def combine_routed(expert_out, weights, out):
     T, k, L = expert_out.shape
     if weights.shape[0] != T or weights.shape[1] != k or out.shape[0] != T or out.shape[1] != L:
         raise ValueError("combine_routed: expert_out [T, k, L], weights [T, k], out [T, L]")
+    nt = team.narrow(T * k * L * 8)
     for t in prange(T):
         o = out[t]
         for i in range(L):
@@ -35,3 +38,4 @@ def combine_routed(expert_out, weights, out):
             e = expert_out[t, j]
             for i in range(L):
                 o[i] += wj * e[i]
+    team.widen(nt)

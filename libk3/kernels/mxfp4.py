@@ -37,6 +37,8 @@ import numpy as np
 from llvmlite import binding as _llvm_binding
 from llvmlite import ir
 from numba import njit, prange
+
+from . import team
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
@@ -244,12 +246,14 @@ def matvec(packed, scales, x, y):
     if y.shape[0] != R:
         raise ValueError("mxfp4.matvec: y must be [R]")
     x64 = x.astype(np.float64)
+    nt = team.narrow(packed.nbytes * 2)
     for pair in prange((R + 1) // 2):
         a = 2 * pair
         b = min(a + 1, R - 1)             # an odd last row is paired with itself
         ya, yb = _row_pair(packed[a], scales[a], packed[b], scales[b], x64)
         y[a] = np.float32(ya)
         y[b] = np.float32(yb)
+    team.widen(nt)
 
 
 @njit(cache=True, parallel=True)
@@ -262,6 +266,7 @@ def matmul(packed, scales, X, Y):
     if Y.shape[0] != T or Y.shape[1] != R:
         raise ValueError("mxfp4.matmul: Y must be [T, R]")
     X64 = X.astype(np.float64)
+    nt = team.narrow(packed.nbytes * 2 * T)
     for pair in prange((R + 1) // 2):
         a = 2 * pair
         b = min(a + 1, R - 1)
@@ -269,3 +274,4 @@ def matmul(packed, scales, X, Y):
             ya, yb = _row_pair(packed[a], scales[a], packed[b], scales[b], X64[t])
             Y[t, a] = np.float32(ya)
             Y[t, b] = np.float32(yb)
+    team.widen(nt)

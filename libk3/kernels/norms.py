@@ -20,6 +20,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from . import team
+
 
 @njit(cache=True, inline="always")
 def _sumsq(x):
@@ -40,10 +42,12 @@ def rmsnorm(x, w, eps, out):
     rows, n = x.shape
     if w.shape[0] != n or out.shape[0] != rows or out.shape[1] != n:
         raise ValueError("rmsnorm: x, out are [rows, n] and w is [n]")
+    nt = team.narrow(rows * n * 8)
     for r in prange(rows):
         inv = np.float32(1.0 / math.sqrt(_sumsq(x[r]) / n + eps))
         for i in range(n):
             out[r, i] = (w[i] * x[r, i]) * inv
+    team.widen(nt)
 
 
 @njit(cache=True, parallel=True)
@@ -55,7 +59,9 @@ def l2norm(x, eps, out):
     rows, n = x.shape
     if out.shape[0] != rows or out.shape[1] != n:
         raise ValueError("l2norm: x, out are [rows, n]")
+    nt = team.narrow(rows * n * 8)
     for r in prange(rows):
         inv = np.float32(1.0 / math.sqrt(_sumsq(x[r]) + eps))
         for i in range(n):
             out[r, i] = x[r, i] * inv
+    team.widen(nt)

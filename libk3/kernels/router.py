@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from . import team
+
 from ..config import ROUTER_RENORM_EPS
 from .activations import sigmoid1
 
@@ -41,6 +43,7 @@ def router_topk(logits, bias, top_k, renormalize, scaling, idx_out, w_out):
         raise ValueError("router_topk: logits [T, N], bias [N], idx_out and w_out [T, top_k]")
     sc = np.float32(scaling)
     biased = np.empty((T, N), dtype=np.float32)
+    nt = team.narrow(T * N * team.TRANSCENDENTAL)
     for t in prange(T):
         for e in range(N):
             biased[t, e] = sigmoid1(logits[t, e]) + bias[e]
@@ -69,3 +72,4 @@ def router_topk(logits, bias, top_k, renormalize, scaling, idx_out, w_out):
                 w_out[t, j] = w_out[t, j] * inv
         for j in range(top_k):
             w_out[t, j] = w_out[t, j] * sc
+    team.widen(nt)

@@ -54,7 +54,7 @@ class CompressResult:
 def compress(pack_dir, *, threads: int = 1, progress: bool = True) -> CompressResult:
     """Compress the trunk of the finished pack ``pack_dir`` (checked by ``open_pack``).
     Resumes an interrupted run; a pack already compressed is left as it is."""
-    from tqdm import tqdm
+    from .. import progress as _progress
 
     d = Path(pack_dir)
     pk = open_pack(d)
@@ -86,8 +86,8 @@ def compress(pack_dir, *, threads: int = 1, progress: bool = True) -> CompressRe
     fd = os.open(d / KZ_PARTIAL_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     off = sum(align_up(int(r["stored"].sum())) for r in done)
     try:
-        bar = tqdm(total=raw_total, initial=sum(l["nbytes"] for l in lays[:len(done)]),
-                   unit="B", unit_scale=True, desc="k3-pack compress", disable=not progress)
+        bar = _progress.bar(total=raw_total, initial=sum(l["nbytes"] for l in lays[:len(done)]),
+                            unit="B", unit_scale=True, desc="k3-pack compress", show=progress)
         for lay, plan in zip(lays[len(done):], plans[len(done):]):
             L, crc, recs = lay["layer"], 0, []
             for lo, hi in plan.groups(ENCODE_BYTES, stored=False):

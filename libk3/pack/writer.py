@@ -146,7 +146,7 @@ def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = 
     """Pack ``ckpt`` into ``out_dir``: resumable, never rewrites a finished pack. Refuses
     (FormatError) a trunk tensor holding NaN or Inf unless ``allow_nonfinite``; the
     layer is journaled first, so a rerun that allows them resumes."""
-    from tqdm import tqdm
+    from .. import progress as _progress
 
     d = Path(out_dir)
     ident = source_identity(ckpt)
@@ -199,8 +199,8 @@ def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = 
     fd_out = _open_for_write(d / PARTIAL_FILE)
     copies = None
     try:
-        bar = tqdm(total=sum(p.nbytes for p in todo), unit="B", unit_scale=True,
-                   desc="k3-pack", disable=not progress)
+        bar = _progress.bar(total=sum(p.nbytes for p in todo), unit="B", unit_scale=True,
+                            desc="k3-pack", show=progress)
         copies = _copy_layers(ckpt.model_dir, todo, fd_out, bar, throttle_mbps)
         for p, crc, found in copies:
             _journal_append(d, {"layer": p.layer, "crc32": crc, "nonfinite": sorted(found)})
@@ -238,7 +238,7 @@ def source_read_rate(ckpt, seconds: float = PROBE_SECONDS) -> float | None:
     what a pack's MB/s is reported against. Timed on the experts' runs of the last MoE
     layers, bytes a pack never reads, so the pack gets no help from any cache the probe
     warms. None without O_DIRECT or when the shards are sparse (holes read at RAM speed)."""
-    from ..doctor.probe import holds_data, sequential_read_rate
+    from ..machine.storage import holds_data, sequential_read_rate
 
     t = ckpt.expert_table()
     regions, total = [], 0
@@ -424,7 +424,7 @@ def verify(out_dir, ckpt=None, progress: bool = True, allow_nonfinite: bool = Fa
     naming the first bad file, field, layer or block (NaN/Inf: after the whole pass,
     naming the first tensor and the count, unless ``allow_nonfinite``); returns a
     summary."""
-    from tqdm import tqdm
+    from .. import progress as _progress
 
     d = Path(out_dir)
     pk = open_pack(d, ckpt)
@@ -435,8 +435,8 @@ def verify(out_dir, ckpt=None, progress: bool = True, allow_nonfinite: bool = Fa
     src_fds = {}
     decoded = _DecodedLayers(pk, fd, trunk) if pk.compressed else None
     try:
-        bar = tqdm(total=sum(l["nbytes"] for l in man["layers"]), unit="B", unit_scale=True,
-                   desc="verify", disable=not progress)
+        bar = _progress.bar(total=sum(l["nbytes"] for l in man["layers"]), unit="B",
+                            unit_scale=True, desc="verify", show=progress)
         for lay in man["layers"]:
             L = lay["layer"]
             scan = RunScan(lay["tensors"])

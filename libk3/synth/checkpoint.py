@@ -279,16 +279,16 @@ def synth_checkpoint(out_dir, preset: str = "tiny", seed: int = 0, progress: boo
 def _write_checkpoint(tmp: Path, cfg, flat, n_special, sparse, real_layout, preset, seed,
                       progress) -> None:
     """Every file of the checkpoint into the (new) directory ``tmp``."""
-    from tqdm import tqdm
-
+    from .. import progress as _progress
     from .bpe import write_tokenizer_files
 
     tmp.mkdir(parents=True)
     n_ranks = cfg.vocab_size - n_special
     plan = _shard_plan(cfg, real_layout)
     weight_map, total = {}, 0
-    bar = tqdm(plan, desc=f"synth {preset}", unit="shard", disable=not progress)
-    for fname, groups in bar:
+    bar = _progress.bar(total=len(plan), desc=f"synth {preset}", unit="shard", show=progress)
+    for fname, groups in plan:
+        bar.update(1)
         tensors = []
         for g in groups:
             if g == "model":

@@ -11,7 +11,7 @@ import sys
 import click
 
 from libk3 import __version__
-from k3cli.group import Command, Finite, gigabytes
+from k3cli.group import Command, Finite, gigabytes, quiet_option, threads_option
 from k3cli.support import handle_errors, print_json
 
 
@@ -36,28 +36,32 @@ from k3cli.support import handle_errors, print_json
 @click.option("--probe-size-mb", type=Finite(min=1, max=1e9), default=1000.0,
               show_default=True,
               help="Size of the temporary file read when the model's own files cannot be "
-                   "(MB = 1e6 bytes); it is always removed.")
+                   "(MB = 1e6 bytes): in the temporary directory if it is on the same "
+                   "filesystem, never in the model, the pack or a git checkout; always "
+                   "removed.")
+@threads_option
+@quiet_option
 @click.version_option(__version__, prog_name="k3-doctor")
 @handle_errors
 def main(model, pack_dir, json_out, quick, compile_only, assume_memory_gb, assume_read_mbps,
-         assume_decode_mbps, probe_size_mb):
+         assume_decode_mbps, probe_size_mb, threads, quiet):
     from libk3.engine import precompile
 
     if compile_only:
-        summary = precompile.compile_all()
+        summary = precompile.compile_all(show=not quiet)
         if json_out:
             print_json(summary)
         else:
             click.echo(precompile.render_summary(summary))
         return
-    precompile.prepare(["probe"])
+    precompile.prepare(["probe"], show=not quiet)
 
     from libk3.doctor.report import diagnose, render_text
-    from libk3.doctor.probe import probe_memory
+    from libk3.machine.memory import probe_memory
 
     mem = probe_memory(None if assume_memory_gb is None else int(assume_memory_gb * 1e9))
     diag = diagnose(model, pack_dir, quick=quick, memory=mem,
-                    probe_bytes=int(probe_size_mb * 1e6), progress=True,
+                    probe_bytes=int(probe_size_mb * 1e6), progress=not quiet,
                     read_bps=assume_read_mbps and assume_read_mbps * 1e6,
                     decode_bps=assume_decode_mbps and assume_decode_mbps * 1e6)
     if json_out:

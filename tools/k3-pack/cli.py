@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 from libk3 import __version__
-from k3cli.group import DefaultGroup, Finite, Rule
+from k3cli.group import DefaultGroup, Finite, Rule, quiet_option, threads_option
 from k3cli.support import handle_errors, print_json
 from libk3.engine.settings import seed_problem
 
@@ -29,7 +29,7 @@ def main():
 @click.option("--seed", type=Rule(click.INT, seed_problem, "integer"), default=0,
               show_default=True, help="0 .. 2^64 - 1.")
 @click.option("--json", "json_out", is_flag=True, help="Print a JSON summary.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@quiet_option
 @click.argument("out", type=click.Path(file_okay=False))
 @handle_errors
 def synth(out, preset, seed, json_out, quiet):
@@ -63,10 +63,11 @@ def synth(out, preset, seed, json_out, quiet):
               help="Then compress the trunk losslessly (as `k3-pack compress OUT`); see "
                    "`k3-doctor` for whether it pays on this machine.")
 @click.option("--json", "json_out", is_flag=True, help="Print the summary as JSON.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@quiet_option
+@threads_option
 @handle_errors
 def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, allow_nonfinite,
-             compress_trunk, json_out, quiet):
+             compress_trunk, json_out, quiet, threads):
     """Pack CHECKPOINT into OUT (trunk.bin, trunk.json, experts.idx). Resumable."""
     import shutil
     from pathlib import Path
@@ -126,9 +127,10 @@ def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, allow_nonfin
 @main.command("compress")
 @click.argument("pack_dir", metavar="PACK", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "json_out", is_flag=True, help="Print the summary as JSON.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@quiet_option
+@threads_option
 @handle_errors
-def compress_cmd(pack_dir, json_out, quiet):
+def compress_cmd(pack_dir, json_out, quiet, threads):
     """Compress PACK's trunk losslessly (trunk.bin -> trunk.kz; format v3). Resumable;
     the raw trunk stays usable until the compressed one is complete."""
     info = _compress(pack_dir, quiet)
@@ -168,9 +170,10 @@ def _echo_compress(info: dict) -> None:
 @click.option("--allow-nonfinite", is_flag=True,
               help="Report trunk tensors holding NaN or Inf as a warning, not an error.")
 @click.option("--json", "json_out", is_flag=True)
-@click.option("--quiet", is_flag=True)
+@quiet_option
+@threads_option
 @handle_errors
-def verify_cmd(out, against, allow_nonfinite, json_out, quiet):
+def verify_cmd(out, against, allow_nonfinite, json_out, quiet, threads):
     """Check a pack as k3-run opens it (every manifest and index field, the inventory of
     its config), then every layer's checksum and NaN/Inf; with --against, also that it
     belongs to that checkpoint, entry by entry and byte by byte."""

@@ -8,7 +8,7 @@ import time
 import click
 
 from libk3 import __version__
-from k3cli.group import Command, Finite, Rule, gigabytes
+from k3cli.group import Command, Finite, Rule, gigabytes, quiet_option, threads_option
 from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_SIZE
 from libk3.engine.defaults import IO_THREADS, PREFILL_CHUNK
@@ -120,7 +120,8 @@ class _Printer:
               help="Speculative decoding: draft up to N tokens by prompt lookup and verify "
                    "them in one batched forward (greedy only; same tokens as without; backs "
                    "off while drafts keep failing).")
-@click.option("--threads", type=click.IntRange(1), help="numba threads (default: all cores).")
+@threads_option
+@quiet_option
 @click.option("--save-state", type=click.Path(dir_okay=False), help="Save the state at the end.")
 @click.option("--load-state", type=click.Path(exists=True, dir_okay=False),
               help="Continue from a saved state (the prompt continues it).")
@@ -137,7 +138,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
          deadline, batch_width, shard, chat, template_kwargs, serve_address, api_key, reuse_gb,
          reuse_disk_gb, gen, temperature,
          top_p, seed, stop_strings, stop_ids, preset, trunk_gb, cache_gb, resident,
-         cache_policy, io_threads, buffered_io, verify_reads, prefill_chunk, spec, threads,
+         cache_policy, io_threads, buffered_io, verify_reads, prefill_chunk, spec, threads, quiet,
          save_state, load_state, trace_path, logits_out, report_json, json_out):
     started = time.monotonic()
     from libk3.engine import runner
@@ -170,14 +171,12 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
     if spec and temperature > 0:
         raise UsageError("--spec keeps exactly the greedy result; it needs --temperature 0")
     width, shard_kn = runner.batch_options(batch, batch_width, shard, spec, serve_address)
-    if threads:
-        import numba
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     opts = runner.RunOptions(
         model=model, pack=pack, preset=preset, trunk_gb=trunk_gb, cache_gb=cache_gb,
         budget_order=ctx.meta.get("k3_budget_order", []), resident=resident,
         cache_policy=cache_policy, io_threads=io_threads, direct_io=not buffered_io,
-        trace_path=trace_path, verify_reads=verify_reads, batch_width=width)
+        trace_path=trace_path, verify_reads=verify_reads, batch_width=width,
+        progress=not quiet)
     settings = runner.settings_from(gen=gen, temperature=temperature, top_p=top_p, seed=seed,
                                     stop_strings=stop_strings, stop_ids=stop_ids,
                                     prefill_chunk=prefill_chunk, spec=spec)

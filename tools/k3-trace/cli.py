@@ -13,7 +13,7 @@ import os
 import click
 
 from libk3 import __version__
-from k3cli.group import Finite, Group, NumberList, gigabytes
+from k3cli.group import Finite, Group, NumberList, gigabytes, quiet_option
 from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_EXPERTS, MAX_LAYERS
 from libk3.errors import UsageError
@@ -28,11 +28,15 @@ from libk3.k3_dims import TOP_K as REAL_TOP_K  # noqa: E402
 
 
 def _jobs(jobs):
-    return jobs if jobs is not None else max(1, min(2, os.cpu_count() or 1))
+    """--jobs, else up to 2 replays at once, never more than the CPUs this process may use."""
+    if jobs is not None:
+        return jobs
+    from libk3.machine.cpus import allowance
+    return min(2, allowance().count)
 
 
 @click.group(cls=Group, help="Import, inspect and replay expert-routing traces. "
-                  "Subcommands: import, stats, replay.")
+                  "Subcommands: import, stats, replay, record, size.")
 @click.version_option(__version__, prog_name="k3-trace")
 def main():
     pass
@@ -101,9 +105,10 @@ def stats(trace, tolerate_truncated, json_out):
 @click.option("--plot", type=click.Path(dir_okay=False),
               help="Also write a hit-rate-versus-capacity chart (needs matplotlib).")
 @click.option("--json", "json_out", is_flag=True, help="Print JSON.")
+@quiet_option
 @handle_errors
 def replay(trace, capacity_gb, slots, expert_bytes, policy, jobs, tolerate_truncated, plot,
-           json_out):
+           json_out, quiet):
     """Hit rate and GB read per token of each cache policy at each capacity, replaying
     TRACE offline (routing does not depend on the cache)."""
     from libk3.engine.precompile import prepare
@@ -118,7 +123,7 @@ def replay(trace, capacity_gb, slots, expert_bytes, policy, jobs, tolerate_trunc
                 if policy else list(POLICIES))
     reader = TraceReader(trace, tolerate_truncated_tail=tolerate_truncated)
     reader.require_replayable()           # a hostile header is refused before compiling
-    prepare(["replay"])
+    prepare(["replay"], show=not quiet)
     rep = replay_report(reader, policies=policies, capacities_gb=capacity_gb,
                         slots=slots, expert_bytes=expert_bytes,
                         workers=_jobs(jobs))
@@ -138,7 +143,8 @@ def record(model, out, prompt_file, batch, run_args):
     """Run MODEL exactly as k3-run does and record every expert request to OUT.
 
     A thin wrapper over `k3-run --trace OUT` (one recording path): any further k3-run
-    option (--pack, --preset, --trunk-gb, --cache-gb, --gen, ...) is passed through.
+    option (--pack, --preset, --trunk-gb, --cache-gb, --gen, --threads, --quiet, ...) is
+    passed through.
     k3-run is started as this interpreter's `-m k3_run`, never looked up on PATH, so the
     recording always runs the k3 installed beside this k3-trace."""
     import subprocess
@@ -175,8 +181,10 @@ def record(model, out, prompt_file, batch, run_args):
               help="The cache policy whose replayed misses size the split.")
 @click.option("--steps", type=click.IntRange(2, 64), default=12, show_default=True)
 @click.option("--json", "json_out", is_flag=True)
+@quiet_option
 @handle_errors
-def size(trace, budget_gb, pack_dir, seq_mbps, rand_mbps, doctor_json, policy, steps, json_out):
+def size(trace, budget_gb, pack_dir, seq_mbps, rand_mbps, doctor_json, policy, steps, json_out,
+         quiet):
     """Recommend the trunk/cache split of a total budget, from the pack's layer sizes, the
     trace's replayed miss curve and the disk's speeds, with predicted s/token per split."""
     from libk3.trace.sizing import disk_speeds_from_doctor, format_sizing, size_budget
@@ -191,7 +199,7 @@ def size(trace, budget_gb, pack_dir, seq_mbps, rand_mbps, doctor_json, policy, s
     from libk3.engine.precompile import prepare
     from libk3.trace.format import TraceReader
     TraceReader(trace).require_replayable()   # a hostile header is refused before compiling
-    prepare(["replay"])
+    prepare(["replay"], show=not quiet)
     rep = size_budget(trace, pack_dir, budget_gb * 1e9, seq_mbps * 1e6, rand_mbps * 1e6,
                       policy=policy, steps=steps)
     _emit(rep, json_out, format_sizing)

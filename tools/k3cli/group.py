@@ -1,7 +1,9 @@
 """The click pieces the four front ends share.
 
-Owns: the command and group classes that print a usage error as one line with exit 2
-(click prints a usage block, a hint, a blank line and the error), the group whose main
+Owns: the command and group classes every tool's entry goes through: they set up the
+kernels' thread team before anything loads numba (``libk3.machine.threads``), and print
+a usage error as one line with exit 2 (click prints a usage block, a hint, a blank line
+and the error); the ``--threads`` and ``--quiet`` options; the group whose main
 form needs no subcommand name (``k3-pack CHECKPOINT OUT``), and the option types that
 refuse NaN, infinities and out-of-range numbers at parse time (README "Exit codes").
 Does not own: the rules themselves (a libk3 function says what a temperature or a seed
@@ -18,11 +20,14 @@ import click
 
 
 class OneLineErrors:
-    """Mixin for a command or group: a usage error is ``PROG: error: MESSAGE`` on one
-    stderr line, exit 2 (click's ``exit_code`` for usage errors)."""
+    """Mixin for a command or group: the thread team is prepared first (``--threads``
+    may change its size before numba loads); a usage error is ``PROG: error: MESSAGE``
+    on one stderr line, exit 2 (click's ``exit_code`` for usage errors)."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
              **extra):
+        from libk3.machine import threads
+        threads.prepare()
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, False, **extra)
         try:
@@ -61,6 +66,30 @@ class DefaultGroup(Group):
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):
             args = [self.default_command, *args]
         return super().parse_args(ctx, args)
+
+
+def _set_threads(ctx, param, value):
+    if value is not None:
+        from libk3.machine import threads
+        threads.prepare(value)
+    return value
+
+
+def threads_option(fn):
+    """``-t/--threads N``: the kernels' team size, set before numba loads (default: the
+    CPUs this process may use: its affinity mask, capped by a cgroup CPU quota)."""
+    return click.option("-t", "--threads", type=click.IntRange(1, 1024), callback=_set_threads,
+                        help="Threads for the kernels (default: the CPUs this process may "
+                             "use, from its affinity and cgroup quota). Same output at any "
+                             "count.")(fn)
+
+
+def quiet_option(fn):
+    """``-q/--quiet``: no progress (bars on a terminal, periodic lines in a log); the
+    summary line and errors are still printed."""
+    return click.option("-q", "--quiet", is_flag=True,
+                        help="No progress bars or progress lines; the summary and errors "
+                             "are still printed.")(fn)
 
 
 class Finite(click.FloatRange):

@@ -3,8 +3,8 @@
 Owns: how many weight bytes per second the BF16 and MXFP4 matmuls (``libk3.model.ops``)
 get through for one decode step's mix of shapes, and how fast the compressed trunk's
 decoder (``libk3.stream.trunk_codec``) runs. Does not own: the machine facts (memory,
-CPU, disks: ``libk3.doctor.probe``, which imports no kernels) or the estimate itself
-(``libk3.doctor.report``).
+CPU, disks: ``libk3.machine``, which imports no kernels) or the estimate itself
+(``report``).
 """
 
 from __future__ import annotations
@@ -66,6 +66,34 @@ def measure_kernels(seconds: float = 0.3, rows: int = 2048, cols: int = 2048, *,
             tot_bytes += calls * r * c * bpe
         out[f"{key}_bytes_per_s"] = tot_bytes / tot_sec
         out[f"{key}_shapes"] = len(shapes)
+    return out
+
+
+SPREAD = 0.25                      # two timings further apart than this are not trusted
+
+
+def measure_kernels_twice(**kw) -> dict:
+    """``measure_kernels`` twice, sampling the machine's load before each: the faster
+    run's figures (what the kernels do with the CPUs to themselves), both runs as a range
+    (``*_range_bytes_per_s``), the loads, and ``unreliable``: why the figures should not
+    be trusted (other processes or the hypervisor took CPU time, or the two runs are more
+    than SPREAD apart), else None."""
+    from ..machine import cpus
+
+    runs, loads = [], []
+    for _ in range(2):
+        loads.append(cpus.sample_load(0.25))
+        runs.append(measure_kernels(**kw))
+    out = dict(max(runs, key=lambda r: r["bf16_bytes_per_s"]))
+    reasons = []
+    for key in ("bf16", "mxfp4"):
+        lo, hi = sorted(r[f"{key}_bytes_per_s"] for r in runs)
+        out[f"{key}_range_bytes_per_s"] = [lo, hi]
+        if hi > lo * (1 + SPREAD):
+            reasons.append(f"two {key} timings {lo / 1e9:.2f} and {hi / 1e9:.2f} GB/s")
+    busy = list(dict.fromkeys(b for load in loads for b in load.busy))
+    out["load"] = [load.to_json() for load in loads]
+    out["unreliable"] = "; ".join(busy + reasons) or None
     return out
 
 

@@ -1,56 +1,47 @@
-"""Machine facts for k3-doctor, measured the way k3-run uses the machine.
+"""Storage as k3 uses it: per directory, the filesystem, free space, O_DIRECT and read rates.
 
-Owns: Python and package versions, numba's threading layer, cores and ISA flags,
-memory (/proc/meminfo and the cgroup v2/v1 limit, or a caller's override), and per
-directory: filesystem, free space, whether O_DIRECT works, and read speed (large
-sequential reads and one-expert random reads at queue depths 1, 4 and 16). Does not
-own: timing k3's kernels (``libk3.engine.timing``: this module imports no kernel and no
-model code, so the engine can ask it for memory), deciding anything
-(``libk3.doctor.report``, ``libk3.budget``) or printing.
+Owns: finding a directory's filesystem and free space, whether O_DIRECT works there, and
+read rates measured the way k3-run reads (large sequential runs for the trunk; one
+expert's bytes at random offsets, at queue depths 1, 4 and 16, for experts), on the
+model's own files or on a temporary probe file. Does not own: what the rates mean for a
+budget or an estimate (``libk3.doctor``).
 
 Why these measurements:
-* k3-run reads the trunk in large sequential runs and experts as 17,547,264-byte random
-  reads (model.md §3.5) from a pool of threads, so those are what is timed, with
-  ``os.preadv`` into the engine's buffers (``io.direct.aligned_empty``) under O_DIRECT when
-  the filesystem allows it.
+* k3-run reads the trunk in large sequential runs and experts as one-expert random reads
+  (model.md §3.5) from a pool of threads, so those are what is timed, with ``os.preadv``
+  into the engine's buffers (``io.direct.aligned_empty``) under O_DIRECT when the
+  filesystem allows it.
 * A figure the page cache could satisfy is not disk speed. With O_DIRECT the cache is
   bypassed; without it the file's cached pages are dropped first
   (``posix_fadvise(DONTNEED)``) and the result is still flagged ``cached``.
 * The model's own shards are measured when they hold real data. A synthetic
   ``real-sparse`` checkpoint is almost all holes, which read as zeros at memory speed,
-  so a file whose allocated blocks cover less than 90 % of its size is not used; a
-  temporary file (random bytes, fsynced) is written instead and always removed, also on
-  Ctrl-C and SIGTERM (signal handlers raise ``ProbeInterrupted`` so ``finally`` runs;
-  signals are blocked while the file is created so no name can leak).
-* numba only reports its threading layer after a parallel function has run, so a tiny
-  prange function runs first. ``workqueue`` (no TBB or OpenMP) is flagged: it is slower
-  and unsafe for concurrent parallel calls.
+  so a file whose allocated blocks cover less than 90 % of its size is not used.
+* Otherwise a temporary file of random bytes, fsynced, is written on the same
+  filesystem, but never inside the model's or the pack's directory or a git checkout
+  (``probe_dir``: the temporary directory when it is on that filesystem, else the
+  nearest ancestor outside them), and always removed, also on Ctrl-C and SIGTERM
+  (signal handlers raise ``ProbeInterrupted`` so ``finally`` runs; signals are blocked
+  while the file is created so no name can leak).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import importlib.metadata
 import os
-import platform
 import random
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
-from numba import njit, prange
-
+from .. import progress as _progress
 from ..io.direct import ALIGN, align_up, aligned_empty   # O_DIRECT alignment (formats/pack.md)
 from ..k3_dims import EXPERT_BYTES
+from . import mounts
 
-PACKAGES = ("numpy", "numba", "llvmlite", "tokenizers", "safetensors", "zstandard")
-ISA_FLAGS = ("avx2", "fma", "avx512f", "asimd", "neon")
 EXPERT_READ_BYTES = EXPERT_BYTES      # one real routed expert (model.md §3.5), = 4284 x 4096
 SEQ_BLOCK = 8 << 20                   # sequential reads: 8 MiB blocks
 QUEUE_DEPTHS = (1, 4, 16)
@@ -60,7 +51,6 @@ PROBE_PREFIX = ".k3-doctor-probe-"
 DATA_FRACTION = 0.9                   # allocated / apparent size for "holds real data"
 MIN_MODEL_BYTES = 256 << 20           # below this the model's shards are too small to time
 _SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-_UNLIMITED = 1 << 60                  # cgroup v1 reports "no limit" as ~2^63
 
 
 class ProbeInterrupted(KeyboardInterrupt):
@@ -87,223 +77,6 @@ def interrupt_on_signals():
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-
-
-# ---- software and CPU ------------------------------------------------------------------
-
-def package_versions() -> dict:
-    out = {}
-    for name in PACKAGES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-@njit(cache=True, parallel=True)
-def _prange_sum(x):
-    """Sum of x via a prange loop: only to make numba pick its threading layer."""
-    out = np.zeros_like(x)
-    for i in prange(x.shape[0]):
-        out[i] = x[i]
-    return out.sum()
-
-
-def threading_layer() -> dict:
-    """numba's threading layer after running a tiny parallel function, with a warning
-    when it is ``workqueue``."""
-    try:
-        import numba
-
-        _prange_sum(np.arange(64, dtype=np.float64))
-        layer = numba.threading_layer()
-        threads = numba.get_num_threads()
-    except Exception as e:   # noqa: BLE001 - any failure here is a finding, not a crash
-        return {"layer": None, "threads": None,
-                "warning": f"numba could not run a parallel function: {type(e).__name__}: {e}"}
-    warning = None
-    if layer == "workqueue":
-        warning = ("numba fell back to the 'workqueue' threading layer: parallel kernels "
-                   "are slower and unsafe when called from two threads; install TBB "
-                   "(pip install tbb) or an OpenMP runtime (libgomp)")
-    return {"layer": layer, "threads": threads, "warning": warning}
-
-
-def cpu_info(cpuinfo_path: str = "/proc/cpuinfo") -> dict:
-    """Cores this process may use, and which of ISA_FLAGS the CPU reports."""
-    flags = set()
-    model = None
-    try:
-        with open(cpuinfo_path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip().lower()
-                if key in ("flags", "features") and not flags:
-                    flags = set(value.split())
-                elif key in ("model name", "cpu model") and model is None:
-                    model = value.strip()
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count()
-    return {"model": model, "machine": platform.machine(), "cores_usable": usable,
-            "cores_online": os.cpu_count(), "isa": {f: f in flags for f in ISA_FLAGS}}
-
-
-# ---- memory ------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class MemoryInfo:
-    """Memory as a run may plan with it. ``assumed`` when a caller overrode the probe."""
-
-    total_bytes: int
-    available_bytes: int              # MemAvailable
-    swap_total_bytes: int
-    cgroup_limit_bytes: int | None    # None: no limit applies
-    cgroup_source: str | None         # the file the limit came from
-    assumed: bool
-
-    @property
-    def usable_bytes(self) -> int:
-        """min(MemAvailable, cgroup limit): what a run can count on."""
-        if self.cgroup_limit_bytes is None:
-            return self.available_bytes
-        return min(self.available_bytes, self.cgroup_limit_bytes)
-
-    def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["usable_bytes"] = self.usable_bytes
-        return d
-
-
-def assumed_memory(nbytes: int) -> MemoryInfo:
-    """A simulated machine with ``nbytes`` of memory, all available, no swap, no cgroup."""
-    n = int(nbytes)
-    return MemoryInfo(n, n, 0, None, None, assumed=True)
-
-
-def probe_memory(override_bytes: int | None = None, *, proc: str = "/proc",
-                 cgroup_root: str | None = None) -> MemoryInfo:
-    """This machine's memory, or ``assumed_memory(override_bytes)`` when given.
-    ``proc``/``cgroup_root`` let tests point at a fake tree."""
-    if override_bytes is not None:
-        return assumed_memory(override_bytes)
-    info = _meminfo(Path(proc) / "meminfo")
-    limit, source = cgroup_memory_limit(proc=proc, cgroup_root=cgroup_root)
-    return MemoryInfo(info.get("MemTotal", 0), info.get("MemAvailable", info.get("MemFree", 0)),
-                      info.get("SwapTotal", 0), limit, source, assumed=False)
-
-
-def _meminfo(path: Path) -> dict:
-    out = {}
-    try:
-        text = path.read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            out[key.strip()] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
-    return out
-
-
-def _read_limit(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max" or not text.isdigit():
-        return None
-    v = int(text)
-    return None if v >= _UNLIMITED else v
-
-
-def cgroup_memory_limit(proc: str = "/proc", cgroup_root: str | None = None):
-    """(smallest memory limit on this process's cgroup path, the file it came from) or
-    (None, None). cgroup v2 ``memory.max`` and v1 ``memory.limit_in_bytes`` ('max' or a
-    huge number mean none); limits of parent groups apply too, so the path is walked up."""
-    mounts = _mounts(Path(proc) / "self" / "mounts")
-    try:
-        lines = (Path(proc) / "self" / "cgroup").read_text().splitlines()
-    except OSError:
-        lines = []
-    best = (None, None)
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, cg_path = parts
-        if controllers == "":
-            version, fname = 2, "memory.max"
-            roots = [m for m, (fs, opts) in mounts.items() if fs == "cgroup2"]
-        elif "memory" in controllers.split(","):
-            version, fname = 1, "memory.limit_in_bytes"
-            roots = [m for m, (fs, opts) in mounts.items()
-                     if fs == "cgroup" and "memory" in opts.split(",")]
-        else:
-            continue
-        if cgroup_root is not None:
-            roots = [cgroup_root]
-        for root in roots:
-            for f in _walk_cgroup(Path(root), cg_path, fname):
-                v = _read_limit(f)
-                if v is not None and (best[0] is None or v < best[0]):
-                    best = (v, f"cgroup v{version} {f}")
-    return best
-
-
-def _walk_cgroup(root: Path, cg_path: str, fname: str):
-    """The limit files from this process's group up to the mount root. When the group's
-    directory is not visible (a namespaced mount), the mount root is the group."""
-    rel = Path(cg_path.lstrip("/"))
-    d = root / rel
-    if not d.is_dir():
-        d = root
-    while True:
-        yield d / fname
-        if d == root or root not in d.parents:
-            break
-        d = d.parent
-
-
-# ---- storage -----------------------------------------------------------------------------
-
-def _unescape_mount(s: str) -> str:
-    return s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n") \
-        .replace("\\134", "\\")
-
-
-def _mounts(path) -> dict:
-    """{mount point: (fstype, options)}; a later mount on the same point wins."""
-    out = {}
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        try:
-            text = Path("/proc/mounts").read_text()
-        except OSError:
-            return out
-    for line in text.splitlines():
-        f = line.split()
-        if len(f) >= 4:
-            out[_unescape_mount(f[1])] = (f[2], f[3])
-    return out
-
-
-def mount_of(path, mounts: dict | None = None) -> tuple:
-    """(mount point, fstype) of the longest mount prefix of ``path``'s real path."""
-    mounts = _mounts("/proc/self/mounts") if mounts is None else mounts
-    real = os.path.realpath(path)
-    best = ("/", mounts.get("/", ("unknown", ""))[0])
-    for point, (fs, _) in mounts.items():
-        if real == point or real.startswith(point.rstrip("/") + "/"):
-            if len(point) >= len(best[0]):
-                best = (point, fs)
-    return best
 
 
 def existing_ancestor(path) -> Path:
@@ -503,8 +276,6 @@ def measure_reads(files, *, direct: bool, seq_seconds: float = 3.0,
     """Time sequential (8 MiB blocks, depths SEQ_DEPTHS) and one-expert random reads
     (depths QUEUE_DEPTHS) on ``files`` [(path, size)]. Without O_DIRECT each file's
     cached pages are dropped first and the figures are flagged ``cached``."""
-    from tqdm import tqdm
-
     fds = []
     try:
         for path, size in files:
@@ -514,8 +285,7 @@ def measure_reads(files, *, direct: bool, seq_seconds: float = 3.0,
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         total = sum(s for _, s in fds)
         seq, rand = {}, {}
-        bar = tqdm(total=None, unit="B", unit_scale=True, file=sys.stderr,
-                   desc=f"reads {label}", disable=not progress, leave=False)
+        bar = _progress.bar(unit="B", unit_scale=True, desc=f"reads {label}", show=progress)
         try:
             for depth in SEQ_DEPTHS:
                 bar.set_description(f"{label} sequential x{depth}")
@@ -552,21 +322,50 @@ def model_files_with_data(paths) -> list:
     return out
 
 
+def in_git_checkout(path) -> bool:
+    """True when ``path`` or one of its ancestors holds a ``.git`` (a work tree)."""
+    p = Path(os.path.abspath(path))
+    return any((q / ".git").exists() for q in (p, *p.parents))
+
+
+def probe_dir(directory, avoid=(), tmp=None) -> Path | None:
+    """A writable directory on ``directory``'s filesystem for a probe file, never inside
+    an ``avoid`` directory (the model's, the pack's) or a git checkout: the temporary
+    directory (``tmp``, default ``tempfile.gettempdir()``) when it is on that filesystem,
+    else the nearest such ancestor of ``directory``; None when there is none."""
+    d = existing_ancestor(directory)
+    dev = os.stat(d).st_dev
+    fenced = [Path(os.path.abspath(a)) for a in avoid]
+
+    def fits(c: Path) -> bool:
+        try:
+            same = os.stat(c).st_dev == dev
+        except OSError:
+            return False
+        inside = any(c == f or f in c.parents for f in fenced)
+        return same and not inside and os.access(c, os.W_OK | os.X_OK) \
+            and not in_git_checkout(c)
+
+    t = Path(os.path.abspath(tmp if tmp is not None else tempfile.gettempdir()))
+    for c in (t, d, *d.parents):
+        if fits(c):
+            return c
+    return None
+
+
 def probe_storage(directory, *, model_files=(), measure: bool = True,
                   probe_bytes: int = DEFAULT_PROBE_BYTES, seq_seconds: float = 3.0,
                   rand_seconds: float = 1.5, progress: bool = False,
-                  min_model_bytes: int = MIN_MODEL_BYTES) -> dict:
+                  min_model_bytes: int = MIN_MODEL_BYTES, avoid=(), tmp=None) -> dict:
     """Filesystem, free space, O_DIRECT and (with ``measure``) read speed for
     ``directory`` (or its nearest existing ancestor). Reads the ``model_files`` that hold
     real data when they total ``min_model_bytes`` and one holds two experts, else a
-    temporary file of ``probe_bytes``."""
-    from tqdm import tqdm
-
+    temporary file of ``probe_bytes`` in ``probe_dir(directory, avoid, tmp)``."""
     d = existing_ancestor(directory)
-    point, fstype = mount_of(d)
+    point, fstype = mounts.mount_of(d)
     usage = shutil.disk_usage(d)
     info = {"directory": str(directory), "exists": Path(directory).exists(),
-            "probe_dir": str(d), "mount_point": point, "filesystem": fstype,
+            "probe_dir": None, "mount_point": point, "filesystem": fstype,
             "device": os.stat(d).st_dev, "free_bytes": usage.free, "total_bytes": usage.total,
             "o_direct": None, "o_direct_note": None, "measured": False, "measured_on": None,
             "reads": None, "notes": []}
@@ -590,10 +389,13 @@ def probe_storage(directory, *, model_files=(), measure: bool = True,
                                               label=Path(directory).name or str(directory))
                 info["measured"], info["measured_on"] = True, "model shards"
             return info
-        if not os.access(d, os.W_OK):
-            info["notes"].append("directory is not writable: no probe file, O_DIRECT and "
-                                 "read speed not measured")
+        where = probe_dir(directory, avoid=(directory, *avoid), tmp=tmp)
+        if where is None:
+            info["notes"].append("no writable directory on this filesystem outside the "
+                                 "model, the pack and any git checkout: no probe file, "
+                                 "O_DIRECT and read speed not measured")
             return info
+        info["probe_dir"] = str(where)
         size = ALIGN if not measure else probe_bytes
         if measure and usage.free < 2 * size:
             info["notes"].append(f"only {usage.free / 1e9:.2f} GB free: no "
@@ -601,11 +403,10 @@ def probe_storage(directory, *, model_files=(), measure: bool = True,
             size, measure = ALIGN, False
         if not measure and info["o_direct"] is not None:
             return info
-        bar = tqdm(total=size, unit="B", unit_scale=True, file=sys.stderr,
-                   desc=f"writing probe in {d}", disable=not (progress and measure),
-                   leave=False)
+        bar = _progress.bar(total=size, unit="B", unit_scale=True,
+                            desc=f"writing probe in {where}", show=progress and measure)
         try:
-            with probe_file(d, size, bar) as path:
+            with probe_file(where, size, bar) as path:
                 bar.close()
                 if info["o_direct"] is None:
                     info["o_direct"], info["o_direct_note"] = o_direct_check(path)
@@ -614,28 +415,11 @@ def probe_storage(directory, *, model_files=(), measure: bool = True,
                     info["reads"] = measure_reads(files, direct=info["o_direct"],
                                                   seq_seconds=seq_seconds,
                                                   rand_seconds=rand_seconds,
-                                                  progress=progress, label=d.name or str(d))
+                                                  progress=progress,
+                                                  label=d.name or str(d))
                     info["measured"], info["measured_on"] = True, "temporary file"
         finally:
             bar.close()
     if info["measured"] and not info["reads"]["rand_bps"]:
         info["notes"].append("probe smaller than two experts: random reads not measured")
     return info
-
-
-# ---- the whole machine -----------------------------------------------------------------
-
-def probe_machine(memory: MemoryInfo | None = None) -> dict:
-    """Python, packages, numba threading, CPU and memory, with warnings."""
-    mem = memory if memory is not None else probe_memory()
-    cpu = cpu_info()
-    thr = threading_layer()
-    warnings = []
-    if thr["warning"]:
-        warnings.append(thr["warning"])
-    isa = cpu["isa"]
-    if cpu["machine"] in ("x86_64", "AMD64") and not isa["avx2"]:
-        warnings.append("no AVX2: numba kernels fall back to scalar code (slow)")
-    return {"python": platform.python_version(), "implementation": platform.python_implementation(),
-            "platform": platform.platform(), "packages": package_versions(), "numba": thr,
-            "cpu": cpu, "memory": mem.to_json(), "warnings": warnings}
