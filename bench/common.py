@@ -1,5 +1,6 @@
 """Shared helpers of the benchmark scripts: where big synthetic models live, running the
-console scripts, printing aligned tables. Models are generated into ``scratch/`` (ignored
+console scripts (of this tree, or of a BASE commit extracted beside it), printing aligned
+tables. Models are generated into ``scratch/`` (ignored
 by git) or ``$K3_BENCH_DIR``, once, and reused."""
 
 from __future__ import annotations
@@ -33,6 +34,57 @@ def packed(preset: str) -> Path:
         print(f"[setup] packing {ckpt} into {out} ...", flush=True)
         run(["k3-pack", str(ckpt), str(out), "--quiet"])
     return out
+
+
+TOOLS = {"libk3": "libk3", "k3_run": "tools/k3-run", "k3_trace": "tools/k3-trace",
+         "k3_pack": "tools/k3-pack",
+         "k3cli": "tools/k3cli"}            # k3cli: trees after issue 15's regroup
+LAUNCH = "import sys; from {mod}.cli import main; sys.argv[0] = '{prog}'; main()"
+
+
+def tree_shim(src: Path, shim: Path) -> Path:
+    """A directory whose entries make ``src``'s packages importable by name (and the
+    working directory of its runs)."""
+    shim.mkdir(parents=True, exist_ok=True)
+    for name, rel in TOOLS.items():
+        link = shim / name
+        if not link.exists() and (src / rel).exists():
+            link.symlink_to(src / rel)
+    return shim
+
+
+def base_tree(base: str, name: str = "startup-base") -> Path:
+    """``base`` extracted once into scratch/NAME (re-extracted when it moves)."""
+    commit = subprocess.run(["git", "rev-parse", base], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout.strip()
+    out = DATA / name
+    stamp = out / "COMMIT"
+    if not stamp.exists() or stamp.read_text() != commit:
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+        (out / "src").mkdir(parents=True)
+        archive = subprocess.run(["git", "archive", commit], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(out / "src")], input=archive, check=True)
+        stamp.write_text(commit)
+    return tree_shim(out / "src", out / "shim")
+
+
+def tool(shim: Path, prog: str, args, report: Path | None = None, env=None):
+    """(wall seconds, report dict or None) of one tool run from the tree at ``shim``
+    (``env``: the environment to start from, else this process's)."""
+    mod = prog.replace("-", "_")
+    cmd = [sys.executable, "-c", LAUNCH.format(mod=mod, prog=prog), *map(str, args)]
+    if report is not None:
+        cmd += ["--report-json", str(report)]
+    env = dict(os.environ if env is None else env, PYTHONPATH=str(shim))
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=shim)  # not ROOT:
+    # ``python -c`` puts the working directory first on sys.path
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        sys.stderr.write(p.stderr)
+        raise SystemExit(f"failed ({p.returncode}): {prog} {' '.join(map(str, args))}")
+    return wall, (json.loads(report.read_text()) if report is not None else None)
 
 
 def run(cmd, **kw) -> subprocess.CompletedProcess:

@@ -81,6 +81,9 @@ class _Lines(_Silent):
 
     def update(self, n=1):
         self.n += n
+        self._due()
+
+    def _due(self) -> None:
         now = self.clock()
         if now - self.last >= LOG_EVERY:
             self.last = now
@@ -101,6 +104,8 @@ class _Lines(_Silent):
     def set_postfix(self, ordered_dict=None, refresh=True, **kwargs):
         items = dict(ordered_dict or {}, **kwargs)
         self.postfix = ", ".join(f"{k}={v}" for k, v in items.items())
+        self._due()                 # work that reports only its postfix (tokens) still shows
 
     def set_postfix_str(self, s="", refresh=True):
         self.postfix = s
+        self._due()

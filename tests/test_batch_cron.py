@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -167,32 +168,44 @@ def test_batch_deadline_passed_at_start_runs_nothing(tiny_dir, tmp_path):
 
 
 class Clock:
-    """A clock that advances one second per reading: the deadline falls mid-prompt."""
+    """Seconds that pass only in forward passes: 1 s each, 6 s each from the tenth on (the
+    machine became busy), so prompts admitted at the first pace are still in flight at
+    the deadline."""
 
     def __init__(self):
-        self.t = 0.0
+        self.t, self.passes = 0.0, 0
 
     def __call__(self):
-        self.t += 1.0
         return self.t
+
+    def tick(self):
+        self.passes += 1
+        self.t += 1.0 if self.passes < 10 else 6.0
 
 
 @pytest.mark.parametrize("width", [None, 2])
 def test_batch_deadline_abandons_prompt_in_flight_and_rerun_completes(tiny_dir, tmp_path,
-                                                                       width):
+                                                                       width, monkeypatch):
     """Catches a deadline that writes a half-generated result (or skips it forever, or, in
     lockstep, loses count of the prompts in flight): every prompt in flight is dropped,
     the next run redoes it, every id once, each result equal to an undisturbed run."""
+    from libk3.model import forward as forward_mod
     batch, r = write_batch(tmp_path / "b.jsonl", 4, gen=8), tmp_path / "r.jsonl"
     opts = runner.RunOptions(model=str(tiny_dir), resident=True, batch_width=width)
     base = runner.settings_from(gen=8, temperature=0.0, top_p=1.0, seed=0)
     warn = [].append
     clock = Clock()
-    # readings: lock (none: no wait), one per prompt start, then one per token/chunk
-    limits = runner.BatchLimits(deadline=20.0, clock=clock)
+    real = forward_mod.Forward.run
+
+    def timed(self, segments):
+        clock.tick()
+        return real(self, segments)
+    monkeypatch.setattr(forward_mod.Forward, "run", timed)
+    limits = runner.BatchLimits(deadline=30.0, clock=clock, started=0.0)
     s = runner.run_batch(opts, batch, r, base, warn, limits)
-    assert s["stopped"] == "deadline" and 0 < s["done"] < 4
+    assert s["stopped"] == "deadline" and 0 < s["done"] < 4 and s["cut_off"] > 0
     assert s["done"] + s["remaining"] == 4
+    monkeypatch.setattr(forward_mod.Forward, "run", real)
     first = result_ids(r)
     assert sorted(first) == [f"p{i}" for i in range(s["done"])]
     s2 = runner.run_batch(opts, batch, r, base, warn)
@@ -202,3 +215,44 @@ def test_batch_deadline_abandons_prompt_in_flight_and_rerun_completes(tiny_dir, 
     gen_ids = lambda p: {json.loads(x)["id"]: json.loads(x)["generated_ids"]  # noqa: E731
                          for x in p.read_text().splitlines()}
     assert gen_ids(r) == gen_ids(ref)
+
+
+def _readme_cron_line(prefix: str) -> str:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = [ln for ln in readme.splitlines() if ln.startswith(prefix)]
+    assert len(lines) == 1, f"README: one crontab line starting {prefix!r}"
+    return lines[0]
+
+
+CRON_PATH = "/usr/bin:/bin"             # what cron gives a job (Debian's and Vixie cron)
+
+
+@pytest.mark.parametrize("prefix", ["*/10 * * * *", "0 * * * *"])
+def test_readme_crontab_line_runs_under_cron_environment(tiny_dir, tmp_path, prefix):
+    """Catches a documented crontab line that only works in an activated shell (the walk
+    that found issue 30: `k3-run: not found` from cron): the README's line, with its
+    placeholders filled in, run by sh under `env -i` with cron's PATH, finishes the batch."""
+    line = _readme_cron_line(prefix)
+    command = line.split(None, 5)[5]
+    venv_bin = Path(sys.executable).parent
+    if not (venv_bin / "k3-run").exists():
+        pytest.skip("k3-run is not beside this interpreter")
+    work = tmp_path / "data"
+    work.mkdir()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    write_batch(work / "q.jsonl", 3)
+    write_batch(shared / "prompts.jsonl", 3)
+    command = (command.replace("/opt/k3/.venv/bin/", f"{venv_bin}/")
+               .replace("/data/k3", str(work)).replace("/shared/", f"{shared}/")
+               .replace("--pack PACKDIR ", "").replace("MODEL", str(tiny_dir))
+               .replace("--shard K/8", "--shard 1/1").replace("results.K.", "results.1."))
+    assert "k3-run " in command and "/opt/" not in command
+    p = subprocess.run(["env", "-i", f"PATH={CRON_PATH}", f"HOME={tmp_path}", "sh", "-c",
+                        command], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (command, p.stdout, p.stderr)
+    out = work / "q.out" if "q.out" in command else shared / "results.1.jsonl"
+    assert sorted(result_ids(out)) == ["p0", "p1", "p2"]
+    if "q.log" in command:
+        log = (work / "q.log").read_text()
+        assert "\r" not in log and log.splitlines()[-2].startswith("batch: 3 done"), log

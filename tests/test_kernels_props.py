@@ -688,49 +688,78 @@ def test_kernels_mla_is_the_documented_order(seed, H, T, cached, dims):
 
 def test_kernels_results_do_not_depend_on_thread_count():
     """Catches a reduction split across threads: each kernel's output with 1 thread and
-    with 2 threads is bit-identical."""
+    with 2 threads is bit-identical. Every input is sized above team.PARALLEL_MIN_WORK
+    (the work figure each kernel passes to team.narrow), so the 2-thread run is parallel."""
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("numba has fewer than 2 threads here")
     rng = np.random.default_rng(5)
-    W = _finite_bf16(rng, (203, 517))
+    W = _finite_bf16(rng, (403, 517))
     X = rng.standard_normal((3, 517)).astype(np.float32)
-    packed, scales = _random_mxfp4(rng, 97, 6, 0.05)
+    packed, scales = _random_mxfp4(rng, 509, 6, 0.05)
     Xm = rng.standard_normal((3, 192)).astype(np.float32)
-    H, Dk, Dv, T = 6, 16, 16, 4
+    H, Dk, Dv, T = 6, 32, 32, 8
     qkv = [rng.standard_normal((T, H, Dk)).astype(np.float32) for _ in range(3)]
     alpha = rng.uniform(0.1, 1, (T, H, Dk)).astype(np.float32)
     beta = rng.uniform(0, 1, (T, H)).astype(np.float32)
     latent = rng.standard_normal((40, 32)).astype(np.float32)
     k_rope = rng.standard_normal((40, 8)).astype(np.float32)
     kv_b = _finite_bf16(rng, (H * 40, 32)) & np.uint16(0xBFFF)  # keep magnitudes < 2
-    qn = rng.standard_normal((T, H, 24)).astype(np.float32)
-    qr = rng.standard_normal((T, H, 8)).astype(np.float32)
-    pos = np.arange(30, 30 + T, dtype=np.int64)
-    blocks = rng.standard_normal((4, 2, 3000)).astype(np.float32)
-    f = (rng.standard_normal(3000) * 0.05).astype(np.float32)
+    qn = rng.standard_normal((4, H, 24)).astype(np.float32)
+    qr = rng.standard_normal((4, H, 8)).astype(np.float32)
+    pos = np.arange(30, 34, dtype=np.int64)
+    blocks = rng.standard_normal((4, 2, 6000)).astype(np.float32)
+    f = (rng.standard_normal(6000) * 0.05).astype(np.float32)
+    x = rng.standard_normal((4, 10000)).astype(np.float32)
+    w = rng.standard_normal(10000).astype(np.float32)
+    u = rng.standard_normal((8, 3000)).astype(np.float32)
+    taps = rng.standard_normal((3000, 4)).astype(np.float32)
+    hist0 = rng.standard_normal((3000, 3)).astype(np.float32)
+    z = rng.standard_normal((2, 3000)).astype(np.float32)
+    a_log = rng.standard_normal(30).astype(np.float32)
+    dt_bias = rng.standard_normal(3000).astype(np.float32)
+    logits = rng.standard_normal((4, 3000)).astype(np.float32)
+    bias = rng.standard_normal(3000).astype(np.float32)
+    expert_out = rng.standard_normal((4, 8, 1500)).astype(np.float32)
+    weights = rng.uniform(0, 1, (4, 8)).astype(np.float32)
 
     def run():
         outs = []
-        Y = np.empty((3, 203), np.float32)
+        Y = np.empty((3, 403), np.float32)
         bf16.matmul(W, X, Y)
         outs.append(Y)
-        y = np.empty(203, np.float32)
+        y = np.empty(403, np.float32)
         bf16.matvec(W, X[0], y)
         outs.append(y)
-        Ym = np.empty((3, 97), np.float32)
+        Ym = np.empty((3, 509), np.float32)
         mxfp4.matmul(packed, scales, Xm, Ym)
         outs.append(Ym)
         S = np.zeros((H, Dk, Dv), np.float32)
         o = np.empty((T, H, Dv), np.float32)
         kda.kda_recurrence(qkv[0], qkv[1], qkv[2], alpha, beta, 0.25, S, o)
         outs += [o, S]
-        a = np.empty((T, H, 16), np.float32)
+        a = np.empty((4, H, 16), np.float32)
         mla.mla_attention(qn, qr, pos, latent, k_rope, kv_b, 32 ** -0.5, a)
         outs.append(a)
-        mix = np.empty((2, 3000), np.float32)
+        mix = np.empty((2, 6000), np.float32)
         attnres.attnres(blocks, 3, blocks[3], f, 1e-5, mix)
         outs.append(mix)
-        return outs
+        for kern, args in ((norms.rmsnorm, (x, w, 1e-5)), (norms.l2norm, (x, 1e-6))):
+            out = np.empty_like(x)
+            kern(*args, out)
+            outs.append(out)
+        sig, st_ = np.empty(10000, np.float32), np.empty(10000, np.float32)
+        activations.sigmoid(w, sig)
+        activations.situ(x[0], x[1], 4.0, 25.0, st_)
+        hist = hist0.copy()
+        conv = np.empty_like(u)
+        kda.short_conv(u, taps, hist, conv)
+        g, al = np.empty_like(z), np.empty_like(z)
+        kda.kda_decay(z, a_log, dt_bias, -5.0, g, al)
+        idx, wts = np.empty((4, 8), np.int64), np.empty((4, 8), np.float32)
+        router.router_topk(logits, bias, 8, True, 2.5, idx, wts)
+        comb = np.empty((4, 1500), np.float32)
+        moe.combine_routed(expert_out, weights, comb)
+        return outs + [sig, st_, hist, conv, g, al, idx, wts, comb]
 
     before = numba.get_num_threads()
     try:
@@ -742,3 +771,29 @@ def test_kernels_results_do_not_depend_on_thread_count():
         numba.set_num_threads(before)
     for a, b in zip(one, two):
         assert np.array_equal(_bits(a), _bits(b))
+
+
+def test_team_narrows_small_calls_to_the_calling_thread_and_restores_it():
+    """Catches a narrowing that never narrows (every small call wakes the team) or never
+    restores (the next big call runs on one thread)."""
+    from numba import njit
+
+    from libk3.kernels import team
+
+    @njit
+    def inside(work):
+        n = team.narrow(work)
+        during = team._team_size()
+        team.widen(n)
+        return n, during, team._team_size()
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has fewer than 2 threads here")
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(2)
+        assert inside(team.PARALLEL_MIN_WORK - 1) == (2, 1, 2)
+        assert inside(team.PARALLEL_MIN_WORK) == (2, 2, 2)
+        assert numba.get_num_threads() == 2
+    finally:
+        numba.set_num_threads(before)

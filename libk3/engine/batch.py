@@ -172,6 +172,9 @@ def summary_text(summary: dict, results_path) -> str:
             f"{summary['malformed']} malformed line(s)")
     if summary["stopped"] is not None:
         text += f"; stopped at {summary['stopped']}, {summary['remaining']} left for the next run"
+    if summary.get("cut_off"):
+        text += (f" ({summary['cut_off']} cut off in flight, {summary['discarded_tokens']} "
+                 "generated tokens discarded)")
     return text
 
 

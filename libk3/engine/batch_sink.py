@@ -11,6 +11,7 @@ Does not own: reading or validating the batch file, skipping finished ids, shard
 
 from __future__ import annotations
 
+import math
 import time
 
 from ..errors import UsageError
@@ -18,13 +19,26 @@ from ..model.state import State
 from . import batch as batchfile
 from .generate import Abandoned
 from .lockstep import Job, Lockstep
+from .pace import Pace, Work
+
+
+STARTED, ABANDONED, NO_TIME = "started", "abandoned", "no time"
 
 
 class BatchSink:
-    def __init__(self, run, out_path, width: int, chunk: int, should_stop=None):
-        self.run, self.out_path, self.width = run, out_path, width
-        self.should_stop = should_stop
+    """``deadline`` (seconds on ``clock``): admit a prompt only when this run's pace says
+    it and every prompt in flight finish before it (``pace``); such a run goes through
+    the lockstep scheduler even at width 1, which is how its passes are timed."""
+
+    def __init__(self, run, out_path, width: int, chunk: int, should_stop=None,
+                 deadline=None, clock=time.monotonic, since=None, spec: bool = False):
+        self.run, self.out_path, self.width, self.chunk = run, out_path, width, chunk
+        self.should_stop, self.deadline, self.clock = should_stop, deadline, clock
+        self.since = clock() if since is None else since    # where the deadline counts from
+        self.pace = Pace() if deadline is not None else None
+        self.unfit = None                   # (id, seconds alone) of a prompt left for lack of time
         self.abandoned = 0                  # prompts dropped at the deadline (redone next run)
+        self.discarded = 0                  # tokens those prompts had generated
         self.prompts: list[dict] = []
         self.t0 = time.perf_counter()
         self.stats0 = run.session.weights.stats()
@@ -35,42 +49,92 @@ class BatchSink:
         self.ids = {}                       # line -> the line's id
         self.chats = set()                  # lines given as "messages"
         self.lockstep = None
-        if width > 1:
+        if width > 1 or (self.pace is not None and not spec):
             cfg = run.cfg
             self.lockstep = Lockstep(fwd, lambda n: State(cfg, capacity=n), width,
                                      self._done, chunk=chunk,
                                      tokenizer=run.session.tokenizer, on_token=self._token,
-                                     should_stop=should_stop)
+                                     should_stop=should_stop,
+                                     on_pass=self.pace.record if self.pace else None,
+                                     clock=clock)
 
-    def submit(self, lineno: int, job_id, prompt_ids, settings, chat: bool = False) -> bool:
+    def submit(self, lineno: int, job_id, prompt_ids, settings, chat: bool = False) -> str:
         """Run the prompt (width 1) or queue it for the next free slot; ``chat``: a
-        "messages" line, whose result also carries the parsed reply. False when the
-        deadline passed meanwhile: this prompt and every one in flight are dropped."""
+        "messages" line, whose result also carries the parsed reply. ABANDONED when the
+        deadline passed meanwhile: this prompt and every one in flight are dropped;
+        NO_TIME when it would not finish before the deadline (nothing of it was run)."""
         from .runner import check_stop_strings, run_one
-        self.ids[lineno] = job_id
-        if chat:
-            self.chats.add(lineno)
         job = Job(lineno, prompt_ids, settings)          # the tag is the trace's seq
         try:
             if self.lockstep is None:
+                self._expect(job_id, lineno, chat)
                 self.run.seq = lineno
                 self._done(job, run_one(self.run, prompt_ids, settings,
                                         should_stop=self.should_stop))
-                return True
+                return STARTED
             if settings.spec:
                 raise UsageError("--spec decodes one prompt at a time: use --batch-width 1")
             check_stop_strings(self.run, settings)
+            self.lockstep.make_room()
+            if self.pace is not None and not self._fits(job_id, job):
+                return NO_TIME
+            self._expect(job_id, lineno, chat)
             self.lockstep.submit(job)
         except Abandoned:
             self.abandoned += 1 + self._drop_lanes()
-            return False
-        return True
+            return ABANDONED
+        return STARTED
+
+    def _expect(self, job_id, lineno: int, chat: bool) -> None:
+        self.ids[lineno] = job_id
+        if chat:
+            self.chats.add(lineno)
+
+    def _fits(self, job_id, job) -> bool:
+        """Whether ``job`` and every lane in flight finish before the deadline at this
+        run's pace, asked again after each pass while lanes are in flight (each one that
+        finishes leaves room). Until the pace is measured, the first prompt is let in
+        alone."""
+        ls = self.lockstep
+        while not self.pace.measured and ls.lanes:
+            ls.step()
+        if not self.pace.measured:
+            return True
+        new = Work(len(job.prompt_ids), job.settings.gen)
+        while True:
+            works = [Work(len(lane.prompt) - lane.fed,
+                          lane.job.settings.gen - len(lane.generated)) for lane in ls.lanes]
+            if self.pace.finish(works + [new], self.chunk) <= self.deadline - self.clock():
+                return True
+            if not ls.lanes:
+                self._short(job_id, self.pace.finish([new], self.chunk), "needs")
+                return False
+            ls.step()
+
+    def _short(self, job_id, need: float, verb: str) -> None:
+        """Remember the first prompt the deadline was too short for (``unfit_message``)."""
+        if self.unfit is None:
+            minutes = math.ceil((self.clock() - self.since + need) / 60)
+            self.unfit = (f"deadline: prompt {job_id!r} {verb} about {need:.0f} s more at this "
+                          f"run's pace; a --deadline of at least {minutes} min would fit it")
+
+    def unfit_message(self):
+        """One line for a run that finished nothing: the first prompt that did not fit or
+        was cut off, the time it needed at this run's pace and the deadline that would
+        hold it; None when there was none."""
+        return self.unfit
 
     def _drop_lanes(self) -> int:
         if self.lockstep is None:
             return 0
-        n, self.lockstep.lanes = len(self.lockstep.lanes), []
-        return n
+        lanes, self.lockstep.lanes = self.lockstep.lanes, []
+        self.discarded += sum(len(lane.generated) for lane in lanes)
+        if lanes and self.pace is not None and self.pace.measured:
+            lane = lanes[0]
+            self._short(self.ids.get(lane.job.tag, lane.job.tag), self.pace.finish(
+                [Work(len(lane.prompt) - lane.fed, lane.job.settings.gen - len(lane.generated))],
+                self.chunk), "was cut off at the deadline; it needed")
+        return len(lanes)
 
     def _token(self, job, tok) -> None:
         self.generated += 1

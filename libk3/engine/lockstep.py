@@ -140,23 +140,30 @@ class Lockstep:
     ``keep_logits`` collects each prompt's logits rows (prompt positions, then every
     generated token but the last) into its result. ``chunk``: prompt tokens per pass.
     ``should_stop()``, if given, is asked before every pass: True raises Abandoned, and
-    the lanes in flight stay in ``lanes`` for the caller to count and drop."""
+    the lanes in flight stay in ``lanes`` for the caller to count and drop. ``on_pass(tokens,
+    seconds)``, if given, hears each pass's size and duration on ``clock`` (a batch's
+    pace, ``libk3.engine.pace``)."""
 
     def __init__(self, forward, new_state, width: int, on_done, *, chunk: int = PREFILL_CHUNK,
                  tokenizer=None, on_token=None, keep_logits: bool = False,
-                 join_prefill: bool = True, should_stop=None):
+                 join_prefill: bool = True, should_stop=None, on_pass=None,
+                 clock=time.perf_counter):
         if width < 1 or chunk < 1:
             raise ValueError("width and chunk must be >= 1")
         self.forward, self.new_state, self.width, self.on_done = forward, new_state, width, on_done
         self.chunk, self.tokenizer, self.on_token = chunk, tokenizer, on_token
         self.keep_logits, self.join_prefill = keep_logits, join_prefill
-        self.should_stop = should_stop
+        self.should_stop, self.on_pass, self.clock = should_stop, on_pass, clock
         self.lanes: list[_Lane] = []
         self.stats = LockstepStats(width)
 
-    def submit(self, job: Job) -> None:
+    def make_room(self) -> None:
+        """Run passes until a slot is free."""
         while len(self.lanes) >= self.width:
             self.step()
+
+    def submit(self, job: Job) -> None:
+        self.make_room()
         state = job.state if job.state is not None else \
             self.new_state(len(job.prompt_ids) + job.settings.gen)
         self.lanes.append(_Lane(job, state, time.perf_counter(), self.keep_logits))
@@ -176,7 +183,7 @@ class Lockstep:
         """One pass over every lane in flight; finished lanes leave (``on_done``)."""
         if self.should_stop is not None and self.should_stop():
             raise Abandoned()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         st = self.stats
         st.max_active = max(st.max_active, len(self.lanes))
         plan = plan_pass(self.lanes, self.chunk, self.join_prefill)
@@ -197,7 +204,10 @@ class Lockstep:
             else:                           # leaves at once; its state is dropped
                 self.on_done(lane.job, lane.result(time.perf_counter()))
         self.lanes = still
-        st.seconds += time.perf_counter() - t0
+        took = self.clock() - t0
+        st.seconds += took
+        if self.on_pass is not None:
+            self.on_pass(sum(len(ids) for _, ids, _ in plan), took)
 
 
 def run_lockstep(forward, new_state, jobs, width: int, on_done, **kw) -> LockstepStats:

@@ -20,7 +20,7 @@ from ..policies.registry import DEFAULT_POLICY
 from .defaults import IO_THREADS, PREFILL_CHUNK
 from ..trace.format import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
-from .batch_sink import BatchSink
+from .batch_sink import ABANDONED, NO_TIME, BatchSink
 from .generate import Abandoned, GenSettings, generate
 from .settings import token_ids_problem
 from .report import run_report, startup_seconds
@@ -310,12 +310,14 @@ def _prefill_bar(n: int, show: bool):
 @dataclasses.dataclass
 class BatchLimits:
     """When a batch run stops before the end of its file (cron: leave the rest to the next
-    tick). ``deadline`` is in seconds of ``clock()`` (monotonic); the prompt in flight at
-    the deadline is abandoned at its next token or prefill chunk, and redone next run."""
+    tick). ``deadline`` is in seconds of ``clock()`` (monotonic), counted from ``started``;
+    a prompt is started only when this run's pace says it finishes in time
+    (``batch_sink``); one still in flight at the deadline is abandoned at its next pass."""
     max_prompts: int | None = None
     deadline: float | None = None
     wait: bool = False
     clock: object = time.monotonic
+    started: float | None = None
 
     def passed(self) -> bool:
         return self.deadline is not None and self.clock() >= self.deadline
@@ -335,7 +337,7 @@ def run_batch(opts: RunOptions, batch_path, out_path, base: GenSettings, warn,
 
     limits = limits or BatchLimits()
     summary = {"done": 0, "skipped": 0, "malformed": 0, "errors": [], "stopped": None,
-               "remaining": None}
+               "remaining": None, "cut_off": 0, "discarded_tokens": 0}
     lock = FileLock(out_path)
     if not lock.acquire(wait=limits.wait, until=limits.deadline, notice=warn,
                         clock=limits.clock):
@@ -356,8 +358,11 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     width = min(run.width, max(1, sum(1 for _, ln in lines if ln.strip())))
     summary["width_reasons"] = list(run.width_reasons) + (
         [f"capped at {width} (the batch's lines)"] if width < run.width else [])
+    left_for_time = 0                   # prompts not started: they would not finish in time
     sink = BatchSink(run, out_path, width, base.prefill_chunk,
-                     should_stop=limits.passed if limits.deadline is not None else None)
+                     should_stop=limits.passed if limits.deadline is not None else None,
+                     deadline=limits.deadline, clock=limits.clock, since=limits.started,
+                     spec=bool(base.spec))
     started = 0
     for lineno, line in lines:
         if not line.strip():
@@ -393,13 +398,25 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
         settings = batchfile.job_settings(job, base)
         if "messages" in job:
             settings = run.chat_settings(settings, warn)
+        outcome = sink.submit(lineno, job["id"], prompt_ids, settings, chat="messages" in job)
+        if outcome == NO_TIME:
+            summary["remaining"] += 1          # a shorter prompt further on may still fit
+            left_for_time += 1
+            continue
         started += 1
-        if not sink.submit(lineno, job["id"], prompt_ids, settings, chat="messages" in job):
+        if outcome == ABANDONED:
             summary["stopped"] = "deadline"
     summary.update(sink.close())
+    if left_for_time:
+        summary["stopped"] = summary["stopped"] or "deadline"
+    summary["cut_off"], summary["discarded_tokens"] = sink.abandoned, sink.discarded
     if sink.abandoned:
         summary["stopped"] = summary["stopped"] or "deadline"
         summary["remaining"] += sink.abandoned
+    if not summary["prompts"] and summary["stopped"] == "deadline":
+        warn(sink.unfit_message() or "deadline: it passed before the first prompt started "
+             f"({limits.clock() - sink.since:.1f} s after the run began); give a longer "
+             "--deadline")
     summary["done"] = len(summary["prompts"])
     return summary
 

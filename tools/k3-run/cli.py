@@ -182,7 +182,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
                                     prefill_chunk=prefill_chunk, spec=spec)
     if batch:
         limits = runner.BatchLimits(
-            max_prompts=max_prompts, wait=wait,
+            max_prompts=max_prompts, wait=wait, started=started,
             deadline=None if deadline is None else started + 60.0 * deadline)
         summary = runner.run_batch(opts, batch, out_path, settings,
                                    warn=lambda m: click.echo(m, err=True), limits=limits,

@@ -1,0 +1,240 @@
+"""k3 on a shared machine (issue 30), side by side in one run: this tree against a BASE
+commit (default: the last commit before threads that sleep), each run in a fresh process,
+with and without another process busy on one core.
+
+* ``load``: s/token of ``tiny``, ``small`` and ``medium`` (one prompt, 32 tokens), idle
+  and with a single-threaded busy loop pinned to CPU 0 in its own session; this tree's
+  idle time against BASE's idle time, and its loaded time against its own idle time
+  (BASE loaded, 8 tokens, for the figure it replaces);
+* ``two``: two ``k3-run small`` started together against one alone;
+* ``serve``: median latency of 20 sequential chat requests to ``k3-run tiny --serve``,
+  alone and while a ``--batch`` run of ``small`` works beside it;
+* ``deadline``: ``small``, 30 prompts x 40 tokens, ``--deadline`` set to a third of the
+  batch's own time: done, cut off and discarded tokens per tick, for three ticks.
+
+Every run starts from the environment without k3's thread settings (``OMP_WAIT_POLICY``,
+``NUMBA_NUM_THREADS``, ``NUMBA_THREADING_LAYER*``), so each tree chooses its own.
+
+    python bench/shared_machine.py [--base 94fed5d] [--rounds 3] [--sections load,two,serve,deadline]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DATA, ROOT, base_tree, checkpoint, table, tool, tree_shim  # noqa: E402
+
+TINY = ROOT / "fixtures" / "tiny"
+K3_ENV = ("OMP_WAIT_POLICY", "NUMBA_NUM_THREADS", "NUMBA_THREADING_LAYER",
+          "NUMBA_THREADING_LAYER_PRIORITY")
+ENV = {k: v for k, v in os.environ.items() if k not in K3_ENV}
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+@contextlib.contextmanager
+def busy_core(cpu: int = 0):
+    """A single-threaded busy loop pinned to ``cpu``, in its own session (as a separate
+    login's process would be)."""
+    p = subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-c", "while True: pass"],
+                         start_new_session=True)
+    time.sleep(0.5)
+    try:
+        yield
+    finally:
+        p.kill()
+        p.wait()
+
+
+def model_of(preset: str) -> Path:
+    return TINY if preset == "tiny" else checkpoint(preset)
+
+
+def s_per_token(shim, args, tmp: Path) -> float:
+    rep = tmp / "rep.json"
+    _, out = tool(shim, "k3-run", args, rep, env=ENV)
+    return out["seconds_per_token"]
+
+
+def load_section(trees, presets, rounds, tmp):
+    rows = []
+    for preset in presets:
+        args = [model_of(preset), "--prompt", PROMPT, "--gen", "32"]
+        got = {k: [] for k in ("base idle", "head idle", "head loaded")}
+        for _ in range(rounds):
+            got["base idle"].append(s_per_token(trees["base"], args, tmp))
+            got["head idle"].append(s_per_token(trees["head"], args, tmp))
+            with busy_core():
+                got["head loaded"].append(s_per_token(trees["head"], args, tmp))
+        with busy_core():
+            base_loaded = s_per_token(trees["base"], [*args[:-1], "8"], tmp)
+        med = {k: statistics.median(v) for k, v in got.items()}
+        rows.append([preset, f"{med['base idle']:.4f}", f"{med['head idle']:.4f}",
+                     f"{med['head idle'] / med['base idle']:.3f}",
+                     f"{med['head loaded']:.4f}", f"{med['head loaded'] / med['head idle']:.2f}",
+                     f"{base_loaded:.4f}", f"{base_loaded / med['base idle']:.0f}"])
+        print(f"  {preset}: " + ", ".join(f"{k} {[round(x, 4) for x in v]}"
+                                          for k, v in got.items()), flush=True)
+    print(table(rows, ["model", "base idle", "head idle", "head/base", "head loaded",
+                       "loaded/idle", "base loaded", "base loaded/idle"]))
+
+
+def two_section(trees, rounds, tmp):
+    args = [model_of("small"), "--prompt", PROMPT, "--gen", "32"]
+    alone, pair = [], []
+    for r in range(rounds):
+        alone.append(s_per_token(trees["head"], args, tmp))
+        procs = []
+        for i in range(2):
+            rep = tmp / f"pair{i}.json"
+            cmd = [sys.executable, "-c", "import sys; from k3_run.cli import main; "
+                   "sys.argv[0] = 'k3-run'; main()", *map(str, args), "--report-json", str(rep)]
+            procs.append((subprocess.Popen(cmd, env=dict(ENV, PYTHONPATH=str(trees["head"])),
+                                           cwd=trees["head"], stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.DEVNULL), rep))
+        for p, rep in procs:
+            assert p.wait() == 0, "a k3-run of the pair failed"
+            pair.append(json.loads(rep.read_text())["seconds_per_token"])
+    a, b = statistics.median(alone), statistics.median(pair)
+    print(f"  alone {[round(x, 4) for x in alone]}, two at once {[round(x, 4) for x in pair]}")
+    print(table([["small", f"{a:.4f}", f"{b:.4f}", f"{b / a:.2f}"]],
+                ["model", "alone s/token", "each of two", "ratio"]))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def chat_latencies(port: int, n: int) -> list:
+    body = json.dumps({"model": "k3", "max_tokens": 8, "temperature": 0,
+                       "messages": [{"role": "user", "content": PROMPT}]}).encode()
+    out = []
+    for _ in range(n):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            resp.read()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def batch_file(path: Path, n: int, gen: int) -> Path:
+    path.write_text("".join(json.dumps({"id": i, "prompt": f"{PROMPT} number {i}", "gen": gen})
+                            + "\n" for i in range(n)))
+    return path
+
+
+def serve_section(trees, tmp):
+    port = free_port()
+    cmd = [sys.executable, "-c", "import sys; from k3_run.cli import main; "
+           "sys.argv[0] = 'k3-run'; main()", str(TINY), "--serve", f"127.0.0.1:{port}"]
+    server = subprocess.Popen(cmd, env=dict(ENV, PYTHONPATH=str(trees["head"])),
+                              cwd=trees["head"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+        chat_latencies(port, 2)                     # warm
+        quiet = chat_latencies(port, 20)
+        batch = batch_file(tmp / "serve-batch.jsonl", 200, 40)
+        bcmd = [sys.executable, "-c", "import sys; from k3_run.cli import main; "
+                "sys.argv[0] = 'k3-run'; main()", str(model_of("small")), "--batch", str(batch),
+                "--out", str(tmp / "serve-batch.out")]
+        worker = subprocess.Popen(bcmd, env=dict(ENV, PYTHONPATH=str(trees["head"])),
+                                  cwd=trees["head"], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        time.sleep(3.0)                             # its start-up done, decoding
+        busy = chat_latencies(port, 20)
+        alive = worker.poll() is None
+        worker.kill()
+        worker.wait()
+    finally:
+        server.kill()
+        server.wait()
+    a, b = statistics.median(quiet), statistics.median(busy)
+    print(f"  the batch was still running at the end: {alive}")
+    print(table([["tiny", f"{a * 1000:.0f}", f"{b * 1000:.0f}", f"{b / a:.2f}"]],
+                ["model", "alone ms", "beside a --batch ms", "ratio"]))
+
+
+def deadline_section(trees, tmp):
+    small = model_of("small")
+    batch = batch_file(tmp / "dl.jsonl", 30, 40)
+
+    def tick(out: Path, minutes=None):
+        args = [small, "--batch", batch, "--out", out, "--json"]
+        if minutes is not None:
+            args += ["--deadline", f"{minutes:.4f}"]
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, "-c", "import sys; from k3_run.cli import main; "
+                            "sys.argv[0] = 'k3-run'; main()", *map(str, args)],
+                           env=dict(ENV, PYTHONPATH=str(trees["head"])), cwd=trees["head"],
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        return time.perf_counter() - t0, json.loads(p.stdout)
+
+    whole, s = tick(tmp / "dl-whole.out")
+    start = whole - s["seconds"]
+    minutes = (start + s["seconds"] / 3) / 60
+    print(f"  the whole batch in one run: {whole:.1f} s ({s['seconds']:.1f} s of batch, "
+          f"width {s['width']}); deadline {minutes * 60:.1f} s")
+    out, rows, generated = tmp / "dl.out", [], 0
+    for i in range(3):
+        wall, s = tick(out, minutes)
+        generated += s["generated_tokens"]
+        rows.append([i + 1, f"{wall:.1f}", s["done"], s["cut_off"], s["discarded_tokens"],
+                     s["remaining"], s["max_in_flight"]])
+    lines = out.read_text().splitlines()
+    print(table(rows, ["tick", "wall s", "done", "cut off", "discarded tokens", "left",
+                       "max in flight"]))
+    print(f"  after three ticks: {len(lines)} of 30 prompts done; tokens generated "
+          f"{generated} for {sum(len(json.loads(x)['generated_ids']) for x in lines)} kept")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", default="94fed5d")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--presets", default="tiny,small,medium")
+    ap.add_argument("--sections", default="load,two,serve,deadline")
+    a = ap.parse_args()
+    trees = {"base": base_tree(a.base, "shared-base"), "head": tree_shim(ROOT, DATA / "shared-head")}
+    sections = a.sections.split(",")
+    print(f"[{time.strftime('%Y-%m-%d %H:%M')}] {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.2f}; base {a.base}")
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        if "load" in sections:
+            print("== load: s/token idle and beside a busy loop on CPU 0", flush=True)
+            load_section(trees, a.presets.split(","), a.rounds, tmp)
+        if "two" in sections:
+            print("== two k3-run at once", flush=True)
+            two_section(trees, a.rounds, tmp)
+        if "serve" in sections:
+            print("== server latency beside a batch run", flush=True)
+            serve_section(trees, tmp)
+        if "deadline" in sections:
+            print("== --deadline ticks", flush=True)
+            deadline_section(trees, tmp)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""A batch run's pace and deadline admission (issue 30): the pass-cost fit, the finish
+time the lockstep scheduler really takes, and ticks that always make progress."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from libk3.engine import runner
+from libk3.engine.generate import GenSettings
+from libk3.engine.lockstep import Job, Lockstep
+from libk3.engine.pace import SAFETY, Pace, Work
+from libk3.model import forward as forward_mod
+
+
+class FakeForward:
+    """Logits of zeros for every fed row; each pass advances ``clock`` by a + b * tokens."""
+
+    def __init__(self, clock, a, b, vocab=8):
+        self.clock, self.a, self.b, self.vocab = clock, a, b, vocab
+
+    def run(self, segs):
+        tokens = sum(len(s.ids) for s in segs)
+        self.clock.t += self.a + self.b * tokens
+        return [np.zeros((len(s.ids) if s.all_logits else 1, self.vocab), np.float32)
+                for s in segs]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_fit_recovers_the_pass_cost():
+    pace = Pace()
+    for n in [1, 1, 65, 2, 3, 64, 4, 1]:
+        pace.record(n, 0.5 + 0.01 * n)
+    assert pace.seconds(10) == pytest.approx(0.6)
+    assert pace.seconds(100) == pytest.approx(1.5)
+
+
+def test_fit_of_one_pass_size_is_half_fixed_and_first_pass_left_out():
+    pace = Pace()
+    pace.record(64, 100.0)               # the run's first pass: cold weights, left out
+    assert not pace.measured
+    pace.record(2, 1.0)
+    pace.record(2, 1.0)
+    assert pace.measured and pace.seconds(4) == pytest.approx(1.5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 150), st.integers(0, 30)), min_size=1, max_size=5),
+       st.integers(1, 70), st.floats(0.0, 2.0), st.floats(0.001, 0.1))
+def test_finish_is_the_time_lockstep_takes(works, chunk, a, b):
+    """Catches a simulation that fills passes unlike plan_pass (prefill shared in slot
+    order, the last chunk's logits giving the first token, one token per decoder)."""
+    clock = Clock()
+    fwd = FakeForward(clock, a, b)
+    ls = Lockstep(fwd, lambda n: object(), len(works), lambda job, res: None, chunk=chunk,
+                  clock=clock)
+    for i, (p, g) in enumerate(works):
+        ls.submit(Job(i, list(range(1, p + 1)), GenSettings(gen=g)))
+    pace = Pace()
+    pace.record(1, 0.0)                  # warm-up slot
+    pace.record(1, a + b)
+    pace.record(chunk + 1, a + b * (chunk + 1))
+    est = pace.finish([Work(p, g) for p, g in works], chunk) / SAFETY
+    ls.drain()
+    assert est == pytest.approx(clock.t, rel=1e-6, abs=1e-9)
+
+
+def _batch(path, n, gen):
+    path.write_text("".join(json.dumps({"id": f"p{i}", "ids": [1 + i % 50, 2, 3], "gen": gen})
+                            + "\n" for i in range(n)))
+    return path
+
+
+def _fake_time(monkeypatch, clock, a, b):
+    """Every real forward pass of the tiny model costs a + b * tokens on ``clock``."""
+    real = forward_mod.Forward.run
+
+    def timed(self, segments):
+        clock.t += a + b * sum(len(s.ids) for s in segments)
+        return real(self, segments)
+    monkeypatch.setattr(forward_mod.Forward, "run", timed)
+
+
+def _gen_ids(path):
+    return {json.loads(x)["id"]: json.loads(x)["generated_ids"]
+            for x in path.read_text().splitlines()}
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_deadline_ticks_always_finish_prompts(tiny_dir, tmp_path, monkeypatch, width):
+    """Catches admission that fills every slot whatever the deadline (the walk that found
+    issue 30: every tick '0 done', its tokens thrown away): each tick finishes prompts,
+    cuts none off, and the ticks together give the undisturbed run's results."""
+    batch, r = _batch(tmp_path / "b.jsonl", 12, gen=12), tmp_path / "r.jsonl"
+    opts = runner.RunOptions(model=str(tiny_dir), resident=True, batch_width=width)
+    base = runner.settings_from(gen=12, temperature=0.0, top_p=1.0, seed=0)
+    clock = Clock()
+    _fake_time(monkeypatch, clock, 1.0, 0.1)
+    # about a third of the batch's passes fit in one tick at width 1
+    span = 12 * 12 * 1.3 / 3 / (1 if width == 1 else 2)
+    ticks = []
+    while len(ticks) < 6:
+        limits = runner.BatchLimits(deadline=clock.t + span, clock=clock, started=clock.t)
+        s = runner.run_batch(opts, batch, r, base, [].append, limits)
+        ticks.append((s["done"], s["cut_off"], s["discarded_tokens"]))
+        assert clock.t <= limits.deadline
+        if s["stopped"] is None:
+            break
+    assert all(done > 0 and cut == 0 and lost == 0 for done, cut, lost in ticks), ticks
+    assert 2 <= len(ticks) <= 4, ticks
+    ref = tmp_path / "ref.jsonl"
+    runner.run_batch(opts, batch, ref, base, [].append)
+    assert _gen_ids(r) == _gen_ids(ref)
+
+
+def test_deadline_too_short_for_one_prompt_says_what_it_would_need(tiny_dir, tmp_path,
+                                                                    monkeypatch):
+    """Catches a tick that ends with nothing done and no word why."""
+    batch, r = _batch(tmp_path / "b.jsonl", 2, gen=200), tmp_path / "r.jsonl"
+    opts = runner.RunOptions(model=str(tiny_dir), resident=True)
+    base = runner.settings_from(gen=200, temperature=0.0, top_p=1.0, seed=0)
+    clock = Clock()
+    _fake_time(monkeypatch, clock, 1.0, 0.0)
+    said = []
+    s = runner.run_batch(opts, batch, r, base, said.append,
+                         runner.BatchLimits(deadline=60.0, clock=clock, started=0.0))
+    assert (s["done"], s["stopped"], s["remaining"]) == (0, "deadline", 2)
+    assert len(said) == 1 and "'p0'" in said[0] and "at least 4 min" in said[0], said
