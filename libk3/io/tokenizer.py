@@ -574,7 +574,9 @@ class K3Tokenizer:
         tok = self._tokenizers()[0 if allow_special else 1]
         ids = []
         for piece in split_long_runs(text):
-            ids.extend(tok.encode(piece, add_special_tokens=False).ids)
+            # encode_batch lets go of the GIL while it works (encode does not), so a
+            # server thread tokenizing a huge request leaves the event loop free
+            ids.extend(tok.encode_batch([piece], add_special_tokens=False)[0].ids)
         return ids
 
     def pre_tokens(self, text: str) -> list:

@@ -14,11 +14,14 @@ formats/numerics.md (model.md §7):
 * ``attnres``     the AttnRes aggregator.
 * ``moe``         the routed combine (selection order).
 * ``_dot``/``_simd`` the fixed-order f64 dot product and the vector primitives under it.
+* ``team``        whether a call uses the whole thread team or only the calling thread.
 
 Numba caches each kernel per source file and does not track imports: after editing
-``_dot.py`` or ``_simd.py``, delete ``libk3/kernels/__pycache__`` (formats/numerics.md 9).
+``_dot.py``, ``_simd.py`` or ``team.py``, delete ``libk3/kernels/__pycache__`` (formats/numerics.md 9).
 
 Invariant shared by all: ``prange`` only over independent output rows, heads, channels
 or tokens, never fastmath, so every result is bit-identical at any thread count, and a
-T-token call equals T one-token calls bit for bit.
+T-token call equals T one-token calls bit for bit. Each parallel kernel brackets its
+``prange`` with ``team.narrow(work)`` / ``team.widen``: a call below the threshold runs
+on the calling thread, which changes who computes a row, never how.
 """

@@ -1,11 +1,13 @@
 """``k3-run MODEL --serve [HOST:]PORT``: an OpenAI-compatible HTTP endpoint (aiohttp).
 
 Owns: the address rule (loopback by default; any other address needs an API key,
-checked on every request), the routes (POST /v1/chat/completions and /v1/completions,
-streamed as server-sent events or not; GET /v1/models and /health), turning every
-refusal into an OpenAI-style error body while the server keeps serving, and cancelling a
-job whose client disconnects. Does not own: the wire format's checks (``protocol``),
-the queue and the engine thread (``worker``), templates or generation.
+checked on every request but the liveness probe), the routes (POST /v1/chat/completions
+and /v1/completions, streamed as server-sent events or not; GET /v1/models, /health and
+/livez), the CPU thread that parses, renders, tokenizes and detokenizes requests so the
+event loop keeps answering, turning every refusal into an OpenAI-style error body while
+the server keeps serving, and cancelling a job whose client disconnects. Does not own:
+the wire format's checks (``protocol``), the queue and the engine thread (``worker``),
+templates or generation.
 
 Needs the optional ``serve`` extra (``pip install 'k3[serve]'``): the core install stays
 lean, and HTTP is left to a maintained server library rather than written by hand.
@@ -14,9 +16,11 @@ lean, and HTTP is left to a maintained server library rather than written by han
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import ipaddress
 import itertools
+import json
 import os
 import signal
 
@@ -29,6 +33,7 @@ from .worker import Job, Worker
 
 MAX_BODY_BYTES = 32 * 2 ** 20        # a larger request body is refused with 413
 DEFAULT_HOST = "127.0.0.1"
+LIVENESS = "/livez"                  # answered without the API key; says only "ok"
 
 
 def parse_address(text: str) -> tuple:
@@ -73,6 +78,7 @@ class Server:
         self.run, self.worker, self.base = run, worker, base_settings
         self.model_name, self.api_key, self.log = model_name, api_key, log
         self.ids = itertools.count(1)
+        self.cpu = None               # the CPU thread's executor, while the app runs
         from ..config import context_length
         self.context = context_length(run.opts.model)
 
@@ -84,7 +90,25 @@ class Server:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get(LIVENESS, self.livez)
+        app.cleanup_ctx.append(self._cpu_thread)
         return app
+
+    async def _cpu_thread(self, app):
+        """The one thread for a request's CPU work, from the app's start to its end. One:
+        the lazily built template encoder and HF tokenizers are then only ever built and
+        used by it (the engine thread only reads the tokenizer's id -> bytes table)."""
+        self.cpu = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="k3-serve-cpu")
+        try:
+            yield
+        finally:
+            self.cpu.shutdown(wait=True, cancel_futures=True)
+            self.cpu = None
+
+    async def _off_loop(self, fn, *args):
+        """``fn(*args)`` on the CPU thread; its exception is raised here, so the error
+        middleware maps it as if it had run on the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
 
     # ---- middlewares ----
     @property
@@ -93,7 +117,7 @@ class Server:
 
         @web.middleware
         async def auth(request, handler):
-            if self.api_key is not None:
+            if self.api_key is not None and request.path != LIVENESS:
                 given = request.headers.get("Authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                     return _error(401, "invalid or missing API key (Authorization: Bearer KEY)",
@@ -137,20 +161,35 @@ class Server:
                                   "busy": self.worker.busy, **self.worker.counts,
                                   "engine": self.worker.figures(), "turn_reuse": turns})
 
+    async def livez(self, request):
+        from aiohttp import web
+        return web.json_response({"status": "ok"})
+
     async def chat(self, request):
-        req = check_request(parse_body(await request.read()), True, self.run.cfg.vocab_size)
+        read = await self._off_loop(self._read_chat, await request.read())
+        return await self._answer(request, *read)
+
+    async def completions(self, request):
+        read = await self._off_loop(self._read_completion, await request.read())
+        return await self._answer(request, *read)
+
+    def _read_chat(self, raw: bytes) -> tuple:
+        """A chat body parsed, checked, rendered and tokenized (on the CPU thread):
+        (Request, prompt ids, settings, ReplyReader)."""
+        req = check_request(parse_body(raw), True, self.run.cfg.vocab_size)
         ids = self.run.encode_messages({"messages": req.messages, "tools": req.tools,
                                         "template_kwargs": req.template_kwargs}, self.log)
         settings = self.run.chat_settings(self._settings(req), self.log)
         reader = ReplyReader(self.run.session.tokenizer, self.run.chat().template is not None,
                              req.stop)
-        return await self._answer(request, req, ids, settings, reader)
+        return req, ids, settings, reader
 
-    async def completions(self, request):
-        req = check_request(parse_body(await request.read()), False, self.run.cfg.vocab_size)
+    def _read_completion(self, raw: bytes) -> tuple:
+        """The same for a completion body."""
+        req = check_request(parse_body(raw), False, self.run.cfg.vocab_size)
         ids = req.prompt_ids if req.prompt_ids is not None else self.run.encode(req.prompt)
-        return await self._answer(request, req, ids, self._settings(req),
-                                  ReplyReader(self.run.session.tokenizer, False, req.stop))
+        settings = self._settings(req)
+        return req, ids, settings, ReplyReader(self.run.session.tokenizer, False, req.stop)
 
     def _settings(self, req):
         fields = {"gen": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
@@ -199,6 +238,12 @@ class Server:
     async def _whole(self, req, job, rid, model, reader):
         from aiohttp import web
         res = await self._finished(job, [])
+        return web.json_response(text=await self._off_loop(
+            self._whole_text, req, job, res, rid, model, reader))
+
+    def _whole_text(self, req, job, res, rid, model, reader) -> str:
+        """The JSON of a finished request's response (on the CPU thread: it decodes the
+        whole reply and writes every prompt id)."""
         k3 = {"prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids,
               "reused_tokens": job.reused}
         use = usage(len(res.prompt_ids), len(res.generated_ids))
@@ -211,7 +256,7 @@ class Server:
             choice = {"index": 0, "text": reader.text(res.generated_ids), "logprobs": None,
                       "finish_reason": finish_reason(res.stop_reason, False)}
             body = envelope("text_completion", rid, model, [choice], {"usage": use, "k3": k3})
-        return web.json_response(body)
+        return json.dumps(body)
 
     async def _stream(self, request, req, job, rid, model, reader):
         from aiohttp import web
@@ -229,15 +274,19 @@ class Server:
                 c["text"] = text or ""
             return sse(envelope(kind, rid, model, [c]))
 
-        async def send_new(final=False):
+        def new_chunk(final):
+            """The chunk of what the reply gained since the last one, or None."""
             if req.chat:
                 delta = reader.delta(generated, final)
-                if delta:
-                    await resp.write(chunk(delta=delta))
-            else:
-                text = reader.text_delta(generated, final)
-                if text:
-                    await resp.write(chunk(text=text))
+                return chunk(delta=delta) if delta else None
+            text = reader.text_delta(generated, final)
+            return chunk(text=text) if text else None
+
+        async def send_new(final=False):
+            # on the CPU thread: each delta decodes the whole reply so far
+            data = await self._off_loop(new_chunk, final)
+            if data:
+                await resp.write(data)
 
         if req.chat:
             await resp.write(chunk(delta={"role": "assistant", "content": ""}))
@@ -287,8 +336,8 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
         bound = runner.addresses[0][1] if runner.addresses else port
         shown = f"[{host}]" if ":" in host else host
         log(f"k3 serving {server.model_name} on http://{shown}:{bound}/v1 "
-            f"(chat/completions, completions, models; /health), up to {run.width} requests "
-            "decoded together; Ctrl-C stops")
+            f"(chat/completions, completions, models; /health; {LIVENESS} without the key), "
+            f"up to {run.width} requests decoded together; Ctrl-C stops")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
