@@ -6,16 +6,20 @@ with and without another process busy on one core.
   and with a single-threaded busy loop pinned to CPU 0 in its own session; this tree's
   idle time against BASE's idle time, and its loaded time against its own idle time
   (BASE loaded, 8 tokens, for the figure it replaces);
+* ``layers``: this tree's s/token on ``tiny`` and ``small`` idle and loaded with each of
+  numba's threading layers (``NUMBA_THREADING_LAYER=omp|tbb|workqueue``; tbb only where
+  its library loads), the measurement behind the order ``machine/threads.py`` asks for;
 * ``two``: two ``k3-run small`` started together against one alone;
 * ``serve``: median latency of 20 sequential chat requests to ``k3-run tiny --serve``,
   alone and while a ``--batch`` run of ``small`` works beside it;
-* ``deadline``: ``small``, 30 prompts x 40 tokens, ``--deadline`` set to a third of the
-  batch's own time: done, cut off and discarded tokens per tick, for three ticks.
+* ``deadline``: ``small``, 30 prompts x 40 tokens, ``--deadline`` set to 1.3 times the
+  time of a run of 10 of them: done, cut off and discarded tokens per tick, four ticks.
 
 Every run starts from the environment without k3's thread settings (``OMP_WAIT_POLICY``,
 ``NUMBA_NUM_THREADS``, ``NUMBA_THREADING_LAYER*``), so each tree chooses its own.
 
-    python bench/shared_machine.py [--base 94fed5d] [--rounds 3] [--sections load,two,serve,deadline]
+    python bench/shared_machine.py [--base 94fed5d] [--rounds 3]
+                                   [--sections load,layers,two,serve,deadline]
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ TINY = ROOT / "fixtures" / "tiny"
 K3_ENV = ("OMP_WAIT_POLICY", "NUMBA_NUM_THREADS", "NUMBA_THREADING_LAYER",
           "NUMBA_THREADING_LAYER_PRIORITY")
 ENV = {k: v for k, v in os.environ.items() if k not in K3_ENV}
+LAUNCH = "import sys; from k3_run.cli import main; sys.argv[0] = 'k3-run'; main()"
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
@@ -61,10 +66,51 @@ def model_of(preset: str) -> Path:
     return TINY if preset == "tiny" else checkpoint(preset)
 
 
-def s_per_token(shim, args, tmp: Path) -> float:
+def s_per_token(shim, args, tmp: Path, env=None) -> float:
     rep = tmp / "rep.json"
-    _, out = tool(shim, "k3-run", args, rep, env=ENV)
+    _, out = tool(shim, "k3-run", args, rep, env=ENV if env is None else env)
     return out["seconds_per_token"]
+
+
+def layer_env(layer: str) -> dict:
+    """ENV choosing ``layer``; a TBB from PyPI (``pip install tbb``, not a k3 dependency)
+    keeps its library in the venv's lib/, off the loader's path."""
+    env = dict(ENV, NUMBA_THREADING_LAYER=layer)
+    if layer == "tbb":
+        env["LD_LIBRARY_PATH"] = ":".join(x for x in (str(Path(sys.prefix) / "lib"),
+                                                     ENV.get("LD_LIBRARY_PATH")) if x)
+    return env
+
+
+def layer_loads(layer: str) -> bool:
+    code = ("import numba, numpy as np\n@numba.njit(parallel=True)\ndef f(a):\n"
+            "    s = 0.0\n    for i in numba.prange(a.size):\n        s += a[i]\n    return s\n"
+            "f(np.ones(10)); print(numba.threading_layer())")
+    p = subprocess.run([sys.executable, "-c", code], env=layer_env(layer),
+                       capture_output=True, text=True)
+    return p.returncode == 0 and p.stdout.strip() == layer
+
+
+def layers_section(trees, rounds, tmp):
+    rows = []
+    for layer in ("omp", "tbb", "workqueue"):
+        if not layer_loads(layer):
+            rows.append([layer, "-", "-", "-", "-", "-", "-"])
+            continue
+        env = layer_env(layer)
+        row = [layer]
+        for preset in ("tiny", "small"):
+            args = [model_of(preset), "--prompt", PROMPT, "--gen", "32"]
+            idle, loaded = [], []
+            for _ in range(rounds):
+                idle.append(s_per_token(trees["head"], args, tmp, env))
+                with busy_core():
+                    loaded.append(s_per_token(trees["head"], args, tmp, env))
+            i, b = statistics.median(idle), statistics.median(loaded)
+            row += [f"{i:.4f}", f"{b:.4f}", f"{b / i:.2f}"]
+        rows.append(row)
+    print(table(rows, ["layer", "tiny idle", "tiny loaded", "ratio", "small idle",
+                       "small loaded", "ratio"]))
 
 
 def load_section(trees, presets, rounds, tmp):
@@ -98,8 +144,7 @@ def two_section(trees, rounds, tmp):
         procs = []
         for i in range(2):
             rep = tmp / f"pair{i}.json"
-            cmd = [sys.executable, "-c", "import sys; from k3_run.cli import main; "
-                   "sys.argv[0] = 'k3-run'; main()", *map(str, args), "--report-json", str(rep)]
+            cmd = [sys.executable, "-c", LAUNCH, *map(str, args), "--report-json", str(rep)]
             procs.append((subprocess.Popen(cmd, env=dict(ENV, PYTHONPATH=str(trees["head"])),
                                            cwd=trees["head"], stdout=subprocess.DEVNULL,
                                            stderr=subprocess.DEVNULL), rep))
@@ -140,8 +185,7 @@ def batch_file(path: Path, n: int, gen: int) -> Path:
 
 def serve_section(trees, tmp):
     port = free_port()
-    cmd = [sys.executable, "-c", "import sys; from k3_run.cli import main; "
-           "sys.argv[0] = 'k3-run'; main()", str(TINY), "--serve", f"127.0.0.1:{port}"]
+    cmd = [sys.executable, "-c", LAUNCH, str(TINY), "--serve", f"127.0.0.1:{port}"]
     server = subprocess.Popen(cmd, env=dict(ENV, PYTHONPATH=str(trees["head"])),
                               cwd=trees["head"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
@@ -155,8 +199,7 @@ def serve_section(trees, tmp):
         chat_latencies(port, 2)                     # warm
         quiet = chat_latencies(port, 20)
         batch = batch_file(tmp / "serve-batch.jsonl", 200, 40)
-        bcmd = [sys.executable, "-c", "import sys; from k3_run.cli import main; "
-                "sys.argv[0] = 'k3-run'; main()", str(model_of("small")), "--batch", str(batch),
+        bcmd = [sys.executable, "-c", LAUNCH, str(model_of("small")), "--batch", str(batch),
                 "--out", str(tmp / "serve-batch.out")]
         worker = subprocess.Popen(bcmd, env=dict(ENV, PYTHONPATH=str(trees["head"])),
                                   cwd=trees["head"], stdout=subprocess.DEVNULL,
@@ -184,20 +227,25 @@ def deadline_section(trees, tmp):
         if minutes is not None:
             args += ["--deadline", f"{minutes:.4f}"]
         t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, "-c", "import sys; from k3_run.cli import main; "
-                            "sys.argv[0] = 'k3-run'; main()", *map(str, args)],
+        p = subprocess.run([sys.executable, "-c", LAUNCH, *map(str, args)],
                            env=dict(ENV, PYTHONPATH=str(trees["head"])), cwd=trees["head"],
                            capture_output=True, text=True)
         assert p.returncode == 0, p.stderr
         return time.perf_counter() - t0, json.loads(p.stdout)
 
-    whole, s = tick(tmp / "dl-whole.out")
-    start = whole - s["seconds"]
-    minutes = (start + s["seconds"] / 3) / 60
-    print(f"  the whole batch in one run: {whole:.1f} s ({s['seconds']:.1f} s of batch, "
+    third = batch_file(tmp / "dl-third.jsonl", 10, 40)
+    args = [small, "--batch", third, "--out", tmp / "dl-third.out", "--json"]
+    t0 = time.perf_counter()
+    s = json.loads(subprocess.run([sys.executable, "-c", LAUNCH, *map(str, args)],
+                                  env=dict(ENV, PYTHONPATH=str(trees["head"])),
+                                  cwd=trees["head"], capture_output=True, text=True,
+                                  check=True).stdout)
+    whole = time.perf_counter() - t0
+    minutes = whole * 1.3 / 60          # a third of the prompts, with room for the stretch
+    print(f"  10 of the 30 prompts in one run: {whole:.1f} s ({s['seconds']:.1f} s of batch, "
           f"width {s['width']}); deadline {minutes * 60:.1f} s")
     out, rows, generated = tmp / "dl.out", [], 0
-    for i in range(3):
+    for i in range(4):
         wall, s = tick(out, minutes)
         generated += s["generated_tokens"]
         rows.append([i + 1, f"{wall:.1f}", s["done"], s["cut_off"], s["discarded_tokens"],
@@ -205,7 +253,7 @@ def deadline_section(trees, tmp):
     lines = out.read_text().splitlines()
     print(table(rows, ["tick", "wall s", "done", "cut off", "discarded tokens", "left",
                        "max in flight"]))
-    print(f"  after three ticks: {len(lines)} of 30 prompts done; tokens generated "
+    print(f"  after four ticks: {len(lines)} of 30 prompts done; tokens generated "
           f"{generated} for {sum(len(json.loads(x)['generated_ids']) for x in lines)} kept")
 
 
@@ -214,7 +262,7 @@ def main() -> None:
     ap.add_argument("--base", default="94fed5d")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--presets", default="tiny,small,medium")
-    ap.add_argument("--sections", default="load,two,serve,deadline")
+    ap.add_argument("--sections", default="load,layers,two,serve,deadline")
     a = ap.parse_args()
     trees = {"base": base_tree(a.base, "shared-base"), "head": tree_shim(ROOT, DATA / "shared-head")}
     sections = a.sections.split(",")
@@ -225,6 +273,9 @@ def main() -> None:
         if "load" in sections:
             print("== load: s/token idle and beside a busy loop on CPU 0", flush=True)
             load_section(trees, a.presets.split(","), a.rounds, tmp)
+        if "layers" in sections:
+            print("== threading layers, idle and beside a busy loop", flush=True)
+            layers_section(trees, a.rounds, tmp)
         if "two" in sections:
             print("== two k3-run at once", flush=True)
             two_section(trees, a.rounds, tmp)

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 from libk3 import budget
-from libk3.machine import memory as hwmem, storage as hwstore
+from libk3.machine import cpus as hwcpus, memory as hwmem, storage as hwstore
 from libk3.doctor import report as doctor
 from libk3.doctor import timing
 from libk3.errors import BudgetError, FormatError, UsageError
@@ -30,16 +31,31 @@ REAL_MODEL_LEVEL = 4_697_663_488
 FAST = dict(seq_seconds=0.3, rand_seconds=0.3)
 
 
-def _run_cli(*args, timeout=120):
-    """The console script, as a user runs it."""
+def _run_cli(*args, timeout=120, tmpdir=None):
+    """The console script, as a user runs it; ``tmpdir``: its TMPDIR (where a probe file
+    goes first)."""
     exe = shutil.which("k3-doctor")
     cmd = [exe] if exe else [sys.executable, "-c", "from k3_doctor.cli import main; main()"]
+    env = None if tmpdir is None else {**os.environ, "TMPDIR": str(tmpdir)}
     return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
 
 
 def _probe_files(d: Path) -> list:
     return sorted(p.name for p in Path(d).iterdir() if p.name.startswith(hwstore.PROBE_PREFIX))
+
+
+def _probe_files_under(d: Path) -> list:
+    return sorted(str(p) for p in Path(d).rglob(hwstore.PROBE_PREFIX + "*"))
+
+
+@pytest.fixture
+def probe_tmp(tmp_path):
+    """A temporary directory for probe files on the tests' filesystem (the rule puts a
+    probe there first: storage.probe_dir), empty, so a leftover is seen."""
+    d = tmp_path / "probe-tmp"
+    d.mkdir()
+    return d
 
 
 @pytest.fixture(scope="module")
@@ -205,17 +221,19 @@ def test_hwprobe_cgroup_limit_is_the_smallest_on_the_path(tmp_path):
     assert fake.assumed and fake.usable_bytes == 8 * 10**9
 
 
-def test_hwprobe_never_times_holes_and_uses_real_shards_in_place(tmp_path):
-    """Catches timing a sparse file (zeros at memory speed) as disk speed, and writing a
-    probe file next to shards that could be read instead."""
+def test_hwprobe_never_times_holes_and_uses_real_shards_in_place(tmp_path, probe_tmp):
+    """Catches timing a sparse file (zeros at memory speed) as disk speed, writing a
+    probe file next to shards that could be read instead, or leaving the probe behind."""
     sparse = tmp_path / "sparse"
     sparse.mkdir()
     with open(sparse / "model-00001-of-000001.safetensors", "wb") as f:
         f.truncate(200 << 20)
     assert not hwstore.holds_data(sparse / "model-00001-of-000001.safetensors")
     info = hwstore.probe_storage(sparse, model_files=list(sparse.iterdir()),
-                                 probe_bytes=40 << 20, min_model_bytes=1, **FAST)
+                                 probe_bytes=40 << 20, min_model_bytes=1, tmp=probe_tmp,
+                                 **FAST)
     assert info["measured_on"] == "temporary file" and "sparse" in " ".join(info["notes"])
+    assert info["probe_dir"] == str(probe_tmp) and _probe_files(probe_tmp) == []
     dense = tmp_path / "dense"
     dense.mkdir()
     rng = np.random.default_rng(0)
@@ -224,8 +242,8 @@ def test_hwprobe_never_times_holes_and_uses_real_shards_in_place(tmp_path):
     assert hwstore.holds_data(dense / "s0.safetensors")                  # control
     before = sorted(p.name for p in dense.iterdir())
     info = hwstore.probe_storage(dense, model_files=sorted(dense.iterdir()),
-                                 min_model_bytes=1, **FAST)
-    assert info["measured_on"] == "model shards"
+                                 min_model_bytes=1, tmp=probe_tmp, **FAST)
+    assert info["measured_on"] == "model shards" and info["probe_dir"] is None
     r = info["reads"]
     assert r["seq_best_bps"] > 0 and set(r["rand_bps"]) == {"1", "4", "16"}
     assert r["cached"] == (not info["o_direct"])
@@ -289,11 +307,13 @@ def test_hwprobe_kernel_shapes_are_one_decode_step_of_the_model():
 
 # ---- the doctor ---------------------------------------------------------------------------
 
-def test_doctor_cli_tiny_json_and_text_report_can_run(tmp_path):
+def test_doctor_cli_tiny_json_and_text_report_can_run(tmp_path, probe_tmp):
     """Catches a report that fails on a healthy checkpoint, a JSON mode that prints text,
-    or a next command that is not the pack-then-run pair."""
+    a next command that is not the pack-then-run pair, or a probe file left behind (with
+    --quick the pack's O_DIRECT check writes one, in TMPDIR: same filesystem)."""
     pack = tmp_path / "pack"
-    res = _run_cli(FIXTURE, "--pack", pack, "--quick", "--json", "--assume-memory-gb", 8)
+    res = _run_cli(FIXTURE, "--pack", pack, "--quick", "--json", "--assume-memory-gb", 8,
+                   tmpdir=probe_tmp)
     assert res.returncode == 0, res.stderr
     rep = json.loads(res.stdout)
     assert rep["can_run"] and rep["problems"] == []
@@ -304,7 +324,9 @@ def test_doctor_cli_tiny_json_and_text_report_can_run(tmp_path):
     assert rep["next_commands"][0].startswith("k3-pack ")
     assert "--preset laptop" in rep["next_commands"][1]
     assert _probe_files(FIXTURE) == [] and not pack.exists()
-    res = _run_cli(FIXTURE, "--quick", "--assume-memory-gb", 8)
+    assert [s["probe_dir"] for s in rep["storage"] if s["role"] == "pack"] == [str(probe_tmp)]
+    assert _probe_files(probe_tmp) == []
+    res = _run_cli(FIXTURE, "--quick", "--assume-memory-gb", 8, tmpdir=probe_tmp)
     assert res.returncode == 0 and "this machine can run the model" in res.stdout
     assert "pick: laptop" in res.stdout
 
@@ -317,15 +339,18 @@ def test_doctor_cli_usage_errors_exit_2(tmp_path):
     assert res.returncode == 2 and "Traceback" not in res.stderr
 
 
-def test_doctor_small_measures_disk_and_estimates_every_preset(small_ckpt, tmp_path):
+def test_doctor_small_measures_disk_and_estimates_every_preset(small_ckpt, tmp_path,
+                                                               probe_tmp):
     """Catches estimates without measurements, a probe file left behind, or a pick that
     does not hold the whole small model."""
     diag = doctor.diagnose(small_ckpt, tmp_path / "pack", probe_bytes=48 << 20,
-                           memory=hwmem.assumed_memory(8 * 10**9), **FAST)
+                           memory=hwmem.assumed_memory(8 * 10**9), probe_tmp=probe_tmp,
+                           **FAST)
     rep = diag.report
     assert diag.exit_status == 0, rep["problems"]
     st = rep["storage"][0]
     assert st["measured"] and st["reads"]["rand_best_bps"] > 0
+    assert st["measured_on"] == "temporary file" and st["probe_dir"] == str(probe_tmp)
     assert rep["kernels"]["bf16_bytes_per_s"] > 0
     rows = rep["decision"]["presets"]
     assert all(rows[n]["estimate"]["seconds_per_token"] > 0 for n in budget.NAMED)
@@ -333,6 +358,7 @@ def test_doctor_small_measures_disk_and_estimates_every_preset(small_ckpt, tmp_p
     assert lap["expert_hit_rate"] == 1.0 and lap["trunk_streamed_bytes"] == 0
     assert rep["decision"]["pick"] == "laptop" and "whole model" in rep["decision"]["why"]
     assert _probe_files(small_ckpt) == [] and not (tmp_path / "pack").exists()
+    assert _probe_files(probe_tmp) == []
     json.dumps(rep)                                   # JSON-ready
     assert "== verdict: this machine can run" in doctor.render_text(rep)
 
@@ -476,25 +502,231 @@ def _size(p: Path) -> int:
         return -1
 
 
-@pytest.mark.parametrize("when", ["writing", "reading"])
-def test_doctor_probe_file_removed_on_sigterm(tmp_path, when):
-    """Catches a probe file left behind when the doctor is terminated mid-measurement."""
+@pytest.mark.parametrize("sig, when", [(signal.SIGTERM, "writing"),
+                                      (signal.SIGTERM, "reading"),
+                                      (signal.SIGINT, "reading")],
+                         ids=["SIGTERM-writing", "SIGTERM-reading", "SIGINT-reading"])
+def test_doctor_probe_file_removed_on_sigterm(tmp_path, probe_tmp, sig, when):
+    """Catches a probe file left behind when the doctor is terminated (or Ctrl-C'd)
+    mid-measurement, or one written into the directory probed instead of the temporary
+    directory on its filesystem."""
     d = tmp_path / "disk"
     d.mkdir()
     size_mb = 400 if when == "writing" else 120
     exe = shutil.which("k3-doctor")
     cmd = [exe] if exe else [sys.executable, "-c", "from k3_doctor.cli import main; main()"]
     proc = subprocess.Popen(cmd + ["--pack", str(d), "--probe-size-mb", str(size_mb)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(probe_tmp)},
+                            # a shell may start us with SIGINT ignored; the child inherits it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        probe = _wait_for_probe(d, proc, None if when == "writing" else size_mb * 10**6)
-        proc.send_signal(signal.SIGTERM)
+        probe = _wait_for_probe(probe_tmp, proc,
+                                None if when == "writing" else size_mb * 10**6)
+        assert _probe_files(d) == []
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0 and "interrupted" in err
-    assert not probe.exists() and _probe_files(d) == []
+    assert not probe.exists() and _probe_files(probe_tmp) == [] and _probe_files(d) == []
+
+
+@pytest.fixture
+def created_probes(monkeypatch):
+    """Every probe file storage creates, by path (they are gone again afterwards)."""
+    made = []
+    real = hwstore._create_probe
+
+    def spy(directory, into):
+        try:
+            real(directory, into)
+        finally:
+            if "path" in into:
+                made.append(Path(into["path"]))
+    monkeypatch.setattr(hwstore, "_create_probe", spy)
+    return made
+
+
+def test_probe_never_goes_into_the_model_the_pack_or_a_git_checkout(tmp_path, monkeypatch,
+                                                                    created_probes):
+    """Catches a probe file written into the model's or the pack's directory, or into a
+    git checkout (where a leftover would be committed), when the temporary directory is
+    one of them: it goes to the nearest ancestor outside them instead; control: a
+    temporary directory outside them is used."""
+    model, pack = tmp_path / "model", tmp_path / "pack"
+    for d in (model / "tmp", pack / "tmp"):
+        d.mkdir(parents=True)
+    info = hwstore.probe_storage(model, measure=False, tmp=model / "tmp")
+    assert info["probe_dir"] == str(tmp_path)
+    info = hwstore.probe_storage(tmp_path / "other", measure=False, avoid=(pack,),
+                                 tmp=pack / "tmp")
+    assert info["probe_dir"] == str(tmp_path)
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True, timeout=60)
+    for d in (repo / "models" / "m", repo / "tmp"):
+        d.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(repo / "tmp"))   # TMPDIR in the checkout
+    info = hwstore.probe_storage(repo / "models" / "m", measure=False)
+    assert info["probe_dir"] == str(tmp_path)
+    outside = tmp_path / "t"
+    outside.mkdir()
+    info = hwstore.probe_storage(repo / "models" / "m", measure=False, tmp=outside)
+    assert info["probe_dir"] == str(outside)                            # control
+    assert [p.parent for p in created_probes] == [tmp_path] * 3 + [outside]
+    assert not any(repo in p.parents or model in p.parents or pack in p.parents
+                   for p in created_probes)
+    assert _probe_files_under(tmp_path) == []
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt here, as in a tool (a test runner may ignore it)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+@pytest.mark.parametrize("how", ["KeyboardInterrupt", "SIGINT", "SIGTERM"])
+def test_probe_removed_when_the_read_is_interrupted(tmp_path, probe_tmp, monkeypatch,
+                                                    sigint_raises, how):
+    """Catches a probe file left behind by Ctrl-C (or SIGTERM) while it is being read:
+    the interrupt is injected into the read loop while the file exists."""
+    seen = []
+
+    def interrupted(self):
+        seen.append(_probe_files(probe_tmp))
+        if how == "KeyboardInterrupt":
+            raise KeyboardInterrupt
+        signal.raise_signal(getattr(signal, how))
+        time.sleep(5)                   # the handler raises before this returns
+        raise AssertionError("the signal did not interrupt the read")
+    monkeypatch.setattr(hwstore._Reads, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt) as e:
+        hwstore.probe_storage(tmp_path / "disk", probe_bytes=4 << 20, tmp=probe_tmp, **FAST)
+    assert len(seen) == 1 and len(seen[0]) == 1                  # it existed while read
+    assert isinstance(e.value, hwstore.ProbeInterrupted) == (how == "SIGTERM")
+    assert _probe_files_under(tmp_path) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_probe_removed_when_a_signal_comes_while_it_is_created(tmp_path, probe_tmp,
+                                                               monkeypatch, sigint_raises,
+                                                               sig, created_probes):
+    """Catches the probe's name lost when a signal comes while the file is created (the
+    handler raised before the name was known, and the file stayed): the signal is sent
+    right after the file exists, before its name is returned."""
+    real = tempfile.mkstemp
+
+    def mkstemp(*args, **kwargs):
+        out = real(*args, **kwargs)
+        signal.raise_signal(sig)
+        return out
+    monkeypatch.setattr(hwstore.tempfile, "mkstemp", mkstemp)
+    with pytest.raises(KeyboardInterrupt) as e:
+        hwstore.probe_storage(tmp_path / "disk", measure=False, tmp=probe_tmp)
+    assert isinstance(e.value, hwstore.ProbeInterrupted) == (sig == signal.SIGTERM)
+    assert [p.parent for p in created_probes] == [probe_tmp]     # it was made, there
+    assert _probe_files_under(tmp_path) == []
+
+
+# ---- a busy machine, unreliable timings -------------------------------------------------
+
+BUSY = hwcpus.Load(usable=2, others=1.5, steal=0.4, loadavg_1m=3.25, seconds=0.5)
+IDLE = hwcpus.Load(usable=2, others=0.02, steal=0.0, loadavg_1m=0.1, seconds=0.5)
+BUSY_WHY = "other processes used 1.5 of 2 CPUs; the hypervisor took 0.4 of 2 CPUs (steal)"
+
+
+def _fake_kernels(monkeypatch, bf16: list, mxfp4: list):
+    """measure_kernels returns the next of these figures (B/s) per call; the trunk decode
+    rate is fixed: no kernel runs."""
+    figures = iter(zip(bf16, mxfp4))
+
+    def measure(**kw):
+        b, m = next(figures)
+        return {"source": "libk3 kernels", "note": None, "working_set_bytes": 1,
+                "bf16_bytes_per_s": b, "mxfp4_bytes_per_s": m, "bf16_shapes": 1,
+                "mxfp4_shapes": 1}
+    monkeypatch.setattr(timing, "measure_kernels", measure)
+    monkeypatch.setattr(timing, "measure_trunk_decode", lambda threads, **kw: {
+        "decode_bytes_per_s": 4e9, "fraction": 0.7, "threads": threads,
+        "sample_bytes": 1, "sample": "fake"})
+
+
+def test_doctor_busy_machine_warning_in_text_and_json(monkeypatch):
+    """Catches a busy machine (others' load and steal over BUSY_CPUS) not reported, or
+    reported without its reason, in the text report or in --json: k3-doctor's own front
+    end, with the load sample replaced."""
+    from click.testing import CliRunner
+    from k3_doctor import cli as doctor_cli
+    from libk3.machine import threads
+
+    monkeypatch.setattr(hwcpus, "sample_load", lambda *a, **k: BUSY)
+    monkeypatch.setattr(threads, "prepare", lambda *a, **k: None)   # numba is loaded here
+    args = ["--quick", "--quiet", "--assume-memory-gb", "16"]
+    res = CliRunner().invoke(doctor_cli.main, args + ["--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["machine"]["load"]["busy"] == BUSY_WHY.split("; ")
+    assert rep["machine"]["load"]["others"] == 1.5
+    busy = [w for w in rep["warnings"] if w.startswith("the machine is busy")]
+    assert busy and f"({BUSY_WHY})" in busy[0]
+    res = CliRunner().invoke(doctor_cli.main, args)
+    assert res.exit_code == 0, res.output
+    assert (f"load: {', '.join(BUSY.busy)} (sampled 0.5 s; load average 3.25)"
+            in res.stdout)
+    assert f"warning: the machine is busy ({BUSY_WHY})" in res.stdout
+
+
+def test_doctor_kernel_timings_far_apart_are_unreliable_with_a_range(monkeypatch):
+    """Catches two kernel timings further apart than SPREAD reported as one trusted
+    figure: the report says unreliable, why, both figures as a range, and estimates with
+    the faster."""
+    monkeypatch.setattr(hwcpus, "sample_load", lambda *a, **k: IDLE)
+    _fake_kernels(monkeypatch, [1e9, 3e9], [2e9, 2.1e9])
+    rep = doctor.diagnose(None, memory=hwmem.assumed_memory(16 * 10**9)).report
+    k = rep["kernels"]
+    assert k["unreliable"] == "two bf16 timings 1.00 and 3.00 GB/s"       # mxfp4 within
+    assert k["bf16_range_bytes_per_s"] == [1e9, 3e9] and k["bf16_bytes_per_s"] == 3e9
+    assert k["mxfp4_range_bytes_per_s"] == [2e9, 2.1e9]
+    assert "kernel timings are unreliable: two bf16 timings 1.00 and 3.00 GB/s" \
+        in rep["warnings"]
+    assert json.loads(json.dumps(rep))["kernels"]["unreliable"] == k["unreliable"]
+    text = doctor.render_text(rep)
+    assert ("unreliable (two bf16 timings 1.00 and 3.00 GB/s): measured twice, BF16 "
+            "1,000 MB/s to 3,000 MB/s, MXFP4 2,000 MB/s to 2,100 MB/s") in text
+    assert "load: the CPUs were free" in text and "busy" not in text
+
+
+def test_doctor_idle_machine_and_close_timings_say_nothing(monkeypatch):
+    """Catches a warning on a quiet machine: idle load and two timings within SPREAD
+    give no busy or unreliable line (the control for the two tests above)."""
+    monkeypatch.setattr(hwcpus, "sample_load", lambda *a, **k: IDLE)
+    _fake_kernels(monkeypatch, [2e9, 2e9 * (1 + timing.SPREAD) * 0.99], [3e9, 3e9])
+    rep = doctor.diagnose(None, memory=hwmem.assumed_memory(16 * 10**9)).report
+    assert rep["kernels"]["unreliable"] is None and rep["machine"]["load"]["busy"] == []
+    assert not [w for w in rep["warnings"] if "busy" in w or "unreliable" in w]
+    text = doctor.render_text(rep)
+    assert "load: the CPUs were free" in text
+    assert "unreliable" not in text and "busy" not in text
+
+
+def test_kernel_timings_on_a_busy_machine_are_unreliable(monkeypatch):
+    """Catches kernel figures trusted although the load sampled before a timing was
+    busy, or two timings just past SPREAD trusted."""
+    loads = iter([IDLE, BUSY])
+    monkeypatch.setattr(hwcpus, "sample_load", lambda *a, **k: next(loads))
+    _fake_kernels(monkeypatch, [2e9, 2e9], [3e9, 3e9])
+    k = timing.measure_kernels_twice()
+    assert k["unreliable"] == BUSY_WHY and [x["busy"] for x in k["load"]] == \
+        [[], BUSY_WHY.split("; ")]
+    monkeypatch.setattr(hwcpus, "sample_load", lambda *a, **k: IDLE)
+    _fake_kernels(monkeypatch, [2e9, 2e9], [3e9, 3e9 * (1 + timing.SPREAD) * 1.01])
+    k = timing.measure_kernels_twice()
+    assert k["unreliable"].startswith("two mxfp4 timings 3.00 and ")
 
 
 def test_doctor_compression_advice_both_ways(real_sizes):
@@ -521,7 +753,8 @@ def test_doctor_compression_advice_both_ways(real_sizes):
     assert doctor.compression_advice(None, 1e9, dec)["recommend"] is None
 
 
-def test_doctor_cli_recommends_compressing_with_a_slow_disk_override(small_ckpt, tmp_path):
+def test_doctor_cli_recommends_compressing_with_a_slow_disk_override(small_ckpt, tmp_path,
+                                                                    probe_tmp):
     """Catches --assume-read-mbps / --assume-decode-mbps not reaching the advice or the
     next command: a 1 MB/s disk and a fast decoder say compress (k3-pack ...
     --compress-trunk), a fast disk and a slow decoder say not."""
@@ -530,7 +763,8 @@ def test_doctor_cli_recommends_compressing_with_a_slow_disk_override(small_ckpt,
                             "--json", "--assume-memory-gb", "0.38", "--assume-read-mbps",
                             str(read), "--assume-decode-mbps", str(decode),
                             "--probe-size-mb", "48"],
-                           capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "TMPDIR": str(probe_tmp)})
         rep = json.loads(p.stdout)
         return rep["decision"]["compression"], rep["next_commands"]
 
@@ -538,3 +772,4 @@ def test_doctor_cli_recommends_compressing_with_a_slow_disk_override(small_ckpt,
     assert yes["recommend"] is True and "--compress-trunk" in cmds[0], yes
     no, cmds = run(100_000, 1)
     assert no["recommend"] is False and "--compress-trunk" not in cmds[0], no
+    assert _probe_files(probe_tmp) == [] and _probe_files(small_ckpt) == []

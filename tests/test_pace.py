@@ -40,19 +40,32 @@ class Clock:
 
 def test_fit_recovers_the_pass_cost():
     pace = Pace()
-    for n in [1, 1, 65, 2, 3, 64, 4, 1]:
-        pace.record(n, 0.5 + 0.01 * n)
-    assert pace.seconds(10) == pytest.approx(0.6)
-    assert pace.seconds(100) == pytest.approx(1.5)
+    pace.record(0, 1, 9.0)                                   # warm-up: left out
+    for p, w in [(0, 1), (0, 1), (64, 1), (0, 2), (0, 3), (60, 3), (0, 4), (0, 1)]:
+        pace.record(p, w, 0.5 + 0.1 * w + 0.01 * p)
+    a, b, bp, stretch = pace._fit()
+    assert (a, b, bp) == pytest.approx((0.5, 0.1, 0.01)) and stretch == SAFETY
+    assert pace.seconds(10, 2) == pytest.approx((0.5 + 0.2 + 0.1) * SAFETY)
 
 
 def test_fit_of_one_pass_size_is_half_fixed_and_first_pass_left_out():
     pace = Pace()
-    pace.record(64, 100.0)               # the run's first pass: cold weights, left out
+    pace.record(64, 0, 100.0)            # the run's first pass: cold weights, left out
     assert not pace.measured
-    pace.record(2, 1.0)
-    pace.record(2, 1.0)
-    assert pace.measured and pace.seconds(4) == pytest.approx(1.5)
+    pace.record(0, 2, 1.0)
+    pace.record(0, 2, 1.0)
+    assert pace.measured and pace.seconds(0, 4) == pytest.approx(1.5 * SAFETY)
+
+
+def test_stretch_follows_how_far_passes_strayed():
+    """Catches an estimate that ignores noise: passes 1.5x the fit's line on a tenth of
+    the window stretch every estimate by 1.5 (a busier machine admits less)."""
+    pace = Pace()
+    pace.record(0, 1, 0.0)
+    for i in range(40):
+        w = 1 + i % 4
+        pace.record(0, w, (1.0 + w) * (1.6 if i % 5 == 0 else 1.0))
+    assert pace._fit()[3] > 1.3
 
 
 @settings(max_examples=40, deadline=None)
@@ -68,9 +81,10 @@ def test_finish_is_the_time_lockstep_takes(works, chunk, a, b):
     for i, (p, g) in enumerate(works):
         ls.submit(Job(i, list(range(1, p + 1)), GenSettings(gen=g)))
     pace = Pace()
-    pace.record(1, 0.0)                  # warm-up slot
-    pace.record(1, a + b)
-    pace.record(chunk + 1, a + b * (chunk + 1))
+    pace.record(0, 1, 0.0)               # warm-up slot
+    for w in (1, 2):
+        pace.record(0, w, a + b * w)
+    pace.record(chunk, 1, a + b * (chunk + 1))
     est = pace.finish([Work(p, g) for p, g in works], chunk) / SAFETY
     ls.drain()
     assert est == pytest.approx(clock.t, rel=1e-6, abs=1e-9)

@@ -140,8 +140,8 @@ class Lockstep:
     ``keep_logits`` collects each prompt's logits rows (prompt positions, then every
     generated token but the last) into its result. ``chunk``: prompt tokens per pass.
     ``should_stop()``, if given, is asked before every pass: True raises Abandoned, and
-    the lanes in flight stay in ``lanes`` for the caller to count and drop. ``on_pass(tokens,
-    seconds)``, if given, hears each pass's size and duration on ``clock`` (a batch's
+    the lanes in flight stay in ``lanes`` for the caller to count and drop. ``on_pass(prompt
+    tokens, decoders, seconds)``, if given, hears each pass's size and duration on ``clock`` (a batch's
     pace, ``libk3.engine.pace``)."""
 
     def __init__(self, forward, new_state, width: int, on_done, *, chunk: int = PREFILL_CHUNK,
@@ -207,7 +207,8 @@ class Lockstep:
         took = self.clock() - t0
         st.seconds += took
         if self.on_pass is not None:
-            self.on_pass(sum(len(ids) for _, ids, _ in plan), took)
+            fed = sum(n for _, _, n in plan)
+            self.on_pass(fed, sum(1 for _, _, n in plan if n == 0), took)
 
 
 def run_lockstep(forward, new_state, jobs, width: int, on_done, **kw) -> LockstepStats:

@@ -88,14 +88,14 @@ def cpu_info(cpuinfo_path: str = "/proc/cpuinfo") -> dict:
 # ---- load --------------------------------------------------------------------------------
 
 def _cpu_times(proc: str, cpus: set) -> tuple | None:
-    """(busy, steal, total) jiffies summed over ``cpus`` from /proc/stat; busy excludes
-    idle and iowait, steal is time the hypervisor gave another guest."""
+    """(busy, steal, total) jiffies summed over ``cpus`` from /proc/stat, and how many of
+    ``cpus`` it listed; busy excludes idle and iowait, steal is time the hypervisor gave
+    another guest."""
     try:
         lines = (Path(proc) / "stat").read_text().splitlines()
     except OSError:
         return None
-    busy = steal = total = 0
-    seen = False
+    busy = steal = total = seen = 0
     for line in lines:
         f = line.split()
         if not f or not f[0].startswith("cpu") or f[0] == "cpu":
@@ -107,12 +107,12 @@ def _cpu_times(proc: str, cpus: set) -> tuple | None:
             continue
         if n not in cpus or len(v) < 8:
             continue
-        seen = True
+        seen += 1
         user, nice, system, idle, iowait, irq, softirq, st = v
         busy += user + nice + system + irq + softirq
         steal += st
         total += user + nice + system + idle + iowait + irq + softirq + st
-    return (busy, steal, total) if seen else None
+    return (busy, steal, total, seen) if seen else None
 
 
 def _own_cpu_seconds() -> float:
@@ -152,22 +152,26 @@ class Load:
 BUSY_CPUS = 0.2               # others' use, in CPUs, from which a timing is not trusted
 
 
-def sample_load(seconds: float = 0.5, proc: str = "/proc", sleep=time.sleep) -> Load:
-    """Sample /proc/stat over ``seconds`` on this process's CPUs while it sleeps; our own
-    CPU time in that window (other threads of ours) is subtracted from the busy share."""
-    cpus = affinity_cpus()
-    before, own0 = _cpu_times(proc, cpus), _own_cpu_seconds()
-    t0 = time.monotonic()
+def sample_load(seconds: float = 0.5, proc: str = "/proc", sleep=time.sleep, *,
+                cpu_set=None, clock=time.monotonic, own_seconds=_own_cpu_seconds) -> Load:
+    """Sample /proc/stat over ``seconds`` on this process's CPUs (``cpu_set``, default
+    its affinity mask) while it sleeps: the CPUs others and the hypervisor kept busy on
+    average, our own CPU time in that window (other threads of ours) subtracted from the
+    busy share. ``clock`` and ``own_seconds`` (this process's CPU seconds) let tests
+    replay a sample."""
+    cpus = affinity_cpus() if cpu_set is None else set(cpu_set)
+    before, own0 = _cpu_times(proc, cpus), own_seconds()
+    t0 = clock()
     sleep(seconds)
-    after, own1 = _cpu_times(proc, cpus), _own_cpu_seconds()
-    dt = time.monotonic() - t0
+    after, own1 = _cpu_times(proc, cpus), own_seconds()
+    dt = clock() - t0
     others = steal = None
     if before is not None and after is not None and after[2] > before[2]:
-        total = after[2] - before[2]
-        span = len(cpus) * dt
-        busy_cpus = (after[0] - before[0]) / total * span
-        others = max(0.0, busy_cpus - (own1 - own0))
-        steal = (after[1] - before[1]) / total * span
+        total, n = after[2] - before[2], min(before[3], after[3])
+        busy_cpus = (after[0] - before[0]) / total * n      # CPUs kept busy, on average
+        own_cpus = (own1 - own0) / dt if dt > 0 else 0.0
+        others = max(0.0, busy_cpus - own_cpus)
+        steal = (after[1] - before[1]) / total * n
     try:
         loadavg = float((Path(proc) / "loadavg").read_text().split()[0])
     except (OSError, ValueError, IndexError):

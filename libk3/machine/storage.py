@@ -21,8 +21,8 @@ Why these measurements:
   filesystem, but never inside the model's or the pack's directory or a git checkout
   (``probe_dir``: the temporary directory when it is on that filesystem, else the
   nearest ancestor outside them), and always removed, also on Ctrl-C and SIGTERM
-  (signal handlers raise ``ProbeInterrupted`` so ``finally`` runs; signals are blocked
-  while the file is created so no name can leak).
+  (signal handlers raise ``ProbeInterrupted`` so ``finally`` runs; a signal that comes
+  while the file is created is held until its name is known, so no name can leak).
 """
 
 from __future__ import annotations
@@ -119,14 +119,28 @@ def o_direct_check(path) -> tuple:
     return True, None
 
 
-def _create_probe(directory) -> tuple:
-    """(fd, path) of a new probe file; signals blocked so the name cannot be lost."""
-    mask = set(_SIGNALS) | {signal.SIGINT}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, mask)
+def _create_probe(directory, made: dict) -> None:
+    """Create a new probe file and put its ``fd`` and ``path`` in ``made`` before any
+    signal can interrupt: while the file is created, SIGINT, SIGTERM and SIGHUP are only
+    noted, then raised again once the caller can remove the file. (Blocking them is not
+    enough: a blocked signal's handler runs as soon as it is unblocked, before the name
+    is returned, and another thread of the process, e.g. the kernels' team, takes a
+    signal this thread blocks, its handler still raising here.)"""
+    if threading.current_thread() is not threading.main_thread():
+        made["fd"], made["path"] = tempfile.mkstemp(prefix=PROBE_PREFIX, suffix=".tmp",
+                                                    dir=directory)
+        return                           # signal handlers only ever run in the main thread
+    pending = []
+    old = {s: signal.signal(s, lambda signum, frame: pending.append(signum))
+           for s in (*_SIGNALS, signal.SIGINT)}
     try:
-        return tempfile.mkstemp(prefix=PROBE_PREFIX, suffix=".tmp", dir=directory)
+        made["fd"], made["path"] = tempfile.mkstemp(prefix=PROBE_PREFIX, suffix=".tmp",
+                                                    dir=directory)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, h in old.items():
+            signal.signal(s, h)
+    for signum in dict.fromkeys(pending):
+        signal.raise_signal(signum)      # to the handlers in force again
 
 
 @contextlib.contextmanager
@@ -134,9 +148,10 @@ def probe_file(directory, nbytes: int, bar=None):
     """A temporary file of ``nbytes`` (rounded up to 4096) of random bytes, fsynced and
     dropped from the page cache, in ``directory``; removed on exit whatever happens."""
     nbytes = max(ALIGN, (int(nbytes) + ALIGN - 1) // ALIGN * ALIGN)
-    path = None
+    made: dict = {}
     try:
-        fd, path = _create_probe(directory)
+        _create_probe(directory, made)
+        fd = made["fd"]
         try:
             block = bytearray(os.urandom(min(SEQ_BLOCK, nbytes)))
             done = 0
@@ -154,12 +169,14 @@ def probe_file(directory, nbytes: int, bar=None):
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
-            os.close(fd)
-        yield path
+            os.close(made.pop("fd"))
+        yield made["path"]
     finally:
-        if path is not None:
+        if "fd" in made:                 # interrupted before the write loop began
+            os.close(made.pop("fd"))
+        if "path" in made:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                os.unlink(made["path"])
 
 
 class _Reads:

@@ -26,8 +26,14 @@ class OneLineErrors:
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
              **extra):
+        from libk3.errors import K3Error
         from libk3.machine import threads
-        threads.prepare()
+        try:
+            threads.prepare()
+        except K3Error as e:            # a bad NUMBA_NUM_THREADS: --threads may still replace it
+            if not _gives_threads(sys.argv[1:] if args is None else args):
+                click.echo(f"{prog_name or self.name}: error: {e.one_line()}", err=True)
+                sys.exit(e.exit_code)
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, False, **extra)
         try:
@@ -45,6 +51,10 @@ class OneLineErrors:
             click.echo(f"{prog_name or self.name}: interrupted", err=True)
             sys.exit(130)
         sys.exit(rv if type(rv) is int else 0)
+
+
+def _gives_threads(args) -> bool:
+    return any(a in ("-t", "--threads") or a.startswith("--threads=") for a in args)
 
 
 class Command(OneLineErrors, click.Command):
