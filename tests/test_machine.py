@@ -139,14 +139,15 @@ A3 = cpus.Allowance(3, None, None)
 
 
 def test_prepare_takes_the_allowance_and_sets_wait_policy_and_layers(before_numba):
-    """Catches a team not sized from the allowance, or the wait policy or the layer order
-    left unset (libgomp then spins idle threads; numba may pick workqueue)."""
+    """Catches a team not sized from the allowance, or the spin before sleeping or the
+    layer order left unset (libgomp then spins idle threads 3x longer; numba may pick
+    workqueue)."""
     env: dict = {}
     team = threads.prepare(environ=env, user={}, allowance=A3)
-    assert env == {"NUMBA_NUM_THREADS": "3", "OMP_WAIT_POLICY": "PASSIVE",
+    assert env == {"NUMBA_NUM_THREADS": "3", "GOMP_SPINCOUNT": str(threads.SPIN_COUNT),
                    "NUMBA_THREADING_LAYER_PRIORITY": "omp tbb workqueue"}
     assert (team.threads, team.threads_from) == (3, A3.why)
-    assert (team.wait_policy, team.wait_from) == ("PASSIVE", "k3")
+    assert (team.wait_policy, team.wait_from) == (f"GOMP_SPINCOUNT={threads.SPIN_COUNT}", "k3")
     assert team.layer_from == "k3" and not team.late
     quota = cpus.Allowance(8, 1.5, "cgroup v2 /q/cpu.max")
     assert threads.prepare(environ={}, user={}, allowance=quota).threads == 2
@@ -184,8 +185,12 @@ def test_prepare_keeps_the_users_wait_policy_and_layer(before_numba):
     """Catches k3 overwriting a wait policy or a threading layer the user chose."""
     env = {"OMP_WAIT_POLICY": "ACTIVE"}
     team = threads.prepare(environ=env, user={"OMP_WAIT_POLICY": "ACTIVE"}, allowance=A3)
-    assert env["OMP_WAIT_POLICY"] == "ACTIVE"
-    assert (team.wait_policy, team.wait_from) == ("ACTIVE", "environment")
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE", "NUMBA_NUM_THREADS": "3",
+                   "NUMBA_THREADING_LAYER_PRIORITY": "omp tbb workqueue"}
+    assert (team.wait_policy, team.wait_from) == ("OMP_WAIT_POLICY=ACTIVE", "environment")
+    env = {"GOMP_SPINCOUNT": "7"}
+    team = threads.prepare(environ=env, user={"GOMP_SPINCOUNT": "7"}, allowance=A3)
+    assert env["GOMP_SPINCOUNT"] == "7" and team.wait_from == "environment"
     env = {"NUMBA_THREADING_LAYER": "tbb"}
     team = threads.prepare(environ=env, user={"NUMBA_THREADING_LAYER": "tbb"}, allowance=A3)
     assert "NUMBA_THREADING_LAYER_PRIORITY" not in env and env["NUMBA_THREADING_LAYER"] == "tbb"
@@ -195,7 +200,7 @@ def test_prepare_keeps_the_users_wait_policy_and_layer(before_numba):
     team = threads.prepare(environ=env, user={"NUMBA_THREADING_LAYER_PRIORITY": order},
                            allowance=A3)
     assert env["NUMBA_THREADING_LAYER_PRIORITY"] == order and team.layer == order
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE"            # the rest is still k3's
+    assert env["GOMP_SPINCOUNT"] == str(threads.SPIN_COUNT)   # the rest is still k3's
 
 
 def test_prepare_after_numba_loaded_only_sets_the_team_size():
@@ -315,3 +320,43 @@ def test_sample_load_without_proc_stat_says_nothing(tmp_path):
     load = cpus.sample_load(0.0, str(proc), sleep=lambda s: None, cpu_set={0})
     assert load.others is None and load.steal is None and load.loadavg_1m is None
     assert load.busy == []
+
+
+def _two_cpu_stat(path, busy_per_cpu, idle_per_cpu):
+    """A /proc/stat of 2 CPUs, each with ``busy`` user and ``idle`` jiffies."""
+    lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
+    lines += [f"cpu{i} {busy_per_cpu} 0 0 {idle_per_cpu} 0 0 0 0 0 0" for i in range(2)]
+    (path / "stat").write_text("\n".join(lines) + "\n")
+
+
+def test_fit_narrows_at_once_and_grows_back_after_two_free_looks(tmp_path):
+    """Catches a team that keeps waiting on a core another process holds (the cliff of
+    issue 30), one that never grows back, or one that flaps on a single free look."""
+    clock = {"t": 0.0}
+    own = {"s": 0.0}
+    busy, idle = [0], [0]
+
+    def tick(other_busy: float, ours: float):
+        """FIT_EVERY seconds pass: others keep ``other_busy`` CPUs busy, we ``ours``."""
+        dt = threads.FIT_EVERY
+        jiffies = dt * 100
+        busy[0] += (other_busy + ours) / 2 * jiffies
+        idle[0] += (2 - other_busy - ours) / 2 * jiffies
+        own["s"] += ours * dt
+        clock["t"] += dt
+        _two_cpu_stat(tmp_path, int(busy[0]), int(idle[0]))
+
+    _two_cpu_stat(tmp_path, 0, 0)
+    fit = threads._Fit(2, {0, 1}, clock=lambda: clock["t"], proc=str(tmp_path),
+                       own_seconds=lambda: own["s"])
+    assert fit.look() is None                          # too soon: no look yet
+    tick(0.0, 2.0)
+    assert fit.look() == 2                             # free machine: the whole team
+    tick(1.0, 1.0)
+    assert fit.look() == 1                             # a busy loop on one core: at once
+    tick(0.0, 1.0)
+    assert fit.look() == 1                             # one free look is not enough
+    tick(0.0, 1.0)
+    assert fit.look() == 2                             # two in a row: back to the team
+    tick(0.4, 1.6)
+    assert fit.look() == 2                             # under half a CPU: kept

@@ -1,12 +1,10 @@
 """The kernels' wait policy is in force in every tool, checked in the process itself:
 each console script runs on the tiny model with the OpenMP runtime asked to print its
-settings when it loads (``OMP_DISPLAY_ENV``) and with no OMP_WAIT_POLICY of the user's.
-
-Why VERBOSE and GOMP_SPINCOUNT: libgomp prints ``OMP_WAIT_POLICY = 'PASSIVE'`` also when
-the variable is unset, yet then spins each idle thread for 300,000 rounds after every
-parallel region (``GOMP_SPINCOUNT = '300000'``); only a policy actually given makes it
-sleep at once (``GOMP_SPINCOUNT = '0'``). The control below runs the same parallel
-region without k3's set-up and must not pass the check."""
+settings when it loads (``OMP_DISPLAY_ENV=VERBOSE``) and with no thread setting of the
+user's: an idle team thread must spin k3's short count before it sleeps
+(``GOMP_SPINCOUNT``, libgomp's default being 300,000 rounds after every parallel
+region). The control below runs the same parallel region without k3's set-up and must
+not pass the check."""
 
 from __future__ import annotations
 
@@ -19,10 +17,10 @@ import numpy as np
 import pytest
 
 from libk3.io.checkpoint import Checkpoint
-from libk3.machine import cpus
+from libk3.machine import cpus, threads
 
 PROMPT = "5,17,300,42,7,99,128,3,250,11,64,200,9,31"   # prefill long enough to go parallel
-SLEEPS = ("  OMP_WAIT_POLICY = 'PASSIVE'\n", "  GOMP_SPINCOUNT = '0'\n")
+SLEEPS = (f"  GOMP_SPINCOUNT = '{threads.SPIN_COUNT}'\n",)
 DISPLAY = "OPENMP DISPLAY ENVIRONMENT BEGIN"
 
 
@@ -71,11 +69,11 @@ def _assert_sleeps(p):
 
 def test_control_a_parallel_region_without_k3s_setup_spins():
     """The check below can fail: numba's OpenMP layer loaded without threads.prepare
-    reports PASSIVE but spins."""
+    spins libgomp's default count."""
     p = _run(sys.executable, "-c",
              "from libk3.machine import parallel; print(parallel.layer_check()['layer'])")
     assert p.returncode == 0 and DISPLAY in p.stderr, p.stderr
-    assert SLEEPS[1] not in p.stderr
+    assert SLEEPS[0] not in p.stderr and "  GOMP_SPINCOUNT = '300000'\n" in p.stderr
 
 
 def test_k3_run_idle_threads_sleep(tiny_dir):

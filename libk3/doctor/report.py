@@ -475,8 +475,8 @@ def render_text(report: dict) -> str:
     w(f"python {m['python']} ({m['implementation']}), "
       + ", ".join(f"{k} {v or 'missing'}" for k, v in m["packages"].items()))
     thr = m["numba"]
-    w(f"numba threading layer: {thr['layer']} ({thr['threads']} threads, idle threads "
-      f"{'sleep' if thr['wait_policy'] == 'PASSIVE' else 'wait ' + str(thr['wait_policy'])})")
+    w(f"numba threading layer: {thr['layer']} ({thr['threads']} threads, idle threads: "
+      f"{thr['wait_policy'] or 'the runtime default'}; fitted to the load as k3 runs)")
     cpu = m["cpu"]
     isa = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["isa"].items())
     w(f"cpu: {cpu['model'] or cpu['machine']}, {cpu['cores_usable']} usable cores "

@@ -152,26 +152,45 @@ class Load:
 BUSY_CPUS = 0.2               # others' use, in CPUs, from which a timing is not trusted
 
 
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The CPU counters at one moment: /proc/stat's (busy, steal, total, cpus listed) on
+    our CPUs, this process's CPU seconds and the clock."""
+
+    times: tuple | None
+    own: float
+    at: float
+
+
+def snapshot(cpus: set, proc: str = "/proc", *, clock=time.monotonic,
+             own_seconds=_own_cpu_seconds) -> Snapshot:
+    return Snapshot(_cpu_times(proc, cpus), own_seconds(), clock())
+
+
+def others_between(a: Snapshot, b: Snapshot) -> tuple:
+    """(others, steal) in CPUs on average from ``a`` to ``b``: what other processes and
+    the hypervisor kept busy, our own CPU time subtracted; (None, None) where /proc did
+    not say."""
+    if a.times is None or b.times is None or b.times[2] <= a.times[2]:
+        return None, None
+    total, n = b.times[2] - a.times[2], min(a.times[3], b.times[3])
+    busy_cpus = (b.times[0] - a.times[0]) / total * n      # CPUs kept busy, on average
+    dt = b.at - a.at
+    own_cpus = (b.own - a.own) / dt if dt > 0 else 0.0
+    return max(0.0, busy_cpus - own_cpus), (b.times[1] - a.times[1]) / total * n
+
+
 def sample_load(seconds: float = 0.5, proc: str = "/proc", sleep=time.sleep, *,
                 cpu_set=None, clock=time.monotonic, own_seconds=_own_cpu_seconds) -> Load:
     """Sample /proc/stat over ``seconds`` on this process's CPUs (``cpu_set``, default
-    its affinity mask) while it sleeps: the CPUs others and the hypervisor kept busy on
-    average, our own CPU time in that window (other threads of ours) subtracted from the
-    busy share. ``clock`` and ``own_seconds`` (this process's CPU seconds) let tests
-    replay a sample."""
+    its affinity mask) while it sleeps (``others_between``). ``clock`` and
+    ``own_seconds`` (this process's CPU seconds) let tests replay a sample."""
     cpus = affinity_cpus() if cpu_set is None else set(cpu_set)
-    before, own0 = _cpu_times(proc, cpus), own_seconds()
-    t0 = clock()
+    before = snapshot(cpus, proc, clock=clock, own_seconds=own_seconds)
     sleep(seconds)
-    after, own1 = _cpu_times(proc, cpus), own_seconds()
-    dt = clock() - t0
-    others = steal = None
-    if before is not None and after is not None and after[2] > before[2]:
-        total, n = after[2] - before[2], min(before[3], after[3])
-        busy_cpus = (after[0] - before[0]) / total * n      # CPUs kept busy, on average
-        own_cpus = (own1 - own0) / dt if dt > 0 else 0.0
-        others = max(0.0, busy_cpus - own_cpus)
-        steal = (after[1] - before[1]) / total * n
+    after = snapshot(cpus, proc, clock=clock, own_seconds=own_seconds)
+    dt = after.at - before.at
+    others, steal = others_between(before, after)
     try:
         loadavg = float((Path(proc) / "loadavg").read_text().split()[0])
     except (OSError, ValueError, IndexError):

@@ -32,6 +32,7 @@ import numpy as np
 from . import ops as K
 from ..config import K3Config, L2NORM_EPS, MLA_LATENT_NORM_EPS
 from ..errors import NonFiniteError
+from ..machine import threads
 from .provider import WeightProvider
 from .state import State
 
@@ -249,6 +250,7 @@ class Forward:
     def run(self, segments: list) -> list:
         """One pass over several sequences (each Segment's State is its own, never shared
         by two segments); returns each segment's logits, as ``__call__`` would alone."""
+        threads.fit()              # the kernels' share of the CPUs, for what else runs now
         cfg = self.cfg
         live, r = [], 0
         for seg in segments:
