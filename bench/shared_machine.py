@@ -9,6 +9,9 @@ with and without another process busy on one core.
 * ``layers``: this tree's s/token on ``tiny`` and ``small`` idle and loaded with each of
   numba's threading layers (``NUMBA_THREADING_LAYER=omp|tbb|workqueue``; tbb only where
   its library loads), the measurement behind the order ``machine/threads.py`` asks for;
+* ``waits``: this tree's s/token on ``small`` idle and loaded with an idle thread that
+  sleeps at once (``OMP_WAIT_POLICY=PASSIVE``), k3's short spin, and libgomp's default
+  spin (``GOMP_SPINCOUNT=300000``), each given through the environment (which k3 keeps);
 * ``two``: two ``k3-run small`` started together against one alone;
 * ``serve``: median latency of 20 sequential chat requests to ``k3-run tiny --serve``,
   alone and while a ``--batch`` run of ``small`` works beside it;
@@ -19,7 +22,7 @@ Every run starts from the environment without k3's thread settings (``OMP_WAIT_P
 ``NUMBA_NUM_THREADS``, ``NUMBA_THREADING_LAYER*``), so each tree chooses its own.
 
     python bench/shared_machine.py [--base 94fed5d] [--rounds 3]
-                                   [--sections load,layers,two,serve,deadline]
+                                   [--sections load,layers,waits,two,serve,deadline]
 """
 
 from __future__ import annotations
@@ -134,6 +137,23 @@ def load_section(trees, presets, rounds, tmp):
                                           for k, v in got.items()), flush=True)
     print(table(rows, ["model", "base idle", "head idle", "head/base", "head loaded",
                        "loaded/idle", "base loaded", "base loaded/idle"]))
+
+
+def waits_section(trees, rounds, tmp):
+    args = [model_of("small"), "--prompt", PROMPT, "--gen", "32"]
+    rows = []
+    for label, extra in (("sleep at once (PASSIVE)", {"OMP_WAIT_POLICY": "PASSIVE"}),
+                         ("k3: spin 100000, then sleep", {}),
+                         ("libgomp default: spin 300000", {"GOMP_SPINCOUNT": "300000"})):
+        env = dict(ENV, **extra)
+        idle, loaded = [], []
+        for _ in range(rounds):
+            idle.append(s_per_token(trees["head"], args, tmp, env))
+            with busy_core():
+                loaded.append(s_per_token(trees["head"], args, tmp, env))
+        i, b = statistics.median(idle), statistics.median(loaded)
+        rows.append([label, f"{i:.4f}", f"{b:.4f}", f"{b / i:.2f}"])
+    print(table(rows, ["idle thread", "small idle", "small loaded", "ratio"]))
 
 
 def two_section(trees, rounds, tmp):
@@ -262,7 +282,7 @@ def main() -> None:
     ap.add_argument("--base", default="94fed5d")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--presets", default="tiny,small,medium")
-    ap.add_argument("--sections", default="load,layers,two,serve,deadline")
+    ap.add_argument("--sections", default="load,layers,waits,two,serve,deadline")
     a = ap.parse_args()
     trees = {"base": base_tree(a.base, "shared-base"), "head": tree_shim(ROOT, DATA / "shared-head")}
     sections = a.sections.split(",")
@@ -276,6 +296,9 @@ def main() -> None:
         if "layers" in sections:
             print("== threading layers, idle and beside a busy loop", flush=True)
             layers_section(trees, a.rounds, tmp)
+        if "waits" in sections:
+            print("== how an idle team thread waits (small)", flush=True)
+            waits_section(trees, a.rounds, tmp)
         if "two" in sections:
             print("== two k3-run at once", flush=True)
             two_section(trees, a.rounds, tmp)

@@ -689,7 +689,8 @@ def test_kernels_mla_is_the_documented_order(seed, H, T, cached, dims):
 def test_kernels_results_do_not_depend_on_thread_count():
     """Catches a reduction split across threads: each kernel's output with 1 thread and
     with 2 threads is bit-identical. Every input is sized above team.PARALLEL_MIN_WORK
-    (the work figure each kernel passes to team.narrow), so the 2-thread run is parallel."""
+    (the work figure each kernel passes to team.narrow; 1 << 18 and more), so the 2-thread
+    run is parallel."""
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("numba has fewer than 2 threads here")
     rng = np.random.default_rng(5)

@@ -4,10 +4,10 @@ Owns: ``PARALLEL_MIN_WORK`` and the pair ``narrow`` / ``widen`` every parallel k
 calls around its ``prange``. Does not own: the team's size or how its threads wait
 (``libk3.machine.threads``).
 
-Why: a parallel region costs a wake-up of every thread in the team and a wait for the
-slowest. With threads that sleep between regions (the wait policy that keeps a busy
-machine from stalling k3), a wake-up costs tens of microseconds, more than a small
-kernel's whole work, and a decode token runs hundreds of small kernels. Below
+Why: a parallel region costs a hand-off to every thread in the team and a wait for the
+slowest, and a thread that has gone to sleep since the last region (it spins only
+briefly, ``libk3.machine.threads``) takes tens of microseconds to wake: more than a
+small kernel's whole work, and a decode token runs hundreds of small kernels. Below
 ``PARALLEL_MIN_WORK`` a call runs on the calling thread only. Each row's arithmetic is
 the same whichever thread computes it, so this never changes a result; the figures that
 set the threshold are in bench/README.md "Shared machines".
@@ -24,7 +24,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.ufunc.parallel import _launch_threads
 
-PARALLEL_MIN_WORK = 1 << 18
+PARALLEL_MIN_WORK = 1 << 16
 TRANSCENDENTAL = 32          # work units of one element that calls exp or tanh
 
 
