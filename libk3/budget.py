@@ -14,8 +14,8 @@ Why the memory model is what it is (numbers are Kimi K3's, model.md §3.5, §6):
   latent cache for ``context_positions`` positions (0.23 GB at 4096) and a runtime
   reserve. The embedding (another 2.35 GB) is NOT in it: a token needs one 14 KB row of
   it, read on demand. Keeping it resident would put the floor at ~9.6 GB and make an
-  8 GB machine unusable, where the C engine ran in 8.24 GB (PRIOR-ART 11).
-* The trunk budget pays for the ring first, then for pins (PRIOR-ART 3). The ring runs
+  8 GB machine unusable.
+* The trunk budget pays for the ring first, then for pins. The ring runs
   with one slot for the largest layer (2.34 GB: the dense layer 0), the next layer read
   into the room beside the one in use and into its bytes only once released; that is the
   feasibility floor (``floor_problems``, the one rule k3-run, k3-doctor and ``k3-trace
@@ -24,14 +24,13 @@ Why the memory model is what it is (numbers are Kimi K3's, model.md §3.5, §6):
 * Pins go largest first: a pinned byte is a byte not read per token, and pinning the
   largest layers also shrinks the ring the rest needs. ``plan_trunk`` is the split
   k3-run's trunk streamer runs, so the doctor's estimate streams the layers k3-run will.
-* The cache floor is top_k + 1 slots (PRIOR-ART 4): one layer's experts plus one in
+* The cache floor is top_k + 1 slots: one layer's experts plus one in
   flight. A slot is the expert's bytes widened to the enclosing 4096-aligned window, as
   O_DIRECT reads it (17,555,456 B for the real expert).
-* ``auto`` gives memory to the trunk before the cache: at the margin a trunk GB was
-  worth about 70 cache GB (PRIOR-ART 11). The C engine also capped the trunk at
-  0.55 x MemTotal because one 51 GB pin ran slower than none; that single sample lies
-  inside its own 33 % noise floor and k3 reads with O_DIRECT (pins do not compete with
-  the page cache), so k3 does not copy the cap.
+* ``auto`` gives memory to the trunk before the cache: a trunk byte held is read by
+  every token, an expert byte held only by the tokens that route to it. There is no cap
+  on the trunk's share of memory: k3 reads with O_DIRECT, so pins do not compete with
+  the page cache.
 """
 
 from __future__ import annotations

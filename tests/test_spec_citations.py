@@ -6,7 +6,10 @@ section that formats/model.md does not have, on a bare ``§N`` that does not say
 document it means, on the retired citation forms (``spec 5.3``, ``spec §5``, ``spec-8.5``),
 and on any mention of a document or folder outside the repository (the old spec's file
 name, the shared conformance folder) except in tests/conformance.py, which loads those
-vectors.
+vectors. In the code (libk3/, tools/) it also fails on history and measurements, whose
+places are git and bench/README.md: an issue number, the prior-art or draft documents
+by name, and a figure of speed or time (MB/s, GB/s, ms, µs, s/token, tokens/s, "3x
+faster").
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ CITATION = re.compile(r"model\.md §\d+(?:\.\d+)*(?:(?:, | and | or |-)§\d+(?:\
 OLD_FORM = re.compile(r"(?<![-\w])spec[ -]?§? ?\d|spec PRIOR-ART", re.I)
 # Built from parts so that this file does not trip its own check.
 FOREIGN = re.compile("|".join((re.escape("K3-" + "MODEL"), re.escape(".." + "/shared"))))
+CODE = ("libk3", "tools")
+HISTORY = re.compile(r"\bissues? \d+|\bissue-\d+|" + "PRIOR" + "-ART|" + "DSPARK" + "-K3", re.I)
+FIGURE = re.compile(r"\d[\d,.]*\s?(?:MB/s|GB/s|ms\b|µs|s/token|tokens/s)"
+                    r"|\d[\d.]*x (?:faster|slower|longer)")
 
 
 def spec_sections(spec: Path = SPEC) -> set:
@@ -71,6 +78,12 @@ def problems(root: Path = ROOT, spec: Path = SPEC) -> list:
             if rel != LOADER:
                 for m in FOREIGN.finditer(line):
                     out.append(f"{where}: mentions {m.group(0)!r}, which is not in the repository")
+            if rel.parts[0] in CODE and rel.suffix == ".py":
+                for m in HISTORY.finditer(line):
+                    out.append(f"{where}: history in code ({m.group(0)!r}); git keeps it")
+                for m in FIGURE.finditer(line):
+                    out.append(f"{where}: a measurement in code ({m.group(0)!r}); "
+                               "bench/README.md keeps it")
     return out
 
 
@@ -105,8 +118,13 @@ def test_spec_citations_checker_control(tmp_path):
         "oldmark.md": "spec §1\n",
         "foreign.md": "read " + "K3-" + "MODEL.md\n",
         "shared.py": "# loads " + ".." + "/shared/conformance\n",
+        "libk3/history.py": "# fixed in issue " + "12\n",
+        "libk3/prior.py": "# as " + "PRIOR" + "-ART 3 says\n",
+        "tools/figure.py": "# reads at 1,878 " + "MB/s here\n",
+        "libk3/faster.py": "# 3x " + "faster than before\n",
     }
     for name, text in faults.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text, encoding="utf-8")
     found = problems(tmp_path, spec)
     for name in faults:

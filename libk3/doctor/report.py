@@ -17,8 +17,8 @@ The s/token estimate (per decoded token, steady state; deliberately rough):
   + always-active bytes / measured kernel bytes per second
 where expected misses = MoE layers x top_k x (1 - hit) and hit = cache slots / (MoE
 layers x experts), or 1 when every expert fits. That hit rate assumes uniform routing, so
-it is pessimistic: the real model's skewed routing retained 30-44 % at 36-109 GB of cache
-where this formula gives 2-7 % (PRIOR-ART 11). I/O and compute are summed, not
+it is pessimistic: real routing is skewed, and a cache keeps more of it than this
+formula says. I/O and compute are summed, not
 overlapped, so the figure is an upper estimate for an engine that overlaps them.
 """
 
@@ -39,7 +39,7 @@ from . import facts
 
 EXAMPLE_PROMPT = "The capital of France is"
 EXAMPLE_IDS = "1,2,3"             # for models without a tokenizer
-AUTO_EXCLUDED = ("max",)          # never picked: measured no faster than server (PRIOR-ART 11)
+AUTO_EXCLUDED = ("max",)          # never picked: beyond server, memory buys cache hits, not speed
 HIT_CAP = 0.95                    # a partial cache never counts as more than 95 % hits
 COMPRESS_GAIN = 0.95              # recommend a compressed trunk only if it saves >= 5 %
 

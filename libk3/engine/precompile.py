@@ -9,7 +9,7 @@ Does not own: the kernels (``libk3.kernels``, ``libk3.policies``, ``libk3.trace.
 ``prepare``).
 
 Why a table of signatures: numba compiles lazily at a kernel's first call, so a fresh
-install sat silent for half a minute of "prefill" (issue 19). Knowing the argument types
+install sat silent for the length of the compile in what looked like prefill. Knowing the argument types
 up front lets a run look each one up in numba's cache index, then announce and compile
 only what is missing, before the first layer and timed apart from prefill. The types
 must be exactly those of a real call (C-contiguous, writable arrays; Python ints and

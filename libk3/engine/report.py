@@ -29,7 +29,7 @@ def peak_rss_bytes() -> int:
 
 
 def process_start_time():
-    """When this process started, on the ``time.time()`` clock (Linux: /proc, to 10 ms);
+    """When this process started, on the ``time.time()`` clock (Linux: /proc, in clock ticks);
     None where /proc is absent."""
     try:
         with open("/proc/self/stat", encoding="ascii") as f:

@@ -3,7 +3,7 @@ seed and token ids. Each ``*_problem`` returns why a value is refused, or None.
 
 Owns: what values the options, batch lines and server requests accept (one rule each,
 applied before any run). Imports neither numpy nor the model, so option parsing and
-``--help`` stay light (issue 20); numpy's scalar types are accepted through the
+``--help`` stay light; numpy's scalar types are accepted through the
 ``numbers`` ABCs they register with.
 
 Why temperatures in (0, 2^-126) are refused: logits are float32 (|logit| < 2^128), so for

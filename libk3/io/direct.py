@@ -6,8 +6,8 @@ buffered fallback, and reading the 4096-aligned window that encloses an unaligne
 range. Does not own: what to read (``trunk``, ``experts``).
 
 Why O_DIRECT: streamed bytes are used once per token; through the page cache they would
-evict each other and count against the machine, not against k3's budget (the public C
-engine measured 1,878 MB/s buffered vs 6,553 MB/s direct under a cgroup, PRIOR-ART 3).
+evict each other and count against the machine, not against k3's budget, and under a
+cgroup memory limit the page cache's reclaim slows buffered reads further.
 Why huge pages: a direct read lands in the buffer's physical pages, and a request to the
 disk carries a bounded number of discontiguous segments (254 on this VM's virtio disk);
 into scattered 4 KiB pages a 4 MiB read went out as ~700 KiB requests and took twice as

@@ -19,7 +19,7 @@ Why these choices:
   ``encode_special_tokens`` on one object would be hidden mutable state.)
 * The derived form (rank bytes, byte-level spellings, merges) is cached on disk, keyed
   by the files' sha256 (``libk3.io.tokenizer_cache``): deriving 163,584 merges in Python
-  and validating ``tiktoken.model`` cost seconds of every run (issue 20). The HF
+  and validating ``tiktoken.model`` cost seconds of every run. The HF
   tokenizer is built from it only when text is first encoded; decoding needs only the
   rank bytes, so runs given ``--ids`` never build it.
 * Decoding does not use HF: its ByteLevel decoder returns ``str`` and loses the bytes of a
@@ -612,7 +612,7 @@ class LazyTokenizer:
     """A model directory's tokenizer, read on its first use (``K3Tokenizer.from_dir``
     with ``cache``). Why: a run given ids that decodes nothing needs none of it, and a
     run printing text needs it only at its first generated token, after the first
-    forward (issue 20). ``loaded`` is the K3Tokenizer once read, else None."""
+    forward. ``loaded`` is the K3Tokenizer once read, else None."""
 
     def __init__(self, model_dir, vocab_size=None, cache=None):
         self.model_dir, self.vocab_size, self.cache = model_dir, vocab_size, cache

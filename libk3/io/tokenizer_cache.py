@@ -6,8 +6,8 @@ and current. Does not own: deriving the form or reading the tokenizer files
 (``libk3.io.tokenizer``), or choosing the pack directory (``libk3.engine.session``).
 
 Why: re-deriving the BPE merges of the real 163,584 ranks by rank-BPE in Python, and
-re-validating ``tiktoken.model`` line by line, cost seconds of every run (issue 20;
-bench/README.md, "Start-up"). Both depend only on the tokenizer files, so the result is
+re-validating ``tiktoken.model`` line by line, cost seconds of every run
+(bench/README.md, "Start-up"). Both depend only on the tokenizer files, so the result is
 keyed by their sha256 and the layout's version: a changed file or a new k3 layout makes
 the entry stale and it is rebuilt. No pickle: the file is data a run validates, never
 code it executes.

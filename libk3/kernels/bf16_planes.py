@@ -14,9 +14,9 @@ d < 15 meaning e = base + d and ESCAPE meaning the exponent is in the escape lis
 escape positions (u32, increasing); their n exponent bytes. In VERBATIM mode (a block the
 nibble form would not shrink) the k values follow as they are.
 Why this code and not an entropy coder: trained weights' exponents sit in a window of
-~15 values, so 4 bits hold nearly every exponent; decoding is branch-free and vectorises
-(~10 GB/s of output per core here, against zstd's 1.0-1.5), so it keeps up with any disk
-for 0.06 more stored bytes per raw byte (bench/README.md "Trunk compression").
+~15 values, so 4 bits hold nearly every exponent; decoding is branch-free and vectorises,
+several times faster than zstd, so it keeps up with any disk for a few more stored bytes
+(bench/README.md "Trunk compression" has the figures).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ measured 1.70x from that overlap). One slot, for the largest layer, is the minim
 can work, and the floor keeps the disk busy in it all the same: the next ring layer is
 read from the moment the layer in use is handed out, into the room the slot has beside
 it and, as the forward releases it, into the rest (no byte of the layer in use is
-written while it is in use: a reader that overwrote the slot in use emitted wrong tokens
-there, PRIOR-ART 3); and a layer is handed out while it is still landing, each tensor
+written while it is in use: a reader that overwrote the slot in use would feed the
+forward half-replaced weights); and a layer is handed out while it is still landing, each tensor
 bound once the bytes before its end are in (``landing``), so the forward computes a
 layer's first tensors while its later ones are read (bench/README.md "Trunk
 compression"). Slot rules: never hand out bytes being read, never read into bytes in use.

@@ -4,8 +4,8 @@ Owns: generating the (layer, expert) request stream of a decode run without a mo
 the cache-policy tests and ``bench/replay.py``. Does not own: the trace file format
 (``libk3.trace.format``) or any replay (``libk3.trace.replay``).
 
-The stream imitates what the per-token path of k3-run asks the expert cache for (spec
-PRIOR-ART.md section 9): for every token, every MoE layer in order, ``top_k`` DISTINCT
+The stream imitates what the per-token path of k3-run asks the expert cache for: for
+every token, every MoE layer in order, ``top_k`` DISTINCT
 experts of that layer. That cyclic layer order is what defeats LRU: a key's reuse distance
 is at least one whole cycle (n_layers x top_k requests), so below that many slots LRU hits
 almost nothing. Three knobs shape the reuse that a good policy can exploit; all three are
@@ -123,7 +123,7 @@ def synth_keys(n_tokens: int, *, n_layers: int = N_LAYERS, n_experts: int = N_EX
 def synth_recompute_keys(prompt_tokens: int, n_tokens: int, *, n_layers: int = N_LAYERS,
                          n_experts: int = N_EXPERTS, top_k: int = TOP_K, **knobs) -> np.ndarray:
     """Replay keys of a FULL-RECOMPUTE run, the mode of the C engine's published replay
-    table (PRIOR-ART.md section 9): step s (s = prompt_tokens .. n_tokens) runs tokens
+    table: step s (s = prompt_tokens .. n_tokens) runs tokens
     0..s-1 again, and each layer requests every token's experts, token-major, before the
     next layer. The per-token routing is ``synth_routing``'s, so steps repeat exactly."""
     if not 1 <= prompt_tokens <= n_tokens:

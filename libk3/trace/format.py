@@ -60,7 +60,7 @@ _HEADER_KEYS = ("checkpoint", "expert_bytes", "n_layers", "n_experts", "top_k", 
                 "created_by")
 _OPTIONAL_KEYS = ("meta",)
 
-# The public C engine's trace (PRIOR-ART.md section 9): int32 (layer, expert) pairs.
+# The public C engine's headerless trace (formats/trace.md): int32 (layer, expert) pairs.
 RAW_PAIR_BYTES = 8
 IMPORT_CHUNK_PAIRS = 1 << 20
 
@@ -452,7 +452,7 @@ class TraceReader:
 def import_raw_c_trace(raw_path, out_path, *, n_layers: int, n_experts: int,
                        expert_bytes: int, top_k: int, created_by: str) -> dict:
     """Convert the public C engine's ``expert_trace.bin`` (headerless little-endian int32
-    (layer, expert) pairs, one per cache request; PRIOR-ART.md section 9) into a trace
+    (layer, expert) pairs, one per cache request) into a trace
     file. Position, sequence and phase are unknown there: -1, -1, unknown. Streams in
     chunks; an odd number of int32s or an out-of-range pair is a FormatError naming the
     pair and its byte offset, and leaves no output. -> {requests, frames, path}."""

@@ -20,7 +20,7 @@ admit on a miss; ``OnlinePolicy.access``), with the same numba step functions, s
 decode trace replays to the live cache's hits (tested).
 
 Why numba, dense arrays and threads: a 10-million-request trace must replay every policy
-at every ladder capacity in under a minute on 2 cores (issues 7 and 17). Simulators are
+at every ladder capacity in about a minute on a 2-core laptop. Simulators are
 deterministic and single-threaded; independent (policy, capacity) replays run in
 parallel threads (``nogil``), so results never depend on the thread count.
 """

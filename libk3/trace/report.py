@@ -7,9 +7,8 @@ format (``libk3.trace.format``), the policies (``libk3.trace.replay``) or option
 click front end).
 
 Units: GB = 10^9 bytes; slots = floor(capacity bytes / expert bytes), as the public C
-engine's sim_cache.py (PRIOR-ART.md section 9). A capacity with fewer than top_k + 1
-slots is skipped, because a cache that cannot hold one layer's experts plus one cannot run
-(PRIOR-ART.md section 4).
+engine's cache simulator counts them. A capacity with fewer than top_k + 1 slots is
+skipped, because a cache that cannot hold one layer's experts plus one cannot run.
 """
 
 from __future__ import annotations
