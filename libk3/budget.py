@@ -418,19 +418,16 @@ def sequence_bytes(sizes: ModelSizes, positions: int) -> int:
     return sizes.state_bytes + positions * sizes.kv_bytes_per_position
 
 
-def overhead_bytes(sizes: ModelSizes, rules: Rules | None = None,
-                   context_positions: int | None = None, width: int = 1) -> int:
+def overhead_bytes(sizes: ModelSizes, rules: Rules | None = None, width: int = 1) -> int:
     """Bytes a run needs besides its two budgets: resident model-level tensors, the
     state of ``width`` sequences (a batch decoded in lockstep holds one per slot) with
-    MLA caches for ``context_positions`` (default: the preset file's) and the runtime
-    reserve."""
+    MLA caches for the preset file's context positions, and the runtime reserve."""
     rules = rules or load_rules()
-    ctx = rules.context_positions if context_positions is None else context_positions
-    return (sizes.resident_bytes + width * sequence_bytes(sizes, ctx)
+    return (sizes.resident_bytes + width * sequence_bytes(sizes, rules.context_positions)
             + rules.runtime_reserve_bytes)
 
 
-def minimum_budget(sizes: ModelSizes, rules: Rules | None = None) -> Budget:
+def minimum_budget(sizes: ModelSizes) -> Budget:
     """The smallest budget that works (``floor_problems``): one ring slot for the largest
     layer (or the whole trunk, if smaller) and top_k + 1 expert slots (or every expert,
     if fewer). The overhead comes on top (``overhead_bytes``)."""
@@ -445,7 +442,7 @@ def minimum_budget(sizes: ModelSizes, rules: Rules | None = None) -> Budget:
 def minimum_memory(sizes: ModelSizes, rules: Rules | None = None) -> int:
     """Memory the minimum budget needs in all, overhead included."""
     rules = rules or load_rules()
-    m = minimum_budget(sizes, rules)
+    m = minimum_budget(sizes)
     return m.trunk_bytes + m.cache_bytes + overhead_bytes(sizes, rules)
 
 
@@ -497,7 +494,7 @@ def auto_budget(mem, sizes: ModelSizes, rules: Rules | None = None,
     usable = usable_memory(mem)
     over = overhead_bytes(sizes, rules, width=width)
     plan = int(rules.headroom_fraction * usable) - over
-    floor = minimum_budget(sizes, rules)
+    floor = minimum_budget(sizes)
     if plan < floor.trunk_bytes + floor.cache_bytes:
         raise BudgetError(
             "not enough memory for the smallest working budget"
@@ -603,7 +600,7 @@ def resolve_budget(name: str | None, trunk_gb: float | None = None,
         if cache > model_sizes.cache_all_bytes:
             cache = model_sizes.cache_all_bytes
             reasons.append(f"cache clamped to {_gb(cache)} (every expert fits)")
-        floor = minimum_budget(model_sizes, rules)
+        floor = minimum_budget(model_sizes)
         low = split_problems(trunk, cache, model_sizes)
         if low:
             raise BudgetError("budget below the smallest that can work: " + "; ".join(low),

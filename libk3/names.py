@@ -76,12 +76,6 @@ def expert_names(L: int, e: int) -> tuple[str, ...]:
     return tuple(expert(L, e, w, p) for w, p in EXPERT_PARTS)
 
 
-def trunk_suffixes(is_mla: bool, is_dense: bool) -> tuple[str, ...]:
-    """Every non-expert per-layer suffix of a layer of this kind (model.md §3.4)."""
-    attn = MLA if is_mla else KDA
-    mlp = DENSE_MLP if is_dense else MOE
-    return LAYER_NORMS + attn + mlp
-
 
 _LAYER_RE = re.compile(r"^language_model\.model\.layers\.(\d+)\.(.*)$")
 _EXPERT_RE = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale)$")

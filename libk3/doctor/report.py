@@ -177,7 +177,7 @@ def decide(sizes: ModelSizes, memory, *, seq_bps=None, rand_bps=None, kernels=No
     rules = rules or budget.load_rules()
     table = budget.load_presets()
     usable = budget.usable_memory(memory)
-    floor = budget.minimum_budget(sizes, rules)
+    floor = budget.minimum_budget(sizes)
     floor_total = budget.minimum_memory(sizes, rules)
     rows = {}
     for name in budget.NAMED:
