@@ -1,7 +1,7 @@
 """Compressed trunk (issue 16), side by side in one run, on the real-dims checkpoint:
 
 * codec: stored fraction and decode rate of the chosen codec (a 4-bit exponent code
-  with escapes, ``libk3.stream.trunk_codec``) against the zstd exponent plane k3 shipped
+  with escapes, ``libk3.pack.codec``) against the zstd exponent plane k3 shipped
   first (``bench/zstd_candidate.py``) and a numba Huffman table decoder
   (``bench/huffman_candidate.py``), per core and on every core, on the same bytes (the
   largest BF16 tensor of real-dims layer 1, up to 64 MiB);
@@ -53,7 +53,7 @@ from libk3.machine.storage import sequential_read_rate  # noqa: E402
 from libk3.io.checkpoint import Checkpoint  # noqa: E402
 from libk3.pack.schema import open_pack  # noqa: E402
 from libk3.budget import ModelSizes, minimum_budget  # noqa: E402
-from libk3.stream.trunk_codec import Codec, plan_blocks  # noqa: E402
+from libk3.pack.codec import Codec, plan_blocks  # noqa: E402
 from tests.conformance import ROOT as CONFORMANCE_DIR  # noqa: E402  (where the vectors live)
 
 SAMPLE_MAX = 64 << 20

@@ -20,7 +20,7 @@ from libk3.kernels import bf16_block as blk
 from libk3.kernels.bf16_planes import decode_block, encode_block
 from libk3.pack.schema import (BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, MANIFEST_FILE,
                                TRUNK_FILE, open_pack)
-from libk3.stream.trunk_codec import CODED, RAW, Codec, plan_blocks
+from libk3.pack.codec import CODED, RAW, Codec, plan_blocks
 
 from .test_run_cli import PROMPT, _budgets, _pack, _reference, k3
 
@@ -465,7 +465,7 @@ def test_streamer_decodes_a_compressed_pack_in_place_exactly(small_dir, small_ra
     from libk3.io.direct import FileSet, window_bytes
     from libk3.pack.schema import open_pack
     from libk3.stream.trunk import TrunkStreamer, runs_from_pack
-    from libk3.stream.trunk_codec import BLOCK_BYTES
+    from libk3.pack.codec import BLOCK_BYTES
 
     with Checkpoint.open(small_dir) as c:
         sizes = ModelSizes.from_checkpoint(c)

@@ -2,7 +2,7 @@
 
 Owns: how many weight bytes per second the BF16 and MXFP4 matmuls (``libk3.model.ops``)
 get through for one decode step's mix of shapes, and how fast the compressed trunk's
-decoder (``libk3.stream.trunk_codec``) runs. Does not own: the machine facts (memory,
+decoder (``libk3.pack.codec``) runs. Does not own: the machine facts (memory,
 CPU, disks: ``libk3.machine``, which imports no kernels) or the estimate itself
 (``report``).
 """
@@ -121,13 +121,13 @@ DECODE_SAMPLE_BYTES = 32 << 20     # BF16 bytes the trunk decode rate is timed o
 
 
 def measure_trunk_decode(threads: int, seconds: float = 0.5, sample=None) -> dict:
-    """Output bytes per second the compressed trunk's decoder (``libk3.stream.trunk_codec``)
+    """Output bytes per second the compressed trunk's decoder (``libk3.pack.codec``)
     reaches on ``threads`` threads, and the stored fraction, on ``sample`` (uint8 BF16
     bytes; default DECODE_SAMPLE_BYTES of near-Gaussian BF16 like trained weights, std
     0.02, seed 0). Best of the passes that fit in ``seconds`` (at least 2). Without the
     blocks' CRC, as in the steady state the doctor estimates (a layer's CRC is checked on
     its first read only, by default)."""
-    from ..stream.trunk_codec import Codec, plan_blocks
+    from ..pack.codec import Codec, plan_blocks
 
     if sample is None:
         f = (np.random.default_rng(0).standard_normal(DECODE_SAMPLE_BYTES // 2) * 0.02)

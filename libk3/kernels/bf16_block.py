@@ -1,7 +1,7 @@
 """The coded trunk block's layout (formats/pack.md "Compressed trunk"), without numba.
 
 Owns: the header's size and fields, the code's window and the decoder's status codes, so
-that manifest checks (``libk3.stream.trunk_codec``) and the kernels
+that manifest checks (``libk3.pack.codec``) and the kernels
 (``libk3.kernels.bf16_planes``) share them without the checks loading numba.
 """
 

@@ -4,7 +4,7 @@ values as a sign+mantissa plane, a 4-bit exponent plane and a list of escapes, a
 Owns: the byte-exact block kernels the trunk codec uses (the layout's constants are
 ``libk3.kernels.bf16_block``).
 Does not own: which bytes form a block, checksums or error text
-(``libk3.stream.trunk_codec``).
+(``libk3.pack.codec``).
 
 BF16 value v (uint16): sign v >> 15, exponent e = (v >> 7) & 0xff, mantissa v & 0x7f. A
 coded block of k values is HEADER_BYTES of header (mode, base, two zero bytes, escape

@@ -2,7 +2,7 @@
 trunk.json goes from v2 to v3 (formats/pack.md "Compressed trunk").
 
 Owns: reading each raw layer (checked against its CRC), encoding it
-(``libk3.stream.trunk_codec``), writing it durably with a journal so an interrupted run
+(``libk3.pack.codec``), writing it durably with a journal so an interrupted run
 resumes, and the switch: trunk.kz and trunk.blocks complete and durable first, then the
 new trunk.json (atomic), then trunk.bin removed. Does not own: the codec, the schema
 (``libk3.pack.schema``) or packing a checkpoint (``libk3.pack.writer``).
@@ -28,9 +28,9 @@ from ..errors import BudgetError, K3IOError
 from ..io.atomic import fsync_dir, write_bytes
 from .schema import (BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, COMPRESSED_VERSION,
                      MANIFEST_FILE, TRUNK_FILE, layer_block_plan, open_pack)
-from ..stream import trunk_codec
+from . import codec as trunk_codec
 from ..io.direct import DirectFile, align_up, aligned_empty, window_bytes
-from ..stream.trunk import crc_mismatch
+from .schema import crc_mismatch
 
 KZ_PARTIAL_FILE, KZ_JOURNAL_FILE = "trunk.kz.partial", "compress.journal"
 ENCODE_BYTES = 64 << 20        # raw bytes read and encoded at a time (RAM: ~2x this)

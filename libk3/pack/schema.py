@@ -37,7 +37,7 @@ from ..config import config_from_dict
 from ..errors import ConfigError, FormatError
 from ..io import inventory
 from ..io.dtypes import ITEMSIZE
-from ..stream import trunk_codec
+from . import codec as trunk_codec
 from ..io.direct import ALIGN, align_up
 
 PACK_FORMAT = "k3-pack"
@@ -643,3 +643,12 @@ def _check_records(p: Path, rec, ckpt) -> None:
                               path=p, expected=want[i][field].tolist(),
                               found=rec[i][field].tolist(),
                               hint="the pack does not belong to this checkpoint: re-pack")
+
+
+def crc_mismatch(path, layer: int, want: int, found: int) -> FormatError:
+    """The one error for a packed trunk layer whose bytes differ from the manifest's CRC
+    (raised here at run time and by ``k3-pack verify``)."""
+    return FormatError(f"layer {layer}: trunk bytes do not match the manifest's checksum "
+                       "(crc32)",
+                       path=path, expected=f"{want:#010x}", found=f"{found:#010x}",
+                       hint="the pack is damaged: re-pack (k3-pack verify names every bad layer)")

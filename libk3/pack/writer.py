@@ -38,9 +38,9 @@ from .schema import (COMPRESSED_VERSION, EXPERT_INDEX_FILE, EXPERT_INDEX_MAGIC,
                      expert_index_contents, load_expert_index, load_manifest,  # noqa: F401
                      manifest_version, model_level_entries, open_pack, plan_pack,
                      source_identity)
-from ..stream import trunk_codec
+from . import codec as trunk_codec
 from ..io.direct import ALIGN, FileSet, align_up, aligned_empty, window_bytes
-from ..stream.trunk import crc_mismatch
+from .schema import crc_mismatch
 
 COPY_BLOCK = 16 << 20                # 16 MiB reads and writes
 READERS = 4                          # source reads in flight at once

@@ -7,7 +7,7 @@ decoded into the buffer's front while later pieces are still being read. Either 
 Owns: the pieces of a read, the in-place schedule (which blocks decode once a piece has
 landed, which earlier decodes each must wait for), the read pools and the read / decode
 timings. Does not own: the codec, its checks and where the stored bytes go
-(``libk3.stream.trunk_codec``, ``BlockPlan.in_place``), which layer goes where or when a
+(``libk3.pack.codec``, ``BlockPlan.in_place``), which layer goes where or when a
 raw layer's whole-run CRC is checked (``libk3.stream.trunk``).
 
 Why in place: staging buffers cost fixed overhead, so they were few and small (48 MiB in
@@ -29,7 +29,7 @@ import numpy as np
 
 from ..io.direct import ALIGN, ReadCancelled, align_down, align_up, window_bytes
 from .landing import Landing
-from .trunk_codec import BlockPlan, Codec
+from ..pack.codec import BlockPlan, Codec
 
 # A read pool's shape: (stored bytes per piece, pieces in flight). The floor's one slot
 # reads every layer through "fg"; beside a two-slot read-ahead ("bg") that lane only

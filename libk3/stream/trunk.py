@@ -39,6 +39,7 @@ from ..errors import FormatError
 from ..io import inventory
 from ..io.dtypes import bound_extra_bytes, matrix_operand, widen
 from ..budget import plan_trunk
+from ..pack.schema import crc_mismatch
 from ..io.direct import (ALIGN, HUGE_PAGE, FileSet, ReadCancelled, align_down, align_up,
                          aligned_empty, window_bytes)
 from .landing import Landing
@@ -51,15 +52,6 @@ READ_AHEAD_DEPTH = 4
 # When a packed layer's CRC is checked: the first time this process reads it (pinned
 # layers at load, ring layers on their first pass), or on every read (formats/pack.md).
 VERIFY_READS = ("first", "every")
-
-
-def crc_mismatch(path, layer: int, want: int, found: int) -> FormatError:
-    """The one error for a packed trunk layer whose bytes differ from the manifest's CRC
-    (raised here at run time and by ``k3-pack verify``)."""
-    return FormatError(f"layer {layer}: trunk bytes do not match the manifest's checksum "
-                       "(crc32)",
-                       path=path, expected=f"{want:#010x}", found=f"{found:#010x}",
-                       hint="the pack is damaged: re-pack (k3-pack verify names every bad layer)")
 
 
 class LayerRun:
