@@ -63,18 +63,17 @@ class BatchSink:
         "messages" line, whose result also carries the parsed reply. ABANDONED when the
         deadline passed meanwhile: this prompt and every one in flight are dropped;
         NO_TIME when it would not finish before the deadline (nothing of it was run)."""
-        from .runner import check_stop_strings, run_one
         job = Job(lineno, prompt_ids, settings)          # the tag is the trace's seq
         try:
             if self.lockstep is None:
                 self._expect(job_id, lineno, chat)
                 self.run.seq = lineno
-                self._done(job, run_one(self.run, prompt_ids, settings,
-                                        should_stop=self.should_stop))
+                self._done(job, self.run.generate(prompt_ids, settings,
+                                                  should_stop=self.should_stop))
                 return STARTED
             if settings.spec:
                 raise UsageError("--spec decodes one prompt at a time: use --batch-width 1")
-            check_stop_strings(self.run, settings)
+            self.run.check_stop_strings(settings)
             self.lockstep.make_room()
             if self.pace is not None and not self._fits(job_id, job):
                 return NO_TIME

@@ -241,6 +241,27 @@ class Run:
             rep["speculative"] = res.spec
         return rep
 
+    def check_stop_strings(self, settings: GenSettings) -> None:
+        if settings.stop_strings and self.session.tokenizer is None:
+            raise UsageError("--stop needs the model's tokenizer (tiktoken.model); use --stop-id")
+
+    def generate(self, prompt_ids, settings: GenSettings, *, on_token=None, keep_logits=False,
+                 load_state=None, save_state=None, should_stop=None):
+        """One prompt, from a new state or ``load_state``'s. ``should_stop()``, if given,
+        is asked at every prefill chunk and token; when it answers True the prompt is
+        abandoned (Abandoned is raised, nothing saved)."""
+        self.check_stop_strings(settings)
+        state = _load_state(self, load_state)
+        progress = _prefill_bar(len(prompt_ids), self.opts.progress)
+        if should_stop is not None:
+            progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
+        res = generate(self.session.forward, state, prompt_ids, settings,
+                       tokenizer=self.session.tokenizer, on_token=on_token,
+                       keep_logits=keep_logits, progress=progress, feed_last=bool(save_state))
+        if save_state:
+            state.save(save_state)
+        return res
+
     def close(self, failed: bool = False) -> None:
         """Release the model; finish the trace, or after a failure keep it as the
         ``.partial`` a crash leaves, so a failed run never publishes a complete trace."""
@@ -265,29 +286,6 @@ def open_run(opts: RunOptions):
 
 def _load_state(run: Run, path) -> State:
     return State.load(run.cfg, path) if path else run.session.new_state()
-
-
-def check_stop_strings(run: Run, settings: GenSettings) -> None:
-    if settings.stop_strings and run.session.tokenizer is None:
-        raise UsageError("--stop needs the model's tokenizer (tiktoken.model); use --stop-id")
-
-
-def run_one(run: Run, prompt_ids, settings: GenSettings, *, on_token=None, keep_logits=False,
-            load_state=None, save_state=None, should_stop=None):
-    """One prompt, from a new state or ``load_state``'s. ``should_stop()``, if given, is
-    asked at every prefill chunk and token; when it answers True the prompt is abandoned
-    (Abandoned is raised, nothing saved)."""
-    check_stop_strings(run, settings)
-    state = _load_state(run, load_state)
-    progress = _prefill_bar(len(prompt_ids), run.opts.progress)
-    if should_stop is not None:
-        progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
-    res = generate(run.session.forward, state, prompt_ids, settings,
-                   tokenizer=run.session.tokenizer, on_token=on_token, keep_logits=keep_logits,
-                   progress=progress, feed_last=bool(save_state))
-    if save_state:
-        state.save(save_state)
-    return res
 
 
 def _checked(callback, should_stop):

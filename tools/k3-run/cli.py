@@ -218,9 +218,9 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         else:
             prompt_ids = run.encode(prompt)
         printer = None if json_out else _Printer(run.session.tokenizer)
-        res = runner.run_one(run, prompt_ids, settings, on_token=printer,
-                             keep_logits=logits_out is not None, load_state=load_state,
-                             save_state=save_state)
+        res = run.generate(prompt_ids, settings, on_token=printer,
+                           keep_logits=logits_out is not None, load_state=load_state,
+                           save_state=save_state)
         if printer is not None:
             printer.finish()
         if logits_out:
