@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, ROOT, run, table  # noqa: E402
 
 from libk3.budget import (GB, ModelSizes, expert_slots, load_presets, load_rules,  # noqa: E402
-                          overhead_bytes, sequence_bytes, trunk_plan)
+                          overhead_bytes, plan_trunk, sequence_bytes)
 from libk3.config import config_from_dict  # noqa: E402
 from libk3.k3_dims import real_config  # noqa: E402
 from libk3.kernels import bf16, mxfp4  # noqa: E402
@@ -73,7 +73,7 @@ def ledger(preset: str = "laptop") -> dict:
     sizes = ModelSizes.from_config(cfg)
     p = load_presets()[preset]
     trunk_budget, cache_budget = int(p.trunk_gb * GB), int(p.cache_gb * GB)
-    plan = trunk_plan(sizes, trunk_budget)
+    plan = plan_trunk(sizes.layer_bytes, trunk_budget)
     return {"cfg": cfg, "sizes": sizes, "trunk_budget": trunk_budget,
             "cache_budget": cache_budget, "pinned": len(plan.pinned),
             "streamed": plan.streamed_bytes, "slots": expert_slots(sizes, cache_budget),

@@ -325,9 +325,13 @@ class Budget:
 
 @dataclasses.dataclass(frozen=True)
 class TrunkPlan:
-    pinned: tuple              # layer indices held permanently, largest first
-    ring_bytes: int            # ring slots: the layer in use (+ the one being read)
+    pinned: frozenset          # layer indices held permanently
+    slots: tuple               # ring slot capacities in bytes: the layer in use (+ the next)
     streamed_bytes: int        # trunk bytes read from disk per token
+
+    @property
+    def ring_bytes(self) -> int:
+        return sum(self.slots)
 
 
 def trunk_floor(layer_bytes) -> int:
@@ -363,9 +367,10 @@ def floor_problems(trunk_bytes: int, cache_bytes: int, layer_bytes, slot_bytes: 
     return problems
 
 
-def plan_trunk(sizes, budget: int):
-    """(pinned layer set, ring slot capacities in bytes) for a trunk budget in bytes: the
-    split ``libk3.stream.trunk.TrunkStreamer`` runs.
+def plan_trunk(sizes, budget: int) -> TrunkPlan:
+    """The trunk's split for a budget in bytes, ``sizes`` the layers' bytes: the one plan
+    ``libk3.stream.trunk.TrunkStreamer`` runs and the doctor and ``k3-trace size``
+    estimate from.
 
     Everything fits: all pinned, no ring. Otherwise a ring of 2 slots (sized for the two
     largest unpinned layers: the layer in use and the one being read) if the budget allows
@@ -374,8 +379,12 @@ def plan_trunk(sizes, budget: int):
     room to decode in place (at most one block, ``BlockPlan.in_place``), are part of the
     documented fixed overhead. BudgetError below ``trunk_floor``."""
     n = len(sizes)
+
+    def plan(pinned, slots):
+        return TrunkPlan(frozenset(pinned), tuple(slots),
+                         sum(b for L, b in enumerate(sizes) if L not in pinned))
     if sum(sizes) <= budget:
-        return set(range(n)), []
+        return plan(range(n), ())
     if budget < trunk_floor(sizes):
         raise BudgetError("trunk budget is below one layer slot",
                           expected=f">= {trunk_floor(sizes)} bytes", found=f"{budget} bytes",
@@ -394,18 +403,8 @@ def plan_trunk(sizes, budget: int):
                 pinned = trial
         slots = ring(pinned, n_slots)
         if len(pinned) < n and sum(sizes[i] for i in pinned) + sum(slots) <= budget:
-            return pinned, slots
+            return plan(pinned, slots)
     raise AssertionError("one slot of the largest layer always fits at trunk_floor")
-
-
-def trunk_plan(sizes: ModelSizes, trunk_bytes: int) -> TrunkPlan:
-    """The split the trunk streamer will use (``plan_trunk``: the ring first, then pins,
-    largest layer first). Everything fits: all pinned, no ring. BudgetError below
-    ``trunk_floor``."""
-    size = sizes.layer_bytes
-    pinned, ring = plan_trunk(list(size), trunk_bytes)
-    return TrunkPlan(tuple(sorted(pinned)), sum(ring),
-                     sizes.trunk_bytes - sum(size[L] for L in pinned))
 
 
 def expert_slots(sizes: ModelSizes, cache_bytes: int) -> int:

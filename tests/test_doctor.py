@@ -164,14 +164,14 @@ def test_presets_auto_prefers_the_overlapping_ring_and_falls_back_to_one_slot(re
     assert budget.trunk_floor(real_sizes.layer_bytes) <= a7.trunk_bytes < overlap
     assert a7.cache_bytes == budget.minimum_budget(real_sizes).cache_bytes
     assert not budget.admission_problems(a7, real_sizes, 7 * 10**9)
-    assert len(budget.plan_trunk(list(real_sizes.layer_bytes), a7.trunk_bytes)[1]) == 1
+    assert len(budget.plan_trunk(real_sizes.layer_bytes, a7.trunk_bytes).slots) == 1
 
 
 def test_presets_trunk_plan_pins_largest_first_and_keeps_a_ring(real_sizes):
     """Catches pinning that leaves no room for the ring, or pins in layer order."""
-    lap = budget.trunk_plan(real_sizes, int(3.7 * GB))
-    assert lap.pinned == () and lap.streamed_bytes == real_sizes.trunk_bytes
-    desk = budget.trunk_plan(real_sizes, 16 * 10**9)
+    lap = budget.plan_trunk(real_sizes.layer_bytes, int(3.7 * GB))
+    assert not lap.pinned and lap.streamed_bytes == real_sizes.trunk_bytes
+    desk = budget.plan_trunk(real_sizes.layer_bytes, 16 * 10**9)
     assert 0 in desk.pinned                                   # layer 0 is the largest
     pinned = sum(real_sizes.layer_bytes[L] for L in desk.pinned)
     assert pinned + desk.ring_bytes <= 16 * 10**9
@@ -179,10 +179,10 @@ def test_presets_trunk_plan_pins_largest_first_and_keeps_a_ring(real_sizes):
                       reverse=True)
     assert desk.ring_bytes == sum(unpinned[:2])
     assert desk.streamed_bytes == sum(unpinned)
-    full = budget.trunk_plan(real_sizes, real_sizes.trunk_bytes)
+    full = budget.plan_trunk(real_sizes.layer_bytes, real_sizes.trunk_bytes)
     assert len(full.pinned) == 93 and full.ring_bytes == 0 and full.streamed_bytes == 0
     with pytest.raises(BudgetError):
-        budget.trunk_plan(real_sizes, 10**9)
+        budget.plan_trunk(real_sizes.layer_bytes, 10**9)
 
 
 # ---- the machine probe --------------------------------------------------------------------

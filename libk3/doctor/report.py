@@ -154,7 +154,7 @@ def estimate(sizes: ModelSizes, split: budget.Budget, seq_bps, rand_bps,
     measured speeds."""
     if not seq_bps or not kernels:
         return None
-    plan = budget.trunk_plan(sizes, min(split.trunk_bytes, sizes.trunk_bytes))
+    plan = budget.plan_trunk(sizes.layer_bytes, min(split.trunk_bytes, sizes.trunk_bytes))
     hit = hit_rate(sizes, split.cache_bytes)
     misses = sizes.moe_layers * sizes.top_k * (1.0 - hit)
     trunk_io = plan.streamed_bytes / seq_bps
@@ -260,7 +260,7 @@ def _batch_pick(rows: dict, sizes: ModelSizes) -> dict | None:
         if not row["batch_width"]:
             continue
         b = row["budget"]
-        streamed = budget.trunk_plan(sizes, b["trunk_bytes"]).streamed_bytes
+        streamed = budget.plan_trunk(sizes.layer_bytes, b["trunk_bytes"]).streamed_bytes
         key = (streamed / row["batch_width"], -row["batch_width"])
         if best is None or key < best[0]:
             best = (key, {"preset": name, "width": row["batch_width"],

@@ -162,7 +162,8 @@ class TrunkStreamer:
         self.files = files
         self.verify_reads = verify_reads
         self._verified: set = set()   # layers whose bytes matched their CRC in this process
-        self.pinned_plan, capacities = plan_trunk([r.held_bytes for r in runs], budget)
+        plan = plan_trunk([r.held_bytes for r in runs], budget)
+        self.pinned_plan, capacities = set(plan.pinned), list(plan.slots)
         self.n_slots = len(capacities)
         self.ring = [i for i in range(len(runs)) if i not in self.pinned_plan]
         self._need = [r.buffer_bytes for r in runs]     # a read's buffer, by layer

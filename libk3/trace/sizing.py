@@ -75,11 +75,11 @@ def size_budget(trace_path, pack_dir, budget: float, seq_bps: float, rand_bps: f
         if why:
             rows.append(dict(row, feasible=False, why="; ".join(why)))
             continue
-        pinned, ring = plan_trunk(layers, trunk)
+        plan = plan_trunk(layers, trunk)
         r = replay(keys, slots, policy, n_layers=h.n_layers, n_experts=h.n_experts)
-        streamed = sum(b for L, b in enumerate(layers) if L not in pinned)
+        streamed = plan.streamed_bytes
         expert_read = r["misses"] / tokens * h.expert_bytes
-        rows.append(dict(row, feasible=True, pinned_layers=len(pinned), ring_slots=len(ring),
+        rows.append(dict(row, feasible=True, pinned_layers=len(plan.pinned), ring_slots=len(plan.slots),
                          trunk_streamed_per_token=streamed, hit_rate=r["hit_rate"],
                          expert_bytes_per_token=expert_read,
                          predicted_io_s_per_token=streamed / seq_bps + expert_read / rand_bps))
