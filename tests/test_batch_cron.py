@@ -217,10 +217,10 @@ def test_batch_deadline_abandons_prompt_in_flight_and_rerun_completes(tiny_dir, 
     assert gen_ids(r) == gen_ids(ref)
 
 
-def _readme_cron_line(prefix: str) -> str:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    lines = [ln for ln in readme.splitlines() if ln.startswith(prefix)]
-    assert len(lines) == 1, f"README: one crontab line starting {prefix!r}"
+def _documented_cron_line(prefix: str) -> str:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "batch.md").read_text()
+    lines = [ln for ln in doc.splitlines() if ln.startswith(prefix)]
+    assert len(lines) == 1, f"docs/batch.md: one crontab line starting {prefix!r}"
     return lines[0]
 
 
@@ -228,11 +228,11 @@ CRON_PATH = "/usr/bin:/bin"             # what cron gives a job (Debian's and Vi
 
 
 @pytest.mark.parametrize("prefix", ["*/10 * * * *", "0 * * * *"])
-def test_readme_crontab_line_runs_under_cron_environment(tiny_dir, tmp_path, prefix):
+def test_documented_crontab_line_runs_under_cron_environment(tiny_dir, tmp_path, prefix):
     """Catches a documented crontab line that only works in an activated shell (the walk
-    that found issue 30: `k3-run: not found` from cron): the README's line, with its
+    that found issue 30: `k3-run: not found` from cron): the documented line (docs/batch.md), with its
     placeholders filled in, run by sh under `env -i` with cron's PATH, finishes the batch."""
-    line = _readme_cron_line(prefix)
+    line = _documented_cron_line(prefix)
     command = line.split(None, 5)[5]
     venv_bin = Path(sys.executable).parent
     if not (venv_bin / "k3-run").exists():

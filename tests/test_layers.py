@@ -1,4 +1,4 @@
-"""Imports run one way (README "The stages"): every libk3 module imports only its own
+"""Imports run one way (docs/architecture.md "The stages"): every libk3 module imports only its own
 layer and the layers below it, and nothing in libk3 imports click (the front ends' job)."""
 
 from __future__ import annotations

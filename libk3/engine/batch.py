@@ -20,7 +20,7 @@ complete line must be a k3 result, else it is someone else's file and is refused
 only a last line torn by a crash (no newline, starts with ``{"``, and not complete JSON
 other than a k3 result) is dropped.
 
-Sharding (``--shard K/N``, README "Batch files"): a line belongs to shard
+Sharding (``--shard K/N``, docs/batch.md): a line belongs to shard
 ``shard_of(id, N)`` = 1 + (the first 8 bytes, big-endian, of SHA-256 of the UTF-8 bytes of
 ``json.dumps(id)``) mod N, so N machines split one file with no coordination and every
 id lands in exactly one shard. ``json.dumps`` with Python's defaults (ensure_ascii: non-ASCII

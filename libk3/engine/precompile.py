@@ -21,7 +21,7 @@ foresee. The lookup reads numba's private cache index (``_cache``, ``_index_key`
 numba release moves it, ``is_cached`` says None, nothing is announced and numba compiles
 lazily as before (and that test fails, so it is noticed).
 
-Where the cache lives (numba's rule, README "Set up"): ``$NUMBA_CACHE_DIR`` when set;
+Where the cache lives (numba's rule, docs/install.md): ``$NUMBA_CACHE_DIR`` when set;
 else ``__pycache__`` beside each kernel's source when that is writable (editable
 install, wheel in a writable venv); else a user-wide directory,
 ``$XDG_CACHE_HOME/numba`` or ``~/.cache/numba`` (read-only site-packages).

@@ -71,7 +71,7 @@ class _Printer:
                    "sharing each weight read (default auto: the most whose state fits "
                    "beside the budgets).")
 @click.option("--shard", metavar="K/N",
-              help="With --batch: run only the ids of shard K of N (README: Batch files).")
+              help="With --batch: run only the ids of shard K of N (docs/batch.md).")
 @click.option("--chat", is_flag=True, help="Interactive multi-turn chat on stdin, in the "
                                            "model's chat template.")
 @click.option("--template-kwargs", metavar="JSON",
