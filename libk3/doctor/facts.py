@@ -33,7 +33,7 @@ def probe_machine(mem: memory.MemoryInfo | None = None, load: cpus.Load | None =
     mem = mem if mem is not None else memory.probe_memory()
     cpu = cpus.cpu_info()
     layer = parallel.layer_check()
-    load = load if load is not None else cpus.sample_load()
+    load = load if load is not None else cpus.sample_load(0.25)
     warnings = [layer["warning"]] if layer["warning"] else []
     if load.busy:
         warnings.append("the machine is busy (" + "; ".join(load.busy) + "): timings "
