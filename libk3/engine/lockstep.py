@@ -31,7 +31,7 @@ import numpy as np
 
 from ..model.forward import Segment
 from .defaults import PREFILL_CHUNK
-from .generate import Abandoned, GenResult, GenSettings
+from .generate import Abandoned, GenResult, GenSettings, Stops
 from .sampler import Sampler
 
 
@@ -50,7 +50,7 @@ class Job:
 class _Lane:
     """A slot's sequence: where its prompt is, what it generated, when."""
 
-    def __init__(self, job: Job, state, now: float, keep_logits: bool):
+    def __init__(self, job: Job, state, now: float, keep_logits: bool, tokenizer=None):
         if not job.prompt_ids:
             raise ValueError("a lockstep job needs at least one prompt token")
         self.job = job
@@ -60,7 +60,7 @@ class _Lane:
         self.fed = 0                    # prompt tokens fed so far
         self.next = None                # the sampled token the next pass feeds
         self.generated: list[int] = []
-        self.text = b""
+        self.stops = Stops(job.settings, tokenizer)
         self.reason = None              # set when finished
         self.t_enter = now
         self.t_first = None             # prefill done: first token sampled from here
@@ -70,7 +70,7 @@ class _Lane:
     def prefilling(self) -> bool:
         return self.fed < len(self.prompt)
 
-    def take(self, logits, n_prompt: int, tokenizer, on_token) -> None:
+    def take(self, logits, n_prompt: int, on_token) -> None:
         """Absorb this lane's logits from a pass that fed ``n_prompt`` prompt tokens (or,
         with 0, its decode token); sample the next token once the prompt is in."""
         if self.rows is not None:
@@ -88,12 +88,7 @@ class _Lane:
         self.generated.append(tok)
         if on_token is not None:
             on_token(self.job, tok)
-        if tok in s.stop_ids:
-            self.reason = "stop_id"
-        elif s.stop_strings and tokenizer is not None:
-            self.text += tokenizer.decode_bytes([tok])
-            if any(x.encode() in self.text for x in s.stop_strings):
-                self.reason = "stop_string"
+        self.reason = self.stops.see(tok)
         if self.reason is None and len(self.generated) >= s.gen:
             self.reason = "length"
         self.next = tok
@@ -166,7 +161,8 @@ class Lockstep:
         self.make_room()
         state = job.state if job.state is not None else \
             self.new_state(len(job.prompt_ids) + job.settings.gen)
-        self.lanes.append(_Lane(job, state, time.perf_counter(), self.keep_logits))
+        self.lanes.append(_Lane(job, state, time.perf_counter(), self.keep_logits,
+                                self.tokenizer))
 
     def leave(self, which) -> list:
         """Drop at once the lanes whose Job ``which(job)`` picks (a request whose client
@@ -195,7 +191,7 @@ class Lockstep:
         for (lane, ids, n_prompt), logits in zip(plan, outs):
             st.prompt_tokens += n_prompt
             before = len(lane.generated)
-            lane.take(logits, n_prompt, self.tokenizer, self.on_token)
+            lane.take(logits, n_prompt, self.on_token)
             st.generated_tokens += len(lane.generated) - before
         still = []
         for lane in self.lanes:
