@@ -467,9 +467,17 @@ def _mbs(n) -> str:
 
 
 def render_text(report: dict) -> str:
-    """The human-readable report (what k3-doctor prints without --json)."""
+    """The human-readable report (what k3-doctor prints without --json), section by
+    section."""
     out = []
-    w = out.append
+    for section in (_render_machine, _render_storage, _render_kernels, _render_model,
+                    _render_decision, _render_verdict):
+        section(report, out.append)
+    return "\n".join(out) + "\n"
+
+
+def _render_machine(report: dict, w) -> None:
+    """The machine: packages, threads, CPU, load, memory."""
     m = report["machine"]
     w("== machine")
     w(f"python {m['python']} ({m['implementation']}), "
@@ -489,6 +497,10 @@ def render_text(report: dict) -> str:
     w(f"memory: total {_gb(mem['total_bytes'])}, available {_gb(mem['available_bytes'])}, "
       f"cgroup limit {cg}, swap {_gb(mem['swap_total_bytes'])}"
       + (" (assumed, --assume-memory-gb)" if mem["assumed"] else ""))
+
+
+def _render_storage(report: dict, w) -> None:
+    """Each directory measured: filesystem, free space, read rates."""
     for s in report["storage"]:
         w(f"== storage: {s['role']} {s['directory']}")
         w(f"filesystem {s['filesystem']} at {s['mount_point']}, free {_gb(s['free_bytes'])}, "
@@ -505,6 +517,10 @@ def render_text(report: dict) -> str:
             w("read speed: not measured")
         for n in s["notes"]:
             w(f"note: {n}")
+
+
+def _render_kernels(report: dict, w) -> None:
+    """The kernels' measured speed, and whether it can be trusted."""
     k = report.get("kernels")
     if k:
         w(f"== kernels ({k['source']}): BF16 {_mbs(k['bf16_bytes_per_s'])}, "
@@ -515,6 +531,10 @@ def render_text(report: dict) -> str:
             mlo, mhi = k["mxfp4_range_bytes_per_s"]
             w(f"unreliable ({k['unreliable']}): measured twice, BF16 {_mbs(lo)} to "
               f"{_mbs(hi)}, MXFP4 {_mbs(mlo)} to {_mbs(mhi)}; the estimates use the faster")
+
+
+def _render_model(report: dict, w) -> None:
+    """The model: config, shards, sizes, pack."""
     ms = report.get("model")
     if ms:
         w(f"== model {ms['path']}")
@@ -538,6 +558,10 @@ def render_text(report: dict) -> str:
         if pk:
             w(f"pack {pk['directory']}: {pk['state']}; trunk file "
               f"{_gb(pk['trunk_bytes_needed'])}")
+
+
+def _render_decision(report: dict, w) -> None:
+    """Memory to plan with, every preset's budget and estimate, the pick."""
     d = report["decision"]
     w(f"== decision (sizes of {d['sizes_of']})")
     w(f"memory to plan with: {_gb(d['memory_plannable_bytes'])} of {_gb(d['memory_usable_bytes'])}; "
@@ -576,6 +600,10 @@ def render_text(report: dict) -> str:
         w(f"compressed trunk (k3-pack compress): {c['why']}; expected "
           f"{c['seconds_per_token_compressed']:.2f} s/token compressed vs "
           f"{c['seconds_per_token_raw']:.2f} raw at {d['pick']}")
+
+
+def _render_verdict(report: dict, w) -> None:
+    """Disk for the pack, warnings, failures, the verdict and what to run next."""
     dk = report.get("disk_for_pack")
     if dk:
         w(f"disk for the pack: {_gb(dk['still_to_write_bytes'])} to write, "
@@ -589,5 +617,4 @@ def render_text(report: dict) -> str:
     w(f"next: {report['next_step']}")
     for c in report["next_commands"]:
         w(f"  {c}")
-    return "\n".join(out) + "\n"
 
