@@ -798,3 +798,47 @@ def test_team_narrows_small_calls_to_the_calling_thread_and_restores_it():
         assert numba.get_num_threads() == 2
     finally:
         numba.set_num_threads(before)
+
+
+def test_every_parallel_kernel_leaves_the_team_as_it_found_it():
+    """Catches a kernel that narrows the team for a small call and never widens it back
+    (every later kernel of the pass then ran on one thread)."""
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has fewer than 2 threads here")
+    rng = np.random.default_rng(3)
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    H, Dk, Dv, T = 2, 4, 4, 1
+    packed, scales = _random_mxfp4(rng, 4, 2, 0.0)
+    calls = [
+        lambda: bf16.matvec(_finite_bf16(rng, (4, 8)), f32(8), np.empty(4, np.float32)),
+        lambda: bf16.matmul(_finite_bf16(rng, (4, 8)), f32(2, 8), np.empty((2, 4), np.float32)),
+        lambda: mxfp4.matvec(packed, scales, f32(64), np.empty(4, np.float32)),
+        lambda: mxfp4.matmul(packed, scales, f32(2, 64), np.empty((2, 4), np.float32)),
+        lambda: norms.rmsnorm(f32(2, 8), f32(8), 1e-5, np.empty((2, 8), np.float32)),
+        lambda: norms.l2norm(f32(2, 8), 1e-6, np.empty((2, 8), np.float32)),
+        lambda: activations.sigmoid(f32(8), np.empty(8, np.float32)),
+        lambda: activations.situ(f32(8), f32(8), 4.0, 25.0, np.empty(8, np.float32)),
+        lambda: kda.short_conv(f32(2, 8), f32(8, 4), f32(8, 3), np.empty((2, 8), np.float32)),
+        lambda: kda.kda_decay(f32(1, 8), f32(2), f32(8), -5.0, np.empty((1, 8), np.float32),
+                              np.empty((1, 8), np.float32)),
+        lambda: kda.kda_recurrence(f32(T, H, Dk), f32(T, H, Dk), f32(T, H, Dv),
+                                   np.full((T, H, Dk), 0.5, np.float32), f32(T, H),
+                                   0.5, np.zeros((H, Dk, Dv), np.float32),
+                                   np.empty((T, H, Dv), np.float32)),
+        lambda: mla.mla_attention(f32(1, H, 4), f32(1, H, 2), np.array([3]), f32(4, 4),
+                                  f32(4, 2), _finite_bf16(rng, (H * 8, 4)) & np.uint16(0xBFFF),
+                                  0.5, np.empty((1, H, 4), np.float32)),
+        lambda: router.router_topk(f32(1, 8), f32(8), 2, True, 1.0, np.empty((1, 2), np.int64),
+                                   np.empty((1, 2), np.float32)),
+        lambda: attnres.attnres(f32(2, 1, 8), 1, f32(1, 8), f32(8), 1e-5,
+                                np.empty((1, 8), np.float32)),
+        lambda: moe.combine_routed(f32(1, 2, 8), f32(1, 2), np.empty((1, 8), np.float32)),
+    ]
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(2)
+        for i, call in enumerate(calls):
+            call()
+            assert numba.get_num_threads() == 2, f"call {i} left the team narrowed"
+    finally:
+        numba.set_num_threads(before)

@@ -148,3 +148,4 @@ def kda_recurrence(q, k, v, alpha, beta, q_scale, S, out):
                     s = Sh[i, j] + kb * d[j]
                     Sh[i, j] = s
                     o[j] += qt * s
+    team.widen(nt)

@@ -35,7 +35,6 @@ import numpy as np
 
 from .. import names
 from ..config import K3Config
-from ..errors import FormatError
 from ..io import inventory
 from ..io.dtypes import bound_extra_bytes, matrix_operand, widen
 from ..budget import plan_trunk
