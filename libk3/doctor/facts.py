@@ -14,7 +14,7 @@ import platform
 
 from ..machine import cpus, memory, parallel, threads
 
-PACKAGES = ("numpy", "numba", "llvmlite", "tokenizers", "safetensors", "zstandard")
+PACKAGES = ("numpy", "numba", "llvmlite", "tokenizers", "zstandard")
 
 
 def package_versions() -> dict:
