@@ -57,8 +57,8 @@ def batch_options(batch, batch_width, shard, spec, serve=False) -> tuple:
     """(width for RunOptions.batch_width, (K, N) or None) from --batch-width (with
     --batch or --serve) and --shard (with --batch). --spec decodes one prompt at a time:
     with --batch auto becomes 1 and an explicit width above 1 is refused (usage error);
-    --serve always decodes in lockstep, so it refuses --spec."""
-    from .batch import parse_shard
+    --serve always decodes in lockstep, so it refuses --spec. ``batch_width`` is None,
+    "auto" or a positive int and ``shard`` None or (K, N), as the front end parsed them."""
     if not batch and (shard is not None or (batch_width is not None and not serve)):
         raise UsageError("--batch-width and --shard go with --batch (--batch-width also "
                          "with --serve)")
@@ -67,24 +67,13 @@ def batch_options(batch, batch_width, shard, spec, serve=False) -> tuple:
     if serve and spec:
         raise UsageError("--spec decodes one prompt at a time; --serve decodes its requests "
                          "in lockstep", hint="drop --spec")
-    width = "auto" if batch_width in (None, "auto") else batch_width
-    if width != "auto":
-        try:
-            width = int(width)
-        except ValueError:
-            width = 0
-        if width < 1:
-            raise UsageError(f"--batch-width must be a positive integer or auto, got {batch_width!r}")
+    width = "auto" if batch_width is None else batch_width
     if spec and width != "auto" and width > 1:
         raise UsageError("--spec decodes one prompt at a time: it cannot run with --batch-width "
                          f"{width}", hint="use --batch-width 1, or drop --spec")
     if spec:
         width = 1
-    try:
-        kn = parse_shard(shard) if shard is not None else None
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    return width, kn
+    return width, shard
 
 
 def resolve_run_budget(opts: RunOptions, ckpt):
@@ -417,19 +406,6 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
              "--deadline")
     summary["done"] = len(summary["prompts"])
     return summary
-
-
-def parse_template_kwargs(text):
-    """--template-kwargs: a JSON object (None when not given)."""
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise UsageError(f"--template-kwargs is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise UsageError("--template-kwargs must be a JSON object")
-    return value
 
 
 def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_factory,

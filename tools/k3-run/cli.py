@@ -8,7 +8,8 @@ import time
 import click
 
 from libk3 import __version__
-from k3cli.group import Command, Finite, Rule, gigabytes, quiet_option, threads_option
+from k3cli.group import (Command, Finite, JsonObject, Rule, Shard, Width, gigabytes,
+                         quiet_option, threads_option)
 from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_SIZE
 from libk3.engine.defaults import IO_THREADS, PREFILL_CHUNK
@@ -64,17 +65,17 @@ class _Printer:
               help="With --batch: stop cleanly after this many prompts (the rest: next run).")
 @click.option("--deadline", type=Finite(0, 10 ** 7, min_open=True),
               metavar="MINUTES",
-              help="With --batch: stop cleanly this many minutes after start; the prompt in "
-                   "flight is abandoned and redone by the next run.")
-@click.option("--batch-width", default=None, metavar="N|auto",
+              help="With --batch: stop cleanly this many minutes after start, having "
+                   "started only prompts this run's pace says finish by then (docs/batch.md).")
+@click.option("--batch-width", default=None, type=Width(), metavar="N|auto",
               help="With --batch or --serve: prompts (requests) decoded in lockstep, "
                    "sharing each weight read (default auto: the most whose state fits "
                    "beside the budgets).")
-@click.option("--shard", metavar="K/N",
+@click.option("--shard", type=Shard(), metavar="K/N",
               help="With --batch: run only the ids of shard K of N (docs/batch.md).")
 @click.option("--chat", is_flag=True, help="Interactive multi-turn chat on stdin, in the "
                                            "model's chat template.")
-@click.option("--template-kwargs", metavar="JSON",
+@click.option("--template-kwargs", type=JsonObject(), metavar="JSON",
               help="With --chat: extra chat-template variables, e.g. '{\"thinking\": false}'.")
 @click.option("--serve", "serve_address", metavar="[HOST:]PORT",
               help="Serve an OpenAI-compatible API (needs the serve extra); HOST defaults "
@@ -164,7 +165,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
     from click.core import ParameterSource
     if not serve_address and ctx.get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
         raise UsageError("--api-key goes with --serve")
-    chat_kwargs = runner.parse_template_kwargs(template_kwargs)
+    chat_kwargs = template_kwargs
     if serve_address:
         from libk3.serve.app import check_address
         check_address(serve_address, api_key)        # before the model is opened

@@ -123,6 +123,56 @@ def gigabytes(positive: bool = False) -> Finite:
     return Finite(0, MAX_GB, min_open=positive)
 
 
+class Shard(click.ParamType):
+    """``K/N`` -> (K, N), 1 <= K <= N (``libk3.engine.batch.parse_shard``'s rule)."""
+
+    name = "K/N"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        from libk3.engine.batch import parse_shard
+        try:
+            return parse_shard(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+class Width(click.ParamType):
+    """A lockstep width: ``auto`` or a positive integer."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or (isinstance(value, int) and value >= 1):
+            return value
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            self.fail(f"must be a positive integer or auto, got {value!r}", param, ctx)
+        return n
+
+
+class JsonObject(click.ParamType):
+    """A JSON object given as text (``--template-kwargs``) -> dict."""
+
+    name = "JSON object"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, dict):
+            return value
+        import json
+        try:
+            doc = json.loads(value)
+        except ValueError as e:
+            self.fail(f"is not valid JSON ({e})", param, ctx)
+        if not isinstance(doc, dict):
+            self.fail("must be a JSON object", param, ctx)
+        return doc
+
+
 class Rule(click.ParamType):
     """A ``base`` value (click.INT, click.FLOAT, ...) that a libk3 rule accepts:
     ``problem(value)`` returns None or why the value is refused."""
