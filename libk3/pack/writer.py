@@ -278,60 +278,98 @@ def _open_for_write(path: Path):
     return os.open(path, os.O_WRONLY)
 
 
+class _Pieces:
+    """The read side of ``_copy_layers``: READERS threads read the layer runs' pieces in
+    order into buffers of a fixed pool and hand them back by piece number (``take``); a
+    buffer returns to the pool once its write is done (``give_back``). A reader takes its
+    buffer before its piece, so the piece the copier waits for always has one. A
+    reader's failure is raised by ``take``."""
+
+    def __init__(self, src_dir, jobs):
+        self.src_dir, self.jobs = Path(src_dir), jobs
+        self.pool: queue.Queue = queue.Queue()
+        for _ in range(READERS + WRITERS + 4):
+            self.pool.put(aligned_empty(window_bytes(COPY_BLOCK)))
+        self.files = FileSet(use_direct=True)
+        self.ready: dict = {}
+        self.cv = threading.Condition()
+        self.next_job, self.stopped, self.err = 0, False, None
+        self.threads = [threading.Thread(target=self._read, daemon=True)
+                        for _ in range(READERS)]
+        for th in self.threads:
+            th.start()
+
+    def _buffer(self):
+        while not self.stopped:
+            try:
+                return self.pool.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        return None
+
+    def _read(self) -> None:
+        try:
+            while True:
+                buf = self._buffer()
+                if buf is None:
+                    return
+                with self.cv:
+                    k = self.next_job
+                    if k >= len(self.jobs) or self.stopped:
+                        return
+                    self.next_job = k + 1
+                p, pos, n = self.jobs[k]
+                f = self.files.get(self.src_dir / p.shard)
+                at = f.read_window(p.run_start + pos, n, buf, what=f"layer {p.layer} trunk run")
+                if at:
+                    ctypes.memmove(buf.ctypes.data, buf.ctypes.data + at, n)
+                with self.cv:
+                    self.ready[k] = buf
+                    self.cv.notify_all()
+        except BaseException as e:          # handed to the copier, re-raised by take
+            with self.cv:
+                self.err = self.err or e
+                self.stopped = True
+                self.cv.notify_all()
+
+    def take(self, k: int):
+        """Piece ``k``'s buffer, once read (its payload at the start)."""
+        with self.cv:
+            while k not in self.ready and self.err is None:
+                self.cv.wait()
+            if self.err is not None:
+                raise self.err
+            return self.ready.pop(k)
+
+    def give_back(self, buf) -> None:
+        self.pool.put(buf)
+
+    def close(self) -> None:
+        with self.cv:
+            self.stopped = True
+            self.cv.notify_all()
+        for th in self.threads:
+            th.join(timeout=5)
+        for f in self.files.files.values():
+            f.close()
+
+
 def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
     """Yield (plan, crc32, {suffix: first NaN/Inf element}) per layer once all its bytes
     are written.
 
-    READERS threads read 16 MiB pieces of the layer runs in order (O_DIRECT when the
-    source allows it: each read is the aligned window around the piece, and the payload
-    is moved to the buffer's start so the pack's O_DIRECT write is aligned too); this
-    thread takes the pieces back in order, checksums them, scans their float tensors for
-    NaN/Inf (``libk3.pack.nonfinite``) and hands them to WRITERS
-    write threads; several reads and writes in flight keep the disk busy where one at a
-    time left it idle (bench/README.md, "Packing"). Buffers come from a fixed pool (bounded read-ahead,
-    READERS + WRITERS + 4 blocks); a reader takes its buffer before its piece, so the
-    piece this thread waits for always has one. Each layer's last piece is zero-padded
-    to 4096, which writes the layer's padding. A layer is yielded (and journaled by the
+    The pieces (16 MiB of the layer runs, in order) are read ahead by ``_Pieces``
+    (O_DIRECT when the source allows it: each read is the aligned window around the
+    piece, and the payload is moved to the buffer's start so the pack's O_DIRECT write is
+    aligned too); this thread takes them back in order, checksums them, scans their
+    float tensors for NaN/Inf (``libk3.pack.nonfinite``) and hands them to WRITERS write
+    threads; several reads and writes in flight keep the disk busy where one at a time
+    left it idle (bench/README.md, "Packing"). Each layer's last piece is zero-padded to
+    4096, which writes the layer's padding. A layer is yielded (and journaled by the
     caller) only when every one of its writes has returned."""
     jobs = [(p, pos, min(COPY_BLOCK, p.nbytes - pos))
             for p in plans for pos in range(0, p.nbytes, COPY_BLOCK)]
-    pool: queue.Queue = queue.Queue()
-    for _ in range(READERS + WRITERS + 4):
-        pool.put(aligned_empty(window_bytes(COPY_BLOCK)))
-    files = FileSet(use_direct=True)
-    ready: dict = {}
-    cv = threading.Condition()
-    state = {"next_job": 0, "stop": False, "err": None}
-
-    def reader():
-        try:
-            while True:
-                buf = None
-                while buf is None:
-                    if state["stop"]:
-                        return
-                    try:
-                        buf = pool.get(timeout=0.1)
-                    except queue.Empty:
-                        pass
-                with cv:
-                    k = state["next_job"]
-                    if k >= len(jobs) or state["stop"]:
-                        return
-                    state["next_job"] = k + 1
-                p, pos, n = jobs[k]
-                f = files.get(Path(src_dir) / p.shard)
-                at = f.read_window(p.run_start + pos, n, buf, what=f"layer {p.layer} trunk run")
-                if at:
-                    ctypes.memmove(buf.ctypes.data, buf.ctypes.data + at, n)
-                with cv:
-                    ready[k] = buf
-                    cv.notify_all()
-        except BaseException as e:          # handed to the writer thread, re-raised there
-            with cv:
-                state["err"] = state["err"] or e
-                state["stop"] = True
-                cv.notify_all()
+    pieces = _Pieces(src_dir, jobs)
 
     def write(buf, length, off):
         try:
@@ -342,11 +380,8 @@ def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
             if w != length:
                 raise K3IOError("short write to the pack (disk full?)")
         finally:
-            pool.put(buf)
+            pieces.give_back(buf)
 
-    threads = [threading.Thread(target=reader, daemon=True) for _ in range(READERS)]
-    for th in threads:
-        th.start()
     writers = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="k3-pack-write")
     t0 = time.perf_counter()
     sent = 0
@@ -355,12 +390,7 @@ def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
     pending: list = []                  # (plan, futures of its pieces), in layer order
     try:
         for k, (p, pos, n) in enumerate(jobs):
-            with cv:
-                while k not in ready and state["err"] is None:
-                    cv.wait()
-                if state["err"] is not None:
-                    raise state["err"]
-                buf = ready.pop(k)
+            buf = pieces.take(k)
             crc[p.layer] = zlib.crc32(memoryview(buf)[:n], crc[p.layer])
             scans[p.layer].feed(buf[:n])
             last = pos + n == p.nbytes
@@ -387,14 +417,9 @@ def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
                 f.result()
             yield done_p, crc[done_p.layer], scans[done_p.layer].found
     finally:
-        with cv:
-            state["stop"] = True
-            cv.notify_all()
+        pieces.stopped = True           # no new reads; close() wakes and joins the readers
         writers.shutdown(wait=True)
-        for th in threads:
-            th.join(timeout=5)
-        for f in files.files.values():
-            f.close()
+        pieces.close()
 
 
 def _write_expert_index(d: Path, ckpt) -> None:
