@@ -185,17 +185,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         limits = runner.BatchLimits(
             max_prompts=max_prompts, wait=wait, started=started,
             deadline=None if deadline is None else started + 60.0 * deadline)
-        summary = runner.run_batch(opts, batch, out_path, settings,
-                                   warn=lambda m: click.echo(m, err=True), limits=limits,
-                                   shard=shard_kn)
-        if json_out:
-            print_json(summary)
-        else:
-            from libk3.engine.batch import summary_text
-            from libk3.engine.report import batch_text
-            click.echo(summary_text(summary, out_path), err=True)
-            if "width" in summary:
-                click.echo(batch_text(summary), err=True)
+        _batch_mode(opts, settings, batch, out_path, limits, shard_kn, json_out)
         return
     with runner.open_run(opts) as run:
         run.check_stop_ids(stop_ids)
@@ -218,18 +208,8 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
             prompt_ids = run.encode_file(prompt_file)
         else:
             prompt_ids = run.encode(prompt)
-        printer = None if json_out else _Printer(run.session.tokenizer)
-        res = run.generate(prompt_ids, settings, on_token=printer,
-                           keep_logits=logits_out is not None, load_state=load_state,
-                           save_state=save_state)
-        if printer is not None:
-            printer.finish()
-        if logits_out:
-            import numpy as np
-            npy = logits_out if logits_out.endswith(".npy") else logits_out + ".npy"
-            with atomic.replacing(npy) as f:       # np.save's own suffix rule, atomically
-                np.save(f, res.logits)
-        rep = run.report(res)
+        rep = _one_prompt(run, prompt_ids, settings, json_out, logits_out, load_state,
+                          save_state)
     if report_json:
         atomic.write_json(report_json, rep)
     if json_out:
@@ -237,6 +217,40 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
     else:
         from libk3.engine.report import short_text
         click.echo(short_text(rep), err=True)
+
+
+def _batch_mode(opts, settings, batch, out_path, limits, shard_kn, json_out) -> None:
+    """--batch: the whole file (or what the limits allow), then its summary."""
+    from libk3.engine import runner
+    summary = runner.run_batch(opts, batch, out_path, settings,
+                               warn=lambda m: click.echo(m, err=True), limits=limits,
+                               shard=shard_kn)
+    if json_out:
+        print_json(summary)
+        return
+    from libk3.engine.batch import summary_text
+    from libk3.engine.report import batch_text
+    click.echo(summary_text(summary, out_path), err=True)
+    if "width" in summary:
+        click.echo(batch_text(summary), err=True)
+
+
+def _one_prompt(run, prompt_ids, settings, json_out, logits_out, load_state,
+                save_state) -> dict:
+    """--prompt, --prompt-file, --ids: generate with the text shown as it comes; the
+    logits saved when asked; the run report."""
+    printer = None if json_out else _Printer(run.session.tokenizer)
+    res = run.generate(prompt_ids, settings, on_token=printer,
+                       keep_logits=logits_out is not None, load_state=load_state,
+                       save_state=save_state)
+    if printer is not None:
+        printer.finish()
+    if logits_out:
+        import numpy as np
+        npy = logits_out if logits_out.endswith(".npy") else logits_out + ".npy"
+        with atomic.replacing(npy) as f:       # np.save's own suffix rule, atomically
+            np.save(f, res.logits)
+    return run.report(res)
 
 
 def _chat_prompt() -> str:
