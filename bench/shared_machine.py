@@ -75,6 +75,16 @@ def s_per_token(shim, args, tmp: Path, env=None) -> float:
     return out["seconds_per_token"]
 
 
+def idle_and_loaded(shim, args, tmp, env, rounds) -> tuple:
+    """Median s/token of ``rounds`` runs idle and as many beside a busy core, alternated."""
+    idle, loaded = [], []
+    for _ in range(rounds):
+        idle.append(s_per_token(shim, args, tmp, env))
+        with busy_core():
+            loaded.append(s_per_token(shim, args, tmp, env))
+    return statistics.median(idle), statistics.median(loaded)
+
+
 def layer_env(layer: str) -> dict:
     """ENV choosing ``layer``; a TBB from PyPI (``pip install tbb``, not a k3 dependency)
     keeps its library in the venv's lib/, off the loader's path."""
@@ -104,12 +114,7 @@ def layers_section(trees, rounds, tmp):
         row = [layer]
         for preset in ("tiny", "small"):
             args = [model_of(preset), "--prompt", PROMPT, "--gen", "32"]
-            idle, loaded = [], []
-            for _ in range(rounds):
-                idle.append(s_per_token(trees["head"], args, tmp, env))
-                with busy_core():
-                    loaded.append(s_per_token(trees["head"], args, tmp, env))
-            i, b = statistics.median(idle), statistics.median(loaded)
+            i, b = idle_and_loaded(trees["head"], args, tmp, env, rounds)
             row += [f"{i:.4f}", f"{b:.4f}", f"{b / i:.2f}"]
         rows.append(row)
     print(table(rows, ["layer", "tiny idle", "tiny loaded", "ratio", "small idle",
@@ -145,13 +150,7 @@ def waits_section(trees, rounds, tmp):
     for label, extra in (("sleep at once (PASSIVE)", {"OMP_WAIT_POLICY": "PASSIVE"}),
                          ("k3: spin 100000, then sleep", {}),
                          ("libgomp default: spin 300000", {"GOMP_SPINCOUNT": "300000"})):
-        env = dict(ENV, **extra)
-        idle, loaded = [], []
-        for _ in range(rounds):
-            idle.append(s_per_token(trees["head"], args, tmp, env))
-            with busy_core():
-                loaded.append(s_per_token(trees["head"], args, tmp, env))
-        i, b = statistics.median(idle), statistics.median(loaded)
+        i, b = idle_and_loaded(trees["head"], args, tmp, dict(ENV, **extra), rounds)
         rows.append([label, f"{i:.4f}", f"{b:.4f}", f"{b / i:.2f}"])
     print(table(rows, ["idle thread", "small idle", "small loaded", "ratio"]))
 

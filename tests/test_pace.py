@@ -45,7 +45,9 @@ def test_fit_recovers_the_pass_cost():
         pace.record(p, w, 0.5 + 0.1 * w + 0.01 * p)
     a, b, bp, stretch = pace._fit()
     assert (a, b, bp) == pytest.approx((0.5, 0.1, 0.01)) and stretch == SAFETY
-    assert pace.seconds(10, 2) == pytest.approx((0.5 + 0.2 + 0.1) * SAFETY)
+    # one pass feeding 10 prompt tokens beside 2 decoding sequences
+    assert pace.finish([Work(10, 1), Work(0, 1), Work(0, 1)], 64) == \
+        pytest.approx((0.5 + 0.2 + 0.1) * SAFETY)
 
 
 def test_fit_of_one_pass_size_is_half_fixed_and_first_pass_left_out():
@@ -54,7 +56,8 @@ def test_fit_of_one_pass_size_is_half_fixed_and_first_pass_left_out():
     assert not pace.measured
     pace.record(0, 2, 1.0)
     pace.record(0, 2, 1.0)
-    assert pace.measured and pace.seconds(0, 4) == pytest.approx(1.5 * SAFETY)
+    a, b, bp, stretch = pace._fit()
+    assert pace.measured and (a + 4 * b) * stretch == pytest.approx(1.5 * SAFETY)
 
 
 def test_stretch_follows_how_far_passes_strayed():

@@ -26,17 +26,21 @@ STARTED, ABANDONED, NO_TIME = "started", "abandoned", "no time"
 
 
 class BatchSink:
-    """``deadline`` (seconds on ``clock``): admit a prompt only when this run's pace says
-    it and every prompt in flight finish before it (``pace``); such a run goes through
-    the lockstep scheduler even at width 1, which is how its passes are timed."""
+    """``limits`` (``runner.BatchLimits``) with a deadline: admit a prompt only when this
+    run's pace says it and every prompt in flight finish before it (``pace``), and drop
+    what is still in flight once it has passed; such a run goes through the lockstep
+    scheduler even at width 1, which is how its passes are timed."""
 
-    def __init__(self, run, out_path, width: int, chunk: int, should_stop=None,
-                 deadline=None, clock=time.monotonic, since=None, spec: bool = False):
+    def __init__(self, run, out_path, width: int, chunk: int, limits, spec: bool = False):
         self.run, self.out_path, self.width, self.chunk = run, out_path, width, chunk
-        self.should_stop, self.deadline, self.clock = should_stop, deadline, clock
-        self.since = clock() if since is None else since    # where the deadline counts from
-        self.pace = Pace() if deadline is not None else None
-        self.unfit = None                   # (id, seconds alone) of a prompt left for lack of time
+        self.deadline, self.clock = limits.deadline, limits.clock
+        self.should_stop = limits.passed if self.deadline is not None else None
+        # where the deadline counts from
+        self.since = self.clock() if limits.started is None else limits.started
+        self.pace = Pace() if self.deadline is not None else None
+        # one line for a run that finished nothing: the first prompt the deadline was too
+        # short for, what it needed at this run's pace, the deadline that would fit it
+        self.unfit = None
         self.abandoned = 0                  # prompts dropped at the deadline (redone next run)
         self.discarded = 0                  # tokens those prompts had generated
         self.prompts: list[dict] = []
@@ -54,9 +58,9 @@ class BatchSink:
             self.lockstep = Lockstep(fwd, lambda n: State(cfg, capacity=n), width,
                                      self._done, chunk=chunk,
                                      tokenizer=run.session.tokenizer, on_token=self._token,
-                                     should_stop=should_stop,
+                                     should_stop=self.should_stop,
                                      on_pass=self.pace.record if self.pace else None,
-                                     clock=clock)
+                                     clock=self.clock)
 
     def submit(self, lineno: int, job_id, prompt_ids, settings, chat: bool = False) -> str:
         """Run the prompt (width 1) or queue it for the next free slot; ``chat``: a
@@ -101,8 +105,7 @@ class BatchSink:
             return True
         new = Work(len(job.prompt_ids), job.settings.gen)
         while True:
-            works = [Work(len(lane.prompt) - lane.fed,
-                          lane.job.settings.gen - len(lane.generated)) for lane in ls.lanes]
+            works = [_work_left(lane) for lane in ls.lanes]
             if self.pace.finish(works + [new], self.chunk) <= self.deadline - self.clock():
                 return True
             if not ls.lanes:
@@ -111,17 +114,11 @@ class BatchSink:
             ls.step()
 
     def _short(self, job_id, need: float, verb: str) -> None:
-        """Remember the first prompt the deadline was too short for (``unfit_message``)."""
+        """Remember the first prompt the deadline was too short for (``unfit``)."""
         if self.unfit is None:
             minutes = math.ceil((self.clock() - self.since + need) / 60)
             self.unfit = (f"deadline: prompt {job_id!r} {verb} about {need:.0f} s more at this "
                           f"run's pace; a --deadline of at least {minutes} min would fit it")
-
-    def unfit_message(self):
-        """One line for a run that finished nothing: the first prompt that did not fit or
-        was cut off, the time it needed at this run's pace and the deadline that would
-        hold it; None when there was none."""
-        return self.unfit
 
     def _drop_lanes(self) -> int:
         if self.lockstep is None:
@@ -130,9 +127,9 @@ class BatchSink:
         self.discarded += sum(len(lane.generated) for lane in lanes)
         if lanes and self.pace is not None and self.pace.measured:
             lane = lanes[0]
-            self._short(self.ids.get(lane.job.tag, lane.job.tag), self.pace.finish(
-                [Work(len(lane.prompt) - lane.fed, lane.job.settings.gen - len(lane.generated))],
-                self.chunk), "was cut off at the deadline; it needed")
+            self._short(self.ids.get(lane.job.tag, lane.job.tag),
+                        self.pace.finish([_work_left(lane)], self.chunk),
+                        "was cut off at the deadline; it needed")
         return len(lanes)
 
     def _token(self, job, tok) -> None:
@@ -188,6 +185,11 @@ class BatchSink:
                 for L in cfg.moe_layers} if passes else {},
             "prompts": self.prompts,
         }
+
+
+def _work_left(lane) -> Work:
+    """What a lockstep lane still has to do: prompt tokens to feed, tokens to generate."""
+    return Work(len(lane.prompt) - lane.fed, lane.job.settings.gen - len(lane.generated))
 
 
 def _bar(show: bool):

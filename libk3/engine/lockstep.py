@@ -135,9 +135,9 @@ class Lockstep:
     ``keep_logits`` collects each prompt's logits rows (prompt positions, then every
     generated token but the last) into its result. ``chunk``: prompt tokens per pass.
     ``should_stop()``, if given, is asked before every pass: True raises Abandoned, and
-    the lanes in flight stay in ``lanes`` for the caller to count and drop. ``on_pass(prompt
-    tokens, decoders, seconds)``, if given, hears each pass's size and duration on ``clock`` (a batch's
-    pace, ``libk3.engine.pace``)."""
+    the lanes in flight stay in ``lanes`` for the caller to count and drop.
+    ``on_pass(prompt tokens, decoders, seconds)``, if given, hears each pass's size and
+    duration on ``clock`` (a batch's pace, ``libk3.engine.pace``)."""
 
     def __init__(self, forward, new_state, width: int, on_done, *, chunk: int = PREFILL_CHUNK,
                  tokenizer=None, on_token=None, keep_logits: bool = False,

@@ -31,7 +31,7 @@ class Work:
 
 
 class Pace:
-    """Passes seen so far (``record``); ``seconds`` of a pass; ``finish`` of sequences."""
+    """Passes seen so far (``record``); ``finish``: when sequences sharing passes end."""
 
     def __init__(self):
         self.passes = collections.deque(maxlen=WINDOW)
@@ -61,11 +61,6 @@ class Pace:
             bp = b
         ratios = sorted(s / max(a + b * w + bp * p, 1e-12) for p, w, s in self.passes)
         return a, b, bp, max(SAFETY, ratios[int(0.9 * (len(ratios) - 1))])
-
-    def seconds(self, prompt_tokens: int, decoders: int) -> float:
-        """Expected seconds of one pass (needs ``measured``), stretched."""
-        a, b, bp, stretch = self._fit()
-        return (a + b * decoders + bp * prompt_tokens) * stretch
 
     def finish(self, works: list, chunk: int) -> float:
         """Seconds until every sequence of ``works`` (in slot order, sharing passes as in

@@ -113,8 +113,8 @@ class Run:
         try:
             self.budget, self.width, self.width_reasons = resolve_run_budget(opts, ckpt)
             from .precompile import prepare     # the expert cache builds its policy
-            self.compile_seconds = 0.0 if opts.resident else prepare(["expert-cache"],
-                                                                             show=opts.progress)
+            self.compile_seconds = (0.0 if opts.resident else
+                                    prepare(["expert-cache"], show=opts.progress))
             on_route = self._record if opts.trace_path else None
             self.session = open_session(
                 opts.model, ckpt=ckpt, pack=opts.pack,
@@ -128,7 +128,8 @@ class Run:
         self.seq = 0                       # which prompt of a batch (trace records)
         self._chat = None
         try:    # the forward's kernels load while the session's first reads (lm_head, the
-            self.compile_seconds += prepare(["forward"], show=opts.progress)    # ring's layers) are under way
+            # ring's layers) are under way
+            self.compile_seconds += prepare(["forward"], show=opts.progress)
         except BaseException:
             self.close(failed=True)
             raise
@@ -345,11 +346,8 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     width = min(run.width, max(1, sum(1 for _, ln in lines if ln.strip())))
     summary["width_reasons"] = list(run.width_reasons) + (
         [f"capped at {width} (the batch's lines)"] if width < run.width else [])
-    left_for_time = 0                   # prompts not started: they would not finish in time
-    sink = BatchSink(run, out_path, width, base.prefill_chunk,
-                     should_stop=limits.passed if limits.deadline is not None else None,
-                     deadline=limits.deadline, clock=limits.clock, since=limits.started,
-                     spec=bool(base.spec))
+    left_for_time = False               # a prompt not started: it would not finish in time
+    sink = BatchSink(run, out_path, width, base.prefill_chunk, limits, spec=bool(base.spec))
     started = 0
     for lineno, line in lines:
         if not line.strip():
@@ -388,7 +386,7 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
         outcome = sink.submit(lineno, job["id"], prompt_ids, settings, chat="messages" in job)
         if outcome == NO_TIME:
             summary["remaining"] += 1          # a shorter prompt further on may still fit
-            left_for_time += 1
+            left_for_time = True
             continue
         started += 1
         if outcome == ABANDONED:
@@ -401,7 +399,7 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
         summary["stopped"] = summary["stopped"] or "deadline"
         summary["remaining"] += sink.abandoned
     if not summary["prompts"] and summary["stopped"] == "deadline":
-        warn(sink.unfit_message() or "deadline: it passed before the first prompt started "
+        warn(sink.unfit or "deadline: it passed before the first prompt started "
              f"({limits.clock() - sink.since:.1f} s after the run began); give a longer "
              "--deadline")
     summary["done"] = len(summary["prompts"])

@@ -81,13 +81,10 @@ def prepare(requested: int | None = None, *, environ=None, user=None, allowance=
         n, n_from = _parse_count(user[_ENV_COUNT]), "environment"
     else:
         n, n_from = allow.count, allow.why
-    if user.get(_ENV_WAIT) or user.get(_ENV_SPIN):
-        wait = (f"{_ENV_WAIT}={user[_ENV_WAIT]}" if user.get(_ENV_WAIT)
-                else f"{_ENV_SPIN}={user[_ENV_SPIN]}")
-        wait_from = "environment"
-    else:
-        wait, wait_from = f"{_ENV_SPIN}={SPIN_COUNT}", "k3"
+    wait, wait_from = _wait_policy(user), "environment"
+    if wait is None:
         env[_ENV_SPIN] = str(SPIN_COUNT)
+        wait, wait_from = _wait_policy(env), "k3"
     if user.get(_ENV_LAYER) or user.get(_ENV_ORDER):
         layer, layer_from = user.get(_ENV_LAYER) or user[_ENV_ORDER], "environment"
     else:
@@ -174,8 +171,15 @@ def in_force() -> dict:
         layer = numba.threading_layer()
     except ValueError:              # no parallel region has run yet
         layer = None
-    wait = os.environ.get(_ENV_WAIT)
-    spin = os.environ.get(_ENV_SPIN)
     return {"threads": numba.get_num_threads(), "max_threads": numba.config.NUMBA_NUM_THREADS,
-            "layer": layer, "wait_policy": f"{_ENV_WAIT}={wait}" if wait else
-            f"{_ENV_SPIN}={spin}" if spin else None}
+            "layer": layer, "wait_policy": _wait_policy(os.environ)}
+
+
+def _wait_policy(environ):
+    """How ``environ`` tells OpenMP's idle threads to wait, as ``NAME=value`` (a wait
+    policy before a spin count, as libgomp reads them), or None when it does not."""
+    if environ.get(_ENV_WAIT):
+        return f"{_ENV_WAIT}={environ[_ENV_WAIT]}"
+    if environ.get(_ENV_SPIN):
+        return f"{_ENV_SPIN}={environ[_ENV_SPIN]}"
+    return None
