@@ -17,6 +17,7 @@ LAYERS = (
     ("libk3.policies", "libk3.budget"),
     ("libk3.pack",),
     ("libk3.model", "libk3.stream"),
+    ("libk3.draft",),
     ("libk3.trace",),
     ("libk3.synth",),
     ("libk3.engine",),

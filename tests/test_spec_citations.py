@@ -1,9 +1,10 @@
-"""Every model-spec citation in the repository resolves into formats/model.md.
+"""Every spec citation in the repository resolves into formats/model.md or formats/dspark.md.
 
 Code, tests and docs cite the model spec as ``model.md §N`` (or ``§N.M``; a list may go on
-``, §N.M``). This scans every .py and .md file of the repository and fails on a cited
-section that formats/model.md does not have, on a bare ``§N`` that does not say which
-document it means, on the retired citation forms (``spec 5.3``, ``spec §5``, ``spec-8.5``),
+``, §N.M``) and the draft's spec as ``dspark.md §N``. This scans every .py and .md file of
+the repository and fails on a cited section that the named page does not have, on a bare
+``§N`` that does not say which document it means (a spec page's own bare ``§N`` means
+itself), on the retired citation forms (``spec 5.3``, ``spec §5``, ``spec-8.5``),
 and on any mention of a document or folder outside the repository (the old spec's file
 name, the shared conformance folder) except in tests/conformance.py, which loads those
 vectors. In the code (libk3/, tools/) it also fails on history and measurements, whose
@@ -20,6 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "formats" / "model.md"
+# The pages a citation may name, by the name it uses; each resolves in formats/.
+PAGES = ("model.md", "dspark.md")
 # The one module allowed to know where the shared conformance vectors live.
 LOADER = Path("tests") / "conformance.py"
 SKIP_DIRS = {".git", ".venv", "venv", "scratch", "build", "dist", "__pycache__",
@@ -28,7 +31,7 @@ SKIP_DIRS = {".git", ".venv", "venv", "scratch", "build", "dist", "__pycache__",
 HEADING = re.compile(r"^#{2,4} (\d+(?:\.\d+)*)\.? ", re.M)
 SECTION = re.compile(r"§ ?(\d+(?:\.\d+)*)")
 # A uniform citation: "model.md §5.3", optionally continued as a list or a range.
-CITATION = re.compile(r"model\.md §\d+(?:\.\d+)*(?:(?:, | and | or |-)§\d+(?:\.\d+)*)*")
+CITATION = re.compile(r"(model|dspark)\.md §\d+(?:\.\d+)*(?:(?:, | and | or |-)§\d+(?:\.\d+)*)*")
 # Retired forms: "spec 5.3", "Spec 7.4", "spec §5", "spec-8.5" (not the --spec option).
 OLD_FORM = re.compile(r"(?<![-\w])spec[ -]?§? ?\d|spec PRIOR-ART", re.I)
 # Built from parts so that this file does not trip its own check.
@@ -57,22 +60,25 @@ def scanned_files(root: Path = ROOT):
 
 
 def problems(root: Path = ROOT, spec: Path = SPEC) -> list:
-    """One line per bad citation: 'path:line: what is wrong'."""
-    sections = spec_sections(spec)
-    spec_rel = spec.relative_to(root)
+    """One line per bad citation: 'path:line: what is wrong'. ``spec`` is the model page;
+    the other pages of PAGES are looked for beside it (absent: no sections)."""
+    pages = {name: spec.parent / name for name in PAGES}
+    sections = {name: spec_sections(p) if p.is_file() else set() for name, p in pages.items()}
+    own = {p.relative_to(root): name for name, p in pages.items()}
     out = []
     for rel in scanned_files(root):
         text = (root / rel).read_text(encoding="utf-8", errors="replace")
         for n, line in enumerate(text.splitlines(), 1):
             where = f"{rel}:{n}"
+            cited = [(c.span(), c.group(1) + ".md") for c in CITATION.finditer(line)]
             for m in SECTION.finditer(line):
-                if m.group(1) not in sections:
-                    out.append(f"{where}: §{m.group(1)} is not a section of {spec_rel}")
-            if rel != spec_rel:
-                covered = [c.span() for c in CITATION.finditer(line)]
-                for m in SECTION.finditer(line):
-                    if not any(a <= m.start() < b for a, b in covered):
-                        out.append(f"{where}: bare §{m.group(1)}; write 'model.md §N'")
+                page = next((name for (a, b), name in cited if a <= m.start() < b),
+                            own.get(rel))
+                if page is None:
+                    out.append(f"{where}: bare §{m.group(1)}; write 'model.md §N' "
+                               "or 'dspark.md §N'")
+                elif m.group(1) not in sections[page]:
+                    out.append(f"{where}: §{m.group(1)} is not a section of formats/{page}")
             for m in OLD_FORM.finditer(line):
                 out.append(f"{where}: old citation form {m.group(0)!r}; write 'model.md §N'")
             if rel != LOADER:
@@ -109,10 +115,14 @@ def test_spec_citations_checker_control(tmp_path):
     spec = tmp_path / "formats" / "model.md"
     spec.write_text("# Model\n\n## 1. One\n\n### 1.2 Sub\n\nSee §1.2.\n", encoding="utf-8")
     good = tmp_path / "good.py"
-    good.write_text('"""Cites model.md §1.2 and model.md §1, §1.2; run with --spec 4."""\n')
+    (tmp_path / "formats" / "dspark.md").write_text("# Draft\n\n## 2. Two\n\nSee §2.\n",
+                                                    encoding="utf-8")
+    good.write_text('"""Cites model.md §1.2 and model.md §1, §1.2, dspark.md §2; run with '
+                    '--spec 4."""\n')
     assert problems(tmp_path, spec) == []
     faults = {
         "missing.py": "# model.md §7.3\n",
+        "draft_missing.py": "# dspark.md §1.2\n",
         "bare.md": "see §1.2\n",
         "old.py": "# (spec 1.2)\n",
         "oldmark.md": "spec §1\n",

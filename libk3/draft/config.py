@@ -2,10 +2,10 @@
 
 Owns: reading a draft's ``config.json`` (formats/dspark.md §2), refusing what k3 does not
 implement (a NoPE or gated MLA, a non-SiLU MLP, a non-vanilla Markov head, a
-``rope_interleave`` key), checking it against the target's ``K3Config`` (§2.3), the
-tensor inventory the config implies (§3) and the derived numbers of the draft's math:
-YaRN rotation frequencies and the softmax scale (§5.4). Does not own: reading tensors
-(``libk3.draft.checkpoint``) or any arithmetic on activations.
+``rope_interleave`` key), checking it against the target's ``K3Config`` (dspark.md §2.3),
+the tensor inventory the config implies (dspark.md §3) and the derived numbers of the
+draft's math: YaRN rotation frequencies and the softmax scale (dspark.md §5.4). Does not
+own: reading tensors (``libk3.draft.checkpoint``) or any arithmetic on activations.
 
 Why so strict: a draft whose taps, names or rotation are slightly wrong still loads and
 runs and only accepts nothing (formats/dspark.md §8); an error at load time is the only
@@ -24,15 +24,16 @@ from ..errors import ConfigError
 
 # Every draft norm (q_a and kv_a included) uses rms_norm_eps (formats/dspark.md §2.1).
 DRAFT_TAP_FORMS = ("prefix", "attn_res")
-# Drafted tokens per pass when the config does not say (anchor + 6 mask rows, §5.2).
+# Drafted tokens per pass when the config does not say (anchor + 6 mask rows, dspark.md §5.2).
 DEFAULT_BLOCK = 7
-# YaRN keeps acceptance up to about this many times its original window (§8 item 7).
+# YaRN keeps acceptance up to about this many times its original window (dspark.md §7).
 TRAINED_CONTEXT_FACTOR = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
-    """Every field but ``source`` and the derived ones is a config.json key (§2.1)."""
+    """Every field but ``source`` and the derived ones is a config.json key
+    (dspark.md §2.1)."""
 
     hidden_size: int
     intermediate_size: int
@@ -81,17 +82,19 @@ class DraftConfig:
 
     @property
     def trained_context(self) -> int:
-        """Positions past which drafting is turned off (acceptance collapses, §8 item 7)."""
+        """Positions past which drafting is turned off (acceptance collapses, dspark.md §7)."""
         return TRAINED_CONTEXT_FACTOR * self.rope_original_max_positions
 
     def softmax_scale(self) -> float:
-        """qk_head^-1/2 times YaRN's mscale(factor, mscale_all_dim) squared (§5.4)."""
+        """qk_head^-1/2 times YaRN's mscale(factor, mscale_all_dim) squared
+        (dspark.md §5.4)."""
         m = _yarn_mscale(self.rope_factor, self.rope_mscale_all_dim)
         return self.qk_head_dim ** -0.5 * m * m
 
     def rope_inv_freq(self) -> tuple:
-        """The ``qk_rope_head_dim // 2`` rotation frequencies of DeepSeek-style YaRN (§5.4),
-        as Python floats (float64), pair i rotating by position * inv_freq[i]."""
+        """The ``qk_rope_head_dim // 2`` rotation frequencies of DeepSeek-style YaRN
+        (dspark.md §5.4), as Python floats (float64), pair i rotating by position *
+        inv_freq[i]."""
         dim, base = self.qk_rope_head_dim, self.rope_theta
         half = dim // 2
         extra = [base ** (-(2 * i) / dim) for i in range(half)]
@@ -217,7 +220,7 @@ _ROPE_KEYS = (
     ("rope_mscale", "mscale", "float"),
     ("rope_mscale_all_dim", "mscale_all_dim", "float"),
 )
-# keys whose presence with this value means a model k3 does not implement (§2.1)
+# keys whose presence with this value means a model k3 does not implement (dspark.md §2.1)
 _REFUSED = (
     ("mla_use_nope", True, "a NoPE draft (k3 implements the rotated DSpark MLA)"),
     ("mla_use_output_gate", True, "an output-gated draft MLA"),
@@ -311,7 +314,7 @@ def draft_config_from_dict(doc, source: str = "<dict>") -> DraftConfig:
         problems.append("not implemented by k3: " + "; ".join(refused))
     if problems:
         raise ConfigError("; ".join(problems), path=source)
-    if values["block_size"] == DEFAULT_BLOCK + 1:   # the verify-width convention (§2.1)
+    if values["block_size"] == DEFAULT_BLOCK + 1:   # verify-width convention, dspark.md §2.1
         values["block_size"] = DEFAULT_BLOCK
     cfg = DraftConfig(source=source, **values)
     _check_structure(cfg, doc)
