@@ -56,10 +56,13 @@ def _nonfinite(L, where: str) -> NonFiniteError:
 
 class KdaSeq(NamedTuple):
     """One sequence's share of a KDA layer: its rows of the pass's block and its state for
-    this layer (model.md §6), both updated in place."""
+    this layer (model.md §6), both updated in place, unless ``tape`` is given (a verify
+    pass): then the state is left as it was and ``tape[L]`` gets what ``commit`` needs."""
     rows: slice
     conv: np.ndarray        # (3, P, K-1): q, k, v pre-activation history, oldest first
     S: np.ndarray           # (H, D, D) recurrent state
+    tape: dict | None = None
+    L: int = -1
 
 
 class MlaSeq(NamedTuple):
@@ -92,7 +95,8 @@ def kda(cfg: K3Config, lw, x: np.ndarray, seqs: list) -> np.ndarray:
                       K.bf16_matmul(lw["self_attn.f_a_proj.weight"], x))  # (T, P)
 
     def conv(u, j, w):                      # each sequence through its own history
-        return _per_seq(seqs, u, lambda s, u_s: K.short_conv(u_s, w, s.conv[j]))
+        return _per_seq(seqs, u, lambda s, u_s: K.short_conv(
+            u_s, w, s.conv[j] if s.tape is None else s.conv[j].copy()))
     q = conv(q_hat, 0, lw["self_attn.q_conv1d.weight"])
     k = conv(k_hat, 1, lw["self_attn.k_conv1d.weight"])
     v = conv(v_hat, 2, lw["self_attn.v_conv1d.weight"])
@@ -102,7 +106,12 @@ def kda(cfg: K3Config, lw, x: np.ndarray, seqs: list) -> np.ndarray:
     alpha = K.kda_decay(z, lw["self_attn.A_log"][:H], lw["self_attn.dt_bias"],
                         cfg.gate_lower_bound).reshape(T, H, D)
     o = _per_seq(seqs, q, lambda s, q_s: K.kda_recurrence(      # each S updated
-        q_s, k[s.rows], v[s.rows], alpha[s.rows], beta[s.rows], D ** -0.5, s.S))
+        q_s, k[s.rows], v[s.rows], alpha[s.rows], beta[s.rows], D ** -0.5,
+        s.S if s.tape is None else s.S.copy()))
+    for s in seqs:
+        if s.tape is not None:       # the recurrence's inputs, for commit to replay
+            s.tape[s.L] = tuple(np.ascontiguousarray(a[s.rows]) for a in
+                                (q_hat, k_hat, v_hat, q, k, v, alpha, beta))
     o = K.rmsnorm(o.reshape(T * H, D), lw["self_attn.o_norm.weight"], cfg.rms_norm_eps)
     gate = K.sigmoid(K.bf16_matmul(lw["self_attn.g_proj.weight"], x))
     return K.bf16_matmul(lw["self_attn.o_proj.weight"], o.reshape(T, H * D) * gate)
@@ -204,14 +213,58 @@ def latent_moe(cfg: K3Config, lw, x: np.ndarray, ids: np.ndarray, w: np.ndarray,
 class Segment:
     """One sequence's share of a pass: its new token ids, its State, whether every fed
     position's logits are wanted (else the last one's), the phase (trace records) and an
-    opaque ``tag`` handed to ``on_route`` (k3-run: which prompt of a batch)."""
+    opaque ``tag`` handed to ``on_route`` (k3-run: which prompt of a batch).
 
-    __slots__ = ("ids", "state", "all_logits", "phase", "tag", "r0", "r1", "positions")
+    ``verify``: the ids are a guess to be checked (speculative decoding). The pass computes
+    their logits as if they were fed, but leaves the State at its position; ``commit``
+    then makes it hold the accepted first n of them, from what the pass recorded in
+    ``tape``, reading no weights. After a pass, ``taps`` holds the hidden states the
+    Forward's ``taps`` asked for, one row per fed id (None when none were asked for)."""
+
+    __slots__ = ("ids", "state", "all_logits", "phase", "tag", "verify", "tape", "taps",
+                 "r0", "r1", "positions")
 
     def __init__(self, ids, state: State, all_logits: bool = True, phase: str = "prefill",
-                 tag=None):
+                 tag=None, verify: bool = False):
         self.ids = np.asarray(ids, dtype=np.int64)
         self.state, self.all_logits, self.phase, self.tag = state, all_logits, phase, tag
+        self.verify = verify
+        self.tape = {} if verify else None
+        self.taps = None
+
+
+class Taps(NamedTuple):
+    """Which hidden states a pass captures for a draft model (formats/dspark.md §4):
+    after each of ``layers`` (0-based, ascending), in ``form`` "prefix" (the AttnRes
+    partial sum of the layer's block, model.md §5.3) or "attn_res" (the next layer's
+    attention-input mixture; after the last layer, the output mixture)."""
+    layers: tuple
+    form: str = "prefix"
+
+
+def commit(segment: Segment, n: int) -> None:
+    """Make a verify segment's State hold its first ``n`` ids, as feeding only those
+    would have (formats/dspark.md §6): the KDA recurrence and conv history are replayed
+    from the pass's tape (the same kernel over the same inputs, so bit-identical), MLA
+    caches keep the rows already written (rows past the position are never read)."""
+    if not segment.verify:
+        raise ValueError("commit takes a verify segment")
+    state, ids = segment.state, segment.ids
+    if not 0 <= n <= ids.shape[0]:
+        raise ValueError(f"commit of {n} ids from a verify of {ids.shape[0]}")
+    q_scale = state.cfg.head_dim ** -0.5
+    for L, (q_hat, k_hat, v_hat, q, k, v, alpha, beta) in segment.tape.items():
+        hist = state.kda_conv[L]                              # (3, P, K-1), oldest first
+        keep = hist.shape[2]
+        for j, u in enumerate((q_hat, k_hat, v_hat)):
+            hist[j] = np.concatenate([hist[j], u[:n].T], axis=1)[:, hist.shape[2] + n - keep:]
+        if n:
+            K.kda_recurrence(q[:n], k[:n], v[:n], alpha[:n], beta[:n], q_scale,
+                             state.kda_S[L])
+    state.pos += n
+    state.ids.extend(int(i) for i in ids[:n])
+    segment.tape = {}
+    segment.verify = False
 
 
 class Forward:
@@ -224,10 +277,15 @@ class Forward:
     (``passes`` counts the passes): the union the sequences of a pass share.
     """
 
-    def __init__(self, cfg: K3Config, weights: WeightProvider, on_route=None):
+    def __init__(self, cfg: K3Config, weights: WeightProvider, on_route=None,
+                 taps: Taps | None = None):
         self.cfg = cfg
         self.weights = weights
         self.on_route = on_route
+        if taps is not None and (list(taps.layers) != sorted(set(taps.layers)) or not all(
+                0 <= L < cfg.num_hidden_layers for L in taps.layers)):
+            raise ValueError(f"tap layers {taps.layers} are not ascending layers of the model")
+        self.taps = taps
         self.layer_seconds = [0.0] * cfg.num_hidden_layers    # wall time per layer (bench)
         self.first_layer_time = None          # time.time() the first layer started (report)
         self._head = None                     # (lm_head, norm, out_fold), asked for lazily
@@ -243,9 +301,15 @@ class Forward:
                           K.fold_attn_res(m["output_attn_res_norm"], m["output_attn_res_proj"]))
         return self._head
 
-    def __call__(self, ids, state: State, all_logits: bool = True, phase: str = "prefill"):
-        """Float32 logits [T or 1, V] for ``ids`` fed to one sequence's ``state``."""
-        return self.run([Segment(ids, state, all_logits, phase)])[0]
+    def __call__(self, ids, state: State, all_logits: bool = True, phase: str = "prefill",
+                 taps: list | None = None):
+        """Float32 logits [T or 1, V] for ``ids`` fed to one sequence's ``state``; the
+        pass's captured hidden states are appended to ``taps`` when it is given."""
+        seg = Segment(ids, state, all_logits, phase)
+        logits = self.run([seg])[0]
+        if taps is not None:
+            taps.append(seg.taps)
+        return logits
 
     def run(self, segments: list) -> list:
         """One pass over several sequences (each Segment's State is its own, never shared
@@ -274,18 +338,31 @@ class Forward:
         blocks: list = []
         if self.first_layer_time is None:
             self.first_layer_time = time.time()
+        tap_at = () if self.taps is None else self.taps.layers
+        mixed = self.taps is not None and self.taps.form == "attn_res"
+        captured = []
         for L in range(cfg.num_hidden_layers):
             t0 = time.perf_counter()
             lw = self.weights.layer(L)
             try:
-                prefix = self._layer(L, lw, prefix, blocks, live)
+                x_a, prefix = self._layer(L, lw, prefix, blocks, live)
             finally:
                 self.weights.release(L)
+            if mixed and L - 1 in tap_at:
+                captured.append(x_a)
             _require_finite(prefix, L, "its output")
+            if L in tap_at and not mixed:
+                captured.append(prefix)
             self.layer_seconds[L] += time.perf_counter() - t0
         self.passes += 1
         lm_head, norm, out_fold = self.head()
         h = K.attn_res(blocks + [prefix], out_fold, cfg.rms_norm_eps)
+        if mixed and cfg.num_hidden_layers - 1 in tap_at:
+            captured.append(h)
+        if captured:
+            taps = np.concatenate(captured, axis=1)         # (T, n_taps * E), ascending
+            for seg in live:
+                seg.taps = taps[seg.r0:seg.r1]
         # rows whose logits are wanted: all of a segment's, or its last
         rows = [np.arange(s.r0, s.r1) if s.all_logits else np.array([s.r1 - 1]) for s in live]
         if len(live) == 1 and live[0].all_logits:
@@ -299,8 +376,9 @@ class Forward:
         for seg, rr in zip(live, rows):
             out[id(seg)] = logits[at:at + rr.size]
             at += rr.size
-            seg.state.pos += seg.r1 - seg.r0
-            seg.state.ids.extend(int(i) for i in seg.ids)
+            if not seg.verify:
+                seg.state.pos += seg.r1 - seg.r0
+                seg.state.ids.extend(int(i) for i in seg.ids)
         return [out.get(id(seg), np.zeros((0, cfg.vocab_size), np.float32))
                 for seg in segments]
 
@@ -324,7 +402,7 @@ class Forward:
                                         s.state.mla_rope[L]) for s in segs])
         else:
             a = kda(cfg, lw, h, [KdaSeq(slice(s.r0, s.r1), s.state.kda_conv[L],
-                                        s.state.kda_S[L]) for s in segs])
+                                        s.state.kda_S[L], s.tape, L) for s in segs])
         prefix = a if empty else p + a
         x_m = K.attn_res(blocks + [prefix], K.fold_attn_res(lw["mlp_res_norm.weight"],
                          lw["mlp_res_proj.weight"]), eps)
@@ -333,7 +411,7 @@ class Forward:
             m = dense_mlp(cfg, lw, h)
         else:
             m = self._moe(L, lw, h, segs)
-        return prefix + m
+        return x_a, prefix + m
 
     def _moe(self, L, lw, x, segs):
         """Route, report the routing, start fetching the routed experts, run the block."""

@@ -196,8 +196,9 @@ def decode_expert(get, L, e, w):
                         get(names.expert(L, e, w, "weight_scale"))).astype(np.float64)
 
 
-def forward(cfg: K3Config, get, ids, get_expert=None):
-    """Logits (T, vocab) float64 for token ids from a zero state: row t predicts t+1."""
+def forward(cfg: K3Config, get, ids, get_expert=None, on_layer=None):
+    """Logits (T, vocab) float64 for token ids from a zero state: row t predicts t+1.
+    ``on_layer(L, prefix, blocks)``, if given, sees the AttnRes state after each layer."""
     f64 = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
     if get_expert is None:
         get_expert = lambda L, e, w: decode_expert(get, L, e, w)  # noqa: E731
@@ -208,6 +209,8 @@ def forward(cfg: K3Config, get, ids, get_expert=None):
         W = lambda sfx, L=L: f64(get(names.layer(L, sfx)))  # noqa: E731
         expert = lambda e, w, L=L: get_expert(L, e, w)  # noqa: E731
         prefix = decoder_layer(cfg, L, prefix, blocks, W, expert)
+        if on_layer is not None:
+            on_layer(L, prefix, list(blocks))
     h = attn_res(blocks + [prefix], f64(get(names.OUTPUT_ATTN_RES_NORM)),
                  f64(get(names.OUTPUT_ATTN_RES_PROJ)), cfg.rms_norm_eps)
     return rmsnorm(h, f64(get(names.NORM)), cfg.rms_norm_eps) @ f64(get(names.LM_HEAD)).T
