@@ -7,12 +7,15 @@ formats/numerics.md (model.md §7):
 * ``bf16``        dense matvec / block matmul, BF16 bits (or f32) weights, f64 sums.
 * ``mxfp4``       matvec / block matmul straight from packed MXFP4 experts.
 * ``norms``       RMSNorm (with and without gain), L2Norm.
-* ``activations`` f32 sigmoid, SiLU, SiTU, output gate (libm expf / tanhf).
+* ``activations`` f32 sigmoid, SiLU, SiTU, output gate, the draft's SiLU-gated product
+                  (libm expf / tanhf).
 * ``kda``         short conv + SiLU with history, decay, delta-rule recurrence.
 * ``mla``         absorbed MLA attention over the latent cache.
 * ``router``      sigmoid top-k router with selection-only bias.
 * ``attnres``     the AttnRes aggregator.
 * ``moe``         the routed combine (selection order).
+* ``rope``        the DSpark draft's interleaved rotary embedding (dspark.md §5.4).
+* ``logistic``    one float64 logistic unit (the draft's confidence head).
 * ``_dot``/``_simd`` the fixed-order f64 dot product and the vector primitives under it.
 * ``team``        whether a call uses the whole thread team or only the calling thread.
 

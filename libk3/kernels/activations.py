@@ -1,7 +1,8 @@
 """Elementwise activations in float32 with libm semantics (model.md §5.0, §7.3).
 
-Owns: ``sigmoid``/``silu`` as scalar device functions, ``sigmoid`` and ``situ`` (the
-SiTU-GLU product) as array kernels, ``softmax_f32``.
+Owns: ``sigmoid``/``silu`` as scalar device functions, ``sigmoid``, ``situ`` (K3's
+SiTU-GLU product) and ``silu_mul`` (the DSpark draft's SiLU-gated product) as array
+kernels, ``softmax_f32``.
 Does not own: where the betas come from (config ``situ_beta``, ``situ_linear_beta``).
 
 WHY scalar ``math.exp``/``math.tanh`` on float32 inside numba: they call the C library's
@@ -96,3 +97,20 @@ def softmax_f32(p, n):
     for s in range(n):
         p[s] = np.float32(np.float64(p[s]) / z)
 
+
+@njit(cache=True, parallel=True)
+def silu_mul(gate, up, out):
+    """out[i] = f32(silu1(gate[i]) * up[i]): the SiLU-gated MLP product of the DSpark
+    draft (formats/dspark.md §5.3 step 7), every operation f32 (formats/numerics.md
+    sections 5 and 11: SiLU(g) = g * sigmoid(g), then times u).
+
+    gate, up, out: [n] float32 (out may alias either). Must not become: SiLU of the up
+    projection (gate and up swapped), a float64 SiLU, or K3's SiTU (the draft's MLP is
+    plain SiLU, uncapped)."""
+    n = gate.shape[0]
+    if up.shape[0] != n or out.shape[0] != n:
+        raise ValueError("silu_mul: gate, up and out must have the same length")
+    nt = team.narrow(n * team.TRANSCENDENTAL)
+    for i in prange(n):
+        out[i] = silu1(gate[i]) * up[i]
+    team.widen(nt)

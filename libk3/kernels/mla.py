@@ -44,15 +44,17 @@ from .activations import softmax_f32
 def mla_attention(q_nope, q_rope, positions, latent, k_rope, kv_b, scale, out):
     """Causal MLA attention of T new positions over a latent cache (absorbed form).
 
-    q_nope: [T, H, nope] float32. q_rope: [T, H, rope] float32 (never rotated).
+    q_nope: [T, H, nope] float32. q_rope: [T, H, rope] float32 (K3: never rotated).
     positions: [T] int64, the absolute position of each query; cache rows 0..p are
     attended (p <= Tc - 1). latent: [Tc, r] float32, C-contiguous, RMS-normalised
-    latents. k_rope: [Tc, rope] float32, C-contiguous, raw (not normalised, not rotated).
+    latents. k_rope: [Tc, rope] float32, C-contiguous, used as given (K3: raw, neither
+    normalised nor rotated; the DSpark draft passes q_rope and k_rope already rotated).
     kv_b: [H * (nope + v), r] uint16 BF16 bits or float32 (kv_b_proj; per head nope
     W_UK rows then v W_UV rows). scale: float, (nope + rope)^-0.5 (192^-0.5 in K3).
     out: [T, H, v] float32, written.
-    Must not become: scale over nope only, a rotated or normalised k_rope, per-head key
-    slices, attention to positions after p_t, different arithmetic in prefill and decode."""
+    Must not become: scale over nope only, k_rope rotated or normalised in here, per-head
+    key slices, attention to positions after p_t, different arithmetic in prefill and
+    decode."""
     T, H, nope = q_nope.shape
     rope = q_rope.shape[2]
     Tc, r = latent.shape
