@@ -1,7 +1,8 @@
 """The released Kimi K3's architecture: the one place its dimensions are written.
 
 Owns: ``REAL``, the flat config of the released model (formats/model.md §2, §3.5), and
-``real_config()``, the same as a checked ``K3Config``. Used by k3-doctor's machine-only
+``real_config()``, the same as a checked ``K3Config``; ``DSPARK``, the config.json of the
+DSpark draft published for it (formats/dspark.md §2.1). Used by k3-doctor's machine-only
 report, the synthetic checkpoints (``libk3.synth.presets`` derives every size preset
 from it), the synthetic traces' defaults and the tools' defaults for foreign traces.
 Does not own: reading a model's own config (``libk3.config``).
@@ -21,6 +22,22 @@ REAL = dict(
     moe_renormalize=True, latent_moe_use_norm=True, first_k_dense_replace=1,
     intermediate_size=33792, attn_res_block_size=12, situ_beta=4.0, situ_linear_beta=25.0,
     full_attn_layers=[4 * i for i in range(1, 23)] + [92, 93],
+)
+
+
+# The published DSpark draft's config.json (dspark.md §2.1): the synthetic drafts derive
+# from it as the synthetic targets derive from REAL.
+DSPARK = dict(
+    architectures=["K3DSparkModel"], model_type="k3_dspark", hidden_size=7168,
+    intermediate_size=14336, num_hidden_layers=5, num_attention_heads=64, q_lora_rank=1536,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    vocab_size=163840, rms_norm_eps=1e-5, max_position_embeddings=1048576, hidden_act="silu",
+    rope_parameters=dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=32768,
+                         beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                         rope_theta=50000.0),
+    target_layer_ids=[2, 23, 47, 71, 89], num_target_layers=5, target_hidden_size=7168,
+    target_num_hidden_layers=93, mask_token_id=163837, markov_rank=256,
+    markov_head_type="vanilla", enable_confidence_head=True, confidence_head_with_markov=True,
 )
 
 

@@ -2,7 +2,8 @@
 
 Owns: the one way k3 writes a file so that readers see all of it or none of it, and a
 failed write (full disk, read-only directory) leaves the previous file untouched, no
-temporary behind, and an error naming the file (invariant 4 of the developers' guide).
+temporary behind, and an error naming the file (invariant 4 of the developers' guide);
+the same for a directory built whole (``building_dir``: synthetic checkpoints and drafts).
 Large streamed artifacts (shards, trunk.bin, traces) follow the same rule in their
 writers, with ``fsync_dir`` from here.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 from ..errors import K3IOError
@@ -75,3 +77,32 @@ def write_bytes(path, data: bytes) -> None:
 def write_json(path, doc, indent=2) -> None:
     """Deterministic JSON (sorted keys, trailing newline), written atomically."""
     write_bytes(path, (json.dumps(doc, indent=indent, sort_keys=True) + "\n").encode())
+
+
+@contextlib.contextmanager
+def building_dir(path):
+    """Yield a new hidden sibling directory in which to build the directory ``path``. A
+    clean exit renames it to ``path`` (absent, or an empty directory, which it replaces);
+    any exception removes it and leaves ``path`` as it was, an OSError (or a K3IOError met
+    inside) re-raised as a K3IOError naming ``path``.
+
+    Why a fixed temporary name rather than a per-process one: a build killed midway
+    leaves it behind, and the next build of the same ``path`` removes it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.build-tmp")
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        yield tmp
+        if path.exists():
+            path.rmdir()
+        os.replace(tmp, path)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise write_error(path, e) from None
+        if isinstance(e, K3IOError):
+            raise K3IOError(e.message, path=path) from None
+        raise
+    fsync_dir(path.parent)

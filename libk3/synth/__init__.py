@@ -1,1 +1,1 @@
-"""Synthetic K3 checkpoints: presets, weights and tokenizer files."""
+"""Synthetic K3 checkpoints and their DSpark drafts: presets, weights and tokenizer files."""

@@ -4,8 +4,10 @@ Owns: generating a complete model directory from a preset and a seed: nested con
 with quantization_config, model.safetensors.index.json, shards laid out as the release
 (one layer per shard, a layer's trunk tensors as one contiguous run, each routed expert as
 one contiguous MXFP4 run, experts NOT in id order), tiktoken.model, tokenizer_config.json
-and tokenization_kimi.py. Does not own: the safetensors byte format (``libk3.io.safetensors``)
-or BPE training (``libk3.synth.bpe``).
+and tokenization_kimi.py; with ``draft``, the target's synthetic draft in ``draft/``
+(``libk3.synth.draft``). Does not own: the safetensors byte format
+(``libk3.io.safetensors``), the per-tensor value streams (``libk3.synth.values``) or BPE
+training (``libk3.synth.bpe``).
 
 Why the weight scales below: a synthetic model must exercise real behaviour. Gate and up
 projections are large enough that SiTU's tanh caps engage (some up rows are 10x so the
@@ -20,23 +22,21 @@ fixed-size row chunks, so the same seed gives the same bytes whatever the order 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import zlib
 from pathlib import Path
 
 import numpy as np
 
 from .. import names
 from ..config import K3Config, config_from_dict
-from ..errors import K3IOError, UsageError
+from ..errors import UsageError
 from ..io import inventory
-from ..io.atomic import write_error, write_json
-from ..io.dtypes import ITEMSIZE, f32_to_bf16
+from ..io.atomic import building_dir, write_json
+from ..io.dtypes import ITEMSIZE
 from ..io.safetensors import write_shard
+from .draft import DRAFT_DIR, write_draft
 from .presets import PRESETS
+from .values import encode, normal_rows, tensor_rng
 
-CHUNK_ELEMS = 1 << 22          # rows are generated in chunks of about 4M values
 F32_SUFFIXES = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "A_log",
                 "dt_bias", "o_norm.weight", "e_score_correction_bias")
 E2M1_RMS = float(np.sqrt(np.mean(np.array([0, .5, 1, 1.5, 2, 3, 4, 6]) ** 2)))
@@ -53,10 +53,6 @@ def _dtype_for(name: str, kind: str) -> str:
     if kind == inventory.MATRIX:
         return "BF16"
     return "F32" if name.endswith(F32_SUFFIXES) else "BF16"
-
-
-def _rng(seed: int, name: str) -> np.random.Generator:
-    return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
 def _std_and_rows(cfg: K3Config, name: str, shape: tuple):
@@ -94,7 +90,7 @@ def _std_and_rows(cfg: K3Config, name: str, shape: tuple):
 def _values(cfg: K3Config, name: str, shape: tuple, seed: int):
     """Yield float32 chunks (row-major) of the tensor's synthetic values."""
     kind, scale = _std_and_rows(cfg, name, shape)
-    rng = _rng(seed, name)
+    rng = tensor_rng(seed, name)
     n = int(np.prod(shape)) if shape else 1
     if kind == "a_log":
         v = np.zeros(n, np.float32)
@@ -111,27 +107,19 @@ def _values(cfg: K3Config, name: str, shape: tuple, seed: int):
         yield v
         return
     row = shape[-1] if len(shape) >= 2 else n
-    rows_per_chunk = max(1, CHUNK_ELEMS // row)
-    total_rows = n // row
-    for r0 in range(0, total_rows, rows_per_chunk):
-        r1 = min(total_rows, r0 + rows_per_chunk)
-        v = rng.standard_normal((r1 - r0) * row, dtype=np.float32) * np.float32(scale)
+    for r0, v in normal_rows(rng, shape, scale):
         if kind == "gain":
             v += np.float32(1.0)
         elif kind == "up":
-            v2 = v.reshape(r1 - r0, row)
-            big = (np.arange(r0, r1) % 7) == 0          # every 7th row 10x: the 25-cap engages
+            v2 = v.reshape(-1, row)
+            big = (np.arange(r0, r0 + len(v2)) % 7) == 0    # every 7th row 10x: the 25-cap engages
             v2[big] *= np.float32(10.0)
         yield v
 
 
 def _encoded_chunks(cfg, name, shape, dtype, seed):
     """Yield uint8 chunks of the tensor's bytes in ``dtype``."""
-    for v in _values(cfg, name, shape, seed):
-        if dtype == "BF16":
-            yield f32_to_bf16(v).view(np.uint8)
-        else:
-            yield v.astype("<f4").view(np.uint8)
+    return encode(_values(cfg, name, shape, seed), dtype)
 
 
 def _expert_bytes(cfg: K3Config, L: int, e: int, seed: int) -> np.ndarray:
@@ -139,7 +127,7 @@ def _expert_bytes(cfg: K3Config, L: int, e: int, seed: int) -> np.ndarray:
     codes and per-group exponents around the value that gives rms ~ target (w1/w3: 3/sqrt(in)
     so SiTU saturates sometimes; w2: 1/sqrt(in))."""
     shapes = inventory.expert_shapes(cfg)
-    rng = _rng(seed, names.expert(L, e, "w1", "weight_packed"))
+    rng = tensor_rng(seed, names.expert(L, e, "w1", "weight_packed"))
     parts = []
     for w, part in names.EXPERT_PARTS:
         shape = shapes[(w, part)]
@@ -244,11 +232,13 @@ def nested_config(flat: dict, n_ranks: int) -> dict:
             "text_config": text}
 
 
-def synth_checkpoint(out_dir, preset: str = "tiny", seed: int = 0, progress: bool = True):
-    """Write a synthetic checkpoint of ``preset`` into ``out_dir`` (must not exist yet).
+def synth_checkpoint(out_dir, preset: str = "tiny", seed: int = 0, progress: bool = True,
+                     draft: bool = False):
+    """Write a synthetic checkpoint of ``preset`` into ``out_dir`` (must not exist yet);
+    with ``draft``, also its synthetic DSpark draft into ``out_dir/draft``.
 
     Built in a hidden sibling directory and renamed into place at the end, so ``out_dir``
-    only ever appears complete. Returns the Path of ``out_dir``."""
+    only ever appears complete, draft included. Returns the Path of ``out_dir``."""
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}", hint=f"choose one of {', '.join(PRESETS)}")
     flat, n_special, sparse, real_layout = PRESETS[preset]
@@ -257,32 +247,21 @@ def synth_checkpoint(out_dir, preset: str = "tiny", seed: int = 0, progress: boo
         raise UsageError("destination exists and is not empty; refusing to overwrite",
                          path=out)
     cfg = config_from_dict(dict(flat), source=f"<preset {preset}>")
-    tmp = out.with_name(f".{out.name}.synth-tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
+    with building_dir(out) as tmp:          # nothing half-built stays behind
         _write_checkpoint(tmp, cfg, flat, n_special, sparse, real_layout, preset, seed,
                           progress)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException as e:              # nothing half-built stays behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise write_error(out, e) from None
-        if isinstance(e, K3IOError):
-            raise K3IOError(e.message, path=out) from None
-        raise
+        if draft:
+            (tmp / DRAFT_DIR).mkdir()
+            write_draft(tmp, tmp / DRAFT_DIR, seed=seed, preset=preset)
     return out
 
 
 def _write_checkpoint(tmp: Path, cfg, flat, n_special, sparse, real_layout, preset, seed,
                       progress) -> None:
-    """Every file of the checkpoint into the (new) directory ``tmp``."""
+    """Every file of the checkpoint into the new, empty directory ``tmp``."""
     from .. import progress as _progress
     from .bpe import write_tokenizer_files
 
-    tmp.mkdir(parents=True)
     n_ranks = cfg.vocab_size - n_special
     plan = _shard_plan(cfg, real_layout)
     weight_map, total = {}, 0

@@ -1,7 +1,8 @@
 """Size presets of synthetic K3 checkpoints (see formats/synthetic-checkpoint.md).
 
 Owns: the architecture of each preset as a flat config dict, plus its tokenizer split and
-shard layout. Does not own: writing files (``libk3.synth.checkpoint``).
+shard layout; the dimensions of each preset's DSpark draft (``DRAFTS``). Does not own:
+writing files (``libk3.synth.checkpoint``, ``libk3.synth.draft``).
 
 Why these sizes:
 * ``tiny``   the public oracle's dimensions (hidden 128, 13 layers, AttnRes block 3, so two
@@ -13,6 +14,12 @@ Why these sizes:
   vocabulary) with one layer of each kind (dense, KDA+MoE, MLA+MoE) and 32 experts.
 * ``real-sparse`` the full released inventory (93 layers x 896 experts, 96 shards,
   497,220 tensors) with data left as sparse holes: apparent size ~1.5 TB, no disk used.
+
+Why the drafts' sizes: each is the published draft (``k3_dims.DSPARK``) shrunk with its
+target, small enough to commit (tiny's, well under 1 MB, most of it the target's embedding
+copy and the five-tap context projection), with every width distinct from the others it
+could be confused with (q_lora vs kv_lora + rope, nope vs v, the MLP vs the attention
+output), so a swapped or misread shape is an error rather than a silent transpose.
 """
 
 from __future__ import annotations
@@ -50,4 +57,36 @@ PRESETS = {
     "medium": (MEDIUM, 256, False, False),
     "real-dims": (REAL_DIMS, 256, False, False),
     "real-sparse": (REAL, 256, True, True),
+}
+
+# The DSpark draft of each preset (formats/synthetic-checkpoint.md, "Drafts"), as overrides of
+# the published draft's config. The target fixes the rest (libk3.synth.draft): hidden_size
+# and target_hidden_size, vocab_size, target_num_hidden_layers, mask_token_id. Taps: five
+# ascending 0-based layers mixing KDA and MLA layers (tiny, small and medium share the layer
+# map KKKMKKKMKKKMM: taps 3 and 12 are MLA, 1, 6 and 9 KDA); real-dims has only three
+# layers, so its draft taps all three; real-sparse taps the published layers.
+_SMALL_TAPS = [1, 3, 6, 9, 12]
+DRAFT_TINY = dict(
+    intermediate_size=40, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=20,
+    qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16, markov_rank=16,
+    target_layer_ids=_SMALL_TAPS,
+)
+DRAFT_SMALL = dict(
+    intermediate_size=384, num_attention_heads=8, q_lora_rank=128, kv_lora_rank=64,
+    qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=32, markov_rank=32,
+    target_layer_ids=_SMALL_TAPS,
+)
+DRAFT_MEDIUM = dict(
+    intermediate_size=4096, num_attention_heads=16, q_lora_rank=512, kv_lora_rank=256,
+    qk_nope_head_dim=96, qk_rope_head_dim=32, v_head_dim=64, markov_rank=64,
+    target_layer_ids=_SMALL_TAPS,
+)
+
+# preset name -> overrides of k3_dims.DSPARK
+DRAFTS = {
+    "tiny": DRAFT_TINY,
+    "small": DRAFT_SMALL,
+    "medium": DRAFT_MEDIUM,
+    "real-dims": dict(target_layer_ids=[0, 1, 2]),
+    "real-sparse": {},
 }

@@ -28,22 +28,32 @@ def main():
               default="tiny", show_default=True, help="Size of the synthetic model.")
 @click.option("--seed", type=Rule(click.INT, seed_problem, "integer"), default=0,
               show_default=True, help="0 .. 2^64 - 1.")
+@click.option("--draft", is_flag=True,
+              help="Also write the model's synthetic DSpark draft into OUT/draft.")
 @click.option("--json", "json_out", is_flag=True, help="Print a JSON summary.")
 @quiet_option
 @click.argument("out", type=click.Path(file_okay=False))
 @handle_errors
-def synth(out, preset, seed, json_out, quiet):
-    """Write a synthetic K3 checkpoint in the released layout into OUT."""
+def synth(out, preset, seed, draft, json_out, quiet):
+    """Write a synthetic K3 checkpoint in the released layout into OUT (with --draft, and
+    its draft in OUT/draft)."""
     from libk3.synth.checkpoint import synth_checkpoint, summary
+    from libk3.synth.draft import DRAFT_DIR, draft_summary
 
-    path = synth_checkpoint(out, preset=preset, seed=seed, progress=not quiet)
+    path = synth_checkpoint(out, preset=preset, seed=seed, progress=not quiet, draft=draft)
     info = summary(path)
+    info["draft"] = draft_summary(path / DRAFT_DIR) if draft else None
     if json_out:
         print_json(info)
-    else:
-        click.echo(f"wrote {info['shards']} shards, {info['tensors']} tensors, "
-                   f"{info['apparent_bytes'] / 1e9:.3f} GB apparent, "
-                   f"{info['disk_bytes'] / 1e9:.3f} GB on disk to {path}")
+        return
+    click.echo(f"wrote {info['shards']} shards, {info['tensors']} tensors, "
+               f"{info['apparent_bytes'] / 1e9:.3f} GB apparent, "
+               f"{info['disk_bytes'] / 1e9:.3f} GB on disk to {path}")
+    if draft:
+        d = info["draft"]
+        click.echo(f"wrote a draft of {d['tensors']} tensors tapping layers "
+                   f"{d['target_layer_ids']}, {d['apparent_bytes'] / 1e9:.3f} GB apparent, "
+                   f"{d['disk_bytes'] / 1e9:.3f} GB on disk to {d['path']}")
 
 
 @main.command("pack")
