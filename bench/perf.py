@@ -64,27 +64,44 @@ def section_prefill(tmp):
           f"logits bit-identical: {same}\n")
 
 
+class _Drafter:
+    """A bench-only proposer: ``drafter(context, n)`` proposes after the context."""
+
+    taps = None
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def propose(self, state, anchor, n, pick):
+        from libk3.engine.speculative import Proposal
+        return Proposal(self.drafter(state.ids + [anchor], n))
+
+    def observe(self, state, taps):
+        pass
+
+
 def _spec_run(ck, pk, flags_bytes, prompt, gen, spec, drafter=None):
     """One fresh session: (generated ids, expert bytes read in decode, decode seconds,
     spec stats). ``drafter(context, n)`` replaces prompt lookup (bench only)."""
-    from libk3.engine import speculative
     from libk3.engine.generate import GenSettings, generate
+    from libk3.engine.proposers import PromptLookup
     from libk3.engine.session import open_session
+    from libk3.engine.speculative import Drafting
     s = open_session(ck, pack=pk, trunk_bytes=flags_bytes[0], cache_bytes=flags_bytes[1])
-    real = speculative.lookup_drafts
     try:
-        if drafter is not None:
-            speculative.lookup_drafts = drafter
+        drafting = None
+        if spec:
+            drafting = Drafting(PromptLookup() if drafter is None else _Drafter(drafter), spec)
         st = s.new_state()
         after_prefill = {}
 
         def mark(_n):                   # called after each prefill chunk: the last one wins
             after_prefill["bytes"] = s.weights.stats()["experts"]["bytes_read"]
-        r = generate(s.forward, st, prompt, GenSettings(gen=gen, spec=spec), progress=mark)
+        r = generate(s.forward, st, prompt, GenSettings(gen=gen), progress=mark,
+                     drafting=drafting)
         exp = s.weights.stats()["experts"]["bytes_read"] - after_prefill["bytes"]
         return r.generated_ids, exp, r.decode_seconds, r.spec
     finally:
-        speculative.lookup_drafts = real
         s.weights.close()
 
 
@@ -97,7 +114,7 @@ def section_spec(tmp):
     about real text. To measure what acceptance buys, two more drafters replace prompt
     lookup in this benchmark only: an oracle that proposes the true greedy continuation
     (every draft accepted: the best case) and one that proposes wrong tokens (every draft
-    rejected: the worst case, a verify plus a rollback per token)."""
+    rejected: the worst case, a verify pass whose proposals are all dropped)."""
     ck, pk = checkpoint("medium"), packed("medium")
     sizes, _ = _floor_flags("medium", cache_slots_extra=64)
     floor = minimum_budget(sizes)

@@ -199,6 +199,7 @@ class ModelSizes:
     state_bytes: int               # KDA recurrent state and conv history, all KDA layers
     kv_bytes_per_position: int     # MLA latent + rope cache over all MLA layers (f32)
     exact: bool
+    draft_bytes: int = 0           # a draft model's weights and verify tape (``with_draft``)
 
     @property
     def trunk_bytes(self) -> int:
@@ -211,8 +212,8 @@ class ModelSizes:
     @property
     def resident_bytes(self) -> int:
         """Model-level bytes kept in RAM: lm_head and vectors (the embedding is read by
-        rows; module docstring)."""
-        return self.lm_head_bytes + self.vectors_bytes
+        rows; module docstring), and a draft model's when one runs."""
+        return self.lm_head_bytes + self.vectors_bytes + self.draft_bytes
 
     @property
     def expert_slot_bytes(self) -> int:
@@ -409,6 +410,24 @@ def plan_trunk(sizes, budget: int) -> TrunkPlan:
 
 def expert_slots(sizes: ModelSizes, cache_bytes: int) -> int:
     return cache_bytes // sizes.expert_slot_bytes if sizes.expert_slot_bytes else 0
+
+
+def verify_tape_bytes(cfg: K3Config) -> int:
+    """What a verify pass records per fed token to commit without a second pass
+    (dspark.md §6.3): per KDA layer the pre-conv q, k, v, the convolved q, k, v, the
+    decay (each kda_dim floats) and beta (one per head), f32."""
+    kda_layers = sum(1 for L in range(cfg.num_hidden_layers) if not cfg.is_mla(L))
+    return kda_layers * (7 * cfg.kda_dim + cfg.num_heads) * 4
+
+
+def with_draft(sizes: ModelSizes, cfg: K3Config, weight_bytes: int, kv_per_position: int,
+               cap: int) -> ModelSizes:
+    """``sizes`` with a draft model beside the target: its weights resident, the verify
+    tape of a pass of ``cap`` proposals and the anchor, and its context row per position
+    (``kv_per_position`` bytes) with every sequence's MLA cache."""
+    return dataclasses.replace(
+        sizes, draft_bytes=weight_bytes + (cap + 1) * verify_tape_bytes(cfg),
+        kv_bytes_per_position=sizes.kv_bytes_per_position + kv_per_position)
 
 
 def sequence_bytes(sizes: ModelSizes, positions: int) -> int:

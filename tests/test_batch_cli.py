@@ -100,23 +100,29 @@ def test_batch_cli_refuses_a_width_that_cannot_fit_before_work(batch, tiny_dir, 
 
 @pytest.mark.parametrize("args, needle", [
     (("--batch-width", "0"), "positive integer"), (("--batch-width", "x"), "positive integer"),
-    (("--spec", "2", "--batch-width", "2"), "--spec decodes one prompt"),
+    (("--draft-max", "2"), "--draft-max and --draft-dump go with --draft"),
     (("--shard", "3/2"), "1 <= K <= N"), (("--shard", "2"), "K/N")])
 def test_batch_cli_usage_errors_exit_2(args, needle, batch, tiny_dir, tmp_path):
-    """Catches --spec silently ignored at width > 1 and malformed widths or shards."""
+    """Catches --draft-max silently ignored without a draft and malformed widths or
+    shards."""
     p = k3(tiny_dir, "--batch", batch, "--out", tmp_path / "r.jsonl", *args)
     assert p.returncode == 2 and needle in p.stderr, p.stderr
     p = k3(tiny_dir, "--ids", "1,2", "--gen", 1, "--batch-width", "2")
     assert p.returncode == 2 and "go with --batch" in p.stderr
 
 
-def test_batch_cli_spec_runs_at_width_1(batch, alone, tiny_dir, tmp_path):
-    """Control of the refusal: --spec with the default width runs one prompt at a time,
-    same lines."""
+@pytest.mark.parametrize("source", [("--spec", "2"), ("--draft", "draft")])
+def test_batch_cli_drafting_in_lockstep_gives_the_same_lines(source, batch, alone, tiny_dir,
+                                                             tmp_path):
+    """Catches drafting that changes a line's tokens (greedy or sampled) or is refused
+    in lockstep: every lane drafts, the lines equal the prompts run alone."""
     out = tmp_path / "r.jsonl"
-    p = k3(tiny_dir, "--batch", batch, "--out", out, "--spec", "2", "--json")
+    flag, value = source
+    value = str(tiny_dir / value) if flag == "--draft" else value
+    p = k3(tiny_dir, "--batch", batch, "--out", out, flag, value, "--batch-width", "2",
+           "--json")
     assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout)["width"] == 1 and _rows(out) == alone
+    assert json.loads(p.stdout)["width"] == 2 and _rows(out) == alone
 
 
 def test_batch_cli_shards_partition_the_ids(batch, alone, tiny_dir, tmp_path):

@@ -310,6 +310,7 @@ def test_trace_crashed_run_never_leaves_a_complete_trace(tmp_path, monkeypatch):
             self.trace = tr.TraceWriter(final, TRACE_HEADER)
             self.trace.append(0, tr.PHASE_DECODE, 1, [3, 4])
             self.session = None
+            self.drafting = None
 
         close = runner.Run.close
 

@@ -214,7 +214,7 @@ def test_temperature_below_the_smallest_normal_float32_is_refused_not_noise():
     from libk3.engine.sampler import Sampler
 
     logits = np.array([1e38, -1e38, 3.0], np.float32)
-    assert Sampler(MIN_TEMPERATURE, 1.0, 0)(logits) == 0        # control: the edge samples
+    assert Sampler(MIN_TEMPERATURE, 1.0, 0)(logits, 0) == 0     # control: the edge samples
     try:
         Sampler(1e-320, 1.0, 0)
     except ValueError:

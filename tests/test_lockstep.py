@@ -199,3 +199,50 @@ def test_plan_pass_shares_one_chunk_among_newcomers():
                                                             (False, [0, 1], 2)]
     assert [(x, ids) for x, ids, _ in plan[2:]] == [(a, [9]), (d, [8])]
     assert [x for x, _, _ in plan_pass([a, b, c, d], 7, join_prefill=False)] == [b, c]
+
+
+class _Oracle:
+    """Proposes each sequence's true continuation (the runs alone), every third token
+    spoiled, so lanes accept some proposals and reject others."""
+
+    taps = None
+
+    def __init__(self, truths, vocab):
+        self.truths, self.vocab = truths, vocab
+
+    def propose(self, state, anchor, n, pick):
+        from libk3.engine.speculative import Proposal
+        fed = state.ids + [anchor]
+        for t in self.truths:
+            if t[:len(fed)] == fed:
+                out = t[len(fed):len(fed) + n]
+                return Proposal([(x + 1) % self.vocab if (len(fed) + j) % 3 == 0 else x
+                                 for j, x in enumerate(out)])
+        return Proposal([])
+
+    def observe(self, state, taps):
+        pass
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_lockstep_with_drafting_equals_alone(sess, jobs_and_alone, width):
+    """Catches a lane whose verify pass shares rows with another lane's, a commit that
+    keeps a rejected proposal, or a stop inside accepted proposals that is not honoured:
+    every lane drafts (greedy and sampled), ids and logits bytes equal the runs alone."""
+    from libk3.engine.speculative import Drafting
+    jobs, alone = jobs_and_alone
+    truths = [j.prompt_ids + a.generated_ids for j, a in zip(jobs, alone)]
+    drafting = Drafting(_Oracle(truths, sess.cfg.vocab_size), 4)
+    done = {}
+    run_lockstep(sess.forward, lambda n: State(sess.cfg, capacity=n), jobs, width,
+                 lambda job, res: done.__setitem__(job.tag, res), chunk=CHUNK,
+                 keep_logits=True, drafting=drafting)
+    for job, want in zip(jobs, alone):
+        got = done[job.tag]
+        assert got.generated_ids == want.generated_ids, job.tag
+        assert got.stop_reason == want.stop_reason
+        n = got.logits.shape[0]
+        assert n >= len(job.prompt_ids) + max(len(want.generated_ids) - 1, 0)
+        assert np.array_equal(got.logits.view(np.uint32), want.logits[:n].view(np.uint32))
+    st = drafting.stats
+    assert 0 < st.accepted < st.drafted

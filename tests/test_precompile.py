@@ -203,7 +203,8 @@ def test_doctor_compile_reports_every_kernel_and_where_cached():
     assert s["cached"] and s["cache_dirs"] and "compiling" not in p.stderr
     assert {k.module for k in precompile.kernels()} == {
         "libk3.kernels." + m for m in ("bf16", "mxfp4", "norms", "activations", "attnres",
-                                       "kda", "mla", "router", "moe", "bf16_planes")} | {
+                                       "kda", "mla", "router", "moe", "bf16_planes", "rope",
+                                       "logistic")} | {
         "libk3.policies." + m for m in ("lru", "lfu", "layer_lfu", "adaptive", "drive",
                                         "belady", "s3fifo")} | {
         "libk3.policies.online", "libk3.machine.parallel"}

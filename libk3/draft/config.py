@@ -19,7 +19,7 @@ import json
 import math
 from pathlib import Path
 
-from ..config import K3Config
+from ..config import MAX_SIZE, K3Config
 from ..errors import ConfigError
 
 # Every draft norm (q_a and kv_a included) uses rms_norm_eps (formats/dspark.md §2.1).
@@ -61,7 +61,7 @@ class DraftConfig:
     markov_rank: int
     enable_confidence_head: bool
     confidence_head_with_markov: bool
-    fc_norm: bool                      # lightseek variant: per-tap RMSNorm first
+    fc_norm: bool                      # the variant's per-tap RMSNorm (dspark.md §2.2)
     aux_hidden_stream: str             # "prefix" (raw running sum) or "attn_res"
     block_size: int                    # drafted tokens per pass (the checkpoint's 7 or 8 -> 7)
     source: str
@@ -337,15 +337,18 @@ def _check_structure(cfg: DraftConfig, doc: dict) -> None:
                  "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                  "v_head_dim", "vocab_size", "markov_rank", "block_size",
                  "rope_original_max_positions", "target_hidden_size"):
-        if getattr(cfg, name) <= 0:
-            problems.append(f"{name} must be positive, found {getattr(cfg, name)}")
-    if cfg.qk_rope_head_dim <= 0 or cfg.qk_rope_head_dim % 2:
+        if not 0 < getattr(cfg, name) <= MAX_SIZE:
+            problems.append(f"{name} must be 1 .. {MAX_SIZE}, found {getattr(cfg, name)}")
+    if not 0 < cfg.qk_rope_head_dim <= MAX_SIZE or cfg.qk_rope_head_dim % 2:
         problems.append(f"qk_rope_head_dim {cfg.qk_rope_head_dim} must be positive and even "
                         "(rotation pairs)")
     if not cfg.rms_norm_eps > 0:
         problems.append(f"rms_norm_eps must be positive, found {cfg.rms_norm_eps}")
     if cfg.rope_factor <= 0:
         problems.append(f"rope_parameters.factor must be positive, found {cfg.rope_factor}")
+    if not 0 < cfg.rope_beta_slow < cfg.rope_beta_fast:
+        problems.append("rope_parameters need 0 < beta_slow < beta_fast, found "
+                        f"{cfg.rope_beta_slow} and {cfg.rope_beta_fast}")
     if problems:
         raise ConfigError("inconsistent draft config: " + "; ".join(problems), path=cfg.source)
 

@@ -99,11 +99,10 @@ def parse_line(line: bytes, vocab_size: int) -> dict:
 
 def job_settings(job: dict, base: GenSettings) -> GenSettings:
     """A parsed line's settings over the run's: each field the line gives replaces the
-    option's; drafting (--spec) only for a greedy line."""
-    temperature = job.get("temperature", base.temperature)
+    option's."""
     return dataclasses.replace(
-        base, spec=base.spec if temperature == 0 else 0, gen=job.get("gen", base.gen),
-        temperature=temperature, top_p=job.get("top_p", base.top_p),
+        base, gen=job.get("gen", base.gen),
+        temperature=job.get("temperature", base.temperature), top_p=job.get("top_p", base.top_p),
         seed=job.get("seed", base.seed), stop_strings=tuple(job["stop"]) or base.stop_strings,
         stop_ids=tuple(job.get("stop_ids", base.stop_ids)))
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 
-from ..errors import UsageError
 from ..model.state import State
 from . import batch as batchfile
 from .generate import Abandoned
@@ -31,7 +30,7 @@ class BatchSink:
     what is still in flight once it has passed; such a run goes through the lockstep
     scheduler even at width 1, which is how its passes are timed."""
 
-    def __init__(self, run, out_path, width: int, chunk: int, limits, spec: bool = False):
+    def __init__(self, run, out_path, width: int, chunk: int, limits):
         self.run, self.out_path, self.width, self.chunk = run, out_path, width, chunk
         self.deadline, self.clock = limits.deadline, limits.clock
         self.should_stop = limits.passed if self.deadline is not None else None
@@ -53,14 +52,14 @@ class BatchSink:
         self.ids = {}                       # line -> the line's id
         self.chats = set()                  # lines given as "messages"
         self.lockstep = None
-        if width > 1 or (self.pace is not None and not spec):
+        if width > 1 or self.pace is not None:
             cfg = run.cfg
             self.lockstep = Lockstep(fwd, lambda n: State(cfg, capacity=n), width,
                                      self._done, chunk=chunk,
                                      tokenizer=run.session.tokenizer, on_token=self._token,
                                      should_stop=self.should_stop,
                                      on_pass=self.pace.record if self.pace else None,
-                                     clock=self.clock)
+                                     clock=self.clock, drafting=run.drafting)
 
     def submit(self, lineno: int, job_id, prompt_ids, settings, chat: bool = False) -> str:
         """Run the prompt (width 1) or queue it for the next free slot; ``chat``: a
@@ -75,8 +74,6 @@ class BatchSink:
                 self._done(job, self.run.generate(prompt_ids, settings,
                                                   should_stop=self.should_stop))
                 return STARTED
-            if settings.spec:
-                raise UsageError("--spec decodes one prompt at a time: use --batch-width 1")
             self.run.check_stop_strings(settings)
             self.lockstep.make_room()
             if self.pace is not None and not self._fits(job_id, job):

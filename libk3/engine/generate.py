@@ -39,7 +39,6 @@ class GenSettings:
     stop_ids: tuple = ()
     stop_strings: tuple = ()
     prefill_chunk: int = PREFILL_CHUNK
-    spec: int = 0                  # speculative drafts per step (greedy only); 0 = off
 
 
 class Stops:
@@ -80,13 +79,18 @@ class GenResult:
         return self.decode_seconds / n if n else 0.0
 
 
-def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=None):
-    """Feed ``ids`` in chunks; returns logits of every position (keep_logits) or the last."""
+def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=None,
+            observe=None):
+    """Feed ``ids`` in chunks; returns logits of every position (keep_logits) or the last.
+    ``observe(state, taps)`` hears each chunk's captured taps (a draft's context)."""
     rows = []
     last = None
     for i in range(0, len(ids), chunk):
         part = ids[i:i + chunk]
-        logits = forward(part, state, all_logits=keep_logits, phase="prefill")
+        taps = [] if observe is not None else None
+        logits = forward(part, state, all_logits=keep_logits, phase="prefill", taps=taps)
+        if observe is not None:
+            observe(state, taps[0])
         if keep_logits:
             rows.append(logits)
         last = logits[-1]
@@ -97,17 +101,19 @@ def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=
 
 def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokenizer=None,
              on_token=None, keep_logits: bool = False, progress=None,
-             after_prefill=None, feed_last: bool = True) -> GenResult:
+             after_prefill=None, feed_last: bool = True, drafting=None) -> GenResult:
     """Run one prompt. ``on_token(id)`` is called as each token is produced;
     ``after_prefill(state)`` once the prompt is in the state (reuse of earlier turns).
     With ``feed_last`` False (and no ``keep_logits``), the token that ends generation by
     length or stop id is not fed: nothing would use its pass (at the floor, a whole trunk
-    read), and the state then ends before it."""
+    read), and the state then ends before it. ``drafting`` (``speculative.Drafting``)
+    proposes tokens to verify several per pass: the tokens and logits are the same."""
     sampler = Sampler(settings.temperature, settings.top_p, settings.seed)
     prompt_ids = [int(i) for i in prompt_ids]
+    spec = drafting.speculator() if drafting is not None else None
     t0 = time.perf_counter()
     all_rows, last = prefill(forward, state, prompt_ids, settings.prefill_chunk, keep_logits,
-                             progress)
+                             progress, observe=spec.observe if spec is not None else None)
     if after_prefill is not None:
         after_prefill(state)
     t1 = time.perf_counter()
@@ -115,52 +121,42 @@ def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokeni
     generated: list[int] = []
     reason = "length"
     stops = Stops(settings, tokenizer)
-    spec_stats = None
-    if settings.spec:
-        from .speculative import DraftBudget, SpecStats, lookup_drafts, refeed, verify
-        if not sampler.greedy:
-            raise ValueError("speculative decoding is exact only for greedy decoding")
-        spec_stats = SpecStats()
-        budget = DraftBudget(settings.spec)
-    while len(generated) < settings.gen and last is not None:
-        tok = sampler(last)
-        drafts = []
-        if spec_stats is not None and tok not in settings.stop_ids:
-            room = settings.gen - len(generated) - 1
-            n = min(budget.allowed(), room)
-            drafts = lookup_drafts(prompt_ids + generated + [tok], n) if n > 0 else []
-            stop_at = next((j for j, d in enumerate(drafts) if d in settings.stop_ids), None)
-            if stop_at is not None:
-                drafts = drafts[:stop_at + 1]
-        if drafts:
-            snap = state.snapshot()
-            accepted, logits = verify(forward, state, tok, drafts, spec_stats, snap)
-            budget.update(len(drafts), len(accepted))
+    tok = None if last is None or settings.gen <= 0 else sampler(last, state.pos)
+    while tok is not None:
+        generated.append(tok)
+        if on_token is not None:
+            on_token(tok)
+        reason = stops.see(tok) or reason
+        ends = reason != "length" or len(generated) >= settings.gen
+        if ends and not feed_last and not keep_logits:
+            break                        # the unfed last token: generation ends here
+        if spec is None:
+            logits = forward([tok], state, all_logits=True, phase="decode")
+            kept = []
         else:
-            accepted = []
-            ends = len(generated) + 1 >= settings.gen or tok in settings.stop_ids
-            logits = (None if ends and not feed_last and not keep_logits else
-                      forward([tok], state, all_logits=True, phase="decode"))
-        fed = [tok] + accepted
-        kept = 0
-        for t in fed:
-            generated.append(t)
-            kept += 1
-            if on_token is not None:
-                on_token(t)
-            reason = stops.see(t) or reason
-            if reason != "length":
-                break
-        if kept < len(fed):          # a stop string inside accepted drafts: drop the rest
-            logits = refeed(forward, state, snap, fed[:kept], spec_stats)
-        if logits is None:             # the unfed last token: generation ends here
-            break
+            room = 0 if ends else settings.gen - len(generated)
+            seg = spec.plan(state, tok, room, settings.stop_ids, sampler)
+            t = time.perf_counter()
+            logits = forward.run([seg])[0]
+            took = time.perf_counter() - t
+            kept = []
+            for d in spec.accept(seg, logits, sampler):
+                kept.append(d)
+                generated.append(d)
+                if on_token is not None:
+                    on_token(d)
+                reason = stops.see(d) or reason
+                if reason != "length" or len(generated) >= settings.gen:
+                    break
+            spec.commit(seg, len(kept), took)
+            spec.width.record(len(seg.ids), took)
+            logits = logits[:len(kept) + 1]
         if keep_logits:
             rows.append(logits)
-        last = logits[-1]
-        if reason != "length":
+        if ends or reason != "length" or len(generated) >= settings.gen:
             break
+        tok = sampler(logits[-1], state.pos)
     t2 = time.perf_counter()
     return GenResult(prompt_ids, generated, reason, t1 - t0, t2 - t1,
                      np.concatenate(rows).astype(np.float32) if keep_logits else None,
-                     spec_stats.to_json() if spec_stats is not None else None)
+                     spec.stats.to_json() if spec is not None else None)

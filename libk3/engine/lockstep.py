@@ -50,13 +50,15 @@ class Job:
 class _Lane:
     """A slot's sequence: where its prompt is, what it generated, when."""
 
-    def __init__(self, job: Job, state, now: float, keep_logits: bool, tokenizer=None):
+    def __init__(self, job: Job, state, now: float, keep_logits: bool, tokenizer=None,
+                 spec=None):
         if not job.prompt_ids:
             raise ValueError("a lockstep job needs at least one prompt token")
         self.job = job
         self.prompt = [int(i) for i in job.prompt_ids]
         self.state = state
         self.sampler = Sampler(job.settings.temperature, job.settings.top_p, job.settings.seed)
+        self.spec = spec                # a Speculator when the run drafts
         self.fed = 0                    # prompt tokens fed so far
         self.next = None                # the sampled token the next pass feeds
         self.generated: list[int] = []
@@ -70,28 +72,54 @@ class _Lane:
     def prefilling(self) -> bool:
         return self.fed < len(self.prompt)
 
-    def take(self, logits, n_prompt: int, on_token) -> None:
+    def segment(self, ids, n_prompt: int, tag) -> Segment:
+        """The Segment this lane puts into the next pass: ``ids`` of its prompt, or its
+        decode token (with the proposals its Speculator chooses to verify)."""
+        if n_prompt or self.spec is None:
+            return Segment(ids, self.state, all_logits=self.rows is not None or n_prompt == 0,
+                           phase="prefill" if n_prompt else "decode", tag=tag)
+        room = self.job.settings.gen - len(self.generated)
+        return self.spec.plan(self.state, self.next, room, self.job.settings.stop_ids,
+                              self.sampler, tag)
+
+    def take(self, seg: Segment, logits, n_prompt: int, on_token, seconds: float) -> None:
         """Absorb this lane's logits from a pass that fed ``n_prompt`` prompt tokens (or,
-        with 0, its decode token); sample the next token once the prompt is in."""
+        with 0, its decode token and any proposals: the accepted ones are committed and
+        count as generated); sample the next token once the prompt is in."""
+        self.fed += n_prompt
+        if self.spec is not None:
+            if n_prompt:
+                self.spec.observe(self.state, seg.taps)
+            else:
+                kept = []
+                for d in self.spec.accept(seg, logits, self.sampler):
+                    kept.append(d)
+                    if self._emit(d, on_token):
+                        break
+                self.spec.commit(seg, len(kept), seconds)
+                logits = logits[:len(kept) + 1]
         if self.rows is not None:
             self.rows.append(logits)
-        self.fed += n_prompt
-        if self.prefilling:
+        if self.prefilling or self.reason is not None:
             return
         if self.t_first is None:
             self.t_first = time.perf_counter()
-        s = self.job.settings
-        if len(self.generated) >= s.gen:
+        if len(self.generated) >= self.job.settings.gen:
             self.reason = "length"
             return
-        tok = self.sampler(logits[-1])
+        tok = self.sampler(logits[-1], self.state.pos)
+        self._emit(tok, on_token)
+        self.next = tok
+
+    def _emit(self, tok: int, on_token) -> bool:
+        """Count ``tok`` as generated; whether it ends the sequence (stop or length)."""
         self.generated.append(tok)
         if on_token is not None:
             on_token(self.job, tok)
         self.reason = self.stops.see(tok)
-        if self.reason is None and len(self.generated) >= s.gen:
+        if self.reason is None and len(self.generated) >= self.job.settings.gen:
             self.reason = "length"
-        self.next = tok
+        return self.reason is not None
 
     def result(self, now: float) -> GenResult:
         logits = np.concatenate(self.rows).astype(np.float32) if self.rows else None
@@ -142,13 +170,14 @@ class Lockstep:
     def __init__(self, forward, new_state, width: int, on_done, *, chunk: int = PREFILL_CHUNK,
                  tokenizer=None, on_token=None, keep_logits: bool = False,
                  join_prefill: bool = True, should_stop=None, on_pass=None,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, drafting=None):
         if width < 1 or chunk < 1:
             raise ValueError("width and chunk must be >= 1")
         self.forward, self.new_state, self.width, self.on_done = forward, new_state, width, on_done
         self.chunk, self.tokenizer, self.on_token = chunk, tokenizer, on_token
         self.keep_logits, self.join_prefill = keep_logits, join_prefill
         self.should_stop, self.on_pass, self.clock = should_stop, on_pass, clock
+        self.drafting = drafting
         self.lanes: list[_Lane] = []
         self.stats = LockstepStats(width)
 
@@ -161,8 +190,9 @@ class Lockstep:
         self.make_room()
         state = job.state if job.state is not None else \
             self.new_state(len(job.prompt_ids) + job.settings.gen)
+        spec = self.drafting.speculator() if self.drafting is not None else None
         self.lanes.append(_Lane(job, state, time.perf_counter(), self.keep_logits,
-                                self.tokenizer))
+                                self.tokenizer, spec))
 
     def leave(self, which) -> list:
         """Drop at once the lanes whose Job ``which(job)`` picks (a request whose client
@@ -183,15 +213,17 @@ class Lockstep:
         st = self.stats
         st.max_active = max(st.max_active, len(self.lanes))
         plan = plan_pass(self.lanes, self.chunk, self.join_prefill)
-        segs = [Segment(ids, lane.state, all_logits=self.keep_logits or n_prompt == 0,
-                        phase="prefill" if n_prompt else "decode", tag=lane.job.tag)
-                for lane, ids, n_prompt in plan]
+        segs = [lane.segment(ids, n_prompt, lane.job.tag) for lane, ids, n_prompt in plan]
+        t_pass = time.perf_counter()
         outs = self.forward.run(segs)
+        took = time.perf_counter() - t_pass
         st.passes += 1
-        for (lane, ids, n_prompt), logits in zip(plan, outs):
+        if self.drafting is not None and all(n == 0 for _, _, n in plan):
+            self.drafting.width.record(sum(seg.ids.shape[0] for seg in segs), took)
+        for (lane, ids, n_prompt), seg, logits in zip(plan, segs, outs):
             st.prompt_tokens += n_prompt
             before = len(lane.generated)
-            lane.take(logits, n_prompt, self.on_token)
+            lane.take(seg, logits, n_prompt, self.on_token, took)
             st.generated_tokens += len(lane.generated) - before
         still = []
         for lane in self.lanes:

@@ -53,11 +53,11 @@ class Pace:
         observed / modelled over the window (at least SAFETY): noise and load included."""
         dec = [(w, s) for p, w, s in self.passes if p == 0]
         if len(dec) >= 2:
-            a, b = _line(dec)
+            a, b = fit_line(dec)
             fed = [(s - a - b * w) / p for p, w, s in self.passes if p > 0]
             bp = max(0.0, sorted(fed)[len(fed) // 2]) if fed else b
         else:                       # no decode passes yet: one cost per token fed
-            a, b = _line([(p + w, s) for p, w, s in self.passes])
+            a, b = fit_line([(p + w, s) for p, w, s in self.passes])
             bp = b
         ratios = sorted(s / max(a + b * w + bp * p, 1e-12) for p, w, s in self.passes)
         return a, b, bp, max(SAFETY, ratios[int(0.9 * (len(ratios) - 1))])
@@ -88,7 +88,7 @@ class Pace:
             total += a + b * decoders + bp * fed
 
 
-def _line(points: list) -> tuple:
+def fit_line(points: list) -> tuple:
     """(a, b) >= 0 of seconds = a + b * x fitted to [(x, seconds)] by least squares; one
     size of x seen: FIXED_SHARE of it fixed, the rest per unit."""
     n = len(points)

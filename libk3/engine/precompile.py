@@ -113,6 +113,12 @@ def _groups() -> dict:
         + group(k + "router", ("router_topk", (f32_2, f32_1, i64, nt.boolean, f64, i64_2,
                                                f32_2)))
         + group(k + "moe", ("combine_routed", (f32_3, f32_2, f32_2))))
+    # the DSpark draft (k3-run --draft): its own kernels; the rest are the forward's
+    draft = forward + (
+        group(k + "rope", ("rope_interleaved", (f32_3, i64_1, f64_1, f64, f32_3)))
+        + group(k + "activations", ("silu_mul", (f32_1, f32_1, f32_1)))
+        + group(k + "logistic", *[("logistic_unit", (w, f32_1, f64))
+                                  for w in (f32_1, a(nt.uint16, 1))]))
     # a policy's state is what its constructor returns; drive.access and drive.hits
     # are compiled once per state type. Each policy's module comes from the registry.
     pol = policy_module
@@ -148,13 +154,14 @@ def _groups() -> dict:
                         *(("encode_block", (src, u8_1)) for src in (u16_1, ro_u16_1)))
     timing += trunk_codec                         # k3-doctor times the trunk decoder too
     return {"forward": forward,                   # k3-run
+            "draft": draft,                       # k3-run --draft
             "expert-cache": online_policies + trunk_codec,   # k3-run, streamed
             "replay": replay,                     # k3-trace replay / size
             "probe": probe,                       # k3-doctor's threading-layer check
             "kernel-timing": timing}              # k3-doctor: BF16 and MXFP4 matmuls
 
 
-GROUPS = ("forward", "expert-cache", "replay", "probe", "kernel-timing")
+GROUPS = ("forward", "draft", "expert-cache", "replay", "probe", "kernel-timing")
 
 
 def kernels(groups=GROUPS) -> list:

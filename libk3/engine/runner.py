@@ -44,46 +44,45 @@ class RunOptions:
     verify_reads: str = "first"
     batch_width: int | str | None = None   # lockstep width (batch, serve): N, "auto"; None: 1
     progress: bool = True                  # progress on stderr (progress.bar); --quiet: none
+    spec: int = 0                          # prompt-lookup proposals per pass, at most (--spec)
+    draft: str | None = None               # a DSpark draft directory (--draft)
+    draft_max: int | None = None           # proposals per pass, at most (None: its block)
+    draft_dump: str | None = None          # --draft-dump FILE.npz
+    warn: object = None                    # notes for the user (drafting turned off, ...)
 
 
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
-                  prefill_chunk=PREFILL_CHUNK, spec=0) -> GenSettings:
+                  prefill_chunk=PREFILL_CHUNK) -> GenSettings:
     return GenSettings(gen=gen, temperature=temperature, top_p=top_p, seed=seed,
                        stop_ids=tuple(stop_ids), stop_strings=tuple(stop_strings),
-                       prefill_chunk=prefill_chunk, spec=spec)
+                       prefill_chunk=prefill_chunk)
 
 
-def batch_options(batch, batch_width, shard, spec, serve=False) -> tuple:
+def batch_options(batch, batch_width, shard, serve=False) -> tuple:
     """(width for RunOptions.batch_width, (K, N) or None) from --batch-width (with
-    --batch or --serve) and --shard (with --batch). --spec decodes one prompt at a time:
-    with --batch auto becomes 1 and an explicit width above 1 is refused (usage error);
-    --serve always decodes in lockstep, so it refuses --spec. ``batch_width`` is None,
-    "auto" or a positive int and ``shard`` None or (K, N), as the front end parsed them."""
+    --batch or --serve) and --shard (with --batch). ``batch_width`` is None, "auto" or a
+    positive int and ``shard`` None or (K, N), as the front end parsed them."""
     if not batch and (shard is not None or (batch_width is not None and not serve)):
         raise UsageError("--batch-width and --shard go with --batch (--batch-width also "
                          "with --serve)")
     if not batch and not serve:
         return None, None
-    if serve and spec:
-        raise UsageError("--spec decodes one prompt at a time; --serve decodes its requests "
-                         "in lockstep", hint="drop --spec")
-    width = "auto" if batch_width is None else batch_width
-    if spec and width != "auto" and width > 1:
-        raise UsageError("--spec decodes one prompt at a time: it cannot run with --batch-width "
-                         f"{width}", hint="use --batch-width 1, or drop --spec")
-    if spec:
-        width = 1
-    return width, shard
+    return ("auto" if batch_width is None else batch_width), shard
 
 
-def resolve_run_budget(opts: RunOptions, ckpt):
+def resolve_run_budget(opts: RunOptions, ckpt, draft=None):
     """Budget from presets/flags (argv order; ``auto`` sets aside a fixed --batch-width's
     state), refused before loading when it cannot work; then the batch width
-    (``budget.batch_width``). Returns (budget or None when resident, width, reasons)."""
+    (``budget.batch_width``). A ``draft`` (its loaded checkpoint) is counted beside the
+    model. Returns (budget or None when resident, width, reasons)."""
     from ..machine.memory import probe_memory
-    from ..budget import Budget, ModelSizes, admission_problems, batch_width, resolve_budget
+    from ..budget import (Budget, ModelSizes, admission_problems, batch_width, resolve_budget,
+                          with_draft)
 
     sizes = ModelSizes.from_checkpoint(ckpt)
+    if draft is not None:
+        sizes = with_draft(sizes, ckpt.config, draft.nbytes, draft.cfg.num_hidden_layers
+                           * draft.cfg.cache_width * 4, draft_cap(opts, draft.cfg))
     mem = probe_memory(opts.memory_override)
     fixed = opts.batch_width if isinstance(opts.batch_width, int) else 1
     budget = None
@@ -92,6 +91,8 @@ def resolve_run_budget(opts: RunOptions, ckpt):
                                 order=opts.budget_order or None, mem=mem, model_sizes=sizes,
                                 width=fixed)
         problems = admission_problems(budget, sizes, mem)
+        if draft is not None and problems:
+            problems.append(f"the draft's {draft.nbytes / 1e9:.2f} GB of weights are counted")
         if problems:
             raise BudgetError("; ".join(problems), hint="choose a smaller --preset or budgets")
     if opts.batch_width is None:
@@ -110,8 +111,13 @@ class Run:
         self.budget = None
         self.trace = None
         ckpt = Checkpoint.open(opts.model)       # indexed once, for the budget and the run
+        self.drafting = None
         try:
-            self.budget, self.width, self.width_reasons = resolve_run_budget(opts, ckpt)
+            draft = None
+            if opts.draft:
+                from ..draft.checkpoint import load_draft
+                draft = load_draft(opts.draft, ckpt.config)
+            self.budget, self.width, self.width_reasons = resolve_run_budget(opts, ckpt, draft)
             from .precompile import prepare     # the expert cache builds its policy
             self.compile_seconds = (0.0 if opts.resident else
                                     prepare(["expert-cache"], show=opts.progress))
@@ -122,6 +128,7 @@ class Run:
                 cache_bytes=None if opts.resident else self.budget.cache_bytes,
                 cache_policy=opts.cache_policy, io_threads=opts.io_threads,
                 direct_io=opts.direct_io, on_route=on_route, verify_reads=opts.verify_reads)
+            self.drafting = _drafting(opts, draft, self.session)
         except BaseException:
             ckpt.close()
             raise
@@ -129,7 +136,8 @@ class Run:
         self._chat = None
         try:    # the forward's kernels load while the session's first reads (lm_head, the
             # ring's layers) are under way
-            self.compile_seconds += prepare(["forward"], show=opts.progress)
+            self.compile_seconds += prepare(["draft" if opts.draft else "forward"],
+                                            show=opts.progress)
         except BaseException:
             self.close(failed=True)
             raise
@@ -247,7 +255,8 @@ class Run:
             progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
         res = generate(self.session.forward, state, prompt_ids, settings,
                        tokenizer=self.session.tokenizer, on_token=on_token,
-                       keep_logits=keep_logits, progress=progress, feed_last=bool(save_state))
+                       keep_logits=keep_logits, progress=progress, feed_last=bool(save_state),
+                       drafting=self.drafting)
         if save_state:
             state.save(save_state)
         return res
@@ -258,6 +267,8 @@ class Run:
         try:
             if self.trace is not None:
                 self.trace.keep_partial() if failed else self.trace.close()
+            if self.drafting is not None and self.drafting.on_dump is not None and not failed:
+                self.drafting.on_dump.write()
         finally:
             self.session.weights.close()
             self.session.ckpt.close()
@@ -272,6 +283,53 @@ def open_run(opts: RunOptions):
         run.close(failed=True)
         raise
     run.close()
+
+
+def draft_cap(opts: RunOptions, draft_cfg) -> int:
+    """Proposals a pass verifies at most with a DSpark draft: --draft-max, within its
+    block."""
+    return min(opts.draft_max or draft_cfg.block_size, draft_cfg.block_size)
+
+
+def _drafting(opts: RunOptions, draft, session):
+    """The run's ``Drafting`` (a DSpark draft, or prompt lookup for --spec), or None;
+    the session's forward then captures the taps the draft reads."""
+    from .speculative import Drafting
+    if draft is None:
+        if not opts.spec:
+            return None
+        from .proposers import PromptLookup
+        return Drafting(PromptLookup(), opts.spec)
+    from ..draft.forward import DraftForward
+    from .proposers import DSpark
+    weights = session.weights
+    model = DraftForward(draft.cfg, draft.weights, weights.embed, weights.model()["lm_head"])
+    proposer = DSpark(model, note=opts.warn, dump=opts.draft_dump is not None)
+    session.forward.taps = proposer.taps
+    dump = DraftDump(opts.draft_dump) if opts.draft_dump else None
+    return Drafting(proposer, draft_cap(opts, draft.cfg), on_dump=dump)
+
+
+class DraftDump:
+    """--draft-dump: per verify pass, the taps, the block, the draft's logits before and
+    after the Markov bias, its confidence and the target's verify logits, written as one
+    .npz at the end of the run (arrays ``<name>.<pass>``; dspark.md §9)."""
+
+    def __init__(self, path: str):
+        self.path = path if path.endswith(".npz") else path + ".npz"
+        self.arrays = {}
+        self.n = 0
+
+    def __call__(self, record: dict) -> None:
+        for name, value in record.items():
+            if value is not None:
+                self.arrays[f"{name}.{self.n}"] = np.asarray(value)
+        self.n += 1
+
+    def write(self) -> None:
+        from ..io.atomic import replacing
+        with replacing(self.path) as f:
+            np.savez(f, passes=np.int64(self.n), **self.arrays)
 
 
 def _load_state(run: Run, path) -> State:
@@ -347,7 +405,7 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     summary["width_reasons"] = list(run.width_reasons) + (
         [f"capped at {width} (the batch's lines)"] if width < run.width else [])
     left_for_time = False               # a prompt not started: it would not finish in time
-    sink = BatchSink(run, out_path, width, base.prefill_chunk, limits, spec=bool(base.spec))
+    sink = BatchSink(run, out_path, width, base.prefill_chunk, limits)
     started = 0
     for lineno, line in lines:
         if not line.strip():
@@ -431,7 +489,7 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
             state = run.session.new_state()
         printer = emit_factory()
         res = generate(run.session.forward, state, ids, turn_settings, tokenizer=tok,
-                       on_token=printer)
+                       on_token=printer, drafting=run.drafting)
         printer.finish()
         convo.add_reply(run.reply_message(res.generated_ids))
     if save_state:

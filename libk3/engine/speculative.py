@@ -1,113 +1,243 @@
-"""Speculative decoding without a second model: prompt-lookup drafts, one batched verify.
+"""Speculative decoding: propose several tokens, verify them in one pass, commit exactly.
 
-Owns: proposing up to N draft tokens by n-gram lookup in the context (the tokens that
-followed the most recent earlier occurrence of the context's longest matching suffix),
-and verifying them in ONE forward call over [current token + drafts], which fetches each
-needed expert once for the whole block. Does not own: sampling or the model.
+Owns: one sequence's drafting step (``Speculator``): asking a proposer for up to N tokens
+after the anchor, choosing how many to verify (``Width``: expected committed tokens over
+the measured cost of a pass of that width), building the verify ``Segment``, accepting
+the proposals that equal what the sampler picks from the target's rows, and committing
+the anchor and the accepted ones (``forward.commit``: no second pass over any weight).
+Also the counters a run reports (``SpecStats``). Does not own: the proposers
+(``libk3.engine.proposers``), the passes (``generate``, ``lockstep``), sampling
+(``sampler``: the pick at a position depends only on that position's logits).
 
-Exactness: only greedy decoding is sped up. Row i of the verify call's logits is
-bit-identical to what token-by-token decoding computes (block kernels keep each token's
-accumulation order), so accepting drafts while they equal the argmax yields exactly the
-greedy stream. On a rejection the state is rolled back and the accepted prefix re-fed
-(again bit-identical), so the state never holds a rejected token.
+Exactness: a verify pass computes each row with the arithmetic of plain decoding
+(model.md §7.4), and a proposal is kept only when it equals the token plain decoding picks
+there, so the committed tokens and their logits are plain decoding's, greedy or sampled,
+whatever is proposed and however many are verified (dspark.md §6). The width changes
+speed only; so it may depend on timings.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import time
+
 import numpy as np
 
+from ..model.forward import Segment, commit
+from .pace import fit_line
 
-def lookup_drafts(context: list, n: int, max_ngram: int = 3) -> list:
-    """Up to ``n`` tokens that followed the latest earlier occurrence of the longest suffix
-    (length max_ngram down to 1) of ``context``; [] when none matches."""
-    if n <= 0 or len(context) < 2:
-        return []
-    arr = np.asarray(context, dtype=np.int64)
-    L = arr.size
-    for g in range(min(max_ngram, L - 1), 0, -1):
-        suffix = arr[L - g:]
-        # candidate starts i with arr[i:i+g] == suffix and i + g < L (something follows)
-        for i in range(L - g - 1, -1, -1):
-            if np.array_equal(arr[i:i + g], suffix):
-                follow = arr[i + g:i + g + n]
-                if follow.size:
-                    return [int(t) for t in follow]
-    return []
+WINDOW = 32              # recent passes the cost fit uses
+FIXED_PRIOR = 0.9        # until two widths are measured: share of a pass that is fixed
+MAX_PAUSE = 16           # steps without drafting, at most, after drafting did not pay
+EXPLORE_AFTER = 3        # passes of one width, after which another width is tried once
+RATE_MEMORY = 0.8        # weight of the earlier verifies in a proposer's acceptance rate
 
 
-MAX_PAUSE = 16          # decode steps without drafting, at most, after failed verifies
+@dataclasses.dataclass
+class Proposal:
+    """What a proposer offers after an anchor: ``tokens`` (at most the n asked for) and,
+    when it knows them, ``confidence[k]``, the chance that token k survives given that the
+    ones before it did; ``dump``: arrays for --draft-dump (or None)."""
+
+    tokens: list
+    confidence: np.ndarray | None = None
+    dump: dict | None = None
 
 
-class DraftBudget:
-    """How many drafts the next step may propose (drafting changes speed, never tokens).
+class SpecStats:
+    """Counters of a run's drafting (one object may serve several sequences)."""
 
-    Why adaptive: a verify whose drafts are all rejected costs about two plain steps (the
-    block forward, then a rollback and a re-feed) and reads every drafted token's experts;
-    with drafts that are always wrong, a fixed --spec 4 is more than twice as slow as plain
-    greedy (bench/README.md, "Speculative decoding"). So: the full N while drafts are accepted; after a partial
-    acceptance of k, at most k + 1; after a verify that accepted nothing, no drafting for
-    1, 2, 4, ... MAX_PAUSE steps (doubling while failures continue, reset by any
-    acceptance)."""
+    def __init__(self, cap: int):
+        self.passes = 0                   # decode passes of drafting sequences
+        self.verifies = 0                 # of them, passes that checked proposals
+        self.drafted = 0                  # proposals verified
+        self.accepted = 0                 # proposals committed
+        self.committed = collections.Counter()   # tokens committed per pass -> passes
+        self.draft_seconds = 0.0
+        self.pass_seconds = 0.0
+        self.cap = cap
 
-    def __init__(self, n: int):
-        self.n = n
-        self.cap = n
+    def to_json(self) -> dict:
+        tokens = sum(k * n for k, n in self.committed.items())
+        return {
+            "passes": self.passes, "verify_passes": self.verifies,
+            "drafted": self.drafted, "accepted": self.accepted,
+            "acceptance_rate": round(self.accepted / self.drafted, 6) if self.drafted else None,
+            "tokens_per_pass": round(tokens / self.passes, 6) if self.passes else None,
+            "committed_per_pass": {str(k): self.committed.get(k, 0)
+                                   for k in range(1, self.cap + 2)},
+            "draft_seconds": round(self.draft_seconds, 6),
+            "pass_seconds": round(self.pass_seconds, 6),
+        }
+
+
+class Width:
+    """How many proposals to verify: the count L that maximises the expected committed
+    tokens E_L = sum_{i<=L} a_i (a_0 = 1, a_i = the product of the first i confidences)
+    over the cost of a pass feeding L + 1 tokens, seconds = fixed + per_token * tokens,
+    fitted to the decode passes measured so far (dspark.md §5.7). L = 0 is plain decoding,
+    so the choice never expects to be slower than it. While every pass measured had one
+    width, the cost's fixed share is a prior (FIXED_PRIOR), and after EXPLORE_AFTER such
+    passes one pass of another width is chosen to measure it. Also whether drafting pays at all,
+    with the draft's own time counted: when the expected gain stays below 1, drafting
+    pauses for 1, 2, 4, ... MAX_PAUSE steps and is tried again, verifying at least one
+    proposal (a probe: without it a proposer judged by its acceptance rate would never
+    be heard again)."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.passes = collections.deque(maxlen=WINDOW)
+        self.seen = 0
+        self.draft = None                 # seconds of a draft pass (mean of the recent)
         self.pause = 0
         self.backoff = 1
+        self.probe = False
 
-    def allowed(self) -> int:
-        """Drafts this step may propose (0 while paused; each call is one step)."""
+    def record(self, tokens: int, seconds: float) -> None:
+        """A decode pass that fed ``tokens`` tokens in all (the first is left out: it
+        touches cold weights)."""
+        self.seen += 1
+        if self.seen > 1:
+            self.passes.append((tokens, seconds))
+
+    def record_draft(self, seconds: float) -> None:
+        self.draft = seconds if self.draft is None else 0.75 * self.draft + 0.25 * seconds
+
+    def cost(self, tokens: int) -> float:
+        """Modelled seconds of a pass feeding ``tokens`` (relative until measured)."""
+        widths = {w for w, _ in self.passes}
+        if len(widths) >= 2:
+            a, b = fit_line(list(self.passes))
+        elif self.passes:
+            w, s = self.passes[-1]
+            a, b = s * FIXED_PRIOR, s * (1 - FIXED_PRIOR) / w
+        else:
+            a, b = FIXED_PRIOR, 1 - FIXED_PRIOR
+        return a + b * tokens
+
+    def choose(self, confidence) -> tuple:
+        """(L, expected gain over plain decoding with the draft's time counted)."""
+        a = np.concatenate([[1.0], np.cumprod(np.asarray(confidence, np.float64))])
+        expected = np.cumsum(a)                                  # E_0 .. E_n
+        costs = np.array([self.cost(L + 1) for L in range(a.size)])
+        L = int(np.argmax(expected / costs))
+        if self.probe and a.size > 1:
+            L, self.probe = max(L, 1), False
+        widths = {w for w, _ in self.passes}
+        if len(widths) == 1 and len(self.passes) >= EXPLORE_AFTER:   # measure another width
+            L = 0 if widths.pop() > 1 else max(L, min(1, a.size - 1))
+        draft = self.draft or 0.0
+        return L, expected[L] / (costs[L] + draft) * self.cost(1)
+
+    def allowed(self) -> bool:
+        """Whether this step drafts (a pause counts down one step per call)."""
         if self.pause > 0:
             self.pause -= 1
-            return 0
-        return self.cap
+            self.probe = self.pause == 0
+            return False
+        return True
 
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
-        if accepted == drafted:
-            self.cap = min(self.n, 2 * self.cap)
-            self.backoff = 1
-        elif accepted > 0:
-            self.cap = min(self.n, accepted + 1)
+    def judge(self, gain: float) -> None:
+        """After a drafting step with expected ``gain``: pause when it is below 1."""
+        if gain >= 1.0:
             self.backoff = 1
         else:
-            self.cap = 1
             self.pause = self.backoff
             self.backoff = min(2 * self.backoff, MAX_PAUSE)
 
 
-class SpecStats:
-    def __init__(self):
-        self.drafted = 0
-        self.accepted = 0
-        self.verify_calls = 0
-        self.rollbacks = 0
+class Drafting:
+    """A run's drafting: the proposer, the most proposals a pass verifies, and what the
+    run's sequences share: the cost model (``Width``) and the counters (``SpecStats``)."""
 
-    def to_json(self) -> dict:
-        return {"drafted": self.drafted, "accepted": self.accepted,
-                "acceptance_rate": round(self.accepted / self.drafted, 6) if self.drafted else None,
-                "verify_calls": self.verify_calls, "rollbacks": self.rollbacks}
+    def __init__(self, proposer, cap: int, on_dump=None):
+        self.proposer, self.cap, self.on_dump = proposer, cap, on_dump
+        self.width = Width(cap)
+        self.stats = SpecStats(cap)
 
-
-def verify(forward, state, tok: int, drafts: list, stats: SpecStats, snap):
-    """Feed [tok] + drafts; return (accepted drafts, logits rows of every fed token kept).
-    Greedy acceptance: draft j is kept while argmax(row j) == draft j. ``snap`` is the
-    state's snapshot from before the call, used to roll back a rejection."""
-    logits = forward([tok] + drafts, state, all_logits=True, phase="decode")
-    stats.verify_calls += 1
-    stats.drafted += len(drafts)
-    k = 0
-    while k < len(drafts) and int(np.argmax(logits[k])) == drafts[k]:
-        k += 1
-    stats.accepted += k
-    if k == len(drafts):
-        return drafts, logits
-    return drafts[:k], refeed(forward, state, snap, [tok] + drafts[:k], stats)
+    def speculator(self) -> "Speculator":
+        return Speculator(self.proposer, self.cap, self.width, self.stats, self.on_dump)
 
 
-def refeed(forward, state, snap, tokens: list, stats: SpecStats):
-    """Roll the state back to ``snap`` and feed ``tokens`` again (bit-identical rows)."""
-    state.restore(snap)
-    stats.rollbacks += 1
-    return forward(tokens, state, all_logits=True, phase="decode")
+class Speculator:
+    """One sequence's drafting around the passes its caller runs: ``plan`` before a
+    decode pass (the Segment to run), ``accept`` and ``commit`` after it.
+
+    ``proposer``: ``propose(state, anchor, n, pick) -> Proposal`` and ``observe(state,
+    taps)`` (the committed positions' taps, for a draft that reads them; None rows when
+    the pass captured none). ``width``: a shared ``Width`` (the cost of a pass is the
+    machine's, not the sequence's); ``stats``: a shared ``SpecStats``; ``on_dump``:
+    called with each verify's arrays when --draft-dump is on."""
+
+    def __init__(self, proposer, cap: int, width: Width, stats: SpecStats, on_dump=None):
+        self.proposer, self.cap, self.width, self.stats = proposer, cap, width, stats
+        self.on_dump = on_dump
+        self.drafts: list = []
+        self.dump = None
+        self.accepted, self.proposed = 0.0, 0.0   # decayed counts (no confidence head)
+
+    def observe(self, state, taps) -> None:
+        """A prefill pass fed the sequence: the proposer sees its taps."""
+        self.proposer.observe(state, taps)
+
+    def plan(self, state, anchor: int, room: int, stop_ids, pick, tag=None) -> Segment:
+        """The decode Segment for ``anchor`` at position state.pos: [anchor] plus the
+        proposals chosen to verify. ``room``: tokens still allowed after the anchor;
+        ``pick(logits, position)``: the sampler. Proposals end at the first stop id."""
+        self.drafts, self.dump = [], None
+        n = min(self.cap, room)
+        if n > 0 and anchor not in stop_ids and self.width.allowed():
+            t0 = time.perf_counter()
+            prop = self.proposer.propose(state, anchor, n, pick)
+            spent = time.perf_counter() - t0
+            self.stats.draft_seconds += spent
+            self.width.record_draft(spent)
+            if prop.tokens:
+                if prop.confidence is None:
+                    rate = (self.accepted + 1) / (self.proposed + 2)
+                    conf = np.full(len(prop.tokens), rate)
+                else:
+                    conf = np.asarray(prop.confidence[:len(prop.tokens)], np.float64)
+                L, gain = self.width.choose(conf)
+                self.width.judge(gain)
+                drafts = [int(t) for t in prop.tokens[:L]]
+                stop_at = next((j for j, d in enumerate(drafts) if d in stop_ids), None)
+                self.drafts = drafts if stop_at is None else drafts[:stop_at + 1]
+                self.dump = prop.dump
+        return Segment([anchor] + self.drafts, state, all_logits=True, phase="decode",
+                       tag=tag, verify=bool(self.drafts))
+
+    def accept(self, seg: Segment, logits: np.ndarray, pick) -> list:
+        """The proposals that equal the sampler's pick from the verify rows, in order, up
+        to the first that does not (position of row i's pick: state.pos + i + 1)."""
+        p = seg.state.pos                  # a verify pass leaves the state at the anchor
+        out = []
+        for i, d in enumerate(self.drafts):
+            if pick(logits[i], p + i + 1) != d:
+                break
+            out.append(d)
+        if self.on_dump is not None and self.dump is not None:
+            self.on_dump(dict(self.dump, block=np.asarray(seg.ids), taps=seg.taps,
+                              verify_logits=logits, accepted=len(out)))
+        return out
+
+    def commit(self, seg: Segment, kept: int, seconds: float) -> None:
+        """Make the state hold the anchor and the first ``kept`` proposals; the draft sees
+        their taps; the pass's ``seconds`` go to the stats (and to ``Width`` via the
+        caller, who knows the whole pass)."""
+        if seg.verify:
+            commit(seg, kept + 1)
+        taps = None if seg.taps is None else seg.taps[:kept + 1]
+        self.proposer.observe(seg.state, taps)
+        st = self.stats
+        st.passes += 1
+        st.pass_seconds += seconds
+        st.committed[kept + 1] += 1
+        if self.drafts:
+            st.verifies += 1
+            st.drafted += len(self.drafts)
+            st.accepted += kept
+            self.accepted = RATE_MEMORY * self.accepted + kept
+            self.proposed = RATE_MEMORY * self.proposed + len(self.drafts)
+        self.drafts = []

@@ -4,7 +4,8 @@ Owns: per KDA layer the recurrent S [H, D, D] and the short-conv history (the la
 PRE-activation inputs of q, k, v, oldest first); per MLA layer the latent cache
 [positions, kv_lora] (normalised) and the shared key slice [positions, rope] (raw); the
 position counter and the token ids fed so far. Saving and loading (formats/state.md).
-Does not own: any math.
+Does not own: any math, or what ``draft`` holds (a draft model's context for the
+sequence, opaque here: copied with the State, never saved, so a loaded State has none).
 
 AttnRes blocks are not carried: they are rebuilt per token (model.md §6).
 """
@@ -55,6 +56,7 @@ class State:
         self.cfg = cfg
         self.pos = 0
         self.ids: list[int] = []
+        self.draft = None        # a draft model's context for this sequence; never saved
         H, D, P, K = cfg.num_heads, cfg.head_dim, cfg.kda_dim, cfg.short_conv_kernel_size
         self.kda_S = {}
         self.kda_conv = {}
@@ -98,6 +100,7 @@ class State:
         """An independent state at the same position (MLA caches trimmed to ``pos``)."""
         new = State.__new__(State)
         new.cfg, new.pos, new.ids = self.cfg, self.pos, list(self.ids)
+        new.draft = None if self.draft is None else self.draft.copy()
         new.kda_S = {L: a.copy() for L, a in self.kda_S.items()}
         new.kda_conv = {L: a.copy() for L, a in self.kda_conv.items()}
         new.mla_latent = {L: a[:self.pos].copy() for L, a in self.mla_latent.items()}

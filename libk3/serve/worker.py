@@ -70,7 +70,8 @@ class Worker:
         self.last = dict.fromkeys(_RUN_FIGURES)     # Run.report's, at the last request
         self.lockstep = lockstep.Lockstep(
             run.session.forward, lambda n: run.session.new_state(), width, self._done,
-            chunk=chunk, tokenizer=run.session.tokenizer, on_token=self._token)
+            chunk=chunk, tokenizer=run.session.tokenizer, on_token=self._token,
+            drafting=run.drafting)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()

@@ -118,9 +118,17 @@ class _Printer:
 @click.option("--prefill-chunk", type=click.IntRange(1), default=PREFILL_CHUNK,
               show_default=True)
 @click.option("--spec", type=click.IntRange(0, 16), default=0, show_default=True,
-              help="Speculative decoding: draft up to N tokens by prompt lookup and verify "
-                   "them in one batched forward (greedy only; same tokens as without; backs "
-                   "off while drafts keep failing).")
+              help="Speculative decoding by prompt lookup: propose up to N tokens from the "
+                   "context and verify them in one pass (same tokens as without).")
+@click.option("--draft", type=click.Path(exists=True, file_okay=False),
+              help="Speculative decoding with a DSpark draft (its directory): several tokens "
+                   "per pass, the same tokens as without (docs/run.md, \"Drafting\").")
+@click.option("--draft-max", type=click.IntRange(1, 16),
+              help="With --draft: verify at most N proposals per pass (default: the "
+                   "draft's block, 7).")
+@click.option("--draft-dump", type=click.Path(dir_okay=False),
+              help="With --draft: write every verify pass's taps, block, draft logits, "
+                   "confidence and target logits to this .npz.")
 @threads_option
 @quiet_option
 @click.option("--save-state", type=click.Path(dir_okay=False), help="Save the state at the end.")
@@ -139,7 +147,8 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
          deadline, batch_width, shard, chat, template_kwargs, serve_address, api_key, reuse_gb,
          reuse_disk_gb, gen, temperature,
          top_p, seed, stop_strings, stop_ids, preset, trunk_gb, cache_gb, resident,
-         cache_policy, io_threads, buffered_io, verify_reads, prefill_chunk, spec, threads, quiet,
+         cache_policy, io_threads, buffered_io, verify_reads, prefill_chunk, spec, draft,
+         draft_max, draft_dump, threads, quiet,
          save_state, load_state, trace_path, logits_out, report_json, json_out):
     started = time.monotonic()
     from libk3.engine import runner
@@ -169,18 +178,21 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
     if serve_address:
         from libk3.serve.app import check_address
         check_address(serve_address, api_key)        # before the model is opened
-    if spec and temperature > 0:
-        raise UsageError("--spec keeps exactly the greedy result; it needs --temperature 0")
-    width, shard_kn = runner.batch_options(batch, batch_width, shard, spec, serve_address)
+    if spec and draft:
+        raise UsageError("--spec and --draft are two sources of proposals: give one")
+    if (draft_max is not None or draft_dump) and not draft:
+        raise UsageError("--draft-max and --draft-dump go with --draft")
+    width, shard_kn = runner.batch_options(batch, batch_width, shard, serve_address)
     opts = runner.RunOptions(
         model=model, pack=pack, preset=preset, trunk_gb=trunk_gb, cache_gb=cache_gb,
         budget_order=ctx.meta.get("k3_budget_order", []), resident=resident,
         cache_policy=cache_policy, io_threads=io_threads, direct_io=not buffered_io,
         trace_path=trace_path, verify_reads=verify_reads, batch_width=width,
-        progress=not quiet)
+        progress=not quiet, spec=spec, draft=draft, draft_max=draft_max, draft_dump=draft_dump,
+        warn=lambda m: click.echo(f"k3-run: {m}", err=True))
     settings = runner.settings_from(gen=gen, temperature=temperature, top_p=top_p, seed=seed,
                                     stop_strings=stop_strings, stop_ids=stop_ids,
-                                    prefill_chunk=prefill_chunk, spec=spec)
+                                    prefill_chunk=prefill_chunk)
     if batch:
         limits = runner.BatchLimits(
             max_prompts=max_prompts, wait=wait, started=started,
