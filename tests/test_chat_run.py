@@ -120,3 +120,14 @@ def test_chat_repl_typed_markup_is_text(tiny_dir, tmp_path):
     safe = load_chat_template(tiny_dir).encode(tok, msgs, sanitize=True)
     assert ids[:len(safe)] == safe
     assert safe != _ids(tiny_dir, msgs) and ids.count(tok.id_of("<|end_of_msg|>")) == 1
+
+
+def test_chat_repl_with_a_draft_says_what_it_says_without(tiny_dir, tmp_path):
+    """Catches a draft that changes a chat turn, or loses its context between turns
+    (the second turn continues the state: its draft context must follow it)."""
+    talk = "Hi there\nAnd again\n\n"
+    a = k3(tiny_dir, "--chat", "--gen", 12, "--save-state", tmp_path / "a", input=talk)
+    b = k3(tiny_dir, "--chat", "--gen", 12, "--draft", tiny_dir / "draft", "--save-state",
+           tmp_path / "b", input=talk)
+    assert a.returncode == b.returncode == 0, b.stderr
+    assert a.stdout == b.stdout and (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()

@@ -409,3 +409,24 @@ def test_serve_refuses_an_infeasible_budget_before_listening(tiny_dir):
         assert "serving" not in p.stderr
     p = k3(tiny_dir, "--ids", "1", "--batch-width", 2)           # control: not a serve
     assert p.returncode == 2 and "--batch-width also with --serve" in p.stderr
+
+
+def test_serve_with_a_draft_answers_as_without(server, tiny_dir, tmp_path):
+    """Catches drafting that changes a served reply (greedy or sampled, requests decoding
+    together in lockstep), or a server that cannot draft: the same requests to a server
+    started with --draft give the ids the plain server gives, and it did verify."""
+    def ask(srv, i):
+        return _client(srv).completions.create(
+            model="tiny", prompt=[5 + i, 6, 7, 5 + i, 6], max_tokens=10,
+            temperature=0.7 * i, seed=i).model_extra["k3"]["generated_ids"]
+    plain = [ask(server, i) for i in range(3)]
+    drafted = _start(tiny_dir, tmp_path / "stderr.log", "--draft", tiny_dir / "draft",
+                     "--batch-width", 2)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda i: ask(drafted, i), range(3)))
+        spec = _health(drafted)["engine"]["speculative"]
+    finally:
+        _stop(drafted)
+    assert got == plain
+    assert spec["verify_passes"] > 0 and _health(server)["engine"]["speculative"] is None

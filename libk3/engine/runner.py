@@ -305,7 +305,7 @@ def _drafting(opts: RunOptions, draft, session):
     weights = session.weights
     model = DraftForward(draft.cfg, draft.weights, weights.embed, weights.model()["lm_head"])
     proposer = DSpark(model, note=opts.warn, dump=opts.draft_dump is not None)
-    session.forward.taps = proposer.taps
+    session.forward.capture(proposer.taps)
     dump = DraftDump(opts.draft_dump) if opts.draft_dump else None
     return Drafting(proposer, draft_cap(opts, draft.cfg), on_dump=dump)
 

@@ -204,7 +204,7 @@ class Speculator:
                 drafts = [int(t) for t in prop.tokens[:L]]
                 stop_at = next((j for j, d in enumerate(drafts) if d in stop_ids), None)
                 self.drafts = drafts if stop_at is None else drafts[:stop_at + 1]
-                self.dump = prop.dump
+                self.dump = prop.dump if self.drafts else None
         return Segment([anchor] + self.drafts, state, all_logits=True, phase="decode",
                        tag=tag, verify=bool(self.drafts))
 

@@ -282,15 +282,20 @@ class Forward:
         self.cfg = cfg
         self.weights = weights
         self.on_route = on_route
-        if taps is not None and (list(taps.layers) != sorted(set(taps.layers)) or not all(
-                0 <= L < cfg.num_hidden_layers for L in taps.layers)):
-            raise ValueError(f"tap layers {taps.layers} are not ascending layers of the model")
-        self.taps = taps
+        self.taps = None
+        self.capture(taps)
         self.layer_seconds = [0.0] * cfg.num_hidden_layers    # wall time per layer (bench)
         self.first_layer_time = None          # time.time() the first layer started (report)
         self._head = None                     # (lm_head, norm, out_fold), asked for lazily
         self.expert_union = [0] * cfg.num_hidden_layers   # distinct experts fetched (bench)
         self.passes = 0
+
+    def capture(self, taps: Taps | None) -> None:
+        """From the next pass on, capture ``taps`` (None: none)."""
+        if taps is not None and (list(taps.layers) != sorted(set(taps.layers)) or not all(
+                0 <= L < self.cfg.num_hidden_layers for L in taps.layers)):
+            raise ValueError(f"tap layers {taps.layers} are not ascending layers of the model")
+        self.taps = taps
 
     def head(self):
         """(lm_head, final norm, folded output AttnRes vector). Asked for only after the

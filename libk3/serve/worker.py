@@ -186,10 +186,13 @@ class Worker:
     def figures(self) -> dict:
         """What ``/health`` reports of the engine: the lockstep's width, passes, tokens and
         most requests in flight, seconds in passes per generated token, and the run's
-        figures as of the last finished request (expert cache hits, bytes, peak RSS)."""
+        figures as of the last finished request (expert cache hits, bytes, peak RSS); with
+        drafting, its counters (``speculative.SpecStats``)."""
         st = self.lockstep.stats
         n = st.generated_tokens
+        drafting = self.run.drafting
         return {"width": self.width, "in_flight": len(self.jobs), "passes": st.passes,
                 "prompt_tokens": st.prompt_tokens, "generated_tokens": n,
                 "max_in_flight": st.max_active, "seconds": round(st.seconds, 6),
-                "seconds_per_token": round(st.seconds / n, 6) if n else None, **self.last}
+                "seconds_per_token": round(st.seconds / n, 6) if n else None, **self.last,
+                "speculative": None if drafting is None else drafting.stats.to_json()}

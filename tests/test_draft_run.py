@@ -1,0 +1,178 @@
+"""Decoding with the DSpark draft gives plain decoding's tokens and logits, at every budget,
+thread count and width, and every k3-run path refuses what it cannot do (dspark.md §6)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numba
+import numpy as np
+import pytest
+
+from libk3.budget import ModelSizes, minimum_budget
+from libk3.draft.checkpoint import load_draft
+from libk3.draft.forward import DraftForward
+from libk3.engine.generate import GenSettings, generate
+from libk3.engine.proposers import DSpark
+from libk3.engine.session import open_session
+from libk3.engine.speculative import Drafting
+from libk3.io.checkpoint import Checkpoint
+
+PROMPT = [5, 9, 2, 77, 31, 4, 18, 250, 6, 40, 5, 9, 2]
+
+
+def k3(*args, **kw):
+    return subprocess.run(["k3-run", *map(str, args)], capture_output=True, text=True,
+                          timeout=600, **kw)
+
+
+def _session(tiny_dir, where):
+    if where == "resident":
+        return open_session(tiny_dir)
+    with Checkpoint.open(tiny_dir) as ckpt:
+        sizes = ModelSizes.from_checkpoint(ckpt)
+    if where == "floor":
+        floor = minimum_budget(sizes)
+        return open_session(tiny_dir, trunk_bytes=floor.trunk_bytes + 1,
+                            cache_bytes=floor.cache_bytes + 1)
+    return open_session(tiny_dir, trunk_bytes=sizes.trunk_bytes // 2,
+                        cache_bytes=sizes.cache_all_bytes // 4)
+
+
+def with_draft(sess, tiny_dir, cap=7):
+    """A Drafting over the bundled tiny draft, the session's forward capturing its taps."""
+    draft = load_draft(tiny_dir / "draft", sess.cfg)
+    model = DraftForward(draft.cfg, draft.weights, sess.weights.embed,
+                         sess.weights.model()["lm_head"])
+    proposer = DSpark(model)
+    sess.forward.capture(proposer.taps)
+    return Drafting(proposer, cap)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_dir):
+    s = open_session(tiny_dir)
+    out = {}
+    for temperature in (0.0, 0.8):
+        out[temperature] = generate(s.forward, s.new_state(), PROMPT,
+                                    GenSettings(gen=40, temperature=temperature, seed=11),
+                                    keep_logits=True)
+    return out
+
+
+@pytest.mark.parametrize("where", ["resident", "floor", "half"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_draft_tokens_and_logits_equal_plain_at_every_budget(tiny_dir, plain, where, threads):
+    """Catches a draft run whose tokens or logits differ from plain decoding's (greedy or
+    sampled) at some budget or thread count: taps captured from the wrong rows, a commit
+    that keeps a rejected proposal, a draft context fed rejected rows."""
+    sess = _session(tiny_dir, where)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        drafting = with_draft(sess, tiny_dir)
+        for temperature, want in plain.items():
+            st = sess.new_state()
+            got = generate(sess.forward, st, PROMPT,
+                           GenSettings(gen=40, temperature=temperature, seed=11),
+                           keep_logits=True, drafting=drafting)
+            assert got.generated_ids == want.generated_ids
+            assert np.array_equal(got.logits.view(np.uint32), want.logits.view(np.uint32))
+            assert st.draft.length == st.pos          # context rows for committed ids only
+        assert drafting.stats.verifies > 0
+    finally:
+        numba.set_num_threads(before)
+        sess.weights.close()
+
+
+def test_draft_context_holds_exactly_the_committed_positions(tiny_dir):
+    """Catches context rows written for rejected proposals or skipped for accepted ones:
+    after a drafted generation, the draft's cache equals ingesting the taps of one plain
+    pass over the same ids."""
+    sess = open_session(tiny_dir)
+    drafting = with_draft(sess, tiny_dir)
+    st = sess.new_state()
+    generate(sess.forward, st, PROMPT, GenSettings(gen=30), drafting=drafting)
+    ids = list(st.ids)
+    taps = []
+    sess.forward(ids, sess.new_state(), taps=taps)
+    model = drafting.proposer.draft
+    ref = model.new_cache()
+    model.ingest(ref, taps[0])
+    n = st.draft.length
+    assert n == len(ids)
+    assert np.array_equal(st.draft.rows().view(np.uint32), ref.rows().view(np.uint32))
+
+
+def test_draft_turns_off_past_its_trained_context_and_on_a_cold_state(tiny_dir):
+    """Catches drafting past the draft's trained context (it accepts nothing there) or
+    from a state whose earlier positions it never saw, silently."""
+    import dataclasses
+    sess = open_session(tiny_dir)
+    drafting = with_draft(sess, tiny_dir)
+    notes = []
+    drafting.proposer.note = notes.append
+    st = sess.new_state()
+    sess.forward(PROMPT, st)                                   # fed without the draft
+    generate(sess.forward, st, [3], GenSettings(gen=4), drafting=drafting)
+    assert drafting.stats.drafted == 0 and any("no context" in n for n in notes)
+    cfg = drafting.proposer.cfg
+    drafting.proposer.cfg = dataclasses.replace(cfg, rope_original_max_positions=5)
+    generate(sess.forward, sess.new_state(), PROMPT, GenSettings(gen=4), drafting=drafting)
+    assert drafting.stats.drafted == 0 and any("trained context" in n for n in notes)
+
+
+def test_k3_run_draft_cli_paths(tiny_dir, tmp_path):
+    """Catches --draft changing a k3-run result, a dump without its arrays, a report
+    without the drafting figures, and bad combinations that are not usage errors."""
+    args = ("--ids", "5,9,2,77,31", "--gen", 20, "--temperature", 0.7, "--seed", 4, "--json")
+    base = k3(tiny_dir, *args, "--logits-out", tmp_path / "a.npy")
+    dump = tmp_path / "d.npz"
+    run = k3(tiny_dir, *args, "--draft", tiny_dir / "draft", "--draft-max", 3,
+             "--draft-dump", dump, "--logits-out", tmp_path / "b.npy", "--threads", 1)
+    assert base.returncode == run.returncode == 0, run.stderr
+    a, b = json.loads(base.stdout), json.loads(run.stdout)
+    assert a["generated_ids"] == b["generated_ids"]
+    assert (tmp_path / "a.npy").read_bytes() == (tmp_path / "b.npy").read_bytes()
+    spec = b["speculative"]
+    assert spec["passes"] > 0 and set(spec["committed_per_pass"]) == {"1", "2", "3", "4"}
+    with np.load(dump) as z:
+        n = int(z["passes"])
+        assert n == spec["verify_passes"] > 0
+        assert {"taps.0", "block.0", "draft_logits.0", "draft_base_logits.0", "confidence.0",
+                "verify_logits.0"} <= set(z.files)
+    for bad, needle in ((("--spec", 2, "--draft", tiny_dir / "draft"), "give one"),
+                        (("--draft-dump", tmp_path / "x.npz"), "go with --draft")):
+        p = k3(tiny_dir, "--ids", "1,2", *bad)
+        assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr
+
+
+def test_k3_run_refuses_a_damaged_or_unaffordable_draft(tiny_dir, tmp_path):
+    """Catches a damaged draft that runs (exit 3 naming the file and tensor expected) and
+    a draft whose weights do not fit the budget that runs anyway (exit 4 before work)."""
+    import shutil
+    bad = tmp_path / "draft"
+    shutil.copytree(tiny_dir / "draft", bad)
+    doc = json.loads((bad / "config.json").read_text())
+    doc["hidden_size"] += 1
+    (bad / "config.json").write_text(json.dumps(doc))
+    p = k3(tiny_dir, "--ids", "1,2", "--draft", bad)
+    assert p.returncode == 3 and "config.json" in p.stderr and "hidden_size" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    from libk3.budget import overhead_bytes
+    from libk3.engine.runner import RunOptions, resolve_run_budget
+    from libk3.errors import BudgetError
+    with Checkpoint.open(tiny_dir) as ckpt:
+        sizes = ModelSizes.from_checkpoint(ckpt)
+        draft = load_draft(tiny_dir / "draft", ckpt.config)
+        floor = minimum_budget(sizes)
+        # memory for the floor plus half the draft: runs without it, refused with it
+        mem = int((floor.trunk_bytes + floor.cache_bytes + overhead_bytes(sizes)) / 0.95
+                  + draft.nbytes / 2)
+        opts = RunOptions(model=str(tiny_dir), trunk_gb=(floor.trunk_bytes + 1) / 1e9,
+                          cache_gb=(floor.cache_bytes + 1) / 1e9, memory_override=mem,
+                          budget_order=["trunk_gb", "cache_gb"])
+        assert resolve_run_budget(opts, ckpt)[0] is not None           # control
+        with pytest.raises(BudgetError, match="draft"):
+            resolve_run_budget(opts, ckpt, draft)
