@@ -137,6 +137,7 @@ def test_k3_run_draft_cli_paths(tiny_dir, tmp_path):
     assert (tmp_path / "a.npy").read_bytes() == (tmp_path / "b.npy").read_bytes()
     spec = b["speculative"]
     assert spec["passes"] > 0 and set(spec["committed_per_pass"]) == {"1", "2", "3", "4"}
+    assert b["bytes_read_per_token"] > 0 and a["bytes_read_per_token"] > 0
     with np.load(dump) as z:
         n = int(z["passes"])
         assert n == spec["verify_passes"] > 0

@@ -80,6 +80,9 @@ def run_report(result, weights_stats: dict, budget=None, extra: dict | None = No
         "reads_in_flight": experts.get("max_in_flight"),
         "peak_rss_bytes": peak_rss_bytes(),
     }
+    n = len(result.generated_ids)
+    rep["bytes_read_per_token"] = (round((rep["trunk_bytes_read"] + rep["expert_bytes_read"])
+                                         / n) if n else None)
     if budget is not None:
         rep["budget"] = budget.to_json()
     if extra:
@@ -102,6 +105,13 @@ def short_text(rep: dict) -> str:
                     f"{rep['trunk_decode_seconds']:.2f} s)" if rep.get("trunk_bytes_decoded")
                     else "")
                  + f", experts {rep['expert_bytes_read'] / 1e6:.1f} MB")
+    spec = rep.get("speculative")
+    if spec and spec.get("passes"):
+        parts.append(f"drafting: {spec['tokens_per_pass']:.2f} tokens per pass over "
+                     f"{spec['passes']} passes, {spec['accepted']} of {spec['drafted']} "
+                     f"proposals kept, draft {spec['draft_seconds']:.2f} s")
+    if rep.get("bytes_read_per_token") is not None:
+        parts.append(f"{rep['bytes_read_per_token'] / 1e6:.1f} MB read per generated token")
     parts.append(f"peak RSS {rep['peak_rss_bytes'] / 1e9:.2f} GB")
     return "; ".join(parts)
 
