@@ -229,10 +229,15 @@ def test_lockstep_with_drafting_equals_alone(sess, jobs_and_alone, width):
     """Catches a lane whose verify pass shares rows with another lane's, a commit that
     keeps a rejected proposal, or a stop inside accepted proposals that is not honoured:
     every lane drafts (greedy and sampled), ids and logits bytes equal the runs alone."""
-    from libk3.engine.speculative import Drafting
+    from libk3.engine.speculative import Drafting, Width
+
+    class Every(Width):             # verify every proposal: this test is about exactness
+        def choose(self, confidence, others=0):
+            return len(confidence), 2.0
     jobs, alone = jobs_and_alone
     truths = [j.prompt_ids + a.generated_ids for j, a in zip(jobs, alone)]
     drafting = Drafting(_Oracle(truths, sess.cfg.vocab_size), 4)
+    drafting.width = Every(4)
     done = {}
     run_lockstep(sess.forward, lambda n: State(sess.cfg, capacity=n), jobs, width,
                  lambda job, res: done.__setitem__(job.tag, res), chunk=CHUNK,

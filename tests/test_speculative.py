@@ -106,15 +106,18 @@ def test_width_verifies_what_pays_and_pauses_when_nothing_does():
     """Catches a width that ignores the confidence or the cost of wider passes, drafting
     that never pauses when it does not pay, and a pause that grows without bound."""
     w = Width(7)
+    assert w.choose(np.full(7, 0.99))[0] == 0     # plain's cost is measured first
     for _ in range(3):                       # passes cost 1 s + 0.1 s per token
         for n in (1, 4, 8):
-            w.record(n, 1.0 + 0.1 * n)
-    assert abs(w.cost(5) - 1.5) < 1e-9
+            w.record(n, 1.0 + 0.1 * n, n == 1)
+    assert abs(w.cost(5) - 1.5) < 1e-9 and w.cost(4) == 1.4
     sure, unsure = np.full(7, 0.99), np.full(7, 0.05)
     assert w.choose(sure)[0] == 7 and w.choose(unsure)[0] == 0
     L, gain = w.choose(np.full(7, 0.6))
     e = np.cumsum(np.concatenate([[1.0], np.cumprod(np.full(7, 0.6))]))
     assert L == int(np.argmax(e / (1.1 + 0.1 * np.arange(8)))) and gain > 1
+    mid = np.full(7, 0.45)                   # riding in a wide lockstep pass, a proposal's
+    assert w.choose(mid, others=0)[0] < w.choose(mid, others=30)[0]   # share is cheaper
     w.record_draft(20.0)                     # a draft dearer than the tokens it saves
     assert w.choose(sure)[1] < 1
     seen = []

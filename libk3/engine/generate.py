@@ -138,7 +138,6 @@ def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokeni
             seg = spec.plan(state, tok, room, settings.stop_ids, sampler)
             t = time.perf_counter()
             logits = forward.run([seg])[0]
-            took = time.perf_counter() - t
             kept = []
             for d in spec.accept(seg, logits, sampler):
                 kept.append(d)
@@ -148,8 +147,9 @@ def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokeni
                 reason = stops.see(d) or reason
                 if reason != "length" or len(generated) >= settings.gen:
                     break
-            spec.commit(seg, len(kept), took)
-            spec.width.record(len(seg.ids), took)
+            spec.commit(seg, len(kept), time.perf_counter() - t)
+            spec.width.record(len(seg.ids), time.perf_counter() - t,   # the commit's too
+                              not seg.verify)
             logits = logits[:len(kept) + 1]
         if keep_logits:
             rows.append(logits)

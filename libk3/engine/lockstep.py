@@ -72,15 +72,16 @@ class _Lane:
     def prefilling(self) -> bool:
         return self.fed < len(self.prompt)
 
-    def segment(self, ids, n_prompt: int, tag) -> Segment:
+    def segment(self, ids, n_prompt: int, tag, others: int) -> Segment:
         """The Segment this lane puts into the next pass: ``ids`` of its prompt, or its
-        decode token (with the proposals its Speculator chooses to verify)."""
+        decode token (with the proposals its Speculator chooses to verify, the pass's
+        ``others`` sequences riding along)."""
         if n_prompt or self.spec is None:
             return Segment(ids, self.state, all_logits=self.rows is not None or n_prompt == 0,
                            phase="prefill" if n_prompt else "decode", tag=tag)
         room = self.job.settings.gen - len(self.generated)
         return self.spec.plan(self.state, self.next, room, self.job.settings.stop_ids,
-                              self.sampler, tag)
+                              self.sampler, tag, others)
 
     def take(self, seg: Segment, logits, n_prompt: int, on_token, seconds: float) -> None:
         """Absorb this lane's logits from a pass that fed ``n_prompt`` prompt tokens (or,
@@ -213,18 +214,21 @@ class Lockstep:
         st = self.stats
         st.max_active = max(st.max_active, len(self.lanes))
         plan = plan_pass(self.lanes, self.chunk, self.join_prefill)
-        segs = [lane.segment(ids, n_prompt, lane.job.tag) for lane, ids, n_prompt in plan]
+        segs = [lane.segment(ids, n_prompt, lane.job.tag, len(plan) - 1)
+                for lane, ids, n_prompt in plan]
         t_pass = time.perf_counter()
         outs = self.forward.run(segs)
         took = time.perf_counter() - t_pass
         st.passes += 1
-        if self.drafting is not None and all(n == 0 for _, _, n in plan):
-            self.drafting.width.record(sum(seg.ids.shape[0] for seg in segs), took)
         for (lane, ids, n_prompt), seg, logits in zip(plan, segs, outs):
             st.prompt_tokens += n_prompt
             before = len(lane.generated)
             lane.take(seg, logits, n_prompt, self.on_token, took)
             st.generated_tokens += len(lane.generated) - before
+        if self.drafting is not None and all(n == 0 for _, _, n in plan):   # commits too
+            self.drafting.width.record(sum(seg.ids.shape[0] for seg in segs),
+                                       time.perf_counter() - t_pass,
+                                       not any(seg.verify for seg in segs))
         still = []
         for lane in self.lanes:
             if lane.reason is None:

@@ -27,10 +27,10 @@ import numpy as np
 from ..model.forward import Segment, commit
 from .pace import fit_line
 
-WINDOW = 32              # recent passes the cost fit uses
-FIXED_PRIOR = 0.9        # until two widths are measured: share of a pass that is fixed
+WINDOW = 32              # recent passes the cost model uses
+FIXED_PRIOR = 0.9        # a width not measured yet, beside only one: its fixed share
 MAX_PAUSE = 16           # steps without drafting, at most, after drafting did not pay
-EXPLORE_AFTER = 3        # passes of one width, after which another width is tried once
+PLAIN_SAMPLES = 2        # plain passes kept in the window: the cost every choice is held to
 RATE_MEMORY = 0.8        # weight of the earlier verifies in a proposer's acceptance rate
 
 
@@ -75,60 +75,70 @@ class SpecStats:
 class Width:
     """How many proposals to verify: the count L that maximises the expected committed
     tokens E_L = sum_{i<=L} a_i (a_0 = 1, a_i = the product of the first i confidences)
-    over the cost of a pass feeding L + 1 tokens, seconds = fixed + per_token * tokens,
-    fitted to the decode passes measured so far (dspark.md §5.7). L = 0 is plain decoding,
-    so the choice never expects to be slower than it. While every pass measured had one
-    width, the cost's fixed share is a prior (FIXED_PRIOR), and after EXPLORE_AFTER such
-    passes one pass of another width is chosen to measure it. Also whether drafting pays at all,
-    with the draft's own time counted: when the expected gain stays below 1, drafting
-    pauses for 1, 2, 4, ... MAX_PAUSE steps and is tried again, verifying at least one
-    proposal (a probe: without it a proposer judged by its acceptance rate would never
-    be heard again)."""
+    over the cost of the pass that feeds them (dspark.md §5.7). L = 0 is plain decoding,
+    so the choice never expects to be slower than it.
+
+    The cost of a pass feeding n tokens in all is the median of the recent passes of that
+    size when there are some, else a line through the sizes measured; a verify's cost is
+    not linear in its width (the second token brings its own experts), so plain decoding's
+    cost is measured, not inferred: while fewer than PLAIN_SAMPLES of the window's passes
+    were plain, the choice is plain. With only plain passes measured, a wider pass is
+    priced with FIXED_PRIOR as its fixed share, and measured once chosen. In a lockstep
+    pass the other sequences' tokens ride along (``others``): a sequence's rate is its
+    expected tokens over the whole pass's cost.
+
+    Also whether drafting pays at all, with the draft's own time counted: when the
+    expected gain stays below 1, drafting pauses for 1, 2, 4, ... MAX_PAUSE steps and is
+    tried again, verifying at least one proposal (a probe: without it a proposer judged by
+    its acceptance rate would never be heard again)."""
 
     def __init__(self, cap: int):
         self.cap = cap
-        self.passes = collections.deque(maxlen=WINDOW)
+        self.passes = collections.deque(maxlen=WINDOW)   # (tokens fed, seconds, plain)
         self.seen = 0
         self.draft = None                 # seconds of a draft pass (mean of the recent)
         self.pause = 0
         self.backoff = 1
         self.probe = False
 
-    def record(self, tokens: int, seconds: float) -> None:
-        """A decode pass that fed ``tokens`` tokens in all (the first is left out: it
-        touches cold weights)."""
+    def record(self, tokens: int, seconds: float, plain: bool) -> None:
+        """A decode pass that fed ``tokens`` tokens in all, ``plain`` when it verified no
+        proposal (the first is left out: it touches cold weights)."""
         self.seen += 1
         if self.seen > 1:
-            self.passes.append((tokens, seconds))
+            self.passes.append((tokens, seconds, plain))
 
     def record_draft(self, seconds: float) -> None:
         self.draft = seconds if self.draft is None else 0.75 * self.draft + 0.25 * seconds
 
     def cost(self, tokens: int) -> float:
-        """Modelled seconds of a pass feeding ``tokens`` (relative until measured)."""
-        widths = {w for w, _ in self.passes}
-        if len(widths) >= 2:
-            a, b = fit_line(list(self.passes))
-        elif self.passes:
-            w, s = self.passes[-1]
-            a, b = s * FIXED_PRIOR, s * (1 - FIXED_PRIOR) / w
+        """Modelled seconds of a pass feeding ``tokens`` (relative until any is measured)."""
+        by_size = collections.defaultdict(list)
+        for n, s, _ in self.passes:
+            by_size[n].append(s)
+        if tokens in by_size:
+            return float(np.median(by_size[tokens]))
+        medians = [(n, float(np.median(v))) for n, v in by_size.items()]
+        if len(medians) >= 2:
+            a, b = fit_line(medians)
+        elif medians:
+            n, s = medians[0]
+            a, b = s * FIXED_PRIOR, s * (1 - FIXED_PRIOR) / n
         else:
             a, b = FIXED_PRIOR, 1 - FIXED_PRIOR
         return a + b * tokens
 
-    def choose(self, confidence) -> tuple:
+    def choose(self, confidence, others: int = 0) -> tuple:
         """(L, expected gain over plain decoding with the draft's time counted)."""
         a = np.concatenate([[1.0], np.cumprod(np.asarray(confidence, np.float64))])
         expected = np.cumsum(a)                                  # E_0 .. E_n
-        costs = np.array([self.cost(L + 1) for L in range(a.size)])
+        costs = np.array([self.cost(others + L + 1) for L in range(a.size)])
         L = int(np.argmax(expected / costs))
         if self.probe and a.size > 1:
             L, self.probe = max(L, 1), False
-        widths = {w for w, _ in self.passes}
-        if len(widths) == 1 and len(self.passes) >= EXPLORE_AFTER:   # measure another width
-            L = 0 if widths.pop() > 1 else max(L, min(1, a.size - 1))
-        draft = self.draft or 0.0
-        return L, expected[L] / (costs[L] + draft) * self.cost(1)
+        if sum(plain for _, _, plain in self.passes) < PLAIN_SAMPLES:
+            L = 0                                       # measure what every choice is held to
+        return L, expected[L] / (costs[L] + (self.draft or 0.0)) * costs[0]
 
     def allowed(self) -> bool:
         """Whether this step drafts (a pause counts down one step per call)."""
@@ -181,10 +191,12 @@ class Speculator:
         """A prefill pass fed the sequence: the proposer sees its taps."""
         self.proposer.observe(state, taps)
 
-    def plan(self, state, anchor: int, room: int, stop_ids, pick, tag=None) -> Segment:
+    def plan(self, state, anchor: int, room: int, stop_ids, pick, tag=None,
+             others: int = 0) -> Segment:
         """The decode Segment for ``anchor`` at position state.pos: [anchor] plus the
         proposals chosen to verify. ``room``: tokens still allowed after the anchor;
-        ``pick(logits, position)``: the sampler. Proposals end at the first stop id."""
+        ``pick(logits, position)``: the sampler; ``others``: tokens the rest of the pass
+        feeds (lockstep). Proposals end at the first stop id."""
         self.drafts, self.dump = [], None
         n = min(self.cap, room)
         if n > 0 and anchor not in stop_ids and self.width.allowed():
@@ -199,7 +211,7 @@ class Speculator:
                     conf = np.full(len(prop.tokens), rate)
                 else:
                     conf = np.asarray(prop.confidence[:len(prop.tokens)], np.float64)
-                L, gain = self.width.choose(conf)
+                L, gain = self.width.choose(conf, others)
                 self.width.judge(gain)
                 drafts = [int(t) for t in prop.tokens[:L]]
                 stop_at = next((j for j, d in enumerate(drafts) if d in stop_ids), None)
