@@ -73,13 +73,9 @@ def _read_bytes(sess) -> int:
 
 def spoil_rate(mean: float, cap: int = CAP) -> float:
     """The per-proposal failure probability q with which verifying all ``cap`` proposals
-    commits ``mean`` tokens per pass: (1 - (1 - q)^(cap + 1)) / q = mean."""
-    lo, hi = 1e-9, 1.0
-    for _ in range(200):
-        q = (lo + hi) / 2
-        got = (1 - (1 - q) ** (cap + 1)) / q
-        lo, hi = (q, hi) if got > mean else (lo, q)
-    return (lo + hi) / 2
+    commits ``mean`` tokens per pass."""
+    from libk3.engine.speculative import acceptance_for
+    return 1.0 - acceptance_for(mean, cap)
 
 
 class Oracle:
@@ -160,7 +156,7 @@ def section_spec(gen: int = 24):
             super().__init__(truth, 1.0, vocab)
 
     class Always(Width):        # verify every proposal: the worst case for a rejection
-        def choose(self, confidence):
+        def choose(self, confidence, others=0):
             return len(confidence), 2.0
     sess = _session("medium", "floor")
     _decode(sess, 4)
@@ -307,6 +303,7 @@ def lru_hit_rate(keys, slots: int) -> float:
 
 def section_model():
     from libk3.budget import plan_trunk
+    from libk3.engine.speculative import acceptance_for, best_width
     from libk3.k3_dims import real_config
     cfg = real_config()
     sizes = ModelSizes.from_config(cfg)
@@ -325,7 +322,7 @@ def section_model():
     print(table([[w, f"{unions[w]:.2f}", f"{sum(c * k for c, k in zip(comp[w], (1, 68, 24, 1))):.1f}"]
                  for w in widths], ["width", "expert union / 1 token", "compute s/pass"]))
     for name, (trunk_b, cache_b) in budgets.items():
-        plan = plan_trunk(sizes, int(trunk_b))
+        plan = plan_trunk(sizes.layer_bytes, int(trunk_b))
         streamed = plan.streamed_bytes
         hit = lru_hit_rate(keys, int(cache_b // sizes.expert_slot_bytes))
 
@@ -336,15 +333,13 @@ def section_model():
         plain = cost(1)
         rows = []
         for label, mean in (("worst 2.63", 2.63), ("mean 3.66", 3.66), ("best 5.55", 5.55)):
-            a = 1 - spoil_rate(mean)
-            best = None
-            for L in range(CAP + 1):
-                e = (1 - a ** (L + 1)) / (1 - a)
-                per_token = (cost(L + 1) + draft_s) / e
-                if best is None or per_token < best[1]:
-                    best = (L, per_token, e)
-            rows.append([label, best[0], f"{best[2]:.2f}", f"{best[1]:.1f}",
-                         f"{best[1] / plain:.2f}"])
+            conf = np.full(CAP, acceptance_for(mean, CAP))
+            L, e, c = best_width(conf, lambda n: cost(n) + draft_s)
+            per_token = c[L] / e[L] if L else plain     # plain decoding runs no draft
+            if per_token > plain:
+                L, per_token = 0, plain
+            rows.append([label, L, f"{e[L]:.2f}", f"{per_token:.1f}",
+                         f"{per_token / plain:.2f}"])
         print(f"  {name}: trunk streamed {streamed / 1e9:.1f} GB per pass, expert cache "
               f"hits {hit:.0%}, plain {plain:.1f} s/token, draft pass {draft_s / plain:.1%} "
               "of it")

@@ -773,3 +773,35 @@ def test_doctor_cli_recommends_compressing_with_a_slow_disk_override(small_ckpt,
     no, cmds = run(100_000, 1)
     assert no["recommend"] is False and "--compress-trunk" not in cmds[0], no
     assert _probe_files(probe_tmp) == [] and _probe_files(small_ckpt) == []
+
+
+def test_doctor_counts_a_draft_and_says_whether_drafting_pays(tmp_path):
+    """Catches a draft left out of the memory plan, a bad draft that passes, and an
+    advice that ignores the cost of wide passes: the peaks grow by the draft's bytes, a
+    damaged draft is a problem naming its file, and drafting pays when the trunk's reads
+    dominate a pass but not when the experts' do."""
+    import shutil
+    mem = hwmem.assumed_memory(8 * 10**9)
+    plain = doctor.diagnose(FIXTURE, quick=True, memory=mem)
+    drafted = doctor.diagnose(FIXTURE, quick=True, memory=mem, draft=FIXTURE / "draft")
+    dr = drafted.report["decision"]["drafting"]
+    assert dr["ok"] and dr["bytes"] > 0 and drafted.exit_status == 0
+    grow = (drafted.report["decision"]["presets"]["laptop"]["peak_bytes"]
+            - plain.report["decision"]["presets"]["laptop"]["peak_bytes"])
+    assert grow >= dr["bytes"]
+    bad = tmp_path / "draft"
+    shutil.copytree(FIXTURE / "draft", bad)
+    (bad / "model.safetensors").write_bytes((bad / "model.safetensors").read_bytes()[:4096])
+    broken = doctor.diagnose(FIXTURE, quick=True, memory=mem, draft=bad)
+    assert broken.exit_status == 1
+    assert any("draft" in p and "model.safetensors" in p for p in broken.report["problems"])
+    kernels = {"bf16_bytes_per_s": 1e10}
+    trunk_bound = {"trunk_io_s": 20.0, "dense_compute_s": 1.0, "expert_io_s": 4.0,
+                   "expert_compute_s": 1.0, "seconds_per_token": 26.0}
+    expert_bound = dict(trunk_bound, trunk_io_s=0.0, dense_compute_s=0.2, expert_io_s=9.0,
+                        seconds_per_token=10.2)
+    yes = doctor.drafting_advice(trunk_bound, 10**9, 10**9, kernels, 7)
+    no = doctor.drafting_advice(expert_bound, 10**9, 10**9, kernels, 7)
+    assert yes["pays"] and yes["rows"][1]["proposals"] > 0 and yes["rows"][1]["vs_plain"] < 0.6
+    assert [r["vs_plain"] for r in yes["rows"]] == sorted(r["vs_plain"] for r in yes["rows"])[::-1]
+    assert no["rows"][1]["vs_plain"] > yes["rows"][1]["vs_plain"]

@@ -496,3 +496,14 @@ def test_k3_pack_synth_draft_end_to_end(tmp_path):
     assert load_draft(out / "draft", load_config(out)).cfg.n_taps == 5
     plain = run_script([script("k3-pack"), "synth", tmp_path / "n", "--quiet"])
     assert plain.code == 0 and not (tmp_path / "n" / "draft").exists()   # control
+
+
+def test_draft_check_only_counts_what_a_read_would_hold(tiny_dir):
+    """Catches a memory figure (budgets, the doctor) that differs from what loading the
+    draft holds, or a check-only load that reads the weights anyway."""
+    from libk3.io.checkpoint import Checkpoint
+    with Checkpoint.open(tiny_dir) as ckpt:
+        full = load_draft(tiny_dir / "draft", ckpt.config)
+        check = load_draft(tiny_dir / "draft", ckpt.config, read=False)
+    assert full.nbytes == sum(a.nbytes for a in full.weights.values()) == check.nbytes
+    assert check.weights == {} and check.cfg == full.cfg

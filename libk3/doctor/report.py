@@ -42,6 +42,11 @@ EXAMPLE_IDS = "1,2,3"             # for models without a tokenizer
 AUTO_EXCLUDED = ("max",)          # never picked: beyond server, memory buys cache hits, not speed
 HIT_CAP = 0.95                    # a partial cache never counts as more than 95 % hits
 COMPRESS_GAIN = 0.95              # recommend a compressed trunk only if it saves >= 5 %
+# Distinct experts of w consecutive tokens, in tokens' worth: about w^EXPERT_UNION
+# (synthetic traces at K3's shape, checked against published prefill reads; bench/README.md,
+# "Drafting").
+EXPERT_UNION = 0.75
+PUBLISHED_ACCEPTANCE = (("worst", 2.63), ("mean", 3.66), ("best", 5.55))   # dspark.md §7
 
 
 @dataclasses.dataclass
@@ -161,13 +166,49 @@ def estimate(sizes: ModelSizes, split: budget.Budget, seq_bps, rand_bps,
     if misses and not rand_bps:
         return None
     expert_io = misses * sizes.expert_bytes / rand_bps if misses else 0.0
-    compute = ((sizes.bf16_trunk_bytes + sizes.lm_head_bytes) / kernels["bf16_bytes_per_s"]
-               + sizes.active_expert_bytes / kernels["mxfp4_bytes_per_s"])
-    return {"seconds_per_token": trunk_io + expert_io + compute, "trunk_io_s": trunk_io,
-            "expert_io_s": expert_io, "compute_s": compute, "pinned_layers": len(plan.pinned),
+    dense = (sizes.bf16_trunk_bytes + sizes.lm_head_bytes) / kernels["bf16_bytes_per_s"]
+    experts = sizes.active_expert_bytes / kernels["mxfp4_bytes_per_s"]
+    return {"seconds_per_token": trunk_io + expert_io + dense + experts, "trunk_io_s": trunk_io,
+            "expert_io_s": expert_io, "compute_s": dense + experts,
+            "dense_compute_s": dense, "expert_compute_s": experts,
+            "pinned_layers": len(plan.pinned),
             "ring_bytes": plan.ring_bytes, "trunk_streamed_bytes": plan.streamed_bytes,
             "expert_hit_rate": hit, "expert_misses": misses,
             "kernels": kernels.get("source")}
+
+
+def drafting_advice(est: dict | None, draft_bytes: int, lm_head_bytes: int,
+                    kernels: dict | None, cap: int) -> dict | None:
+    """Whether drafting pays at a preset whose plain estimate is ``est``: a verify pass of
+    w tokens costs the trunk's reads and dense compute once and w^EXPERT_UNION tokens'
+    worth of experts (consecutive tokens share many); the draft pass reads its weights
+    and the target's head once; the width is ``speculative.best_width``'s choice at each
+    published acceptance (dspark.md §7). None without an estimate."""
+    from ..engine.speculative import acceptance_for, best_width
+    if est is None or not kernels:
+        return None
+    fixed = est["trunk_io_s"] + est["dense_compute_s"]
+    per_token = est["expert_io_s"] + est["expert_compute_s"]
+    plain = est["seconds_per_token"]
+    draft = (draft_bytes + lm_head_bytes) / kernels["bf16_bytes_per_s"]
+    rows = []
+    for label, mean in PUBLISHED_ACCEPTANCE:
+        conf = [acceptance_for(mean, cap)] * cap
+        L, e, c = best_width(conf, lambda w: fixed + w ** EXPERT_UNION * per_token + draft)
+        spt = c[L] / e[L] if L else plain
+        if spt >= plain:
+            L, spt = 0, plain
+        rows.append({"acceptance": label, "mean_accepted": mean, "proposals": L,
+                     "tokens_per_pass": round(float(e[L]), 3),
+                     "seconds_per_token": spt, "vs_plain": spt / plain})
+    mean_row = rows[1]
+    pays = mean_row["vs_plain"] < 1.0
+    why = (f"at the published mean acceptance ({mean_row['mean_accepted']} tokens per "
+           f"pass verifying all {cap}): {mean_row['tokens_per_pass']:.2f} tokens per pass "
+           f"verifying {mean_row['proposals']}, {mean_row['vs_plain']:.2f}x plain s/token; "
+           f"the draft pass {draft:.2f} s")
+    return {"draft_seconds": draft, "rows": rows, "pays": pays,
+            "why": ("drafting pays " if pays else "drafting does not pay ") + why}
 
 
 def decide(sizes: ModelSizes, memory, *, seq_bps=None, rand_bps=None, kernels=None,
@@ -304,13 +345,15 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
              probe_bytes: int = storage.DEFAULT_PROBE_BYTES, progress: bool = False,
              seq_seconds: float = 3.0, rand_seconds: float = 1.5,
              pack_free_bytes: int | None = None, read_bps: float | None = None,
-             decode_bps: float | None = None, probe_tmp=None) -> Diagnosis:
+             decode_bps: float | None = None, probe_tmp=None, draft=None) -> Diagnosis:
     """Probe, inspect and decide. ``memory`` overrides the memory probe (simulated
     machines); ``pack_free_bytes`` overrides the free space seen at the pack directory
     (tests); ``read_bps`` the measured sequential read rate and ``decode_bps`` the
     compressed trunk's measured decode rate; ``probe_tmp`` is where a probe file goes
     first (``storage.probe_dir``; default the temporary directory). ``quick`` skips the
-    disk, kernel and decode measurements (no estimates)."""
+    disk, kernel and decode measurements (no estimates). ``draft``: a DSpark draft
+    directory for ``model``, checked, counted in every budget and judged (does drafting
+    pay at the pick?)."""
     mem = memory if memory is not None else _memory.probe_memory()
     machine = facts.probe_machine(mem)
     problems, warnings = list(), list(machine["warnings"])
@@ -355,6 +398,9 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
     cfg = reference_config() if reference else None
     if reference:
         sizes = ModelSizes.from_config(cfg)
+    draft_sec = None
+    if draft is not None:
+        draft_sec, sizes = _with_draft(draft, model, sizes, problems)
     kernels = None
     if not quick:
         from ..engine.precompile import prepare
@@ -377,6 +423,11 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
         if decode_bps:
             decode["decode_bytes_per_s"] = float(decode_bps)
     pick = decision["pick"]
+    if draft_sec is not None and draft_sec["ok"]:
+        draft_sec["advice"] = drafting_advice(
+            decision["presets"][pick]["estimate"] if pick else None,
+            draft_sec["bytes"], sizes.lm_head_bytes, kernels, draft_sec["cap"])
+    decision["drafting"] = draft_sec
     decision["compression"] = compression_advice(
         decision["presets"][pick]["estimate"] if pick else None, seq_bps, decode)
     decision["sizes_of"] = "Kimi K3 (reference config)" if reference else str(model)
@@ -392,6 +443,26 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
               "warnings": warnings, "next_commands": nxt["commands"], "next_step": nxt["text"],
               "quick": quick, "can_run": not problems, "exit_status": 1 if problems else 0}
     return Diagnosis(report, None if reference else sizes, mem, report["exit_status"])
+
+
+def _with_draft(draft, model, sizes: ModelSizes, problems: list) -> tuple:
+    """(the report's draft section, ``sizes`` with the draft counted): the draft checked
+    against the model (not read); a bad one is a problem naming its file."""
+    from ..draft.checkpoint import load_draft
+    from ..errors import K3Error
+    if model is None:
+        problems.append("draft: --draft needs the model directory it was made for")
+        return {"path": str(draft), "ok": False}, sizes
+    try:
+        d = load_draft(draft, load_config(model), read=False)
+    except K3Error as e:
+        problems.append(f"draft: {e.one_line()}")
+        return {"path": str(draft), "ok": False, "error": e.one_line()}, sizes
+    cfg = load_config(model)
+    kv = d.cfg.num_hidden_layers * d.cfg.cache_width * 4
+    return ({"path": str(draft), "ok": True, "bytes": d.nbytes, "cap": d.cfg.block_size,
+             "taps": list(d.cfg.target_layer_ids)},
+            budget.with_draft(sizes, cfg, d.nbytes, kv, d.cfg.block_size))
 
 
 def _speeds(storage: list) -> tuple:
@@ -595,6 +666,11 @@ def _render_decision(report: dict, w) -> None:
         w("s/token is a rough upper estimate: uniform routing, I/O and compute not overlapped")
     if d["pick"]:
         w(f"pick: {d['why']}")
+    dr = d.get("drafting")
+    if dr and dr.get("ok"):
+        w(f"draft {dr['path']}: {_gb(dr['bytes'])} resident, counted in every peak above")
+        if dr.get("advice"):
+            w(f"  {dr['advice']['why']} at {d['pick']}")
     c = d.get("compression") or {}
     if c.get("recommend") is not None:
         w(f"compressed trunk (k3-pack compress): {c['why']}; expected "

@@ -61,8 +61,9 @@ class DraftCheckpoint(NamedTuple):
     nbytes: int
 
 
-def load_draft(path, target_cfg: K3Config) -> DraftCheckpoint:
-    """Check the draft directory ``path`` against ``target_cfg`` and read it.
+def load_draft(path, target_cfg: K3Config, read: bool = True) -> DraftCheckpoint:
+    """Check the draft directory ``path`` against ``target_cfg`` and read it (with
+    ``read`` False: check only, ``weights`` empty, ``nbytes`` what reading would hold).
 
     ConfigError for its config.json (unreadable, incomplete, or made for another
     target); CheckpointError naming the file and the tensor for its shards."""
@@ -75,8 +76,8 @@ def load_draft(path, target_cfg: K3Config) -> DraftCheckpoint:
     cfg.check_against(target_cfg)
     listing, table = _index(d)
     _check_inventory(cfg, table, listing)
-    weights = _read(table)
-    return DraftCheckpoint(cfg, weights, str(d), sum(a.nbytes for a in weights.values()))
+    weights = _read(table) if read else {}
+    return DraftCheckpoint(cfg, weights, str(d), _held_bytes(table))
 
 
 # ---- finding the tensors ----------------------------------------------------------------
@@ -188,6 +189,17 @@ def _check_inventory(cfg: DraftConfig, table: dict, listing: str) -> None:
 
 # ---- reading them ---------------------------------------------------------------------------
 
+def _as_matrix(name: str, ent) -> bool:
+    """Whether a tensor is held as its stored matrix bits (else widened to float32)."""
+    return len(ent.shape) == 2 and name != CONFIDENCE_WEIGHT
+
+
+def _held_bytes(table: dict) -> int:
+    """Bytes ``_read`` holds: matrices as stored, the rest as float32."""
+    return sum(ent.nbytes if _as_matrix(name, ent) else 4 * int(np.prod(ent.shape))
+               for name, ent in table.items() if name != EMBED)
+
+
 def _read(table: dict) -> dict:
     """Every tensor but the embedding copy, by positioned reads into new arrays."""
     fds = {}
@@ -201,7 +213,7 @@ def _read(table: dict) -> dict:
                 fd = fds[ent.path] = _open(ent.path)
             raw = pread_into(fd, ent.offset, np.empty(ent.nbytes, np.uint8),
                              path=ent.path, tensor=ent.name)
-            if len(ent.shape) == 2 and name != CONFIDENCE_WEIGHT:
+            if _as_matrix(name, ent):
                 weights[name] = matrix_operand(raw, ent.dtype, ent.shape)   # BF16 bits
             else:
                 weights[name] = widen(raw, ent.dtype, ent.shape)            # float32

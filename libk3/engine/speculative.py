@@ -130,11 +130,8 @@ class Width:
 
     def choose(self, confidence, others: int = 0) -> tuple:
         """(L, expected gain over plain decoding with the draft's time counted)."""
-        a = np.concatenate([[1.0], np.cumprod(np.asarray(confidence, np.float64))])
-        expected = np.cumsum(a)                                  # E_0 .. E_n
-        costs = np.array([self.cost(others + L + 1) for L in range(a.size)])
-        L = int(np.argmax(expected / costs))
-        if self.probe and a.size > 1:
+        L, expected, costs = best_width(confidence, lambda n: self.cost(others + n))
+        if self.probe and len(confidence):
             L, self.probe = max(L, 1), False
         if sum(plain for _, _, plain in self.passes) < PLAIN_SAMPLES:
             L = 0                                       # measure what every choice is held to
@@ -155,6 +152,27 @@ class Width:
         else:
             self.pause = self.backoff
             self.backoff = min(2 * self.backoff, MAX_PAUSE)
+
+
+def best_width(confidence, cost) -> tuple:
+    """(L, E, C): the number of proposals L (0 .. len(confidence)) whose expected committed
+    tokens E[L] per second of the pass feeding them, C[L] = cost(L + 1), is highest;
+    E[L] = sum_{i<=L} a_i, a_0 = 1, a_i the product of the first i confidences."""
+    a = np.concatenate([[1.0], np.cumprod(np.asarray(confidence, np.float64))])
+    expected = np.cumsum(a)
+    costs = np.array([cost(L + 1) for L in range(a.size)], np.float64)
+    return int(np.argmax(expected / costs)), expected, costs
+
+
+def acceptance_for(mean: float, cap: int) -> float:
+    """The per-proposal chance a at which verifying all ``cap`` proposals commits ``mean``
+    tokens per pass on average, (1 - a^(cap + 1)) / (1 - a) = mean: how a published mean
+    accepted length turns into a confidence for modelling."""
+    lo, hi = 0.0, 1.0 - 1e-12
+    for _ in range(200):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if (1 - a ** (cap + 1)) / (1 - a) < mean else (lo, a)
+    return (lo + hi) / 2
 
 
 class Drafting:
