@@ -140,7 +140,7 @@ class K3Config:
 
 # (field, location in the nested shape, flat aliases, type, required?)
 # location: "lin" = text_config.linear_attn_config, "text" = text_config.
-_INT, _FLOAT, _BOOL, _LIST = "int", "float", "bool", "list"
+_INT, _FLOAT, _BOOL, _LIST, _STR = "int", "float", "bool", "list", "str"
 _KEYS = (
     ("hidden_size", "text", (), _INT, True),
     ("num_hidden_layers", "text", (), _INT, True),
@@ -195,8 +195,9 @@ def _lookup(doc: dict, location: str, names: tuple):
     return False, None
 
 
-def _coerce(value, kind):
-    """Return the typed value or None when ill-typed (bool is not an int here)."""
+def coerce(value, kind):
+    """Return the typed value or None when ill-typed (bool is not an int here): kinds
+    "int", "float" (finite), "bool", "str" and "list" (of ints, as a tuple)."""
     if kind == _INT:
         if isinstance(value, bool):
             return None
@@ -212,6 +213,8 @@ def _coerce(value, kind):
         return v if math.isfinite(v) else None
     if kind == _BOOL:
         return value if isinstance(value, bool) else None
+    if kind == _STR:
+        return value if isinstance(value, str) else None
     if kind == _LIST:
         if not isinstance(value, list):
             return None
@@ -219,6 +222,16 @@ def _coerce(value, kind):
             return None
         return tuple(value)
     raise AssertionError(kind)
+
+
+def key_problems(missing, bad) -> list:
+    """The config errors of keys: one entry for the missing, one for the ill-typed."""
+    problems = []
+    if missing:
+        problems.append("missing required key(s): " + ", ".join(missing))
+    if bad:
+        problems.append("ill-typed: " + "; ".join(bad))
+    return problems
 
 
 def config_from_dict(doc: dict, source: str = "<dict>") -> K3Config:
@@ -238,16 +251,12 @@ def config_from_dict(doc: dict, source: str = "<dict>") -> K3Config:
                 continue
             values[field] = _BOOL_DEFAULTS[field]
             continue
-        v = _coerce(raw, kind)
+        v = coerce(raw, kind)
         if v is None:
             bad.append(f"{field}={raw!r} is not a valid {kind}")
             continue
         values[field] = v
-    problems = []
-    if missing:
-        problems.append("missing required key(s): " + ", ".join(missing))
-    if bad:
-        problems.append("ill-typed: " + "; ".join(bad))
+    problems = key_problems(missing, bad)
     if problems:
         raise ConfigError("; ".join(problems) + " (k3 refuses to substitute defaults)",
                           path=source)
@@ -401,7 +410,7 @@ def context_length(path) -> int:
     found, raw = _lookup(doc if isinstance(doc, dict) else {}, "text", ("max_position_embeddings",))
     if not found:
         return K3_CONTEXT
-    v = _coerce(raw, _INT)
+    v = coerce(raw, _INT)
     if v is None or v < 1:
         raise ConfigError(f"max_position_embeddings={raw!r} is not a positive int", path=p)
     return v

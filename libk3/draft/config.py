@@ -19,7 +19,7 @@ import json
 import math
 from pathlib import Path
 
-from ..config import MAX_SIZE, K3Config
+from ..config import MAX_SIZE, K3Config, coerce, key_problems
 from ..errors import ConfigError
 
 # Every draft norm (q_a and kv_a included) uses rms_norm_eps (formats/dspark.md §2.1).
@@ -185,7 +185,7 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1.0 else 1.0
 
 
-# (field, config key, kind, default or _REQUIRED); kinds: int, float, bool, str, ids
+# (field, config key, kind, default or _REQUIRED); kinds as ``config.coerce``
 _REQUIRED = object()
 _KEYS = (
     ("hidden_size", "hidden_size", "int", _REQUIRED),
@@ -200,7 +200,7 @@ _KEYS = (
     ("vocab_size", "vocab_size", "int", _REQUIRED),
     ("rms_norm_eps", "rms_norm_eps", "float", _REQUIRED),
     ("max_position_embeddings", "max_position_embeddings", "int", _REQUIRED),
-    ("target_layer_ids", "target_layer_ids", "ids", _REQUIRED),
+    ("target_layer_ids", "target_layer_ids", "list", _REQUIRED),
     ("target_hidden_size", "target_hidden_size", "int", _REQUIRED),
     ("target_num_hidden_layers", "target_num_hidden_layers", "int", _REQUIRED),
     ("mask_token_id", "mask_token_id", "int", _REQUIRED),
@@ -227,28 +227,6 @@ _REFUSED = (
 )
 
 
-def _typed(value, kind):
-    if kind == "int":
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        if not ok and isinstance(value, float) and value.is_integer():
-            return int(value)
-        return value if ok else None
-    if kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return None
-        return float(value) if math.isfinite(value) else None
-    if kind == "bool":
-        return value if isinstance(value, bool) else None
-    if kind == "str":
-        return value if isinstance(value, str) else None
-    if kind == "ids":
-        if not isinstance(value, list) or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return None
-        return tuple(value)
-    raise AssertionError(kind)
-
-
 def draft_config_from_dict(doc, source: str = "<dict>") -> DraftConfig:
     """Build and validate a draft config from a parsed config.json; one ConfigError lists
     every problem, naming the file."""
@@ -262,7 +240,7 @@ def draft_config_from_dict(doc, source: str = "<dict>") -> DraftConfig:
             else:
                 values[field] = default
             continue
-        v = _typed(doc[key], kind)
+        v = coerce(doc[key], kind)
         if v is None:
             bad.append(f"{key}={doc[key]!r} is not a valid {kind}")
         else:
@@ -274,7 +252,7 @@ def draft_config_from_dict(doc, source: str = "<dict>") -> DraftConfig:
     theta = rope.get("rope_theta", doc.get("rope_theta"))
     if theta is None:
         missing.append("rope_theta")
-    elif _typed(theta, "float") is None or theta <= 0:
+    elif coerce(theta, "float") is None or theta <= 0:
         bad.append(f"rope_theta={theta!r} is not a positive float")
     else:
         values["rope_theta"] = float(theta)
@@ -285,7 +263,7 @@ def draft_config_from_dict(doc, source: str = "<dict>") -> DraftConfig:
         if rope and key not in rope:
             missing.append(f"rope_parameters.{key}")
         elif rope:
-            v = _typed(rope[key], kind)
+            v = coerce(rope[key], kind)
             if v is None:
                 bad.append(f"rope_parameters.{key}={rope[key]!r} is not a valid {kind}")
             else:
@@ -305,11 +283,7 @@ def draft_config_from_dict(doc, source: str = "<dict>") -> DraftConfig:
     if values.get("aux_hidden_stream") not in (None,) + DRAFT_TAP_FORMS:
         refused.append(f"aux_hidden_stream {values['aux_hidden_stream']!r} "
                        f"(one of {', '.join(DRAFT_TAP_FORMS)})")
-    problems = []
-    if missing:
-        problems.append("missing required key(s): " + ", ".join(missing))
-    if bad:
-        problems.append("ill-typed: " + "; ".join(bad))
+    problems = key_problems(missing, bad)
     if refused:
         problems.append("not implemented by k3: " + "; ".join(refused))
     if problems:
