@@ -2,11 +2,11 @@
 side in one run. One command runs them all (generating models into scratch/ on first use):
 
     python bench/perf.py                 # every section
-    python bench/perf.py prefill spec    # chosen sections
+    python bench/perf.py prefill policy  # chosen sections
 
 Sections: kernels (bench/kernels.py), disk (expert reads vs the doctor's random-read
 bandwidth; decode time vs max(I/O, compute)), prefill (chunked vs token-by-token expert
-bytes), spec (speculative decoding), policy (LRU vs layer-LFU on recorded traces),
+bytes), policy (LRU vs layer-LFU on recorded traces),
 realdims (s/token per layer kind at true widths, extrapolated to 93 layers), sparse
 (real-sparse, one decode token with the laptop preset: peak RSS).
 """
@@ -24,8 +24,6 @@ from libk3.io.checkpoint import Checkpoint  # noqa: E402
 from libk3.budget import ModelSizes, minimum_budget  # noqa: E402
 
 PROMPT64 = ",".join(str((37 * i + 11) % 30000 + 5) for i in range(64))
-CODE = [101, 102, 103, 104, 105, 106, 107, 108]
-REPETITIVE = ",".join(str(t) for t in (CODE * 8))
 
 
 def _floor_flags(preset: str, cache_slots_extra: int = 0):
@@ -62,94 +60,6 @@ def section_prefill(tmp):
     print(table(rows, ["chunk", "expert GB read", "prefill s"]))
     print(f"chunked / token-by-token expert bytes = {ratio:.2f} (target <= 0.50); "
           f"logits bit-identical: {same}\n")
-
-
-class _Drafter:
-    """A bench-only proposer: ``drafter(context, n)`` proposes after the context."""
-
-    taps = None
-
-    def __init__(self, drafter):
-        self.drafter = drafter
-
-    def propose(self, state, anchor, n, pick):
-        from libk3.engine.speculative import Proposal
-        return Proposal(self.drafter(state.ids + [anchor], n))
-
-    def observe(self, state, taps):
-        pass
-
-
-def _spec_run(ck, pk, flags_bytes, prompt, gen, spec, drafter=None):
-    """One fresh session: (generated ids, expert bytes read in decode, decode seconds,
-    spec stats). ``drafter(context, n)`` replaces prompt lookup (bench only)."""
-    from libk3.engine.generate import GenSettings, generate
-    from libk3.engine.proposers import PromptLookup
-    from libk3.engine.session import open_session
-    from libk3.engine.speculative import Drafting
-    s = open_session(ck, pack=pk, trunk_bytes=flags_bytes[0], cache_bytes=flags_bytes[1])
-    try:
-        drafting = None
-        if spec:
-            drafting = Drafting(PromptLookup() if drafter is None else _Drafter(drafter), spec)
-        st = s.new_state()
-        after_prefill = {}
-
-        def mark(_n):                   # called after each prefill chunk: the last one wins
-            after_prefill["bytes"] = s.weights.stats()["experts"]["bytes_read"]
-        r = generate(s.forward, st, prompt, GenSettings(gen=gen), progress=mark,
-                     drafting=drafting)
-        exp = s.weights.stats()["experts"]["bytes_read"] - after_prefill["bytes"]
-        return r.generated_ids, exp, r.decode_seconds, r.spec
-    finally:
-        s.weights.close()
-
-
-def section_spec(tmp):
-    """Acceptance rate, expert bytes per generated token and s/token with and without
-    --spec 4, on a repetitive prompt and a non-repetitive one.
-
-    A model with random weights does not continue its context the way a trained one does,
-    so prompt lookup rarely finds a draft it accepts: its acceptance here says nothing
-    about real text. To measure what acceptance buys, two more drafters replace prompt
-    lookup in this benchmark only: an oracle that proposes the true greedy continuation
-    (every draft accepted: the best case) and one that proposes wrong tokens (every draft
-    rejected: the worst case, a verify pass whose proposals are all dropped)."""
-    ck, pk = checkpoint("medium"), packed("medium")
-    sizes, _ = _floor_flags("medium", cache_slots_extra=64)
-    floor = minimum_budget(sizes)
-    budget = (floor.trunk_bytes + 1, sizes.expert_slot_bytes * (sizes.top_k + 1 + 64))
-    with Checkpoint.open(ck) as c:
-        vocab = c.config.vocab_size
-    gen = 24
-    rows = []
-    for name, prompt_text in (("repetitive", REPETITIVE), ("non-repetitive", PROMPT64)):
-        prompt = [int(t) for t in prompt_text.split(",")]
-        base, b_bytes, b_sec, _ = _spec_run(ck, pk, budget, prompt, gen, 0)
-        truth = prompt + base
-
-        def oracle(context, n):
-            return truth[len(context):len(context) + n]
-
-        def wrong(context, n):
-            return [(t + 1) % vocab for t in oracle(context, n)]
-
-        rows.append([name, "off", "-", "-", f"{b_bytes / gen / 1e6:.1f}", f"{b_sec / gen:.3f}",
-                     "1.00", "yes"])
-        for drafter_name, drafter in (("prompt lookup", None), ("oracle (all right)", oracle),
-                                      ("wrong (all rejected)", wrong)):
-            ids, e_bytes, sec, st = _spec_run(ck, pk, budget, prompt, gen, 4, drafter)
-            acc = st.get("acceptance_rate") if st else None
-            rows.append([name, "4", drafter_name, "-" if acc is None else f"{acc:.2f}",
-                         f"{e_bytes / gen / 1e6:.1f}", f"{sec / gen:.3f}",
-                         f"{b_sec / sec:.2f}", "yes" if ids == base else "NO"])
-    print(f"speculative decoding on medium at the floor budget + 64 slots, {gen} tokens "
-          f"(decode only; a fresh session per row)")
-    print(table(rows, ["prompt", "--spec", "drafts from", "acceptance", "expert MB/token",
-                       "s/token", "speed-up", "same tokens"]))
-    print("prompt lookup's acceptance is a property of the model: random weights rarely "
-          "continue their context. The oracle and wrong rows bound what --spec 4 does "
-          "at 100 % and 0 % acceptance; tokens must match in every row.\n")
 
 
 def section_policy(tmp):
@@ -280,7 +190,7 @@ def section_sparse(tmp):
 
 
 SECTIONS = {"kernels": section_kernels, "disk": section_disk, "prefill": section_prefill,
-            "spec": section_spec, "policy": section_policy, "realdims": section_realdims,
+            "policy": section_policy, "realdims": section_realdims,
             "sparse": section_sparse}
 
 
