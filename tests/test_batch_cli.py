@@ -17,14 +17,10 @@ from libk3.errors import BudgetError
 from libk3.budget import (MAX_AUTO_WIDTH, Budget, ModelSizes, batch_width, load_rules,
                           peak_bytes, sequence_bytes)
 from libk3.doctor.report import reference_config
+from .scripts import k3
 
 # what a result line keeps whatever the width (times, reads and the width differ)
 SAME = ("generated_ids", "prompt_ids", "stop_reason", "id", "line")
-
-
-def k3(*args, **kw):
-    return subprocess.run(["k3-run", *map(str, args)], capture_output=True, text=True,
-                          timeout=600, **kw)
 
 
 def _lines(n: int = 7) -> list:

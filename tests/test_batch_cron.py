@@ -15,11 +15,7 @@ import pytest
 
 from libk3.engine import runner
 from libk3.io.filelock import FileLock, holder_pid
-
-
-def k3(*args, **kw):
-    return subprocess.run(["k3-run", *map(str, args)], capture_output=True, text=True,
-                          timeout=600, **kw)
+from .scripts import k3
 
 
 def start_k3(*args):

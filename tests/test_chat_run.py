@@ -7,7 +7,7 @@ import json
 
 from libk3.engine.chat_template import load_chat_template
 from libk3.io.tokenizer import K3Tokenizer
-from tests.test_run_cli import k3
+from .scripts import k3
 
 CONVO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 

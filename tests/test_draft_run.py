@@ -4,7 +4,6 @@ thread count and width, and every k3-run path refuses what it cannot do (dspark.
 from __future__ import annotations
 
 import json
-import subprocess
 
 import numba
 import numpy as np
@@ -18,13 +17,9 @@ from libk3.engine.proposers import DSpark
 from libk3.engine.session import open_session
 from libk3.engine.speculative import Drafting
 from libk3.io.checkpoint import Checkpoint
+from .scripts import k3
 
 PROMPT = [5, 9, 2, 77, 31, 4, 18, 250, 6, 40, 5, 9, 2]
-
-
-def k3(*args, **kw):
-    return subprocess.run(["k3-run", *map(str, args)], capture_output=True, text=True,
-                          timeout=600, **kw)
 
 
 def _session(tiny_dir, where):
@@ -164,19 +159,55 @@ def test_k3_run_refuses_a_damaged_or_unaffordable_draft(tiny_dir, tmp_path):
     p = k3(tiny_dir, "--ids", "1,2", "--draft", bad)
     assert p.returncode == 3 and "config.json" in p.stderr and "hidden_size" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
-    from libk3.budget import overhead_bytes
+    from libk3.budget import load_rules, peak_bytes, with_draft
     from libk3.engine.runner import RunOptions, resolve_run_budget
     from libk3.errors import BudgetError
     with Checkpoint.open(tiny_dir) as ckpt:
         sizes = ModelSizes.from_checkpoint(ckpt)
-        draft = load_draft(tiny_dir / "draft", ckpt.config)
+        draft = load_draft(tiny_dir / "draft", ckpt.config, read=False)
         floor = minimum_budget(sizes)
-        # memory for the floor plus half the draft: runs without it, refused with it
-        mem = int((floor.trunk_bytes + floor.cache_bytes + overhead_bytes(sizes)) / 0.95
-                  + draft.nbytes / 2)
-        opts = RunOptions(model=str(tiny_dir), trunk_gb=(floor.trunk_bytes + 1) / 1e9,
-                          cache_gb=(floor.cache_bytes + 1) / 1e9, memory_override=mem,
-                          budget_order=["trunk_gb", "cache_gb"])
-        assert resolve_run_budget(opts, ckpt)[0] is not None           # control
-        with pytest.raises(BudgetError, match="draft"):
-            resolve_run_budget(opts, ckpt, draft)
+        kv = draft.cfg.num_hidden_layers * draft.cfg.cache_width * 4
+
+        def needs(held):            # memory at which the floor and this draft just fit
+            s = with_draft(sizes, ckpt.config, held, kv, draft.cfg.block_size)
+            return peak_bytes(floor, s) / load_rules().headroom_fraction
+
+        def opts(memory):
+            return RunOptions(model=str(tiny_dir), trunk_gb=floor.trunk_bytes / 1e9,
+                              cache_gb=floor.cache_bytes / 1e9, memory_override=int(memory),
+                              budget_order=["trunk_gb", "cache_gb"])
+        assert draft.streamed_nbytes < draft.nbytes
+        held, streamed = needs(draft.nbytes), needs(draft.streamed_nbytes)
+        assert resolve_run_budget(opts(held + 64), ckpt, draft)[3] is False     # held whole
+        assert resolve_run_budget(opts(streamed + 64), ckpt, draft)[3] is True  # streams
+        assert resolve_run_budget(opts(streamed - 64), ckpt)[0] is not None     # control
+        with pytest.raises(BudgetError, match="even streamed"):
+            resolve_run_budget(opts(streamed - 64), ckpt, draft)
+
+
+def test_a_streamed_draft_proposes_as_a_held_one(tiny_dir, plain):
+    """Catches a streamed draft that reads other bytes than the held one, or keeps what it
+    read (it must hold only its vectors and Markov head between passes)."""
+    from libk3.draft.checkpoint import StreamedWeights
+    sess = open_session(tiny_dir)
+    draft = load_draft(tiny_dir / "draft", sess.cfg, stream=True)
+    assert isinstance(draft.weights, StreamedWeights)
+    held = sum(a.nbytes for a in dict.values(draft.weights))
+    model = DraftForward(draft.cfg, draft.weights, sess.weights.embed,
+                         sess.weights.model()["lm_head"])
+    proposer = DSpark(model)
+    sess.forward.capture(proposer.taps)
+    drafting = Drafting(proposer, 7)
+    got = generate(sess.forward, sess.new_state(), PROMPT, GenSettings(gen=40),
+                   keep_logits=True, drafting=drafting)
+    assert got.generated_ids == plain[0.0].generated_ids
+    assert drafting.stats.verifies > 0
+    assert sum(a.nbytes for a in dict.values(model.w)) <= held < draft.nbytes
+    ref = with_draft(open_session(tiny_dir), tiny_dir)
+    c1, c2 = model.new_cache(), ref.proposer.draft.new_cache()
+    taps = np.random.default_rng(1).standard_normal(
+        (5, draft.cfg.n_taps * draft.cfg.target_hidden_size)).astype(np.float32)
+    model.ingest(c1, taps)
+    ref.proposer.draft.ingest(c2, taps)
+    a, b = model.propose(c1, 7, 7), ref.proposer.draft.propose(c2, 7, 7)
+    assert np.array_equal(a.logits.view(np.uint32), b.logits.view(np.uint32))

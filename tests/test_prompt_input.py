@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import pytest
 
@@ -14,11 +13,7 @@ from libk3.config import K3_CONTEXT, context_length
 from libk3.engine import batch as batchfile
 from libk3.engine.prompt_file import prompt_byte_bound
 from libk3.io.tokenizer import K3Tokenizer
-
-
-def k3(*args):
-    return subprocess.run(["k3-run", *map(str, args)], capture_output=True, text=True,
-                          timeout=600)
+from .scripts import k3
 
 
 def _prompt_ids(model, prompt_file, tmp_path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -14,13 +13,9 @@ from libk3.engine.generate import GenSettings, generate
 from libk3.engine.session import open_session
 from libk3.io.checkpoint import Checkpoint
 from libk3.budget import ModelSizes, minimum_budget
+from .scripts import k3
 
 PROMPT = "5,17,300,42,7,99,128,3,250,11,64,200,9,31"
-
-
-def k3(*args, cwd=None, input=None):
-    return subprocess.run(["k3-run", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, input=input, timeout=600)
 
 
 def _pack(model_dir, out):

@@ -24,7 +24,7 @@ from libk3.budget import ModelSizes, minimum_budget, peak_bytes  # noqa: E402
 from libk3.engine.chat_template import load_chat_template  # noqa: E402
 from libk3.io.checkpoint import Checkpoint  # noqa: E402
 from libk3.io.tokenizer import K3Tokenizer  # noqa: E402
-from tests.test_run_cli import k3  # noqa: E402
+from .scripts import k3  # noqa: E402
 
 KEY = "test-key-k3"
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]

@@ -19,11 +19,7 @@ from libk3.engine import precompile
 from libk3.errors import CheckpointError
 from libk3.io.tokenizer import K3Tokenizer
 from libk3.io.direct import ALIGN, DirectFile, ReadCancelled, ReadGate, aligned_empty
-
-
-def k3(*args, env=None):
-    return subprocess.run(["k3-run", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=600)
+from .scripts import k3
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ from libk3.pack.schema import (BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, MANIFEST
                                TRUNK_FILE, open_pack)
 from libk3.pack.codec import CODED, RAW, Codec, plan_blocks
 
-from .test_run_cli import PROMPT, _budgets, _pack, _reference, k3
+from .scripts import k3
+from .test_run_cli import PROMPT, _budgets, _pack, _reference
 
 
 def k3pack(*args):

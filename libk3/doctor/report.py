@@ -460,7 +460,8 @@ def _with_draft(draft, model, sizes: ModelSizes, problems: list) -> tuple:
         return {"path": str(draft), "ok": False, "error": e.one_line()}, sizes
     cfg = load_config(model)
     kv = d.cfg.num_hidden_layers * d.cfg.cache_width * 4
-    return ({"path": str(draft), "ok": True, "bytes": d.nbytes, "cap": d.cfg.block_size,
+    return ({"path": str(draft), "ok": True, "bytes": d.nbytes,
+             "streamed_bytes": d.streamed_nbytes, "cap": d.cfg.block_size,
              "taps": list(d.cfg.target_layer_ids)},
             budget.with_draft(sizes, cfg, d.nbytes, kv, d.cfg.block_size))
 
@@ -668,7 +669,9 @@ def _render_decision(report: dict, w) -> None:
         w(f"pick: {d['why']}")
     dr = d.get("drafting")
     if dr and dr.get("ok"):
-        w(f"draft {dr['path']}: {_gb(dr['bytes'])} resident, counted in every peak above")
+        w(f"draft {dr['path']}: {_gb(dr['bytes'])} resident, counted in every peak above "
+          f"(where that does not fit, k3-run streams its matrices and holds "
+          f"{_gb(dr['streamed_bytes'])})")
         if dr.get("advice"):
             w(f"  {dr['advice']['why']} at {d['pick']}")
     c = d.get("compression") or {}

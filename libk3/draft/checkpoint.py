@@ -50,20 +50,59 @@ EITHER_FLOAT = {CONFIDENCE_WEIGHT: ("BF16", "F32"), "confidence_head.proj.bias":
 _SHOW = 5                            # how many offending names an error message lists
 
 
+# Held even when the draft streams: the Markov head is used once per proposal, seven
+# times a pass; everything else is used once or twice a pass.
+ALWAYS_HELD = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
+
+
 class DraftCheckpoint(NamedTuple):
     """A loaded draft: its config, its weights (every tensor but ``embed_tokens.weight``,
-    by bare name, in the forms of the module docstring), the draft directory and the
-    bytes ``weights`` hold in RAM."""
+    by bare name, in the forms of the module docstring; a ``StreamedWeights`` when it
+    streams), the draft directory, and the most bytes its weights hold in RAM at once:
+    ``nbytes`` when every tensor is held, ``streamed_nbytes`` when the matrices are read
+    at each use."""
 
     cfg: DraftConfig
-    weights: dict
+    weights: object
     source: str
     nbytes: int
+    streamed_nbytes: int
+    streamed: bool = False
 
 
-def load_draft(path, target_cfg: K3Config, read: bool = True) -> DraftCheckpoint:
+class StreamedWeights(dict):
+    """The draft's weights when they do not fit beside the model: vectors and
+    ALWAYS_HELD held (the dict's items); every other matrix read from the draft's files
+    with a positioned read at each use (``__missing__``: a new array, not kept), so at
+    most one is in RAM at a time. ``entry(name)``: where a streamed tensor lies, for
+    checking its shape and dtype without reading it."""
+
+    def __init__(self, held: dict, table: dict):
+        super().__init__(held)
+        self._table = {n: e for n, e in table.items() if n not in held and n != EMBED}
+
+    def entry(self, name: str):
+        return self._table.get(name)
+
+    def __contains__(self, name) -> bool:
+        return dict.__contains__(self, name) or name in self._table
+
+    def __missing__(self, name: str) -> np.ndarray:
+        ent = self._table[name]
+        fd = _open(ent.path)
+        try:
+            raw = pread_into(fd, ent.offset, np.empty(ent.nbytes, np.uint8),
+                             path=ent.path, tensor=ent.name)
+        finally:
+            os.close(fd)
+        return matrix_operand(raw, ent.dtype, ent.shape)
+
+
+def load_draft(path, target_cfg: K3Config, read: bool = True,
+               stream: bool = False) -> DraftCheckpoint:
     """Check the draft directory ``path`` against ``target_cfg`` and read it (with
-    ``read`` False: check only, ``weights`` empty, ``nbytes`` what reading would hold).
+    ``read`` False: check only, ``weights`` empty; with ``stream``: read what
+    ``StreamedWeights`` holds, the rest at each use).
 
     ConfigError for its config.json (unreadable, incomplete, or made for another
     target); CheckpointError naming the file and the tensor for its shards."""
@@ -76,8 +115,14 @@ def load_draft(path, target_cfg: K3Config, read: bool = True) -> DraftCheckpoint
     cfg.check_against(target_cfg)
     listing, table = _index(d)
     _check_inventory(cfg, table, listing)
-    weights = _read(table) if read else {}
-    return DraftCheckpoint(cfg, weights, str(d), _held_bytes(table))
+    streamed = {n: e for n, e in table.items() if _as_matrix(n, e) and n not in ALWAYS_HELD}
+    held = {n: e for n, e in table.items() if n not in streamed}
+    largest = max((e.nbytes for e in streamed.values()), default=0)
+    weights = {}
+    if read:
+        weights = StreamedWeights(_read(held), table) if stream else _read(table)
+    return DraftCheckpoint(cfg, weights, str(d), _held_bytes(table),
+                           _held_bytes(held) + largest, stream)
 
 
 # ---- finding the tensors ----------------------------------------------------------------

@@ -277,15 +277,35 @@ def _vector(name: str, a, n: int) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(n))
 
 
+class _Streamed(dict):
+    """The checked weights, with the matrices a streamed source reads at each use
+    (``source.entry(name)`` is not None) fetched from it on access, never kept."""
+
+    def __init__(self, held: dict, source):
+        super().__init__(held)
+        self.source = source
+
+    def __missing__(self, name: str) -> np.ndarray:
+        return np.ascontiguousarray(self.source[name])
+
+
 def _checked_weights(cfg: DraftConfig, weights: Mapping[str, np.ndarray]) -> dict:
     """Every tensor of dspark.md §3.1 but the embedding copy, checked and in the form the
-    kernels take; one ValueError names every problem."""
+    kernels take (a matrix the source streams checked from its entry, not read); one
+    ValueError names every problem."""
     out, problems = {}, []
+    entry = getattr(weights, "entry", lambda name: None)
     for name, shape in cfg.tensor_shapes().items():
         if name == _EMBED:
             continue
         if name not in weights:
             problems.append(f"{name}: missing")
+            continue
+        ent = entry(name)
+        if ent is not None:
+            if tuple(ent.shape) != tuple(shape) or ent.dtype not in ("BF16", "F32"):
+                problems.append(f"{name}: {ent.dtype} {tuple(ent.shape)}, expected "
+                                f"BF16 or F32 {tuple(shape)}")
             continue
         try:
             if len(shape) == 2 and name != _CONF_W:
@@ -296,4 +316,4 @@ def _checked_weights(cfg: DraftConfig, weights: Mapping[str, np.ndarray]) -> dic
             problems.append(str(e))
     if problems:
         raise ValueError("draft weights: " + "; ".join(problems))
-    return out
+    return _Streamed(out, weights) if hasattr(weights, "entry") else out

@@ -70,18 +70,27 @@ def batch_options(batch, batch_width, shard, serve=False) -> tuple:
     return ("auto" if batch_width is None else batch_width), shard
 
 
-def resolve_run_budget(opts: RunOptions, ckpt, draft=None):
+def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None = None):
     """Budget from presets/flags (argv order; ``auto`` sets aside a fixed --batch-width's
     state), refused before loading when it cannot work; then the batch width
-    (``budget.batch_width``). A ``draft`` (its loaded checkpoint) is counted beside the
-    model. Returns (budget or None when resident, width, reasons)."""
+    (``budget.batch_width``). A ``draft`` (its checked checkpoint) is counted beside the
+    model: held whole, or with ``stream`` only what it holds when its matrices are read at
+    each use; None: held whole when that fits, else streamed. Returns (budget or None
+    when resident, width, reasons, whether the draft streams)."""
     from ..machine.memory import probe_memory
     from ..budget import (Budget, ModelSizes, admission_problems, batch_width, resolve_budget,
                           with_draft)
 
+    if draft is not None and stream is None:
+        try:
+            return resolve_run_budget(opts, ckpt, draft, False)
+        except BudgetError:
+            return resolve_run_budget(opts, ckpt, draft, True)
     sizes = ModelSizes.from_checkpoint(ckpt)
+    held_draft = 0
     if draft is not None:
-        sizes = with_draft(sizes, ckpt.config, draft.nbytes, draft.cfg.num_hidden_layers
+        held_draft = draft.streamed_nbytes if stream else draft.nbytes
+        sizes = with_draft(sizes, ckpt.config, held_draft, draft.cfg.num_hidden_layers
                            * draft.cfg.cache_width * 4, draft_cap(opts, draft.cfg))
     mem = probe_memory(opts.memory_override)
     fixed = opts.batch_width if isinstance(opts.batch_width, int) else 1
@@ -92,13 +101,14 @@ def resolve_run_budget(opts: RunOptions, ckpt, draft=None):
                                 width=fixed)
         problems = admission_problems(budget, sizes, mem)
         if draft is not None and problems:
-            problems.append(f"the draft's {draft.nbytes / 1e9:.2f} GB of weights are counted")
+            problems.append(f"the draft holds {held_draft / 1e9:.2f} GB"
+                            + (" even streamed" if stream else ""))
         if problems:
             raise BudgetError("; ".join(problems), hint="choose a smaller --preset or budgets")
     if opts.batch_width is None:
-        return budget, 1, ()
+        return budget, 1, (), bool(stream)
     held = budget or Budget(sizes.trunk_bytes, sizes.cache_all_bytes, "resident", ())
-    return (budget,) + batch_width(held, sizes, mem, opts.batch_width)
+    return (budget,) + batch_width(held, sizes, mem, opts.batch_width) + (bool(stream),)
 
 
 class Run:
@@ -116,8 +126,14 @@ class Run:
             draft = None
             if opts.draft:
                 from ..draft.checkpoint import load_draft
-                draft = load_draft(opts.draft, ckpt.config)
-            self.budget, self.width, self.width_reasons = resolve_run_budget(opts, ckpt, draft)
+                draft = load_draft(opts.draft, ckpt.config, read=False)
+            self.budget, self.width, self.width_reasons, stream = \
+                resolve_run_budget(opts, ckpt, draft)
+            if draft is not None:
+                draft = load_draft(opts.draft, ckpt.config, stream=stream)
+                if stream and opts.warn is not None:
+                    opts.warn(f"the draft's {draft.nbytes / 1e9:.2f} GB do not fit beside "
+                              "this budget: its matrices are read from disk at each draft pass")
             from .precompile import prepare     # the expert cache builds its policy
             self.compile_seconds = (0.0 if opts.resident else
                                     prepare(["expert-cache"], show=opts.progress))
