@@ -38,7 +38,7 @@ def tok(tiny_dir):
 @pytest.fixture(scope="session")
 def template(tiny_dir):
     """The tiny checkpoint's chat template (the synthetic one, libk3.synth.bpe)."""
-    from libk3.engine.chat_template import load_chat_template
+    from libk3.text.chat_template import load_chat_template
     return load_chat_template(tiny_dir)
 
 

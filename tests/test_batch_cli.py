@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from libk3.engine.batch import parse_shard, shard_of
+from libk3.run.batch import parse_shard, shard_of
 from libk3.errors import BudgetError
 from libk3.budget import (MAX_AUTO_WIDTH, Budget, ModelSizes, batch_width, load_rules,
                           peak_bytes, sequence_bytes)

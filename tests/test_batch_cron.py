@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from libk3.engine import runner
+from libk3.run import runner
 from libk3.io.filelock import FileLock, holder_pid
 from .scripts import k3
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from libk3.engine.chat_parse import Reply, parse_reply, pieces, pieces_of_text
+from libk3.text.chat_parse import Reply, parse_reply, pieces, pieces_of_text
 
 USER = [{"role": "user", "content": "q"}]
 

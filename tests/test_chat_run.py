@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from libk3.engine.chat_template import load_chat_template
+from libk3.text.chat_template import load_chat_template
 from libk3.io.tokenizer import K3Tokenizer
 from .scripts import k3
 

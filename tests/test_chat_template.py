@@ -11,8 +11,8 @@ import shutil
 
 import pytest
 
-from libk3.engine.chat_request import ChatEncoder, NO_TEMPLATE, conversation_problem
-from libk3.engine.chat_template import (ChatInputError, ChatTemplate, load_chat_template,
+from libk3.text.chat_request import ChatEncoder, NO_TEMPLATE, conversation_problem
+from libk3.text.chat_template import (ChatInputError, ChatTemplate, load_chat_template,
                                         turn_stop_ids)
 from libk3.errors import CheckpointError
 from libk3.io.tokenizer import K3Tokenizer

@@ -160,7 +160,7 @@ def test_k3_run_refuses_a_damaged_or_unaffordable_draft(tiny_dir, tmp_path):
     assert p.returncode == 3 and "config.json" in p.stderr and "hidden_size" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     from libk3.budget import load_rules, peak_bytes, with_draft
-    from libk3.engine.runner import RunOptions, resolve_run_budget
+    from libk3.run.runner import RunOptions, resolve_run_budget
     from libk3.errors import BudgetError
     with Checkpoint.open(tiny_dir) as ckpt:
         sizes = ModelSizes.from_checkpoint(ckpt)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from libk3.trace import format as tr
 from libk3.config import load_config
-from libk3.engine import batch as batchfile
+from libk3.run import batch as batchfile
 from libk3.io.checkpoint import Checkpoint
 from libk3.model.state import State
 from libk3.trace.report import replay_report, trace_stats
@@ -301,7 +301,7 @@ def test_trace_unparseable_header_is_refused_naming_the_file(good_trace, tmp_pat
 def test_trace_crashed_run_never_leaves_a_complete_trace(tmp_path, monkeypatch):
     """Catches a run that, failing after the trace was opened, closes the trace normally:
     the end marker and the rename make a failed run's trace read as complete."""
-    from libk3.engine import runner
+    from libk3.run import runner
 
     final = tmp_path / "run.k3trace"
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # own layer and of the layers before it, never after.
 LAYERS = (
     ("libk3", "libk3.errors", "libk3.names", "libk3.config", "libk3.k3_dims", "libk3.progress"),
-    ("libk3.io", "libk3.machine"),
+    ("libk3.io", "libk3.machine", "libk3.text"),
     ("libk3.kernels",),
     ("libk3.policies", "libk3.budget"),
     ("libk3.pack",),
@@ -21,6 +21,7 @@ LAYERS = (
     ("libk3.trace",),
     ("libk3.synth",),
     ("libk3.engine",),
+    ("libk3.run",),
     ("libk3.doctor", "libk3.serve"),
 )
 RANK = {prefix: i for i, layer in enumerate(LAYERS) for prefix in layer}

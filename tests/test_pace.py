@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libk3.engine import runner
+from libk3.run import runner
 from libk3.engine.generate import GenSettings
 from libk3.engine.lockstep import Job, Lockstep
 from libk3.engine.pace import SAFETY, Pace, Work

@@ -21,7 +21,7 @@ pytest.importorskip("aiohttp")
 openai = pytest.importorskip("openai")
 
 from libk3.budget import ModelSizes, minimum_budget, peak_bytes  # noqa: E402
-from libk3.engine.chat_template import load_chat_template  # noqa: E402
+from libk3.text.chat_template import load_chat_template  # noqa: E402
 from libk3.io.checkpoint import Checkpoint  # noqa: E402
 from libk3.io.tokenizer import K3Tokenizer  # noqa: E402
 from .scripts import k3  # noqa: E402

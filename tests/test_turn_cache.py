@@ -8,7 +8,7 @@ import pytest
 
 from libk3.engine.generate import GenSettings, generate
 from libk3.engine.session import open_session
-from libk3.engine.turn_cache import TurnCache
+from libk3.serve.turn_cache import TurnCache
 
 P1 = [5, 17, 300, 42, 7, 99, 128, 3, 250, 11]
 P2 = P1 + [64, 200, 9, 31, 8]

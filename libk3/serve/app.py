@@ -24,7 +24,7 @@ import json
 import os
 import signal
 
-from ..engine.batch import job_settings
+from ..run.batch import job_settings
 from ..errors import K3Error, UsageError
 from .protocol import (ApiError, check_request, envelope, finish_reason, parse_body, sse,
                        usage)
@@ -318,7 +318,7 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
     host, port = check_address(address, api_key)
     if run.session.tokenizer is not None:
         run.session.tokenizer.get()            # read once, before two threads use it
-    from ..engine.turn_cache import TurnCache
+    from .turn_cache import TurnCache
     turns = TurnCache(run.cfg, reuse_ram_bytes, reuse_disk_bytes) \
         if reuse_ram_bytes or reuse_disk_bytes else None
     worker = Worker(run, run.width, log, turns, chunk=base_settings.prefill_chunk)

@@ -17,7 +17,7 @@ import dataclasses
 import json
 import time
 
-from ..engine.chat_request import conversation_problem
+from ..text.chat_request import conversation_problem
 from ..engine.settings import (gen_problem, seed_problem, temperature_problem,
                                token_ids_problem, top_p_problem)
 

@@ -3,12 +3,12 @@
 Owns: the assistant message of a chat reply (parsed from its channels when the model
 has a template, its text otherwise), a completion's text, stop sequences cut from the
 text, and the deltas a stream sends as tokens arrive (what changed since the last
-delta). Does not own: the parsing rules (``libk3.engine.chat_parse``) or HTTP.
+delta). Does not own: the parsing rules (``libk3.text.chat_parse``) or HTTP.
 """
 
 from __future__ import annotations
 
-from ..engine.chat_parse import Reply, parse_reply, pieces
+from ..text.chat_parse import Reply, parse_reply, pieces
 
 REPLACEMENT = "\ufffd"          # a UTF-8 character whose last bytes have not arrived yet
 

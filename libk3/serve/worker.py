@@ -163,7 +163,7 @@ class Worker:
         rep = self.run.report(res)
         self.last = {k: rep[k] for k in _RUN_FIGURES}
         if self.log:
-            from ..engine.report import short_text
+            from ..run.report import short_text
             rep["startup_seconds"] = None          # said once, when the server started
             self.log(f"request: {len(res.prompt_ids)} prompt tokens ({job.reused} reused), "
                      f"{len(self.jobs) + 1} in flight; {short_text(rep)}")

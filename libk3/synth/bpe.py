@@ -63,7 +63,7 @@ SPECIAL_OFFSETS = {
 # XTML-like markup of model.md §8.4, not the release's (unverified). It exercises what a real
 # template uses: roles in a loop, a macro, loop controls, raise_exception, tojson, tools,
 # tool calls, reasoning, a keyword (`thinking`) and add_generation_prompt, and writes an
-# assistant turn in exactly the markup libk3.engine.chat_parse reads back.
+# assistant turn in exactly the markup libk3.text.chat_parse reads back.
 CHAT_TEMPLATE = """\
 {%- macro text(content) -%}
   {%- if content is string -%}

@@ -151,7 +151,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
          draft_max, draft_dump, threads, quiet,
          save_state, load_state, trace_path, logits_out, report_json, json_out):
     started = time.monotonic()
-    from libk3.engine import runner
+    from libk3.run import runner
 
     modes = [o for o, v in (("--prompt", prompt), ("--prompt-file", prompt_file),
                             ("--ids", ids), ("--batch", batch), ("--chat", chat or None),
@@ -227,21 +227,21 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
     if json_out:
         print_json(rep)
     else:
-        from libk3.engine.report import short_text
+        from libk3.run.report import short_text
         click.echo(short_text(rep), err=True)
 
 
 def _batch_mode(opts, settings, batch, out_path, limits, shard_kn, json_out) -> None:
     """--batch: the whole file (or what the limits allow), then its summary."""
-    from libk3.engine import runner
+    from libk3.run import runner
     summary = runner.run_batch(opts, batch, out_path, settings,
                                warn=lambda m: click.echo(m, err=True), limits=limits,
                                shard=shard_kn)
     if json_out:
         print_json(summary)
         return
-    from libk3.engine.batch import summary_text
-    from libk3.engine.report import batch_text
+    from libk3.run.batch import summary_text
+    from libk3.run.report import batch_text
     click.echo(summary_text(summary, out_path), err=True)
     if "width" in summary:
         click.echo(batch_text(summary), err=True)

@@ -124,14 +124,14 @@ def gigabytes(positive: bool = False) -> Finite:
 
 
 class Shard(click.ParamType):
-    """``K/N`` -> (K, N), 1 <= K <= N (``libk3.engine.batch.parse_shard``'s rule)."""
+    """``K/N`` -> (K, N), 1 <= K <= N (``libk3.run.batch.parse_shard``'s rule)."""
 
     name = "K/N"
 
     def convert(self, value, param, ctx):
         if isinstance(value, tuple):
             return value
-        from libk3.engine.batch import parse_shard
+        from libk3.run.batch import parse_shard
         try:
             return parse_shard(value)
         except ValueError as e:

@@ -17,14 +17,14 @@ import numpy as np
 from ..errors import BudgetError, FormatError, UsageError
 from ..model.state import State
 from ..policies.registry import DEFAULT_POLICY
-from .defaults import IO_THREADS, PREFILL_CHUNK
+from ..engine.defaults import IO_THREADS, PREFILL_CHUNK
 from ..trace.format import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
 from .batch_sink import ABANDONED, NO_TIME, BatchSink
-from .generate import Abandoned, GenSettings, generate
-from .settings import token_ids_problem
+from ..engine.generate import Abandoned, GenSettings, generate
+from ..engine.settings import token_ids_problem
 from .report import run_report, startup_seconds
-from .session import open_session, parse_ids  # noqa: F401  (parse_ids re-exported for the CLI)
+from ..engine.session import open_session, parse_ids  # noqa: F401  (parse_ids re-exported for the CLI)
 
 
 @dataclasses.dataclass
@@ -134,7 +134,7 @@ class Run:
                 if stream and opts.warn is not None:
                     opts.warn(f"the draft's {draft.nbytes / 1e9:.2f} GB do not fit beside "
                               "this budget: its matrices are read from disk at each draft pass")
-            from .precompile import prepare     # the expert cache builds its policy
+            from ..engine.precompile import prepare     # the expert cache builds its policy
             self.compile_seconds = (0.0 if opts.resident else
                                     prepare(["expert-cache"], show=opts.progress))
             on_route = self._record if opts.trace_path else None
@@ -216,7 +216,7 @@ class Run:
     def chat(self, warn=None):
         """Conversations' prompt ids and turn ends for this model (``chat_request``)."""
         if self._chat is None:
-            from .chat_request import ChatEncoder
+            from ..text.chat_request import ChatEncoder
             self._chat = ChatEncoder(self.opts.model, self._tokenizer(), warn)
         return self._chat
 
@@ -235,7 +235,7 @@ class Run:
 
     def reply_message(self, generated_ids) -> dict:
         """The assistant message parsed from a reply's ids (formats/chat.md)."""
-        from .chat_parse import parse_reply, pieces
+        from ..text.chat_parse import parse_reply, pieces
         if self.chat().template is None:
             return {"role": "assistant", "content": self._tokenizer().decode(generated_ids)}
         return parse_reply(pieces(self._tokenizer(), generated_ids)).message()
@@ -310,14 +310,14 @@ def draft_cap(opts: RunOptions, draft_cfg) -> int:
 def _drafting(opts: RunOptions, draft, session):
     """The run's ``Drafting`` (a DSpark draft, or prompt lookup for --spec), or None;
     the session's forward then captures the taps the draft reads."""
-    from .speculative import Drafting
+    from ..engine.speculative import Drafting
     if draft is None:
         if not opts.spec:
             return None
-        from .proposers import PromptLookup
+        from ..engine.proposers import PromptLookup
         return Drafting(PromptLookup(), opts.spec)
     from ..draft.forward import DraftForward
-    from .proposers import DSpark
+    from ..engine.proposers import DSpark
     weights = session.weights
     model = DraftForward(draft.cfg, draft.weights, weights.embed, weights.model()["lm_head"])
     proposer = DSpark(model, note=opts.warn, dump=opts.draft_dump is not None)
@@ -485,7 +485,7 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
     """A multi-turn REPL in the model's chat template (``chat.Conversation``): the state
     carries every earlier turn, each turn feeds only what the template adds. An empty
     line or end of input ends the chat; the state is saved then if asked."""
-    from .chat import Conversation
+    from ..text.chat import Conversation
 
     tok = run.session.tokenizer
     if tok is None:

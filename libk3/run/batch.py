@@ -37,9 +37,9 @@ from pathlib import Path
 
 from ..errors import FormatError, K3IOError
 from ..io.atomic import write_error
-from .chat_request import conversation_problem
-from .generate import GenSettings
-from .settings import (gen_problem, seed_problem, temperature_problem, token_ids_problem,
+from ..text.chat_request import conversation_problem
+from ..engine.generate import GenSettings
+from ..engine.settings import (gen_problem, seed_problem, temperature_problem, token_ids_problem,
                        top_p_problem)
 
 _RULES = {"gen": gen_problem, "temperature": temperature_problem, "top_p": top_p_problem,

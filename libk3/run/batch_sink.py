@@ -16,9 +16,9 @@ import time
 
 from ..model.state import State
 from . import batch as batchfile
-from .generate import Abandoned
-from .lockstep import Job, Lockstep
-from .pace import Pace, Work
+from ..engine.generate import Abandoned
+from ..engine.lockstep import Job, Lockstep
+from ..engine.pace import Pace, Work
 
 
 STARTED, ABANDONED, NO_TIME = "started", "abandoned", "no time"
