@@ -255,9 +255,8 @@ def commit(segment: Segment, n: int) -> None:
     q_scale = state.cfg.head_dim ** -0.5
     for L, (q_hat, k_hat, v_hat, q, k, v, alpha, beta) in segment.tape.items():
         hist = state.kda_conv[L]                              # (3, P, K-1), oldest first
-        keep = hist.shape[2]
-        for j, u in enumerate((q_hat, k_hat, v_hat)):
-            hist[j] = np.concatenate([hist[j], u[:n].T], axis=1)[:, hist.shape[2] + n - keep:]
+        for j, u in enumerate((q_hat, k_hat, v_hat)):        # the last K-1 inputs fed
+            hist[j] = np.concatenate([hist[j], u[:n].T], axis=1)[:, n:]
         if n:
             K.kda_recurrence(q[:n], k[:n], v[:n], alpha[:n], beta[:n], q_scale,
                              state.kda_S[L])

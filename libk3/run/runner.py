@@ -14,17 +14,17 @@ import time
 
 import numpy as np
 
+from ..engine.defaults import IO_THREADS, PREFILL_CHUNK
+from ..engine.generate import Abandoned, GenSettings, generate
+from ..engine.session import open_session, parse_ids  # noqa: F401  (re-exported for the CLI)
+from ..engine.settings import token_ids_problem
 from ..errors import BudgetError, FormatError, UsageError
 from ..model.state import State
 from ..policies.registry import DEFAULT_POLICY
-from ..engine.defaults import IO_THREADS, PREFILL_CHUNK
 from ..trace.format import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
 from .batch_sink import ABANDONED, NO_TIME, BatchSink
-from ..engine.generate import Abandoned, GenSettings, generate
-from ..engine.settings import token_ids_problem
 from .report import run_report, startup_seconds
-from ..engine.session import open_session, parse_ids  # noqa: F401  (parse_ids re-exported for the CLI)
 
 
 @dataclasses.dataclass
