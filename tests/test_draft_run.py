@@ -110,7 +110,7 @@ def test_draft_turns_off_past_its_trained_context_and_on_a_cold_state(tiny_dir):
     drafting.proposer.note = notes.append
     st = sess.new_state()
     sess.forward(PROMPT, st)                                   # fed without the draft
-    generate(sess.forward, st, [3], GenSettings(gen=4), drafting=drafting)
+    generate(sess.forward, st, [3], GenSettings(gen=8), drafting=drafting)
     assert drafting.stats.drafted == 0 and any("no context" in n for n in notes)
     cfg = drafting.proposer.cfg
     drafting.proposer.cfg = dataclasses.replace(cfg, rope_original_max_positions=5)

@@ -106,10 +106,11 @@ def test_width_verifies_what_pays_and_pauses_when_nothing_does():
     """Catches a width that ignores the confidence or the cost of wider passes, drafting
     that never pauses when it does not pay, and a pause that grows without bound."""
     w = Width(7)
-    assert w.choose(np.full(7, 0.99))[0] == 0     # plain's cost is measured first
+    assert w.measuring_plain()                    # plain's cost is measured first
     for _ in range(3):                       # passes cost 1 s + 0.1 s per token
         for n in (1, 4, 8):
             w.record(n, 1.0 + 0.1 * n, n == 1)
+    assert not w.measuring_plain()
     assert abs(w.cost(5) - 1.5) < 1e-9 and w.cost(4) == 1.4
     sure, unsure = np.full(7, 0.99), np.full(7, 0.05)
     assert w.choose(sure)[0] == 7 and w.choose(unsure)[0] == 0

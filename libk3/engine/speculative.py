@@ -133,9 +133,12 @@ class Width:
         L, expected, costs = best_width(confidence, lambda n: self.cost(others + n))
         if self.probe and len(confidence):
             L, self.probe = max(L, 1), False
-        if sum(plain for _, _, plain in self.passes) < PLAIN_SAMPLES:
-            L = 0                                       # measure what every choice is held to
         return L, expected[L] / (costs[L] + (self.draft or 0.0)) * costs[0]
+
+    def measuring_plain(self) -> bool:
+        """Whether the next pass must be plain, to measure what every choice is held to
+        (the proposer need not run)."""
+        return sum(plain for _, _, plain in self.passes) < PLAIN_SAMPLES
 
     def allowed(self) -> bool:
         """Whether this step drafts (a pause counts down one step per call)."""
@@ -217,7 +220,8 @@ class Speculator:
         feeds (lockstep). Proposals end at the first stop id."""
         self.drafts, self.dump = [], None
         n = min(self.cap, room)
-        if n > 0 and anchor not in stop_ids and self.width.allowed():
+        if n > 0 and anchor not in stop_ids and not self.width.measuring_plain() \
+                and self.width.allowed():
             t0 = time.perf_counter()
             prop = self.proposer.propose(state, anchor, n, pick)
             spent = time.perf_counter() - t0
