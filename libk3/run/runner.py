@@ -58,18 +58,6 @@ def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
                        prefill_chunk=prefill_chunk)
 
 
-def batch_options(batch, batch_width, shard, serve=False) -> tuple:
-    """(width for RunOptions.batch_width, (K, N) or None) from --batch-width (with
-    --batch or --serve) and --shard (with --batch). ``batch_width`` is None, "auto" or a
-    positive int and ``shard`` None or (K, N), as the front end parsed them."""
-    if not batch and (shard is not None or (batch_width is not None and not serve)):
-        raise UsageError("--batch-width and --shard go with --batch (--batch-width also "
-                         "with --serve)")
-    if not batch and not serve:
-        return None, None
-    return ("auto" if batch_width is None else batch_width), shard
-
-
 def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None = None):
     """Budget from presets/flags (argv order; ``auto`` sets aside a fixed --batch-width's
     state), refused before loading when it cannot work; then the batch width

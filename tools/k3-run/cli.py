@@ -8,13 +8,13 @@ import time
 import click
 
 from libk3 import __version__
+from k3cli import constraints
 from k3cli.group import (Command, Finite, JsonObject, Rule, Shard, Width, gigabytes,
                          quiet_option, threads_option)
 from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_SIZE
 from libk3.engine.defaults import IO_THREADS, PREFILL_CHUNK
 from libk3.engine.settings import gen_problem, seed_problem, temperature_problem, top_p_problem
-from libk3.errors import UsageError
 from libk3.io import atomic
 from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
 
@@ -42,6 +42,27 @@ class _Printer:
             sys.stdout.write(self.dec.flush())
         sys.stdout.write("\n")
         sys.stdout.flush()
+
+
+# Which options go together (k3cli.constraints), checked in this order before any work.
+_BUDGET_WIDTH = "--batch-width and --shard go with --batch (--batch-width also with --serve)"
+RULES = (
+    constraints.OneOf(("prompt", "prompt_file", "ids", "batch", "chat", "serve_address")),
+    constraints.Needs("batch", "out_path", "--batch needs --out RESULTS.jsonl"),
+    constraints.GoesWith(("out_path",), ("batch",), "--out goes with --batch"),
+    constraints.GoesWith(("wait", "max_prompts", "deadline"), ("batch",),
+                         "--wait, --max-prompts and --deadline go with --batch"),
+    constraints.Excludes("resident", ("preset", "trunk_gb", "cache_gb", "pack"),
+                         "--resident excludes --preset, --trunk-gb, --cache-gb and --pack"),
+    constraints.GoesWith(("template_kwargs",), ("chat",), "--template-kwargs goes with --chat"),
+    constraints.GoesWith(("api_key",), ("serve_address",), "--api-key goes with --serve"),
+    constraints.Excludes("spec", ("draft",),
+                         "--spec and --draft are two sources of proposals: give one"),
+    constraints.GoesWith(("draft_max", "draft_dump"), ("draft",),
+                         "--draft-max and --draft-dump go with --draft"),
+    constraints.GoesWith(("shard",), ("batch",), _BUDGET_WIDTH),
+    constraints.GoesWith(("batch_width",), ("batch", "serve_address"), _BUDGET_WIDTH),
+)
 
 
 @click.command(cls=Command, help="Run Kimi K3 (or a synthetic K3 checkpoint) on a prompt, a batch file "
@@ -153,36 +174,12 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
     started = time.monotonic()
     from libk3.run import runner
 
-    modes = [o for o, v in (("--prompt", prompt), ("--prompt-file", prompt_file),
-                            ("--ids", ids), ("--batch", batch), ("--chat", chat or None),
-                            ("--serve", serve_address))
-             if v is not None]
-    if len(modes) != 1:
-        raise UsageError("give exactly one of --prompt, --prompt-file, --ids, --batch, --chat, "
-                         "--serve"
-                         + (f" (got {', '.join(modes)})" if modes else ""))
-    if batch and not out_path:
-        raise UsageError("--batch needs --out RESULTS.jsonl")
-    if out_path and not batch:
-        raise UsageError("--out goes with --batch")
-    if not batch and (wait or max_prompts is not None or deadline is not None):
-        raise UsageError("--wait, --max-prompts and --deadline go with --batch")
-    if resident and (preset or trunk_gb is not None or cache_gb is not None or pack):
-        raise UsageError("--resident excludes --preset, --trunk-gb, --cache-gb and --pack")
-    if template_kwargs is not None and not chat:
-        raise UsageError("--template-kwargs goes with --chat")
-    from click.core import ParameterSource
-    if not serve_address and ctx.get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
-        raise UsageError("--api-key goes with --serve")
-    chat_kwargs = template_kwargs
+    constraints.check(ctx, RULES)
     if serve_address:
         from libk3.serve.app import check_address
         check_address(serve_address, api_key)        # before the model is opened
-    if spec and draft:
-        raise UsageError("--spec and --draft are two sources of proposals: give one")
-    if (draft_max is not None or draft_dump) and not draft:
-        raise UsageError("--draft-max and --draft-dump go with --draft")
-    width, shard_kn = runner.batch_options(batch, batch_width, shard, serve_address)
+    width = None if not (batch or serve_address) else \
+        ("auto" if batch_width is None else batch_width)
     opts = runner.RunOptions(
         model=model, pack=pack, preset=preset, trunk_gb=trunk_gb, cache_gb=cache_gb,
         budget_order=ctx.meta.get("k3_budget_order", []), resident=resident,
@@ -197,7 +194,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
         limits = runner.BatchLimits(
             max_prompts=max_prompts, wait=wait, started=started,
             deadline=None if deadline is None else started + 60.0 * deadline)
-        _batch_mode(opts, settings, batch, out_path, limits, shard_kn, json_out)
+        _batch_mode(opts, settings, batch, out_path, limits, shard, json_out)
         return
     with runner.open_run(opts) as run:
         run.check_stop_ids(stop_ids)
@@ -211,7 +208,7 @@ def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_
             runner.run_chat(run, settings, load_state=load_state, save_state=save_state,
                             emit_factory=lambda: _Printer(run.session.tokenizer),
                             warn=lambda m: click.echo(m, err=True),
-                            template_kwargs=chat_kwargs,
+                            template_kwargs=template_kwargs,
                             prompt_fn=_chat_prompt)
             return
         if ids is not None:

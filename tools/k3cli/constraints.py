@@ -1,0 +1,89 @@
+"""Which options go together: a command's rules declared as data, checked in one place.
+
+Owns: the four kinds of rule the front ends state (``OneOf``, ``Needs``, ``GoesWith``,
+``Excludes``) and ``check``, which applies a command's rules, in order, to what the user
+gave on the command line (an option counts as given when its value came from the command
+line, not from a default or the environment) and raises the first broken rule as a
+one-line usage error (exit 2). Does not own: any command's rules (each front end declares
+its own next to its options) or the checks of a value (option types, ``k3cli.group``).
+
+Why declared: a list of rules reads as the command's contract, each message is written
+once beside its rule, and a new option joins a rule instead of another branch in ``main``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import click
+from click.core import ParameterSource
+
+from libk3.errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+    """Exactly one of ``names`` (parameter names) is given."""
+
+    names: tuple
+
+    def broken(self, given, flag) -> str | None:
+        got = [n for n in self.names if n in given]
+        if len(got) == 1:
+            return None
+        return (f"give exactly one of {', '.join(flag(n) for n in self.names)}"
+                + (f" (got {', '.join(flag(n) for n in got)})" if got else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """``name``, when given, needs ``other`` given too; ``text`` says so."""
+
+    name: str
+    other: str
+    text: str
+
+    def broken(self, given, flag) -> str | None:
+        return self.text if self.name in given and self.other not in given else None
+
+
+@dataclasses.dataclass(frozen=True)
+class GoesWith:
+    """Any of ``names`` is given only with one of ``anchors``; ``text`` says so."""
+
+    names: tuple
+    anchors: tuple
+    text: str
+
+    def broken(self, given, flag) -> str | None:
+        if any(n in given for n in self.names) and not any(a in given for a in self.anchors):
+            return self.text
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Excludes:
+    """``name``, when given, excludes every one of ``others``; ``text`` says so."""
+
+    name: str
+    others: tuple
+    text: str
+
+    def broken(self, given, flag) -> str | None:
+        if self.name in given and any(o in given for o in self.others):
+            return self.text
+        return None
+
+
+def check(ctx: click.Context, rules) -> None:
+    """UsageError for the first of ``rules`` that the command line breaks."""
+    given = {p.name for p in ctx.command.params
+             if ctx.get_parameter_source(p.name) == ParameterSource.COMMANDLINE}
+    flags = {p.name: p.opts[0] for p in ctx.command.params if p.opts}
+
+    def flag(name: str) -> str:
+        return flags.get(name, name)
+    for rule in rules:
+        why = rule.broken(given, flag)
+        if why:
+            raise UsageError(why)
