@@ -13,6 +13,7 @@ import os
 import click
 
 from libk3 import __version__
+from k3cli import constraints
 from k3cli.group import Finite, Group, NumberList, gigabytes, quiet_option
 from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_EXPERTS, MAX_LAYERS
@@ -138,8 +139,9 @@ def replay(trace, capacity_gb, slots, expert_bytes, policy, jobs, tolerate_trunc
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--batch", type=click.Path(exists=True, dir_okay=False))
 @click.argument("run_args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
 @handle_errors
-def record(model, out, prompt_file, batch, run_args):
+def record(ctx, model, out, prompt_file, batch, run_args):
     """Run MODEL exactly as k3-run does and record every expert request to OUT.
 
     A thin wrapper over `k3-run --trace OUT` (one recording path): any further k3-run
@@ -151,8 +153,7 @@ def record(model, out, prompt_file, batch, run_args):
     import sys
     import tempfile
 
-    if (prompt_file is None) == (batch is None):
-        raise UsageError("give exactly one of --prompt-file and --batch")
+    constraints.check(ctx, (constraints.OneOf(("prompt_file", "batch")),))
     args = [sys.executable, "-m", "k3_run", model, "--trace", out, *run_args]
     with tempfile.TemporaryDirectory() as tmp:      # batch results are not kept
         if prompt_file:
@@ -193,7 +194,6 @@ def size(trace, budget_gb, pack_dir, seq_mbps, rand_mbps, doctor_json, policy, s
         seq_d, rand_d = disk_speeds_from_doctor(doctor_json)
         seq_mbps = seq_mbps or seq_d
         rand_mbps = rand_mbps or rand_d
-    from libk3.errors import UsageError
     if not seq_mbps or not rand_mbps:
         raise UsageError("give --seq-mbps and --rand-mbps, or --doctor-json from k3-doctor --json")
     from libk3.engine.precompile import prepare
