@@ -1,8 +1,10 @@
 """The trunk: every layer's non-expert weights, pinned in RAM up to a budget, the rest
 streamed through a ring of layer slots filled by a read-ahead thread.
 
-Owns: choosing which layers to pin, the ring and its reader thread, binding a layer's
-bytes to named arrays. Does not own: the math (a bound layer holds exactly what
+Owns: choosing which layers to pin, binding a layer's bytes to named arrays, and the two
+strategies that stream the rest, chosen once from the budget's plan: the ring of two
+slots or more with its reader thread (``_RingTrunk``), and the floor's one slot
+(``_FloorTrunk``). Does not own: the math (a bound layer holds exactly what
 ``ResidentWeights.layer`` returns), the expert cache, or reading a layer in pieces and
 decoding a compressed one (``libk3.stream.piece_reader``).
 
@@ -150,7 +152,19 @@ class _FoldedCrc:
 
 
 class TrunkStreamer:
-    """Weight-provider half for trunk layers: ``layer(L)`` / ``release(L)``."""
+    """Weight-provider half for trunk layers: ``layer(L)`` / ``release(L)``. The pinned
+    layers, reading and binding are shared; what streams the rest is one of two
+    strategies, chosen once from the plan: the ring (``_RingTrunk``: two slots or more and
+    a read-ahead thread, or none when every layer is pinned) or the floor (``_FloorTrunk``:
+    one slot, each layer handed out while it lands). ``TrunkStreamer(...)`` builds the one
+    the budget's plan calls for."""
+
+    def __new__(cls, cfg: K3Config, runs: list, budget: int, files: FileSet,
+                verify_reads: str = "first"):
+        if cls is TrunkStreamer:
+            slots = plan_trunk([r.held_bytes for r in runs], budget).slots
+            cls = _FloorTrunk if len(slots) == 1 else _RingTrunk
+        return super().__new__(cls)
 
     def __init__(self, cfg: K3Config, runs: list, budget: int, files: FileSet,
                  verify_reads: str = "first"):
@@ -183,32 +197,10 @@ class TrunkStreamer:
             from .piece_reader import PieceReader
             self._pieces = PieceReader(files, numba.get_num_threads())
         self._slots = [aligned_empty(b) for b in self.slot_bytes]
-        # slot tag: None (free), ("reading", L, gen), ("ready", L, gen), ("inuse", L, gen)
-        self._tag = [None] * self.n_slots
-        self._base = [0] * self.n_slots
         self._cond = threading.Condition()
-        self._gen = 0
-        self._read_ptr = 0
-        self._expect = self.ring[0] if self.ring else None
-        self._error = None
         self._stop = False
         self._cancel = threading.Event()     # set by close(): abandon the read-ahead
-        self._thread = None
-        self._pool = None
-        # one slot: the layer in use (a _Fill, its region of the slot) and the next one's
-        # _Fill, started when the one in use is handed out; a fill is counted when it ends,
-        # so a read-ahead nobody takes is not counted as read
-        self._use = None
-        self._fill = None
-        self._space = threading.Condition()     # the region in use changed
-        self._filler = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-trunk-fill")
-                        if self.n_slots == 1 else None)
-        if self.n_slots >= 2:
-            self._pool = ThreadPoolExecutor(max_workers=READ_AHEAD_DEPTH,
-                                            thread_name_prefix="k3-trunk-io")
-            self._thread = threading.Thread(target=self._reader, name="k3-trunk-reader",
-                                            daemon=True)
-            self._thread.start()
+        self._pool = None                    # the ring's read-ahead pieces
 
     # ---- reading and binding ---------------------------------------------------------
     def _checks(self, run: LayerRun) -> bool:
@@ -312,22 +304,54 @@ class TrunkStreamer:
             self.pinned[L] = self._bind(L, buf, self._read(L, buf))
             return self.pinned[L]
         self.stats["ring_reads"] += 1
-        if self.n_slots == 1:
-            if self._use is not None:
-                raise RuntimeError(f"layer {L} asked for before layer {self._use.layer} "
-                                   "was released")
-            fill, self._fill = self._fill, None
-            if fill is not None and fill.layer != L:   # read ahead for another layer (an
-                self._end_fill(fill)                   # aborted pass): let it end first
-                fill = None
-            if fill is None:
-                fill = self._start_fill(L)
-            with self._space:
-                self._use = fill
-            if not self._stop:
-                self._fill = self._start_fill(self._ring_next(L))
-            self.stats["binds"] += 1
-            return _LandingLayer(self, L, fill)
+        return self._streamed(L)
+
+    def release(self, L: int) -> None:
+        if L not in self.pinned_plan:
+            self._release_streamed(L)
+
+    def _ring_next(self, L: int) -> int:
+        """The ring layer a pass reads after ring layer L (after the last, the first)."""
+        return self.ring[(self.ring.index(L) + 1) % len(self.ring)]
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cancel.set()
+            self._cond.notify_all()
+        self._close_streaming()
+        if self._pieces is not None:
+            self._pieces.close()
+
+    def describe(self) -> dict:
+        return {"pinned_layers": sorted(self.pinned_plan), "ring_slots": self.n_slots,
+                "slot_bytes": self.slot_bytes,
+                "pinned_bytes": sum(self.runs[L].nbytes for L in self.pinned_plan)}
+
+
+class _RingTrunk(TrunkStreamer):
+    """Ring layers through two slots or more: a reader thread fills the next free slot
+    with the next ring layer while the forward computes on another (none when every
+    layer is pinned)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        # slot tag: None (free), ("reading", L, gen), ("ready", L, gen), ("inuse", L, gen)
+        self._tag = [None] * self.n_slots
+        self._base = [0] * self.n_slots
+        self._gen = 0
+        self._read_ptr = 0
+        self._expect = self.ring[0] if self.ring else None
+        self._error = None
+        self._thread = None
+        if self.n_slots >= 2:
+            self._pool = ThreadPoolExecutor(max_workers=READ_AHEAD_DEPTH,
+                                            thread_name_prefix="k3-trunk-io")
+            self._thread = threading.Thread(target=self._reader, name="k3-trunk-reader",
+                                            daemon=True)
+            self._thread.start()
+
+    def _streamed(self, L: int) -> Mapping:
         t0 = time.perf_counter()
         with self._cond:
             if self._expect != L:
@@ -346,11 +370,101 @@ class TrunkStreamer:
         self.stats["wait_seconds"] += time.perf_counter() - t0
         return self._bind(L, self._slots[hit], self._base[hit])
 
-    def _ring_next(self, L: int) -> int:
-        """The ring layer a pass reads after ring layer L (after the last, the first)."""
-        return self.ring[(self.ring.index(L) + 1) % len(self.ring)]
+    def _release_streamed(self, L: int) -> None:
+        with self._cond:
+            for i, t in enumerate(self._tag):
+                if t is not None and t[0] == "inuse" and t[1] == L:
+                    self._tag[i] = None
+            self._cond.notify_all()
 
-    # ---- the floor's one slot ---------------------------------------------------------
+    def _resync(self, L: int) -> None:
+        """The forward asked for another layer than the reader prepared (an aborted pass):
+        drop prepared slots and restart the read-ahead at L. Caller holds the lock."""
+        self._gen += 1
+        for i, t in enumerate(self._tag):
+            if t is not None and t[0] == "ready":
+                self._tag[i] = None
+        self._read_ptr = self.ring.index(L)
+        self._expect = L
+        self._cond.notify_all()
+
+    def _reader(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while True:
+                        L = self.ring[self._read_ptr]
+                        need = self._need[L]
+                        i = next((j for j, t in enumerate(self._tag)
+                                  if t is None and self.slot_bytes[j] >= need), None)
+                        if self._stop or i is not None:
+                            break
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    gen = self._gen
+                    self._tag[i] = ("reading", L, gen)
+                    self._read_ptr = (self._read_ptr + 1) % len(self.ring)
+                base = self._read(L, self._slots[i], background=True)
+                with self._cond:
+                    self._base[i] = base
+                    self._tag[i] = ("ready", L, gen) if gen == self._gen else None
+                    self._cond.notify_all()
+        except ReadCancelled:               # closing: the layer being read is not needed
+            return
+        except BaseException as e:          # surfaced to the forward thread in layer()
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    def _close_streaming(self) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+class _FloorTrunk(TrunkStreamer):
+    """Ring layers through one slot: the layer in use (a ``_Fill``, its region of the
+    slot) is handed out while it lands; the next one's fill starts as it is handed out,
+    into the room beside it and, once it is released, into its bytes; a fill is counted
+    when it ends, so a read-ahead nobody takes is not counted as read."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._use = None
+        self._fill = None
+        self._space = threading.Condition()     # the region in use changed
+        self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-trunk-fill")
+
+    def _streamed(self, L: int) -> Mapping:
+        if self._use is not None:
+            raise RuntimeError(f"layer {L} asked for before layer {self._use.layer} "
+                               "was released")
+        fill, self._fill = self._fill, None
+        if fill is not None and fill.layer != L:   # read ahead for another layer (an
+            self._end_fill(fill)                   # aborted pass): let it end first
+            fill = None
+        if fill is None:
+            fill = self._start_fill(L)
+        with self._space:
+            self._use = fill
+        if not self._stop:
+            self._fill = self._start_fill(self._ring_next(L))
+        self.stats["binds"] += 1
+        return _LandingLayer(self, L, fill)
+
+    def _release_streamed(self, L: int) -> None:
+        fill = self._use
+        if fill is None or fill.layer != L:
+            return
+        try:
+            self._end_fill(fill)
+        finally:
+            with self._space:
+                self._use = None
+                self._space.notify_all()
+
     def _place(self, L: int) -> int:
         """Where layer L's region of the slot starts: after the layer in use if it fits
         there (on a huge-page boundary if that fits too), else at the start."""
@@ -412,86 +526,10 @@ class TrunkStreamer:
                 for k, v in fill.tally.items():
                     self.stats[k] += v
 
-    def release(self, L: int) -> None:
-        if L in self.pinned_plan:
-            return
-        if self.n_slots == 1:
-            fill = self._use
-            if fill is None or fill.layer != L:
-                return
-            try:
-                self._end_fill(fill)
-            finally:
-                with self._space:
-                    self._use = None
-                    self._space.notify_all()
-            return
-        with self._cond:
-            for i, t in enumerate(self._tag):
-                if t is not None and t[0] == "inuse" and t[1] == L:
-                    self._tag[i] = None
-            self._cond.notify_all()
-
-    def _resync(self, L: int) -> None:
-        """The forward asked for another layer than the reader prepared (an aborted pass):
-        drop prepared slots and restart the read-ahead at L. Caller holds the lock."""
-        self._gen += 1
-        for i, t in enumerate(self._tag):
-            if t is not None and t[0] == "ready":
-                self._tag[i] = None
-        self._read_ptr = self.ring.index(L)
-        self._expect = L
-        self._cond.notify_all()
-
-    def _reader(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while True:
-                        L = self.ring[self._read_ptr]
-                        need = self._need[L]
-                        i = next((j for j, t in enumerate(self._tag)
-                                  if t is None and self.slot_bytes[j] >= need), None)
-                        if self._stop or i is not None:
-                            break
-                        self._cond.wait()
-                    if self._stop:
-                        return
-                    gen = self._gen
-                    self._tag[i] = ("reading", L, gen)
-                    self._read_ptr = (self._read_ptr + 1) % len(self.ring)
-                base = self._read(L, self._slots[i], background=True)
-                with self._cond:
-                    self._base[i] = base
-                    self._tag[i] = ("ready", L, gen) if gen == self._gen else None
-                    self._cond.notify_all()
-        except ReadCancelled:               # closing: the layer being read is not needed
-            return
-        except BaseException as e:          # surfaced to the forward thread in layer()
-            with self._cond:
-                self._error = e
-                self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cancel.set()
-            self._cond.notify_all()
+    def _close_streaming(self) -> None:
         with self._space:
             self._space.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-        if self._filler is not None:
-            self._filler.shutdown(wait=True)      # a read ahead nobody will use stops first
-        if self._pieces is not None:
-            self._pieces.close()
-
-    def describe(self) -> dict:
-        return {"pinned_layers": sorted(self.pinned_plan), "ring_slots": self.n_slots,
-                "slot_bytes": self.slot_bytes,
-                "pinned_bytes": sum(self.runs[L].nbytes for L in self.pinned_plan)}
+        self._filler.shutdown(wait=True)          # a read ahead nobody will use stops first
 
 
 class _Fill:
