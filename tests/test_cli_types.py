@@ -34,7 +34,7 @@ def _rules_command():
     from k3cli import constraints as c
     from k3cli.group import Command
     from k3cli.support import handle_errors
-    rules = (c.OneOf(("a", "b")), c.Needs("a", "out", "--a needs --out"),
+    rules = (c.OneOf(("a", "b")), c.GoesWith(("a",), ("out",), "--a needs --out"),
              c.GoesWith(("wait",), ("a",), "--wait goes with --a"),
              c.Excludes("fast", ("slow",), "--fast excludes --slow"))
 

@@ -48,7 +48,7 @@ class _Printer:
 _BUDGET_WIDTH = "--batch-width and --shard go with --batch (--batch-width also with --serve)"
 RULES = (
     constraints.OneOf(("prompt", "prompt_file", "ids", "batch", "chat", "serve_address")),
-    constraints.Needs("batch", "out_path", "--batch needs --out RESULTS.jsonl"),
+    constraints.GoesWith(("batch",), ("out_path",), "--batch needs --out RESULTS.jsonl"),
     constraints.GoesWith(("out_path",), ("batch",), "--out goes with --batch"),
     constraints.GoesWith(("wait", "max_prompts", "deadline"), ("batch",),
                          "--wait, --max-prompts and --deadline go with --batch"),

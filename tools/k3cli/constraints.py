@@ -1,6 +1,6 @@
 """Which options go together: a command's rules declared as data, checked in one place.
 
-Owns: the four kinds of rule the front ends state (``OneOf``, ``Needs``, ``GoesWith``,
+Owns: the three kinds of rule the front ends state (``OneOf``, ``GoesWith``,
 ``Excludes``) and ``check``, which applies a command's rules, in order, to what the user
 gave on the command line (an option counts as given when its value came from the command
 line, not from a default or the environment) and raises the first broken rule as a
@@ -36,20 +36,9 @@ class OneOf:
 
 
 @dataclasses.dataclass(frozen=True)
-class Needs:
-    """``name``, when given, needs ``other`` given too; ``text`` says so."""
-
-    name: str
-    other: str
-    text: str
-
-    def broken(self, given, flag) -> str | None:
-        return self.text if self.name in given and self.other not in given else None
-
-
-@dataclasses.dataclass(frozen=True)
 class GoesWith:
-    """Any of ``names`` is given only with one of ``anchors``; ``text`` says so."""
+    """Any of ``names`` is given only with one of ``anchors`` (also: an option that needs
+    another); ``text`` says so."""
 
     names: tuple
     anchors: tuple
