@@ -1,10 +1,12 @@
-"""The DSpark draft's checkpoint, checked strictly and read into RAM.
+"""The DSpark draft's checkpoint, checked strictly and read into RAM (or streamed).
 
 Owns: finding a draft's shards (one ``model.safetensors``, or ``model.safetensors.index.json``
 and the shards it names: dspark.md §3.2), checking every tensor against the inventory the
 draft's config implies (names, shapes, dtypes: dspark.md §3.1) after the config has been
 checked against the target (dspark.md §2.3), and reading every tensor but the embedding
-copy into preallocated arrays with positioned reads. Does not own: the container format
+copy into preallocated arrays with positioned reads, or, when the draft does not fit
+beside the budget, holding its vectors and Markov head and reading each other matrix at
+its use (``StreamedWeights``). Does not own: the container format
 (``libk3.io.safetensors``, whose header parser refuses a tensor running past the end of
 its file), the config and its inventory (``libk3.draft.config``), any arithmetic.
 

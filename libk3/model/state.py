@@ -82,20 +82,6 @@ class State:
                     new[:self.pos] = old[:self.pos]
                     store[L] = new
 
-    def snapshot(self):
-        """What a rollback needs: position, ids, and copies of the KDA state. MLA rows past
-        ``pos`` are simply overwritten later, so they need no copy."""
-        return (self.pos, len(self.ids), {L: S.copy() for L, S in self.kda_S.items()},
-                {L: c.copy() for L, c in self.kda_conv.items()})
-
-    def restore(self, snap) -> None:
-        pos, n_ids, S, conv = snap
-        self.pos = pos
-        del self.ids[n_ids:]
-        for L in S:
-            self.kda_S[L][...] = S[L]
-            self.kda_conv[L][...] = conv[L]
-
     def copy(self) -> "State":
         """An independent state at the same position (MLA caches trimmed to ``pos``)."""
         new = State.__new__(State)
