@@ -208,3 +208,24 @@ def test_doctor_compile_reports_every_kernel_and_where_cached():
         "libk3.policies." + m for m in ("lru", "lfu", "layer_lfu", "adaptive", "drive",
                                         "belady", "s3fifo")} | {
         "libk3.policies.online", "libk3.machine.parallel"}
+
+
+_COMPILE_ONE = """
+import sys
+from libk3.engine import precompile as pc
+todo = [k for k in pc.kernels(pc.GROUPS) if k.label == sys.argv[1]][:1]
+pc.prepare_kernels(todo, stream=sys.stderr, show=False)
+"""
+
+
+def test_a_kernel_compiled_beside_cached_team_calls_links(tmp_path):
+    """Catches a compile that aborts the process (LLVM: symbol get_num_threads not found)
+    when the team calls every kernel shares come from numba's cache, whose typing would
+    have loaded the threading layer: one process caches them with one kernel, the next
+    compiles another kernel that calls them."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "nc"))
+    for label in ("activations.sigmoid", "activations.silu_mul"):
+        p = subprocess.run([sys.executable, "-c", _COMPILE_ONE, label], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, (label, p.stderr[-500:])
+    assert list((tmp_path / "nc").rglob("*.nbi"))

@@ -56,6 +56,13 @@ def _set_team_size(typingctx, n):
     return types.void(n), codegen
 
 
+def launch() -> None:
+    """Load the threading layer now. Why: ``narrow`` and ``widen`` call its symbols by
+    name; when they come from numba's cache their typing (which loads the layer) does not
+    run, and a kernel compiled beside them then fails to link."""
+    _launch_threads()
+
+
 @njit(cache=True)
 def narrow(work):
     """The calling thread's team size, after narrowing it to itself when ``work`` is
