@@ -222,14 +222,14 @@ def _prepare(todo, stream, show: bool = True) -> tuple:
     and a bar over the rest of the table (unless not ``show``) come at the first kernel
     numba's cache lacks.
     -> (seconds spent compiling, kernels compiled)."""
-    from ..kernels import team
     stream = sys.stderr if stream is None else stream
     spent, compiled, bar = 0.0, 0, None
-    team.launch()                 # a kernel compiled here may link the cached team calls
     try:
         for i, kern in enumerate(todo):
             missing = is_cached(kern) is False
             if missing and bar is None:
+                from ..kernels import team
+                team.launch()     # a kernel compiled here may link the cached team calls
                 _announce(kern, stream)
                 bar = _progress.bar(total=len(todo) - i, unit="kernel", desc="compiling",
                                     stream=stream, show=show)
