@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -332,3 +334,34 @@ def test_aligned_empty_is_private_aligned_and_huge_page_advised(nbytes):
     if nbytes >= HUGE_PAGE and os.path.exists(thp) and "[never]" not in open(thp).read():
         assert "hg" in m["flags"]                      # MADV_HUGEPAGE on its whole pages
         assert m.get("THPeligible", "1").strip() == "1"
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_closed_run_keeps_no_file_open(tiny_dir, tmp_path, pack):
+    """Catches a streamed session whose close leaves the trunk's and the experts' files
+    open (the shared FileSet was never closed: every in-process run, a server's or a
+    test's, leaked one descriptor per shard until select() failed past fd 1024)."""
+    from libk3.pack.writer import pack as write_pack
+    from libk3.run.runner import RunOptions, open_run, settings_from
+
+    tiny_pack = tmp_path / "tiny.pack"
+    if pack:
+        with Checkpoint.open(tiny_dir) as ckpt:
+            write_pack(ckpt, tiny_pack, progress=False)
+
+    def opened() -> set:
+        out = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                out.add(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass
+        return out
+
+    before = opened()
+    opts = RunOptions(model=tiny_dir, pack=tiny_pack if pack else None, trunk_gb=0.001,
+                      cache_gb=0.001)
+    with open_run(opts) as run:
+        run.generate([1, 2, 3], settings_from(1, 0.0, 1.0, 0))
+    left = {p for p in opened() - before if str(tiny_dir) in p or str(tiny_pack) in p}
+    assert left == set()

@@ -216,20 +216,25 @@ def _check(cancel) -> None:
 
 
 class FileSet:
-    """DirectFile per path, opened lazily."""
+    """DirectFile per path, opened lazily, once (reader threads ask at the same time)."""
 
     def __init__(self, use_direct: bool = True):
         self.use_direct = use_direct
         self.files: dict = {}
         self.gate = ReadGate()          # shared by the trunk ring and the expert cache
+        self._lock = threading.Lock()
 
     def get(self, path) -> DirectFile:
         f = self.files.get(str(path))
         if f is None:
-            f = self.files[str(path)] = DirectFile(path, self.use_direct)
+            with self._lock:
+                f = self.files.get(str(path))
+                if f is None:
+                    f = self.files[str(path)] = DirectFile(path, self.use_direct)
         return f
 
     def close(self) -> None:
-        for f in self.files.values():
+        with self._lock:
+            files, self.files = self.files, {}
+        for f in files.values():
             f.close()
-        self.files.clear()

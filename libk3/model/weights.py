@@ -158,6 +158,7 @@ class StreamedWeights:
         self._model_reader.shutdown(wait=True)       # before the checkpoint's files close
         self.trunk.close()
         self.cache.close()
+        self.trunk.files.close()          # the shard or pack files both read through
 
     def stats(self) -> dict:
         return {"trunk": dict(self.trunk.stats, **self.trunk.describe()),
