@@ -121,7 +121,8 @@ def section_finite(ck, spt):
 
 
 def section_open(ck, pk):
-    from libk3.pack.schema import open_pack, source_identity
+    from libk3.io.identity import source_identity
+    from libk3.pack.schema import open_pack
     with Checkpoint.open(ck) as ckpt:
         t0 = time.perf_counter()
         source_identity(ckpt)

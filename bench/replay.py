@@ -57,6 +57,7 @@ from libk3.k3_dims import EXPERT_BYTES, N_EXPERTS, N_LAYERS, TOP_K  # noqa: E402
 
 REAL_POOL_BYTES = (N_LAYERS - 1) * N_EXPERTS * EXPERT_BYTES   # the MoE layers' experts, 1,446.5 GB
 REFERENCES = ("lru", "s3fifo", "lfu", "layer-lfu")  # the default is held to their best
+LADDER_GB = (8, 16, 32, 64, 128, 192, 256)         # capacities at the real model's scale
 TARGET = 1.02
 COST_REQUESTS = 200_000                             # requests fed to the live object
 COST_GB = 64
@@ -115,7 +116,8 @@ def _report(keys, tokens, jobs, *, n_layers, n_experts, top_k, expert_bytes):
     policies = list(registry.POLICIES)
     return replay_keys_report(keys, n_layers=n_layers, n_experts=n_experts, top_k=top_k,
                               expert_bytes=expert_bytes, tokens=tokens,
-                              tokens_estimated=False, policies=policies, workers=jobs)
+                              tokens_estimated=False, policies=policies,
+                              capacities_gb=LADDER_GB, workers=jobs)
 
 
 def _ratios(rep):

@@ -1,6 +1,7 @@
 """Builders of the hostile suite's inputs (tests/test_hostile_*.py): a model directory with
-a given config.json, small traces and re-headed traces, crafted state files, and the one
-random damage (truncate, flip a byte, append) every file format must refuse.
+a given config.json or with other weights, small traces and re-headed traces, crafted state
+files, and the one random damage (truncate, flip a byte, append) every file format must
+refuse.
 
 Crafted files keep their framing and checksums right, so only the edited part is wrong
 and a test shows that part is checked (not merely caught by a checksum).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import struct
 import zlib
 
@@ -29,6 +31,21 @@ def model_with_config(tiny_dir, d, text: str):
         if f.name != "config.json" and not (d / f.name).exists():
             (d / f.name).symlink_to(f)
     (d / "config.json").write_text(text)
+    return d
+
+
+def model_with_other_weights(tiny_dir, d):
+    """A copy ``d`` of tiny with the same config and other weights: the lowest mantissa
+    bit of the first value of its first shard flipped (so every weight stays finite),
+    inside a block the weights' identity samples (formats/pack.md ``sampled_sha256``)."""
+    shutil.copytree(tiny_dir, d)
+    shard = sorted(d.glob("*.safetensors"))[0]
+    with open(shard, "r+b") as f:
+        first = 8 + int.from_bytes(f.read(8), "little")
+        f.seek(first)
+        byte = f.read(1)
+        f.seek(first)
+        f.write(bytes([byte[0] ^ 0x01]))
     return d
 
 

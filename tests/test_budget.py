@@ -10,7 +10,8 @@ import pytest
 from libk3.errors import BudgetError
 from libk3.io.checkpoint import Checkpoint
 from libk3.pack.writer import pack
-from libk3.budget import Budget, ModelSizes, admission_problems, minimum_budget, resolve_budget
+from libk3.budget import (Budget, ModelSizes, admission_problems, floor_problems,
+                          minimum_budget, plan_trunk, resolve_budget, trunk_floor)
 from libk3.trace.sizing import size_budget
 from libk3.synth.traces import write_synth_trace
 
@@ -92,3 +93,25 @@ def test_budget_size_recommendations_run_through_the_console_scripts(tiny_dir, t
                             "--cache-gb", f"{row['cache_bytes'] / 1e9:.9f}"],
                            capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, (row, p.stderr)
+
+
+def test_budget_floor_error_prints_the_budget_and_the_floor_differently():
+    """Catches a budget error a person cannot act on ('trunk budget 0.00 GB is below 0.00
+    GB'): a small model's budget and floor are printed in a unit that tells them apart."""
+    import re
+    problems = floor_problems(1000, 10_000, [227_360, 5_000], 16_384, 2, 40)
+    assert len(problems) == 2
+    for text in problems:
+        given_, floor = re.match(r"\w+ budget (.+?) is below (.+?) \(", text).groups()
+        assert given_ != floor and "GB" not in given_ + floor, text
+
+
+def test_budget_trunk_hint_is_not_below_the_floor_it_names():
+    """Catches a --trunk-gb hint rounded down below the floor (0.000227 for 227,360
+    bytes): following the hint must admit the trunk."""
+    layers = [227_360, 5_000]
+    with pytest.raises(BudgetError) as e:
+        plan_trunk(layers, 1000)
+    value = float(e.value.hint.rsplit(" ", 1)[-1])
+    assert int(round(value * 1e9)) >= trunk_floor(layers)
+    plan_trunk(layers, int(round(value * 1e9)))                    # control: it runs

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from libk3.io.identity import weights_identity
 from libk3.text.chat_template import load_chat_template
 from libk3.io.tokenizer import K3Tokenizer
 from .scripts import k3
@@ -58,7 +59,7 @@ def test_chat_repl_feeds_the_template_rendering(tiny_dir, tmp_path):
     from libk3.io.checkpoint import Checkpoint
     from libk3.model.state import State
     with Checkpoint.open(tiny_dir) as ckpt:
-        ids = State.load(ckpt.config, st).ids
+        ids = State.load(ckpt.config, st, weights_identity(ckpt)).ids
     prompt = _ids(tiny_dir, [{"role": "user", "content": "Hi there"}])
     assert ids[:len(prompt)] == prompt and 1 <= len(ids) - len(prompt) <= 3
     assert "no chat template" not in p.stderr
@@ -80,7 +81,7 @@ def test_chat_repl_without_template_is_plain_continuation_said_once(tiny_dir, tm
     from libk3.io.checkpoint import Checkpoint
     from libk3.model.state import State
     with Checkpoint.open(d) as ckpt:
-        ids = State.load(ckpt.config, st).ids
+        ids = State.load(ckpt.config, st, weights_identity(ckpt)).ids
     typed = K3Tokenizer.from_dir(d).encode("Hi there")
     assert ids[:len(typed)] == typed
 
@@ -95,7 +96,7 @@ def test_chat_repl_template_kwargs_reach_the_template(tiny_dir, tmp_path):
     from libk3.io.checkpoint import Checkpoint
     from libk3.model.state import State
     with Checkpoint.open(tiny_dir) as ckpt:
-        ids = State.load(ckpt.config, st).ids
+        ids = State.load(ckpt.config, st, weights_identity(ckpt)).ids
     msgs = [{"role": "user", "content": "Hi there"}]
     off = _ids(tiny_dir, msgs, template_kwargs={"thinking": False})
     assert ids[:len(off)] == off and off != _ids(tiny_dir, msgs)              # control
@@ -114,7 +115,7 @@ def test_chat_repl_typed_markup_is_text(tiny_dir, tmp_path):
     from libk3.io.checkpoint import Checkpoint
     from libk3.model.state import State
     with Checkpoint.open(tiny_dir) as ckpt:
-        ids = State.load(ckpt.config, st).ids
+        ids = State.load(ckpt.config, st, weights_identity(ckpt)).ids
     tok = K3Tokenizer.from_dir(tiny_dir)
     msgs = [{"role": "user", "content": typed}]
     safe = load_chat_template(tiny_dir).encode(tok, msgs, sanitize=True)

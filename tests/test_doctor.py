@@ -423,6 +423,21 @@ def test_doctor_too_little_disk_for_the_pack_fails(tiny_copy, tmp_path):
     assert [p for p in full.report["problems"] if p.startswith("disk:")]
 
 
+def test_doctor_disk_problem_tells_the_pack_size_from_the_free_space(tiny_copy, tmp_path):
+    """Catches the failing disk check printing both sizes as 0.00 GB for a small model, or
+    naming the disk probe's directory: the bytes to write and the bytes free read
+    differently, at the pack's destination."""
+    import re
+    mem = hwmem.assumed_memory(8 * 10**9)
+    full = doctor.diagnose(tiny_copy, tmp_path / "p", quick=True, memory=mem,
+                           pack_free_bytes=1000)
+    (problem,) = [p for p in full.report["problems"] if p.startswith("disk:")]
+    need, free = re.match(r"disk: the pack needs (.+?) more at .+?, only (.+?) free",
+                          problem).groups()
+    assert need != free and "GB" not in need + free, problem
+    assert f"at {tmp_path / 'p'}," in problem          # the destination, not a probe dir
+
+
 def test_doctor_real_sparse_reports_real_sizes_and_picks_laptop_at_8gb(real_sparse):
     """Catches sizes derived from apparent file sizes or the wrong inventory, a pack size
     that is not the trunk, and a pick that does not fit an 8 GB machine."""

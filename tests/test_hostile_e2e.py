@@ -208,13 +208,16 @@ def test_process_replay_of_1e12_slots_stays_small(tmp_path):
 def _crafted_state(tiny_dir, tmp_path, pos):
     """A state file for tiny whose header claims ``pos`` positions (framing and checksum
     right, so only the claim is wrong)."""
-    from libk3.config import load_config
+    from libk3.io.checkpoint import Checkpoint
+    from libk3.io.identity import weights_identity
     from libk3.model.state import State
 
-    st = State(load_config(tiny_dir))
+    with Checkpoint.open(tiny_dir) as ckpt:
+        st = State(ckpt.config)
+        wid = weights_identity(ckpt)
     st.pos, st.ids = 1, [1]
     good = tmp_path / "good.k3state"
-    st.save(good)
+    st.save(good, wid)
 
     def claim(head):
         head["pos"], head["ids"] = pos, [1] * min(pos, 10)
@@ -225,6 +228,32 @@ def _crafted_state(tiny_dir, tmp_path, pos):
     bad = tmp_path / "bad.k3state"
     bad.write_bytes(craft_state(good.read_bytes(), edit=claim))
     return bad
+
+
+def test_process_state_of_other_weights_is_refused_in_run_and_chat(tiny_dir, tmp_path):
+    """Catches a state computed with other weights of the same configuration loading
+    silently (the one-prompt run and the chat generated garbage from it): exit 3, one line
+    naming the state file. Control: the state, saved streaming through a pack, loads into
+    a resident run of its own checkpoint (the identity is the weights', not the pack's)."""
+    from .hostile_inputs import model_with_other_weights
+    from .test_run_cli import _pack
+
+    run = [script("k3-run")]
+    state = tmp_path / "s.k3state"
+    saved = run_script(run + [tiny_dir, "--pack", _pack(tiny_dir, tmp_path / "tiny.pack"),
+                              "--preset", "max", "--ids", "1,2,3", "--gen", "2",
+                              "--save-state", state])
+    assert saved.code == 0, saved.stderr
+    mine = run_script(run + [tiny_dir, "--ids", "4", "--gen", "1", "--load-state", state])
+    assert mine.code == 0, mine.stderr
+    other = model_with_other_weights(tiny_dir, tmp_path / "other")
+    check_process_refused(run_script(run + [other, "--ids", "4", "--gen", "1", "--load-state",
+                                            state]), 3, str(state), "other weights")
+    (tmp_path / "turns.txt").write_text("Hi there\n\n")
+    with open(tmp_path / "turns.txt") as turns:
+        chat = run_script(run + [other, "--chat", "--gen", "1", "--load-state", state],
+                          stdin=turns)
+    check_process_refused(chat, 3, str(state), "other weights")
 
 
 def test_process_state_claiming_1e8_positions_is_refused_small(tiny_dir, tmp_path):

@@ -130,26 +130,35 @@ def test_config_unparseable_is_refused_naming_the_file(tiny_dir, tmp_path, text)
 
 # ---- state files ---------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def saved_state(tiny_dir, tmp_path_factory):
-    """(config, path, bytes) of a state after 5 tokens, with every array non-zero."""
-    cfg = load_config(tiny_dir)
+# The weights identity these crafted states claim (any the loader is told to expect).
+WEIGHTS = "5e" * 32
+
+
+def _random_state(cfg) -> State:
+    """A state after 5 tokens, with every array non-zero."""
     st_ = State(cfg)
     rng = np.random.default_rng(0)
     for store in (st_.kda_S, st_.kda_conv, st_.mla_latent, st_.mla_rope):
         for a in store.values():
             a[...] = rng.standard_normal(a.shape)
     st_.pos, st_.ids = 5, [1, 2, 3, 4, 5]
+    return st_
+
+
+@pytest.fixture(scope="module")
+def saved_state(tiny_dir, tmp_path_factory):
+    """(config, path, bytes) of ``_random_state`` saved."""
+    cfg = load_config(tiny_dir)
     path = tmp_path_factory.mktemp("state") / "good.k3state"
-    st_.save(path)
+    _random_state(cfg).save(path, WEIGHTS)
     return cfg, path, path.read_bytes()
 
 
 def test_state_control_loads_identically(saved_state):
     """Control for every state case: the untouched file loads to the same arrays."""
     cfg, path, _ = saved_state
-    st_ = State.load(cfg, path)
-    again = State.load(cfg, path)
+    st_ = State.load(cfg, path, WEIGHTS)
+    again = State.load(cfg, path, WEIGHTS)
     assert st_.pos == 5 and st_.ids == [1, 2, 3, 4, 5]
     for L in st_.kda_S:
         assert np.array_equal(st_.kda_S[L], again.kda_S[L]) and st_.kda_S[L].any()
@@ -164,7 +173,7 @@ def test_state_any_damage_is_refused_naming_the_file(saved_state, tmp_path_facto
     bad = damaged(data, blob)
     p = tmp_path_factory.mktemp("st") / "bad.k3state"
     p.write_bytes(bad)
-    check_refused(call(State.load, cfg, p), 3, str(p))
+    check_refused(call(State.load, cfg, p, WEIGHTS), 3, str(p))
 
 
 def _header_edits(cfg):
@@ -180,6 +189,9 @@ def _header_edits(cfg):
         "id negative": lambda h: h.update(ids=[1, 2, 3, 4, -1]),
         "ids not a list": lambda h: h.update(ids="12345"),
         "fingerprint": lambda h: h.update(fingerprint="0" * 64),
+        "weights": lambda h: h.update(weights="0" * 64),
+        "weights not a string": lambda h: h.update(weights=[WEIGHTS]),
+        "missing weights": lambda h: h.pop("weights"),
         "unknown key": lambda h: h.update(colour="red"),
         "missing arrays": lambda h: h.pop("arrays"),
         "array renamed": lambda h: h["arrays"][0].__setitem__(0, "kda_S.999"),
@@ -203,7 +215,7 @@ def test_state_header_field_errors_are_refused(saved_state, tmp_path, name):
     cfg, _, blob = saved_state
     p = tmp_path / "crafted.k3state"
     p.write_bytes(craft_state(blob, edit=_header_edits(cfg)[name]))
-    check_refused(call(State.load, cfg, p, seconds=10), 3, str(p))
+    check_refused(call(State.load, cfg, p, WEIGHTS, seconds=10), 3, str(p))
 
 
 @pytest.mark.parametrize("name,make", [
@@ -215,26 +227,58 @@ def test_state_header_field_errors_are_refused(saved_state, tmp_path, name):
     ("huge int header", lambda blob: craft_state(blob, header=json.dumps(
         state_header(blob)).replace('"pos": 5', '"pos": ' + HUGE_INT).encode())),
     ("version 1", lambda blob: craft_state(blob, version=1)),
+    ("version 2", lambda blob: craft_state(blob, version=2)),
     ("version 99", lambda blob: craft_state(blob, version=99)),
 ])
 def test_state_named_damage_is_refused(saved_state, tmp_path, name, make):
-    """Catches an empty, partial, nested or old-version state slipping past the loader."""
+    """Catches an empty, partial, nested or old-version state slipping past the loader
+    (a version 2 file records no weights identity: it must be re-created)."""
     cfg, _, blob = saved_state
     p = tmp_path / "bad.k3state"
     p.write_bytes(make(blob))
-    line = check_refused(call(State.load, cfg, p, seconds=10), 3, str(p))
+    line = check_refused(call(State.load, cfg, p, WEIGHTS, seconds=10), 3, str(p))
     if name.startswith("version"):
         assert "version" in line
+    if name in ("version 1", "version 2"):
+        assert "older k3" in line and "re-create" in line, line
+
+
+@pytest.mark.parametrize("array,value", [("kda_S.0", np.nan), ("kda_conv.1", -np.inf),
+                                         ("mla_latent.3", np.inf), ("mla_rope.3", np.nan)])
+def test_state_holding_nan_or_inf_is_refused_naming_the_array(saved_state, tmp_path, array,
+                                                              value):
+    """Catches a loader that accepts NaN or Inf in a state's arrays (framing and checksum
+    right: a state saved from damaged weights, or rewritten), which then generates from
+    garbage; the refusal names the file and the array (control:
+    test_state_control_loads_identically)."""
+    cfg, _, _ = saved_state
+    st_ = _random_state(cfg)
+    kind, L = array.rsplit(".", 1)
+    getattr(st_, kind)[int(L)].reshape(-1)[3] = value
+    p = tmp_path / "nan.k3state"
+    st_.save(p, WEIGHTS)
+    line = check_refused(call(State.load, cfg, p, WEIGHTS, seconds=10), 3, str(p), array)
+    assert "NaN or Inf" in line
+
+
+def test_state_of_other_weights_is_refused_naming_the_file(saved_state):
+    """Catches a loader that checks only the configuration's fingerprint: a state computed
+    with other weights of the same configuration is refused, naming the file (control:
+    the same file loads when the expected identity is its own)."""
+    cfg, path, _ = saved_state
+    line = check_refused(call(State.load, cfg, path, "0" * 64, seconds=10), 3, str(path))
+    assert "other weights" in line
+    assert State.load(cfg, path, WEIGHTS).ids == [1, 2, 3, 4, 5]
 
 
 def test_state_save_is_atomic_and_leaves_no_temporary(saved_state, tmp_path):
     """Catches a save that writes in place (a crash leaves half a state under the final
     name) or leaves its temporary behind."""
     cfg, path, blob = saved_state
-    st_ = State.load(cfg, path)
+    st_ = State.load(cfg, path, WEIGHTS)
     target = tmp_path / "s.k3state"
     target.write_bytes(b"previous")
-    st_.save(target)
+    st_.save(target, WEIGHTS)
     assert target.read_bytes() == blob
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.k3state"]
 

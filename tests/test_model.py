@@ -89,9 +89,9 @@ def test_model_saved_state_resumes_identically(sess, tmp_path):
     """Catches a state file that misses any carried item (S, conv history, MLA rows)."""
     st = sess.new_state()
     sess.forward(PROMPT[:7], st)
-    st.save(tmp_path / "s.k3state")
+    st.save(tmp_path / "s.k3state", sess.weights_identity)
     cont = sess.forward(PROMPT[7:], st)
-    st2 = State.load(sess.cfg, tmp_path / "s.k3state")
+    st2 = State.load(sess.cfg, tmp_path / "s.k3state", sess.weights_identity)
     assert st2.ids == PROMPT[:7]
     cont2 = sess.forward(PROMPT[7:], st2)
     assert np.array_equal(cont.view(np.uint32), cont2.view(np.uint32))
@@ -103,9 +103,34 @@ def test_model_state_refuses_another_config(sess, tiny_dir, small_dir, tmp_path)
     other = open_session(small_dir if sess.cfg.hidden_size == 128 else tiny_dir)
     st = sess.new_state()
     sess.forward(PROMPT[:3], st)
-    st.save(tmp_path / "s.k3state")
+    st.save(tmp_path / "s.k3state", sess.weights_identity)
     with pytest.raises(FormatError, match="different model"):
-        State.load(other.cfg, tmp_path / "s.k3state")
+        State.load(other.cfg, tmp_path / "s.k3state", other.weights_identity)
+
+
+def test_model_state_refuses_other_weights_of_the_same_config(tiny_dir, tmp_path):
+    """Catches a state accepted by a checkpoint of the same configuration but other weights
+    (it loaded silently and generated garbage), and a weights identity that depends on
+    whether the trunk streams from a pack or from the shards (a state saved through the
+    pack loads resident: control)."""
+    from libk3.errors import FormatError
+    from .hostile_inputs import model_with_other_weights
+    from .test_run_cli import _pack
+
+    pack = _pack(tiny_dir, tmp_path / "tiny.pack")
+    packed = open_session(tiny_dir, pack=pack, trunk_bytes=1 << 30, cache_bytes=1 << 30)
+    st = packed.new_state()
+    packed.forward(PROMPT[:3], st)
+    st.save(tmp_path / "s.k3state", packed.weights_identity)
+    here = open_session(tiny_dir)
+    assert State.load(here.cfg, tmp_path / "s.k3state", here.weights_identity).ids == PROMPT[:3]
+    other = open_session(model_with_other_weights(tiny_dir, tmp_path / "other"))
+    assert other.cfg.fingerprint() == here.cfg.fingerprint()
+    with pytest.raises(FormatError, match="other weights") as e:
+        State.load(other.cfg, tmp_path / "s.k3state", other.weights_identity)
+    assert str(tmp_path / "s.k3state") in str(e.value)
+    for s in (packed, here, other):
+        s.weights.close()
 
 
 def test_model_logits_bit_identical_at_1_and_2_threads(sess):

@@ -32,9 +32,9 @@ from libk3.engine.session import open_session
 from libk3.errors import FormatError, NonFiniteError
 from libk3.io.checkpoint import Checkpoint
 from libk3.io.dtypes import EXPONENT_MASK
+from libk3.io.identity import SAMPLE_BLOCK, sample_blocks
 from libk3.pack.nonfinite import RunScan
 from libk3.pack.writer import JOURNAL_FILE, pack
-from libk3.pack.schema import SAMPLE_BLOCK, sample_blocks
 from libk3.budget import ModelSizes
 
 from .conftest import TINY

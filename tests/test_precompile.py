@@ -204,7 +204,7 @@ def test_doctor_compile_reports_every_kernel_and_where_cached():
     assert {k.module for k in precompile.kernels()} == {
         "libk3.kernels." + m for m in ("bf16", "mxfp4", "norms", "activations", "attnres",
                                        "kda", "mla", "router", "moe", "bf16_planes", "rope",
-                                       "logistic")} | {
+                                       "logistic", "finite")} | {
         "libk3.policies." + m for m in ("lru", "lfu", "layer_lfu", "adaptive", "drive",
                                         "belady", "s3fifo")} | {
         "libk3.policies.online", "libk3.machine.parallel"}

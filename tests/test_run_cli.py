@@ -97,7 +97,7 @@ def test_run_minimum_budget_streams_everything(small_dir, tmp_path):
 def test_run_feeds_the_last_token_only_when_the_state_is_kept(tiny_dir, tmp_path):
     """Catches a one-shot run that feeds its last token for nothing (at the floor, a whole
     trunk read: 1/7 of a 6-token run), and a saved state that lacks that token."""
-    from libk3.config import load_config
+    from libk3.io.identity import weights_identity
     from libk3.model.state import State
 
     b = _budgets(tiny_dir)[1]                       # the floor: every pass reads the trunk
@@ -110,7 +110,8 @@ def test_run_feeds_the_last_token_only_when_the_state_is_kept(tiny_dir, tmp_path
     assert reps["once"]["generated_ids"] == reps["saved"]["generated_ids"]
     # one prefill pass (14 ids, one chunk) + 3 decode passes, vs + 4 when the state is kept
     assert reps["saved"]["trunk_bytes_read"] * 4 == reps["once"]["trunk_bytes_read"] * 5
-    st = State.load(load_config(tiny_dir), tmp_path / "s.k3state")
+    with Checkpoint.open(tiny_dir) as ckpt:
+        st = State.load(ckpt.config, tmp_path / "s.k3state", weights_identity(ckpt))
     assert st.pos == len(PROMPT.split(",")) + 4
 
 

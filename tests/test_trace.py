@@ -381,8 +381,8 @@ def test_capacity_ladder_uses_decimal_gb_and_skips_too_small_caches():
     rows, skipped = capacity_ladder(17547264, 16, capacities_gb=[8, 0.2, 64])
     assert [r["slots"] for r in rows] == [455, 3647]
     assert len(skipped) == 1 and "11 slots" in skipped[0]
-    rows, _ = capacity_ladder(17547264, 16)
-    assert [r["slots"] for r in rows][:2] == [455, 911]
+    rows, skipped = capacity_ladder(17547264, 16, distinct=1000)   # from the trace
+    assert [r["slots"] for r in rows] == [17, 32, 63, 125, 250, 500, 1000] and not skipped
 
 
 def test_replay_report_gb_read_per_token_is_misses_times_expert_bytes(tmp_path):
@@ -396,6 +396,42 @@ def test_replay_report_gb_read_per_token_is_misses_times_expert_bytes(tmp_path):
         for cell in row["policies"].values():
             assert cell["gb_read_per_token"] == pytest.approx(cell["misses"] * 0.1 / 20)
         assert row["policies"]["belady"]["hits"] >= row["policies"]["lru"]["hits"]
+
+
+def test_replay_without_capacities_derives_them_from_the_trace(tmp_path):
+    """Catches fixed 8-256 GB defaults, which for a small model are all bigger than every
+    expert it touches (one row repeated seven times): with no capacity given, the ladder
+    is fractions of the trace's distinct experts, the last holding all of them, so its
+    hit rate is the ceiling (control: --slots still replays exactly what it is given)."""
+    from libk3.synth.traces import write_synth_trace
+    p = write_synth_trace(tmp_path / "d.k3trace", 60, n_layers=4, n_experts=64, top_k=3,
+                          expert_bytes=4096)
+    rep = replay_report(tr.TraceReader(p), policies=["lru"])
+    slots = [r["slots"] for r in rep["capacities"]]
+    distinct = rep["compulsory_misses"]
+    assert len(slots) >= 4 and slots == sorted(set(slots)) and slots[-1] == distinct
+    assert slots[0] >= 3 + 1 and not rep["skipped"]
+    assert [r["capacity_bytes"] for r in rep["capacities"]] == [n * 4096 for n in slots]
+    last = rep["capacities"][-1]["policies"]["lru"]["hit_rate_pct"]
+    assert last == pytest.approx(rep["hit_rate_ceiling_pct"])
+    given = replay_report(tr.TraceReader(p), policies=["lru"], slots=[7, 900])
+    assert [r["slots"] for r in given["capacities"]] == [7, 900]
+
+
+def test_trace_texts_print_small_sizes_in_units_that_differ(tmp_path):
+    """Catches a small model's sizes printed as 0.00 GB or 1.6e-05 GB: the stats and the
+    replay tables give each size in a unit that shows it, and the capacities of the
+    ladder each read differently."""
+    from libk3.synth.traces import write_synth_trace
+    from libk3.trace.report import format_replay, format_stats
+    p = write_synth_trace(tmp_path / "s.k3trace", 60, n_layers=4, n_experts=64, top_k=3,
+                          expert_bytes=4096)
+    rep = replay_report(tr.TraceReader(p), policies=["lru"])
+    text = format_replay(rep) + "\n" + format_stats(trace_stats(tr.TraceReader(p)))
+    assert "e-0" not in text and " 0.00 GB" not in text and "0.0 GB" not in text, text
+    assert "KB" in text and "MB" in text
+    cache = [ln.split()[0:2] for ln in text.splitlines()[4:4 + len(rep["capacities"])]]
+    assert len({tuple(c) for c in cache}) == len(rep["capacities"]), cache
 
 
 # ---- the console script ------------------------------------------------------------------
@@ -431,7 +467,7 @@ def test_cli_import_stats_replay_end_to_end(tmp_path):
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     assert [c["slots"] for c in rep["capacities"]] == [455, 300]
-    assert "0.1 GB = 5 slots skipped" in rep["skipped"][0]
+    assert "100.00 MB = 5 slots skipped" in rep["skipped"][0]
     for c in rep["capacities"]:
         hr = {p: v["hit_rate_pct"] for p, v in c["policies"].items()}
         assert set(hr) == {"lru", "belady", "layer-lfu"}
@@ -444,8 +480,8 @@ def test_cli_import_stats_replay_end_to_end(tmp_path):
     r = k3_trace("replay", out, "--slots", "300")            # every policy, the default too
     assert r.returncode == 0, r.stderr
     head = r.stdout.splitlines()[3].split()
-    assert head[3:] == [p + ("" if POLICIES[p].online else "*") for p in POLICIES]
-    assert f"adaptive followed (at the end): {300 * 17547264 / 1e9:g} GB " in r.stdout
+    assert head[2:] == [p + ("" if POLICIES[p].online else "*") for p in POLICIES]
+    assert "adaptive followed (at the end): 5.26 GB " in r.stdout      # 300 x 17,547,264 B
 
 
 def test_cli_errors_are_one_line_with_exit_codes(tmp_path):
@@ -473,11 +509,52 @@ def test_cli_tolerate_truncated_reads_a_crashed_trace(tmp_path):
     assert "warning" in r.stderr and "end marker" in r.stderr
 
 
-def test_cli_plot_without_matplotlib_says_so(tmp_path):
-    """--plot is optional: without matplotlib a clear message, not an ImportError."""
+def test_cli_plot_without_matplotlib_says_how_to_install_it(tmp_path):
+    """Catches --plot without matplotlib failing as an ImportError, a run error (exit 1)
+    or a hint naming a bare package instead of k3's own extra: one line naming --plot
+    and `pip install 'k3[plot]'`, exit 2 (usage), before any replay."""
     if importlib.util.find_spec("matplotlib") is not None:
         pytest.skip("matplotlib is installed; the message path cannot be exercised")
     good = write(tmp_path / "g.k3trace", records(60))
     r = k3_trace("replay", good, "--slots", "5", "--plot", tmp_path / "x.png")
-    assert r.returncode == K3Error.exit_code and "needs matplotlib" in r.stderr
-    assert "Traceback" not in r.stderr
+    assert r.returncode == 2 and "--plot" in r.stderr, r.stderr
+    assert "pip install 'k3[plot]'" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.png").exists()
+
+
+def test_plot_extra_is_the_one_the_hint_names():
+    """Catches an install hint naming an extra (or a distribution) pyproject.toml does
+    not define: the hint's distribution is the project's and its plot extra installs
+    matplotlib."""
+    tomllib = pytest.importorskip("tomllib")
+    from pathlib import Path
+    from libk3.trace.report import PLOT_INSTALL
+    doc = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert PLOT_INSTALL == f"pip install '{doc['project']['name']}[plot]'"
+    assert any(d.startswith("matplotlib") for d in
+               doc["project"]["optional-dependencies"]["plot"])
+
+
+def test_plot_axes_read_in_sizes_and_slots_with_the_trace_and_model(tmp_path):
+    """Catches a chart whose capacity ticks are raw floats (1.6e-05) and whose title says
+    neither which trace nor which model: ticks in KB/MB/GB, a slot axis, and the trace's
+    file name and model in the title (matplotlib's Agg backend; skipped without it)."""
+    pytest.importorskip("matplotlib")
+    from libk3.synth.traces import write_synth_trace
+    from libk3.trace.report import plot_replay, replay_figure
+    p = write_synth_trace(tmp_path / "plotted.k3trace", 60, n_layers=4, n_experts=64,
+                          top_k=3, expert_bytes=4096)
+    rep = replay_report(tr.TraceReader(p), policies=["lru", "belady"])
+    fig = replay_figure(rep)
+    ax = fig.axes[0]
+    assert "plotted.k3trace" in ax.get_title() and "4 layers x 64 experts" in ax.get_title()
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert len(ticks) == len(rep["capacities"]) and len(set(ticks)) == len(ticks)
+    assert all(t.endswith((" KB", " MB", " GB")) and "e-" not in t for t in ticks), ticks
+    (top,) = [a for a in ax.child_axes if a.get_xlabel() == "slots"]
+    assert [t.get_text() for t in top.get_xticklabels()] == \
+        [f"{r['slots']:,}" for r in rep["capacities"]]
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    plot_replay(rep, tmp_path / "x.png")
+    assert (tmp_path / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

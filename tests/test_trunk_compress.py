@@ -291,12 +291,33 @@ def test_run_compressed_pack_same_logits_at_every_budget_and_thread_count(
 def test_run_compressed_tiny_pack_same_logits(tiny_dir, tmp_path):
     """Catches a compressed pack whose layers hold only raw blocks (every tiny tensor is
     below the coded size) decoding wrongly: logits equal the resident forward's."""
+    from libk3.pack.compress import compress
+
     raw = _pack(tiny_dir, tmp_path / "tiny.pack")
-    kz, info = _compressed_copy(raw, tmp_path / "tiny-kz.pack")
-    assert info["stored_bytes"] == info["raw_bytes"]
+    kz = tmp_path / "tiny-kz.pack"
+    shutil.copytree(raw, kz)
+    res = compress(kz, progress=False, even_if_no_gain=True)   # k3-pack would keep it raw
+    assert res.stored_bytes == res.raw_bytes and open_pack(kz).compressed
     r = _run_same_logits(tiny_dir, kz, _reference(tiny_dir), _budgets(tiny_dir)[1], "2",
                          tmp_path / "t")
     assert r["trunk_bytes_decoded"] > 0
+
+
+def test_compress_that_saves_nothing_says_so_and_leaves_the_pack_as_it_was(tiny_dir,
+                                                                          tmp_path):
+    """Catches a compress that rewrites a pack it does not shrink (tiny: every tensor is
+    below the coded size, so the trunk would only gain its block index): it says so,
+    and every file of the pack keeps its name and bytes (control: the small pack
+    compresses, test_compress_pack_layout_and_verify)."""
+    d = _pack(tiny_dir, tmp_path / "tiny.pack")
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    p = k3pack("compress", d, "--quiet")
+    assert p.returncode == 0, p.stderr
+    assert "saves nothing" in p.stdout and "left as it was" in p.stdout, p.stdout
+    assert {q.name: q.read_bytes() for q in d.iterdir()} == before
+    p = k3pack("compress", d, "--quiet", "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)["saves_nothing"] is True
+    assert {q.name: q.read_bytes() for q in d.iterdir()} == before
 
 
 def _run_same_logits(model, pack_dir, ref, budget, threads, stem) -> dict:
@@ -337,6 +358,64 @@ def test_corrupt_block_named_by_verify_and_refused_by_run(small_dir, small_kz, t
     assert r.returncode == 3 and where in r.stderr, r.stderr
     assert len([ln for ln in r.stderr.strip().splitlines()      # a cold numba cache adds
                 if not ln.startswith("compiling k3 kernels")]) == 1  # its notice first
+
+
+def _nan_kz(small_raw, dest, L, sfx, element):
+    """A compressed copy of ``small_raw`` whose layer L tensor ``sfx`` holds a NaN at
+    ``element``, every checksum (the layer's crc32, the block's, the block index's) right:
+    a pack deliberately rewritten, or compressed from a checkpoint holding the NaN. Returns
+    it and the text naming the NaN's block."""
+    import struct
+    import zlib
+
+    from libk3.io.dtypes import ITEMSIZE
+    from libk3.pack import compress as pack_compress
+
+    shutil.copytree(small_raw, dest)
+    doc = json.loads((dest / MANIFEST_FILE).read_text())
+    lay = doc["layers"][L]
+    t = lay["tensors"][sfx]
+    size = ITEMSIZE[t["dtype"]]
+    with open(dest / TRUNK_FILE, "r+b") as f:
+        f.seek(lay["file_off"] + t["off"] + size * element)
+        f.write(struct.pack("<I", 0x7FC00000) if size == 4 else struct.pack("<H", 0x7FC0))
+        f.seek(lay["file_off"])
+        lay["crc32"] = zlib.crc32(f.read(lay["nbytes"]))
+    (dest / MANIFEST_FILE).write_text(json.dumps(doc))
+    pack_compress.compress(dest, progress=False)
+    plan = open_pack(dest).blocks[L]
+    b = int(np.searchsorted(plan.out_off, t["off"] + size * element, side="right") - 1)
+    assert plan.tensor[b] == sfx
+    return dest, plan, b
+
+
+@pytest.mark.parametrize("L,sfx,element,budget", [
+    (2, "self_attn.q_proj.weight", 200_000, 1),      # a coded block, the tensor's second
+    (5, "self_attn.dt_bias", 3, 4),                  # a raw (F32) block, the layer pinned
+])
+def test_nan_in_a_decoded_block_named_by_verify_and_refused_by_run(
+        small_dir, small_raw, tmp_path, L, sfx, element, budget):
+    """Catches NaN/Inf in a compressed block whose checksums were all recomputed: verify
+    must name its layer, tensor and block (it named the tensor only), and k3-run must
+    refuse it when it decodes the block, exit 3 with one line naming the pack's trunk
+    file, the layer, the tensor and the block, no token printed (it named only the layer
+    whose output went non-finite, or printed tokens when the NaN did not reach an
+    output). With --allow-nonfinite verify passes it with a warning; the undamaged pack
+    passes verify and runs (test_compress_pack_layout_and_verify, the logits tests)."""
+    bad, plan, b = _nan_kz(small_raw, tmp_path / "nan.pack", L, sfx, element)
+    where = plan.where(L, b)
+    assert plan.kind[b] == (CODED if budget == 1 else RAW)
+    v = k3pack("verify", bad, "--quiet")
+    assert v.returncode == 3 and len(v.stderr.strip().splitlines()) == 1, v.stderr
+    assert where in v.stderr and "NaN or Inf" in v.stderr, v.stderr
+    w = k3pack("verify", bad, "--quiet", "--allow-nonfinite")
+    assert w.returncode == 0 and "warning: 1 trunk tensor(s)" in w.stderr, w.stderr
+    r = k3(small_dir, "--ids", "1,2", "--gen", 1, *_budgets(small_dir)[budget], "--pack", bad)
+    lines = [ln for ln in r.stderr.strip().splitlines()      # a cold numba cache adds
+             if not ln.startswith("compiling k3 kernels")]   # its notice first
+    assert r.returncode == 3 and len(lines) == 1 and r.stdout.strip() == "", r.stderr
+    assert str(bad / COMPRESSED_TRUNK_FILE) in lines[0] and where in lines[0], lines[0]
+    assert "NaN or Inf" in lines[0]
 
 
 def test_block_index_damage_refused_at_open(small_kz, tmp_path):

@@ -22,7 +22,7 @@ def session(tiny_dir):
 def test_turn_cache_resumed_prompt_equals_fresh_prefill(session):
     """Catches a resumed state that differs from prefilling the whole prompt (a stale or
     shared copy, a wrong position): same generated ids, same logits bytes."""
-    cache = TurnCache(session.cfg, ram_bytes=10 ** 9)
+    cache = TurnCache(session.cfg, session.weights_identity, ram_bytes=10 ** 9)
     first = generate(session.forward, session.new_state(), P1, GenSettings(gen=3),
                      after_prefill=cache.offer)
     state, n = cache.take(P2)
@@ -40,7 +40,7 @@ def test_turn_cache_resumed_prompt_equals_fresh_prefill(session):
 def test_turn_cache_takes_longest_strict_prefix_only(session):
     """Catches a hit on a state that is not a prefix, or on the whole prompt (the last
     prompt token must still be fed to give logits)."""
-    cache = TurnCache(session.cfg, ram_bytes=10 ** 9)
+    cache = TurnCache(session.cfg, session.weights_identity, ram_bytes=10 ** 9)
     for ids in (P1[:3], P1[:6], [9, 9, 9]):
         st = session.new_state()
         st.ids = list(ids)
@@ -66,14 +66,16 @@ def test_turn_cache_spills_lru_to_disk_then_drops(session, tmp_path):
     """Catches a cache that grows past its budgets, evicts the most recently used, or
     loses a spilled state's contents."""
     size = _state(session, [1]).copy().nbytes()
-    cache = TurnCache(session.cfg, ram_bytes=size, disk_bytes=10 ** 9, disk_dir=tmp_path)
+    cache = TurnCache(session.cfg, session.weights_identity, ram_bytes=size,
+                      disk_bytes=10 ** 9, disk_dir=tmp_path)
     cache.offer(_state(session, [1]))
     cache.offer(_state(session, [2]))
     assert cache.summary()["ram_entries"] == 1 and cache.summary()["disk_entries"] == 1
     back, n = cache.take([1, 5])                       # from disk
     assert n == 1 and all((a == 1).all() for a in back.kda_S.values())
     assert len(list(tmp_path.iterdir())) == 1
-    tight = TurnCache(session.cfg, ram_bytes=size, disk_bytes=0, disk_dir=tmp_path / "t")
+    tight = TurnCache(session.cfg, session.weights_identity, ram_bytes=size, disk_bytes=0,
+                      disk_dir=tmp_path / "t")
     for k in (1, 2, 3):
         tight.offer(_state(session, [k]))
     assert tight.summary()["ram_entries"] == 1 and tight.summary()["disk_entries"] == 0

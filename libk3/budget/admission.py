@@ -8,8 +8,9 @@ from __future__ import annotations
 import math
 
 from ..errors import BudgetError, UsageError
+from ..units import size_text, size_texts
 from .plan import Budget, floor_problems, minimum_budget, overlap_floor
-from .presets import _FLAG_TEXT, FLAG_KEYS, GB, Rules, _gb, load_presets, load_rules
+from .presets import _FLAG_TEXT, FLAG_KEYS, GB, Rules, load_presets, load_rules
 from .sizes import ModelSizes, sequence_bytes
 
 def overhead_bytes(sizes: ModelSizes, rules: Rules | None = None, width: int = 1) -> int:
@@ -58,8 +59,9 @@ def admission_problems(budget: Budget, sizes: ModelSizes, mem,
     peak = peak_bytes(budget, sizes, rules)
     allowed = int(rules.headroom_fraction * usable_memory(mem))
     if peak > allowed:
-        problems.append(f"planned peak {_gb(peak)} exceeds {rules.headroom_fraction:.0%} of "
-                        f"the {_gb(usable_memory(mem))} of memory available")
+        peak_t, usable_t = size_texts(peak, usable_memory(mem))
+        problems.append(f"planned peak {peak_t} exceeds {rules.headroom_fraction:.0%} of "
+                        f"the {usable_t} of memory available")
     return problems
 
 
@@ -78,37 +80,37 @@ def auto_budget(mem, sizes: ModelSizes, rules: Rules | None = None,
     plan = int(rules.headroom_fraction * usable) - over
     floor = minimum_budget(sizes)
     if plan < floor.trunk_bytes + floor.cache_bytes:
+        need, ring, cache, over_t, seq, have = size_texts(
+            floor.trunk_bytes + floor.cache_bytes + over, floor.trunk_bytes,
+            floor.cache_bytes, over, sequence_bytes(sizes, rules.context_positions), usable)
         raise BudgetError(
             "not enough memory for the smallest working budget"
             + (f" beside batch width {width}" if width > 1 else ""),
-            expected=f">= {_gb(floor.trunk_bytes + floor.cache_bytes + over)} "
-                     f"(ring {_gb(floor.trunk_bytes)} + cache {_gb(floor.cache_bytes)} + "
-                     f"overhead {_gb(over)}"
-                     + (f", {width} sequences of "
-                        f"{_gb(sequence_bytes(sizes, rules.context_positions))}"
-                        if width > 1 else "")
+            expected=f">= {need} (ring {ring} + cache {cache} + overhead {over_t}"
+                     + (f", {width} sequences of {seq}" if width > 1 else "")
                      + f") within {rules.headroom_fraction:.0%} of memory",
-            found=f"{_gb(usable)} available",
+            found=f"{have} available",
             hint="free memory or run on a larger machine")
-    reasons = [f"auto: {rules.headroom_fraction:.0%} of {_gb(usable)} available minus "
-               f"{_gb(over)} overhead leaves {_gb(plan)}"]
+    usable_t, over_t, plan_t = size_texts(usable, over, plan)
+    reasons = [f"auto: {rules.headroom_fraction:.0%} of {usable_t} available minus "
+               f"{over_t} overhead leaves {plan_t}"]
     cache_keep = min(max(floor.cache_bytes, rules.cache_floor_bytes), sizes.cache_all_bytes)
     if fixed_trunk is not None:
         trunk = fixed_trunk
         cache = max(0, min(sizes.cache_all_bytes, plan - min(trunk, sizes.trunk_bytes)))
-        reasons.append(f"auto: cache takes what the fixed trunk leaves, {_gb(cache)}")
+        reasons.append(f"auto: cache takes what the fixed trunk leaves, {size_text(cache)}")
     elif fixed_cache is not None:
         cache = fixed_cache
         trunk = max(0, min(sizes.trunk_bytes, plan - min(cache, sizes.cache_all_bytes)))
-        reasons.append(f"auto: trunk takes what the fixed cache leaves, {_gb(trunk)}")
+        reasons.append(f"auto: trunk takes what the fixed cache leaves, {size_text(trunk)}")
     else:
         # the overlapping ring (two slots) when it fits beside the cache floor
         ring = min(overlap_floor(sizes.layer_bytes), plan - floor.cache_bytes)
         trunk = min(sizes.trunk_bytes, max(ring, plan - cache_keep))
         cache = min(sizes.cache_all_bytes, plan - trunk)
-        reasons.append(f"auto: trunk first, {_gb(trunk)}"
+        reasons.append(f"auto: trunk first, {size_text(trunk)}"
                        + (" (every layer pinned)" if trunk >= sizes.trunk_bytes else ""))
-        reasons.append(f"auto: cache {_gb(cache)}"
+        reasons.append(f"auto: cache {size_text(cache)}"
                        + (" (every expert fits)" if cache >= sizes.cache_all_bytes else ""))
     return Budget(int(trunk), int(cache), "auto", tuple(reasons))
 
@@ -173,15 +175,16 @@ def resolve_budget(name: str | None, trunk_gb: float | None = None,
         reasons += list(auto.reasons)
         value = {"trunk": auto.trunk_bytes, "cache": auto.cache_bytes}
     for part in ("trunk", "cache"):
-        reasons.append(f"{part} {_gb(value[part])} from {source[part]}")
+        reasons.append(f"{part} {size_text(value[part])} from {source[part]}")
     trunk, cache = value["trunk"], value["cache"]
     if model_sizes is not None:
         if trunk > model_sizes.trunk_bytes:
             trunk = model_sizes.trunk_bytes
-            reasons.append(f"trunk clamped to the model's {_gb(trunk)} (every layer pinned)")
+            reasons.append(f"trunk clamped to the model's {size_text(trunk)} "
+                           "(every layer pinned)")
         if cache > model_sizes.cache_all_bytes:
             cache = model_sizes.cache_all_bytes
-            reasons.append(f"cache clamped to {_gb(cache)} (every expert fits)")
+            reasons.append(f"cache clamped to {size_text(cache)} (every expert fits)")
         floor = minimum_budget(model_sizes)
         low = split_problems(trunk, cache, model_sizes)
         if low:
@@ -218,10 +221,11 @@ def batch_width(budget: Budget, sizes: ModelSizes, mem, requested, *, jobs: int 
     cache = min(budget.cache_bytes, sizes.cache_all_bytes)
     fixed = peak_bytes(budget, sizes, rules, width=0)
     fit = max(0, (allowed - fixed) // per)
-    figures = (f"trunk {_gb(trunk)} + cache {_gb(cache)} + resident and reserve "
-               f"{_gb(fixed - trunk - cache)} leave {_gb(max(0, allowed - fixed))} of "
-               f"{_gb(allowed)} ({rules.headroom_fraction:.0%} of {_gb(usable_memory(mem))}) "
-               f"for sequences of {_gb(per)} each ({rules.context_positions} positions)")
+    t = size_texts(trunk, cache, fixed - trunk - cache, max(0, allowed - fixed), allowed,
+                   usable_memory(mem), per)
+    figures = (f"trunk {t[0]} + cache {t[1]} + resident and reserve {t[2]} leave {t[3]} of "
+               f"{t[4]} ({rules.headroom_fraction:.0%} of {t[5]}) "
+               f"for sequences of {t[6]} each ({rules.context_positions} positions)")
     want = fit if requested == "auto" else int(requested)
     if want < 1 or (requested != "auto" and want > fit):
         raise BudgetError(

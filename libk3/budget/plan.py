@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import BudgetError
-from .presets import GB, _gb
+from ..units import gb_option, size_text, size_texts
 from .sizes import ModelSizes
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +63,12 @@ def floor_problems(trunk_bytes: int, cache_bytes: int, layer_bytes, slot_bytes: 
     problems = []
     trunk, cache = trunk_floor(layer_bytes), cache_floor(slot_bytes, top_k, total_experts)
     if trunk_bytes < trunk:
-        problems.append(f"trunk budget {_gb(trunk_bytes)} is below {_gb(trunk)} "
+        given, need = size_texts(trunk_bytes, trunk)
+        problems.append(f"trunk budget {given} is below {need} "
                         f"(one ring slot for the largest layer, {trunk} bytes)")
     if cache_bytes < cache:
-        problems.append(f"cache budget {_gb(cache_bytes)} is below {_gb(cache)} "
+        given, need = size_texts(cache_bytes, cache)
+        problems.append(f"cache budget {given} is below {need} "
                         f"({min(top_k + 1, total_experts)} expert slots of {slot_bytes} bytes)")
     return problems
 
@@ -92,7 +94,7 @@ def plan_trunk(sizes, budget: int) -> TrunkPlan:
     if budget < trunk_floor(sizes):
         raise BudgetError("trunk budget is below one layer slot",
                           expected=f">= {trunk_floor(sizes)} bytes", found=f"{budget} bytes",
-                          hint=f"raise --trunk-gb to at least {trunk_floor(sizes) / GB:.6f}")
+                          hint=f"raise --trunk-gb to at least {gb_option(trunk_floor(sizes))}")
     order = sorted(range(n), key=lambda L: (-sizes[L], L))
 
     def ring(pinned, n_slots):
@@ -122,6 +124,6 @@ def minimum_budget(sizes: ModelSizes) -> Budget:
     trunk = trunk_floor(sizes.layer_bytes)
     cache = cache_floor(sizes.expert_slot_bytes, sizes.top_k, sizes.total_experts)
     return Budget(trunk, cache, "minimum", (
-        f"trunk {_gb(trunk)}: one ring slot for the largest trunk layer",
-        f"cache {_gb(cache)}: {sizes.top_k + 1} expert slots (top_k + 1) of "
+        f"trunk {size_text(trunk)}: one ring slot for the largest trunk layer",
+        f"cache {size_text(cache)}: {sizes.top_k + 1} expert slots (top_k + 1) of "
         f"{sizes.expert_slot_bytes} bytes"))

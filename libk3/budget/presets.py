@@ -163,7 +163,3 @@ def load_presets(path=None) -> dict:
 def load_rules(path=None) -> Rules:
     """The auto rule's and the overhead accounting's parameters from the preset file."""
     return _validated(path)[1]
-
-
-def _gb(n) -> str:
-    return f"{n / GB:.2f} GB"

@@ -30,11 +30,12 @@ import shlex
 from pathlib import Path
 
 from .. import budget
-from ..budget import GB, ModelSizes
+from ..budget import ModelSizes
 from ..config import K3Config, load_config
 from ..errors import BudgetError, CheckpointError, ConfigError
 from ..k3_dims import real_config
 from ..machine import memory as _memory, storage
+from ..units import size_text, size_texts
 from . import facts
 
 EXAMPLE_PROMPT = "The capital of France is"
@@ -108,8 +109,9 @@ def inspect_model(model_dir, pack_dir) -> tuple:
                      "apparent_bytes": apparent, "allocated_bytes": allocated,
                      "problems": [e.one_line() for e in shard_problems]}
     if apparent and allocated < storage.DATA_FRACTION * apparent:
-        warnings.append(f"the shards are sparse: {allocated / GB:.2f} GB allocated of "
-                        f"{apparent / GB:.2f} GB (a synthetic checkpoint? holes read as zeros)")
+        held, whole = size_texts(allocated, apparent)
+        warnings.append(f"the shards are sparse: {held} allocated of {whole} (a synthetic "
+                        "checkpoint? holes read as zeros)")
     for tok in ("tiktoken.model", "tokenizer_config.json"):
         if not (d / tok).is_file():
             warnings.append(f"{d / tok} is missing: k3-run will need --ids instead of --prompt")
@@ -250,26 +252,26 @@ def decide(sizes: ModelSizes, memory, *, seq_bps=None, rand_bps=None, kernels=No
         b = rows[pick]["budget"]
         if b["trunk_bytes"] >= sizes.trunk_bytes and b["cache_bytes"] >= sizes.cache_all_bytes:
             why = (f"{pick}: the smallest preset that holds the whole model (every layer "
-                   f"pinned, every expert cached; peak {rows[pick]['peak_bytes'] / GB:.2f} GB)")
+                   f"pinned, every expert cached; peak {size_text(rows[pick]['peak_bytes'])})")
         else:
-            why = (f"{pick}: the largest preset whose planned peak "
-                   f"({rows[pick]['peak_bytes'] / GB:.2f} GB) fits "
-                   f"{rules.headroom_fraction:.0%} of the {usable / GB:.2f} GB available")
-            bigger = [n for n in budget.NAMED if n not in AUTO_EXCLUDED
-                      and budget.NAMED.index(n) > budget.NAMED.index(pick)]
+            peak, have, more = size_texts(rows[pick]["peak_bytes"], usable,
+                                          rows[bigger[0]]["peak_bytes"] if bigger else 0)
+            why = (f"{pick}: the largest preset whose planned peak ({peak}) fits "
+                   f"{rules.headroom_fraction:.0%} of the {have} available")
             if bigger:
-                why += f"; {bigger[0]} would need {rows[bigger[0]]['peak_bytes'] / GB:.2f} GB"
+                why += f"; {bigger[0]} would need {more}"
     elif not rows["auto"]["problems"]:
         pick = "auto"
         why = (f"auto: no named preset fits {rules.headroom_fraction:.0%} of the "
-               f"{usable / GB:.2f} GB available, but the computed budget does")
+               f"{size_text(usable)} available, but the computed budget does")
     else:
+        have, need, ring, cache, over, least = size_texts(
+            usable, floor_total, floor.trunk_bytes, floor.cache_bytes,
+            budget.overhead_bytes(sizes, rules), floor_total / rules.headroom_fraction)
         problems.append(
-            f"memory: {usable / GB:.2f} GB available, the smallest working budget needs "
-            f"{floor_total / GB:.2f} GB within {rules.headroom_fraction:.0%} of it (ring "
-            f"{floor.trunk_bytes / GB:.2f} GB + cache {floor.cache_bytes / GB:.2f} GB + "
-            f"overhead {budget.overhead_bytes(sizes, rules) / GB:.2f} GB); needs at least "
-            f"{floor_total / rules.headroom_fraction / GB:.2f} GB available")
+            f"memory: {have} available, the smallest working budget needs {need} within "
+            f"{rules.headroom_fraction:.0%} of it (ring {ring} + cache {cache} + overhead "
+            f"{over}); needs at least {least} available")
     return {"memory_usable_bytes": usable, "memory_plannable_bytes": int(allowed),
             "overhead_bytes": budget.overhead_bytes(sizes, rules),
             "sequence_bytes": budget.sequence_bytes(sizes, rules.context_positions),
@@ -483,9 +485,11 @@ def _disk_check(pack_sec: dict, storage: list, free_override) -> dict:
     need = pack_sec["bytes_still_to_write"]
     problem = None
     if need > free:
-        problem = (f"disk: the pack needs {need / GB:.2f} GB more at {st['probe_dir']}, only "
-                   f"{free / GB:.2f} GB free; choose --pack on a disk with room "
-                   f"(k3-run can also read the trunk from the shards, slower)")
+        need_t, free_t = size_texts(need, free)
+        problem = (f"disk: the pack needs {need_t} more at {pack_sec['directory']}, only "
+                   f"{free_t} free on its filesystem ({st['mount_point']}); choose --pack "
+                   "on a disk with room (k3-run can also read the trunk from the shards, "
+                   "slower)")
     return {"directory": pack_sec["directory"], "needed_bytes": pack_sec["trunk_bytes_needed"],
             "still_to_write_bytes": need, "free_bytes": free, "problem": problem}
 
@@ -525,13 +529,8 @@ def _next_steps(model, pack, pack_dir, model_sec, decision, problems) -> dict:
 # ---- text ----------------------------------------------------------------------------------
 
 def _gb(n) -> str:
-    """Bytes in the largest unit that keeps them readable (GB = 1e9)."""
-    if n is None:
-        return "?"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+    """A size for the text report (``libk3.units``); "?" when it is unknown."""
+    return "?" if n is None else size_text(n)
 
 
 def _mbs(n) -> str:

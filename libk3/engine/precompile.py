@@ -152,6 +152,9 @@ def _groups() -> dict:
                         *(("decode_blocks", (src, u8_1, i64_1, i64_1, u8_1, i64_1, i64_1, i64,
                                              i64)) for src in (u8_1, ro_u8_1)),
                         *(("encode_block", (src, u8_1)) for src in (u16_1, ro_u16_1)))
+    # a decoded block's NaN/Inf scan: BF16 and F16 as uint16, F32 as uint32
+    trunk_codec += group(k + "finite", *(("first_special", (bits, i64))
+                                         for bits in (u16_1, a(nt.uint32, 1))))
     timing += trunk_codec                         # k3-doctor times the trunk decoder too
     return {"forward": forward,                   # k3-run
             "draft": draft,                       # k3-run --draft

@@ -7,10 +7,12 @@ ready ``Forward``. Does not own: generation or output.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 from ..errors import UsageError
 from ..io.checkpoint import Checkpoint
+from ..io.identity import weights_identity
 from ..model.forward import Forward
 from ..model.state import State
 from ..model.weights import ResidentWeights, StreamedWeights
@@ -24,10 +26,17 @@ class Session:
     tokenizer: object
     weights: object
     forward: Forward
+    pack_source: dict | None = None    # a pack's ``source``, checked against ``ckpt``
 
     @property
     def cfg(self):
         return self.ckpt.config
+
+    @functools.cached_property
+    def weights_identity(self) -> str:
+        """The identity of the weights this session computes with (``libk3.io.identity``),
+        read on first use: what a saved state records and is checked against."""
+        return weights_identity(self.ckpt, self.pack_source)
 
     def new_state(self) -> State:
         return State(self.cfg)
@@ -59,6 +68,7 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
         ckpt = Checkpoint.open(model_dir)
     cfg = ckpt.config
     tok = load_tokenizer_if_present(model_dir, cfg.vocab_size, pack)
+    pack_source = None
     if trunk_bytes is None and cache_bytes is None and pack is None:
         weights = ResidentWeights(ckpt)
     else:
@@ -72,14 +82,15 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
         if pack is not None:
             pk = open_pack(pack, ckpt)
             runs = runs_from_pack(pack, pk.manifest, pk.blocks)
+            pack_source = pk.manifest["source"]
         else:
             runs = runs_from_checkpoint(ckpt)
         files = FileSet(use_direct=direct_io)
         cache = ExpertCache(cfg, ckpt.expert_table(), cache_bytes, files, io_threads=io_threads,
                             policy=cache_policy)
         trunk = TrunkStreamer(cfg, runs, trunk_bytes, files, verify_reads=verify_reads)
-        weights = StreamedWeights(ckpt, trunk, cache)
-    return Session(ckpt, tok, weights, Forward(cfg, weights, on_route=on_route))
+        weights = StreamedWeights(ckpt, trunk, cache, files)
+    return Session(ckpt, tok, weights, Forward(cfg, weights, on_route=on_route), pack_source)
 
 
 def parse_ids(text: str, vocab_size: int) -> list:

@@ -40,6 +40,7 @@ from pathlib import Path
 from .. import progress as _progress
 from ..io.direct import ALIGN, align_up, aligned_empty   # O_DIRECT alignment (formats/pack.md)
 from ..k3_dims import EXPERT_BYTES
+from ..units import size_texts
 from . import mounts
 
 EXPERT_READ_BYTES = EXPERT_BYTES      # one real routed expert (model.md §3.5), = 4284 x 4096
@@ -415,8 +416,9 @@ def probe_storage(directory, *, model_files=(), measure: bool = True,
         info["probe_dir"] = str(where)
         size = ALIGN if not measure else probe_bytes
         if measure and usage.free < 2 * size:
-            info["notes"].append(f"only {usage.free / 1e9:.2f} GB free: no "
-                                 f"{size / 1e9:.2f} GB probe file, read speed not measured")
+            free, probe = size_texts(usage.free, size)
+            info["notes"].append(f"only {free} free: no {probe} probe file, read speed not "
+                                 "measured")
             size, measure = ALIGN, False
         if not measure and info["o_direct"] is not None:
             return info

@@ -4,8 +4,13 @@ Owns: per KDA layer the recurrent S [H, D, D] and the short-conv history (the la
 PRE-activation inputs of q, k, v, oldest first); per MLA layer the latent cache
 [positions, kv_lora] (normalised) and the shared key slice [positions, rope] (raw); the
 position counter and the token ids fed so far. Saving and loading (formats/state.md).
-Does not own: any math, or what ``draft`` holds (a draft model's context for the
-sequence, opaque here: copied with the State, never saved, so a loaded State has none).
+Does not own: any math, the weights' identity a file records (computed by
+``libk3.io.identity``, handed in by the caller), or what ``draft`` holds (a draft model's
+context for the sequence, opaque here: copied with the State, never saved, so a loaded
+State has none).
+
+Why a state records its weights' identity: the config fingerprint alone would accept a
+state computed by another checkpoint of the same architecture, which generates garbage.
 
 AttnRes blocks are not carried: they are rebuilt per token (model.md §6).
 """
@@ -26,16 +31,17 @@ from ..errors import FormatError
 from ..io.atomic import replacing
 
 STATE_MAGIC = b"K3STATE\0"
-STATE_VERSION = 2
+STATE_VERSION = 3
 # The trained context (model.md §2.1, max_position_embeddings): the most positions a state
 # holds and the most tokens a run generates.
 MAX_POSITIONS = K3_CONTEXT
 _PREFIX = struct.Struct("<8sII")            # magic, version, header bytes
 _DIGEST_BYTES = 32                          # sha256 of everything before it
-_HEADER_KEYS = ("arrays", "fingerprint", "ids", "pos")
+_HEADER_KEYS = ("arrays", "fingerprint", "ids", "pos", "weights")
 # ids of MAX_POSITIONS tokens as JSON (at most 7 digits and a separator each), with room
 MAX_HEADER_BYTES = 16 << 20
 _HASH_CHUNK = 16 << 20
+_FINITE_CHUNK = 1 << 20                     # values checked at a time (bounded temporaries)
 
 
 def array_layout(cfg: K3Config, pos: int) -> list:
@@ -104,11 +110,13 @@ class State:
         return arr[:self.pos] if kind.startswith("mla") else arr
 
     # ---- persistence (formats/state.md) ----------------------------------------------
-    def save(self, path) -> None:
-        """Write atomically: prefix, header JSON (fingerprint, pos, ids, arrays), the
-        arrays as little-endian float32, then the sha256 of all of it."""
+    def save(self, path, weights_identity: str) -> None:
+        """Write atomically: prefix, header JSON (fingerprint, ``weights_identity`` of the
+        weights that computed this state, pos, ids, arrays), the arrays as little-endian
+        float32, then the sha256 of all of it."""
         layout = array_layout(self.cfg, self.pos)
-        meta = {"fingerprint": self.cfg.fingerprint(), "pos": self.pos, "ids": self.ids,
+        meta = {"fingerprint": self.cfg.fingerprint(), "weights": weights_identity,
+                "pos": self.pos, "ids": self.ids,
                 "arrays": [[name, "F32", list(shape)] for name, shape in layout]}
         head = json.dumps(meta, sort_keys=True).encode()
         digest = hashlib.sha256()
@@ -121,16 +129,18 @@ class State:
             f.write(digest.digest())
 
     @classmethod
-    def load(cls, cfg: K3Config, path) -> "State":
-        """Read a state saved for ``cfg``. Everything is checked before any array is
-        allocated: framing and checksum, then every header field against the config
+    def load(cls, cfg: K3Config, path, weights_identity: str) -> "State":
+        """Read a state saved for ``cfg`` by weights whose identity is ``weights_identity``
+        (``libk3.io.identity.weights_identity``). Everything is checked before any array
+        is allocated: framing and checksum, then every header field against the config
+        and the identity; then each array is refused if it holds NaN or Inf
         (formats/state.md, invariants); any failure is a FormatError naming the file."""
         path = Path(path)
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 head = _read_header(f, size, path)
-                meta = _check_meta(cfg, head, path)
+                meta = _check_meta(cfg, head, path, weights_identity)
                 layout = array_layout(cfg, meta["pos"])
                 need = _PREFIX.size + len(head) + sum(
                     4 * int(np.prod(shape, dtype=np.int64)) for _, shape in layout) \
@@ -148,6 +158,10 @@ class State:
                         raise FormatError("state file is truncated", path=path, tensor=name)
                     if sys.byteorder == "big":
                         dest.byteswap(inplace=True)
+                    if not _all_finite(dest):
+                        raise FormatError(f"state array {name} holds NaN or Inf", path=path,
+                                          hint="it was saved from damaged weights or "
+                                               "altered: re-create it")
         except OSError as e:
             raise FormatError(f"cannot read state file: {e.strerror or e}", path=path) from None
         return st
@@ -163,8 +177,9 @@ def _read_header(f, size: int, path) -> bytes:
     if version != STATE_VERSION:
         raise FormatError(f"state format version {version} is not read by this k3",
                           path=path, expected=STATE_VERSION, found=version,
-                          hint="save the state again with this k3" if version < STATE_VERSION
-                          else "use the k3 that saved it")
+                          hint="it was saved by an older k3: re-create it with this one "
+                               "(run its prompt again with --save-state)"
+                          if version < STATE_VERSION else "use the k3 that saved it")
     if hlen > MAX_HEADER_BYTES or _PREFIX.size + hlen + _DIGEST_BYTES > size:
         raise FormatError("state header length runs past the file (truncated?)", path=path,
                           expected=f"<= {min(MAX_HEADER_BYTES, size - _PREFIX.size - 32)}",
@@ -184,8 +199,16 @@ def _read_header(f, size: int, path) -> bytes:
     return f.read(hlen)
 
 
-def _check_meta(cfg: K3Config, head: bytes, path) -> dict:
-    """The header, every field checked against ``cfg`` (formats/state.md, invariant 4)."""
+def _all_finite(a: np.ndarray) -> bool:
+    """No NaN or Inf in ``a``, checked in slices so the temporary stays small."""
+    flat = a.reshape(-1)
+    return all(np.isfinite(flat[i:i + _FINITE_CHUNK]).all()
+               for i in range(0, flat.size, _FINITE_CHUNK))
+
+
+def _check_meta(cfg: K3Config, head: bytes, path, weights_identity: str) -> dict:
+    """The header, every field checked against ``cfg`` and ``weights_identity``
+    (formats/state.md, invariant 4)."""
     try:
         meta = json.loads(head.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -198,6 +221,12 @@ def _check_meta(cfg: K3Config, head: bytes, path) -> dict:
     if meta["fingerprint"] != cfg.fingerprint():
         raise FormatError("state was saved for a different model configuration", path=path,
                           hint="load it with the model it was saved from")
+    if meta["weights"] != weights_identity:
+        raise FormatError("state was computed with other weights (a checkpoint of the same "
+                          "configuration with other content)", path=path,
+                          expected=f"weights {weights_identity[:16]}",
+                          found=f"weights {str(meta['weights'])[:16]}",
+                          hint="load it with the checkpoint it was saved from")
     pos, ids = meta["pos"], meta["ids"]
     if type(pos) is not int or not 0 <= pos <= MAX_POSITIONS:
         raise FormatError("state position out of range", path=path,

@@ -112,12 +112,13 @@ class StreamedWeights:
     it (and raises its error, if any). Why: read up front it was the largest share of
     start-up on real dimensions (bench/README.md, "Start-up")."""
 
-    def __init__(self, ckpt, trunk, cache):
+    def __init__(self, ckpt, trunk, cache, files=None):
         self.cfg = ckpt.config
         self._embed = ckpt.entry(names.EMBED)
         self._ckpt = ckpt
         self.trunk = trunk
         self.cache = cache
+        self._files = files             # the FileSet both read through; closed last
         self._model_reader = ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix="k3-model-read")
         self._model = self._model_reader.submit(load_model_level, ckpt)
@@ -158,7 +159,8 @@ class StreamedWeights:
         self._model_reader.shutdown(wait=True)       # before the checkpoint's files close
         self.trunk.close()
         self.cache.close()
-        self.trunk.files.close()          # the shard or pack files both read through
+        if self._files is not None:
+            self._files.close()
 
     def stats(self) -> dict:
         return {"trunk": dict(self.trunk.stats, **self.trunk.describe()),

@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import names
 from ..errors import FormatError
+from ..io.dtypes import EXPONENT_MASK, ITEMSIZE
 from ..kernels.bf16_block import HEADER_BYTES, PROBLEMS, coded_range
 
 CODEC = "bf16-exponent-nibble"
@@ -32,6 +33,8 @@ MIN_CODED_BYTES = 64 << 10         # smaller BF16 tensors stay raw
 RAW, CODED = 0, 1
 INDEX_RECORD = np.dtype([("stored", "<u4"), ("crc32", "<u4")])     # trunk.blocks, per block
 DAMAGED_HINT = "the pack is damaged: re-pack (k3-pack verify names every bad block)"
+NONFINITE_HINT = ("a released checkpoint has none: re-pack from a good copy (k3-pack verify "
+                  "names every such tensor)")
 
 
 def codec_params() -> dict:
@@ -48,6 +51,7 @@ class BlockPlan:
     out_off: np.ndarray            # int64, offset in the run
     out_len: np.ndarray            # int64
     tensor: list                   # suffix of each block's tensor
+    dtype: list                    # dtype of each block's tensor
     part: np.ndarray               # int64, the block's number inside its tensor
     parts: np.ndarray              # int64, blocks of its tensor
     in_off: np.ndarray | None = None
@@ -111,13 +115,17 @@ class BlockPlan:
         return (f"layer {layer} tensor {self.tensor[b]} block {int(self.part[b])} of "
                 f"{int(self.parts[b])}")
 
+    def block_at(self, offset: int) -> int:
+        """The block holding byte ``offset`` of the decoded run."""
+        return int(np.searchsorted(self.out_off, offset, side="right")) - 1
+
 
 def plan_blocks(tensors, block_bytes: int = BLOCK_BYTES,
                 min_coded_bytes: int = MIN_CODED_BYTES) -> BlockPlan:
     """The blocks of a layer run whose tensors are ``tensors``: (suffix, off, nbytes,
     dtype) rows, tiling the run. (Other sizes than the format's: tests only; an even
     ``block_bytes`` of at most BLOCK_BYTES.)"""
-    kind, out_off, out_len, tensor, part, parts = [], [], [], [], [], []
+    kind, out_off, out_len, tensor, dtypes, part, parts = [], [], [], [], [], [], []
     for sfx, off, nbytes, dtype in sorted(tensors, key=lambda t: (t[1], t[0])):
         coded = dtype == "BF16" and nbytes >= min_coded_bytes and off % 2 == 0
         n = -(-nbytes // block_bytes)
@@ -126,19 +134,21 @@ def plan_blocks(tensors, block_bytes: int = BLOCK_BYTES,
             out_off.append(off + j * block_bytes)
             out_len.append(min(block_bytes, nbytes - j * block_bytes))
             tensor.append(sfx)
+            dtypes.append(dtype)
             part.append(j)
             parts.append(n)
     return BlockPlan(np.array(kind, np.uint8), np.array(out_off, np.int64),
-                     np.array(out_len, np.int64), tensor, np.array(part, np.int64),
+                     np.array(out_len, np.int64), tensor, dtypes, np.array(part, np.int64),
                      np.array(parts, np.int64))
 
 
 def block_error(path, layer: int, plan: BlockPlan, b: int, problem: str, expected=None,
-                found=None) -> FormatError:
-    """The one error for a compressed block that fails its checksum or does not decode."""
+                found=None, hint: str = DAMAGED_HINT) -> FormatError:
+    """The one error for a compressed block that fails its checksum, does not decode, or
+    decodes to NaN or Inf."""
     return FormatError(f"{plan.where(layer, b)}: {problem}", path=path,
                        tensor=names.layer(layer, plan.tensor[b]), expected=expected,
-                       found=found, hint=DAMAGED_HINT)
+                       found=found, hint=hint)
 
 
 class Codec:
@@ -194,12 +204,15 @@ class Codec:
 
     # ---- decoding (k3-run, verify) --------------------------------------------------
     def decode(self, plan: BlockPlan, lo: int, hi: int, src: np.ndarray, src_at: int,
-               out: np.ndarray, check: bool, path, layer: int, out_base: int = 0) -> None:
+               out: np.ndarray, check: bool, path, layer: int, out_base: int = 0,
+               finite: bool = False) -> None:
         """Decode blocks ``lo..hi-1`` of ``plan`` into ``out`` (uint8; ``out[0]`` is the
         run's byte ``out_base``, an even offset). Block b's stored bytes are at
         ``src[src_at + in_off[b] - in_off[lo]]``. With ``check``, each block's CRC-32 is
-        compared first. Raises ``block_error`` for the first bad block (in block order)
-        after every thread has stopped."""
+        compared first; with ``finite``, a decoded block of a float tensor holding NaN or
+        Inf is refused too (k3-run; verify scans the decoded run itself so that
+        --allow-nonfinite can pass it). Raises ``block_error`` for the first bad block
+        (in block order) after every thread has stopped."""
         from ..kernels.bf16_planes import decode_blocks  # numba: not for manifest checks
 
         if hi <= lo:
@@ -220,9 +233,41 @@ class Codec:
                         return lo + i, "stored bytes do not match their checksum (crc32)", \
                             f"{int(plan.crc32[lo + i]):#010x}", f"{crc:#010x}"
             b, status = decode_blocks(src, kind, in_off, in_len, out, out_off, out_len, a, z)
-            return None if b < 0 else (lo + int(b), PROBLEMS[int(status)], None, None)
+            if b >= 0:
+                return lo + int(b), PROBLEMS[int(status)], None, None
+            for i in range(a, z) if finite else ():
+                k = _first_nonfinite(out[out_off[i]:out_off[i] + out_len[i]],
+                                     plan.dtype[lo + i])
+                if k >= 0:
+                    return lo + i, None, None, k
+            return None
 
         errs = [e for e in self._map(work, hi - lo, plan.in_len[lo:hi]) if e]
         if errs:
-            b, problem, want, got = min(errs)
+            b, problem, want, got = min(errs, key=lambda e: e[0])
+            if problem is None:                      # got: the value's index in the block
+                raise nonfinite_block_error(path, layer, plan, b, got)
             raise block_error(path, layer, plan, b, problem, want, got)
+
+
+def nonfinite_block_error(path, layer: int, plan: BlockPlan, b: int, k: int) -> FormatError:
+    """The error for block ``b`` whose decoded value ``k`` is NaN or Inf, naming the
+    value's place in its tensor."""
+    first = b - int(plan.part[b])                    # the tensor's first block
+    at = (int(plan.out_off[b] - plan.out_off[first]) // ITEMSIZE[plan.dtype[b]]) + k
+    return block_error(path, layer, plan, b, "decoded values hold NaN or Inf",
+                       found=f"element {at} of the tensor", expected="finite values",
+                       hint=NONFINITE_HINT)
+
+
+def _first_nonfinite(block: np.ndarray, dtype: str) -> int:
+    """Index of the first NaN or Inf among a decoded block's values (``block``: its
+    bytes), -1 when there is none or the tensor is not a float one."""
+    if dtype not in EXPONENT_MASK:
+        return -1
+    from ..kernels.finite import first_special       # numba: only when blocks are decoded
+
+    view, mask = EXPONENT_MASK[dtype]
+    bits = block.view(view) if block.ctypes.data % np.dtype(view).itemsize == 0 \
+        else block.copy().view(view)                 # an odd-placed tensor's block
+    return int(first_special(bits, mask))

@@ -10,6 +10,8 @@ new trunk.json (atomic), then trunk.bin removed. Does not own: the codec, the sc
 Why in place and after packing: the raw pack is the checked copy of the checkpoint's
 bytes (every layer has its CRC), so compressing reads only the pack and needs no
 checkpoint; until the new trunk.json lands the raw pack stays complete and usable.
+Why a trunk that would not shrink stays raw: its reads would cost as many bytes and
+add a decode (formats/pack.md "Compressed trunk").
 """
 
 from __future__ import annotations
@@ -45,15 +47,19 @@ class CompressResult:
     stored_bytes: int
     seconds: float
     already_compressed: bool = False
+    saves_nothing: bool = False       # the compressed files would not be smaller: kept raw
 
     @property
     def fraction(self) -> float:
         return self.stored_bytes / self.raw_bytes if self.raw_bytes else 1.0
 
 
-def compress(pack_dir, *, threads: int = 1, progress: bool = True) -> CompressResult:
+def compress(pack_dir, *, threads: int = 1, progress: bool = True,
+             even_if_no_gain: bool = False) -> CompressResult:
     """Compress the trunk of the finished pack ``pack_dir`` (checked by ``open_pack``).
-    Resumes an interrupted run; a pack already compressed is left as it is."""
+    Resumes an interrupted run; a pack already compressed is left as it is, and so is one
+    whose trunk.kz and trunk.blocks would not be smaller than trunk.bin
+    (``saves_nothing``; ``even_if_no_gain`` switches anyway, for tests of such packs)."""
     from .. import progress as _progress
 
     d = Path(pack_dir)
@@ -114,6 +120,13 @@ def compress(pack_dir, *, threads: int = 1, progress: bool = True) -> CompressRe
         os.close(fd)
         src.close()
         codec.close()
+    if off + sum(r.nbytes for r in done) >= man["trunk_bytes"] and not even_if_no_gain:
+        (d / KZ_PARTIAL_FILE).unlink()
+        (d / KZ_JOURNAL_FILE).unlink(missing_ok=True)
+        fsync_dir(d)
+        return CompressResult(str(d), len(lays), resumed, raw_total,
+                              sum(int(r["stored"].sum()) for r in done),
+                              time.perf_counter() - t0, saves_nothing=True)
     stored = _switch(d, man, done)
     return CompressResult(str(d), len(lays), resumed, raw_total, stored,
                           time.perf_counter() - t0)

@@ -4,27 +4,25 @@ identity, and the checks every pack passes before anything reads through it.
 Owns: the pack's file names, versions (v2 raw trunk, v3 compressed) and record layout,
 the compressed trunk's block index (trunk.blocks); the layer plan and index records
 a checkpoint implies (the writer writes exactly these, the reader compares against
-them); the identity (config fingerprint plus sampled content of every shard); reading
+them); comparing the identity the pack records with the checkpoint's; reading
 trunk.json and experts.idx and refusing, as a FormatError naming the file and field,
 anything the format does not allow; ``open_pack``, the one gate k3-run and
 ``k3-pack verify`` both go through, so verify never passes a pack k3-run refuses.
 Does not own: copying or re-reading trunk bytes (``libk3.pack.writer``), streaming
-(``libk3.stream``), the inventory a config implies (``libk3.io.inventory``).
+(``libk3.stream``), the inventory a config implies (``libk3.io.inventory``), the
+identity itself (config fingerprint plus sampled content of every shard:
+``libk3.io.identity``).
 
 Why every field is checked before use: the manifest's numbers become file offsets and
 array shapes, and a wrong one read another tensor's bytes or failed deep in a run
 (bench/README.md "Pack integrity" counts what damaged packs did before these checks).
 Why the pack stores its config: plain ``k3-pack verify`` (no checkpoint at hand) can then
 check every layer's tensor table against the inventory that config implies.
-Why sampled shard content: names and sizes alone accept another fine-tune of the same
-architecture; hashing whole shards (1.56 TB) at every start is out of the question, four
-64 KiB blocks per shard are not.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import zlib
@@ -37,6 +35,7 @@ from ..config import config_from_dict
 from ..errors import ConfigError, FormatError
 from ..io import inventory
 from ..io.dtypes import ITEMSIZE
+from ..io.identity import shard_digest
 from . import codec as trunk_codec
 from ..io.direct import ALIGN, align_up
 
@@ -48,7 +47,6 @@ COMPRESSED_TRUNK_FILE, BLOCK_INDEX_FILE = "trunk.kz", "trunk.blocks"
 EXPERT_INDEX_MAGIC = b"K3EXPIDX"
 EXPERT_RECORD = np.dtype([("shard", "<u2"), ("layer", "<u2"), ("expert", "<u4"),
                           ("offset", "<u8"), ("nbytes", "<u8"), ("sub", "<u4", (6,))])
-SAMPLE_BLOCK = 64 << 10          # bytes per sampled block of a shard (formats/pack.md)
 REPACK_HINT = "re-pack: k3-pack CHECKPOINT NEW_OUT (a pack is never rewritten in place)"
 
 _MANIFEST_KEYS = ("format", "version", "align", "source", "config", "trunk_file",
@@ -128,39 +126,6 @@ def expert_index_contents(ckpt) -> tuple:
             "n_experts": cfg.num_experts, "moe_layers": moe, "parts": _expert_parts(cfg),
             "records": int(rec.size), "record_bytes": EXPERT_RECORD.itemsize}
     return head, rec
-
-
-# ---- identity ----------------------------------------------------------------------
-
-def sample_blocks(size: int, data_start: int) -> list:
-    """(offset, length) of the blocks a shard's digest covers: the first, the first data
-    bytes (after the safetensors header), the middle and the last SAMPLE_BLOCK; the whole
-    file when it is at most four blocks long."""
-    if size <= 4 * SAMPLE_BLOCK:
-        return [(0, size)]
-    starts = {0, min(max(data_start, 0), size - SAMPLE_BLOCK),
-              size // 2 - SAMPLE_BLOCK // 2, size - SAMPLE_BLOCK}
-    return [(s, SAMPLE_BLOCK) for s in sorted(starts)]
-
-
-def shard_digest(ckpt, path: str, size: int) -> str:
-    """sha256 over each sampled block's offset (u64 LE) and bytes."""
-    h = hashlib.sha256()
-    head = ckpt.read_span(path, 0, 8) if size >= 8 else b""
-    data_start = 8 + int.from_bytes(bytes(head), "little") if size >= 8 else 0
-    for off, n in sample_blocks(size, data_start):
-        h.update(off.to_bytes(8, "little"))
-        h.update(ckpt.read_span(path, off, n))
-    return h.hexdigest()
-
-
-def source_identity(ckpt) -> dict:
-    """trunk.json's ``source``: what a pack records to recognise its checkpoint."""
-    ident = ckpt.identity()
-    return {"config_fingerprint": ident["config_fingerprint"],
-            "shards": [{"name": name, "size": size,
-                        "sampled_sha256": shard_digest(ckpt, path, size)}
-                       for path, (name, size) in zip(ckpt.shards, ident["shards"])]}
 
 
 # ---- reading and checking ------------------------------------------------------------

@@ -32,14 +32,15 @@ from pathlib import Path
 from .. import names
 from ..errors import BudgetError, FormatError, K3IOError
 from ..io.atomic import fsync_dir, write_bytes
+from ..io.dtypes import ITEMSIZE
 from .nonfinite import RunScan
 from .schema import (COMPRESSED_VERSION, EXPERT_INDEX_FILE, EXPERT_INDEX_MAGIC,
                      MANIFEST_FILE, PACK_FORMAT, PACK_VERSION, REPACK_HINT, TRUNK_FILE,
                      expert_index_contents, load_expert_index, load_manifest,  # noqa: F401
-                     manifest_version, model_level_entries, open_pack, plan_pack,
-                     source_identity)
+                     manifest_version, model_level_entries, open_pack, plan_pack)
 from . import codec as trunk_codec
 from ..io.direct import ALIGN, FileSet, align_up, aligned_empty, window_bytes
+from ..io.identity import source_identity
 from .schema import crc_mismatch
 
 COPY_BLOCK = 16 << 20                # 16 MiB reads and writes
@@ -113,9 +114,11 @@ def _crc_of_file_range(fd: int, off: int, n: int, scan: RunScan | None = None,
     return crc
 
 
-def nonfinite_error(path, tensors: list) -> FormatError:
-    """The one refusal of trunk tensors holding NaN or Inf (k3-pack and verify)."""
-    return FormatError(f"{len(tensors)} trunk tensor(s) hold NaN or Inf", path=path,
+def nonfinite_error(path, tensors: list, where: str | None = None) -> FormatError:
+    """The one refusal of trunk tensors holding NaN or Inf (k3-pack and verify);
+    ``where``: the first one's place (layer, tensor, element, block)."""
+    return FormatError(f"{len(tensors)} trunk tensor(s) hold NaN or Inf"
+                       + (f", the first at {where}" if where else ""), path=path,
                        tensor=tensors[0],
                        hint="a released checkpoint has none: fetch the shard again, or pass "
                             "--allow-nonfinite to accept them")
@@ -447,8 +450,8 @@ def verify(out_dir, ckpt=None, progress: bool = True, allow_nonfinite: bool = Fa
     ``ckpt`` the CRC of its source bytes. A compressed trunk's layers are decoded, each
     block checked against its own CRC first (a bad block is named). Raises FormatError
     naming the first bad file, field, layer or block (NaN/Inf: after the whole pass,
-    naming the first tensor and the count, unless ``allow_nonfinite``); returns a
-    summary."""
+    naming the first value's layer, tensor and, compressed, block, and the count of
+    tensors, unless ``allow_nonfinite``); returns a summary."""
     from .. import progress as _progress
 
     d = Path(out_dir)
@@ -456,6 +459,7 @@ def verify(out_dir, ckpt=None, progress: bool = True, allow_nonfinite: bool = Fa
     man = pk.manifest
     trunk = d / man["trunk_file"]
     nonfinite: list = []
+    first_at = None                 # where the first NaN/Inf is
     fd = os.open(trunk, os.O_RDONLY)
     src_fds = {}
     decoded = _DecodedLayers(pk, fd, trunk) if pk.compressed else None
@@ -472,6 +476,10 @@ def verify(out_dir, ckpt=None, progress: bool = True, allow_nonfinite: bool = Fa
             if crc != lay["crc32"]:
                 raise crc_mismatch(trunk, L, lay["crc32"], crc)
             nonfinite += [names.layer(L, sfx) for sfx in sorted(scan.found)]
+            if scan.found and first_at is None:           # the tensor nonfinite[0] names
+                sfx = min(scan.found)
+                first_at = _nonfinite_at(lay, sfx, scan.found[sfx],
+                                         pk.blocks[L] if pk.compressed else None)
             if ckpt is not None:
                 src = ckpt.model_dir / lay["shard"]        # a plain name (open_pack)
                 if src not in src_fds:
@@ -489,10 +497,21 @@ def verify(out_dir, ckpt=None, progress: bool = True, allow_nonfinite: bool = Fa
         if decoded is not None:
             decoded.codec.close()
     if nonfinite and not allow_nonfinite:
-        raise nonfinite_error(trunk, nonfinite)
+        raise nonfinite_error(trunk, nonfinite, first_at)
     return {"pack": str(d), "layers": len(man["layers"]), "experts": int(pk.records.size),
             "trunk_bytes": man["trunk_bytes"], "against_checkpoint": ckpt is not None,
             "compressed": pk.compressed, "nonfinite": nonfinite, "ok": True}
+
+
+def _nonfinite_at(lay: dict, sfx: str, element: int, plan=None) -> str:
+    """The place of NaN/Inf ``element`` of tensor ``sfx`` of layer row ``lay``: layer,
+    tensor and element, and in a compressed trunk (``plan``: the layer's BlockPlan) the
+    block holding it."""
+    L, t = lay["layer"], lay["tensors"][sfx]
+    if plan is None:
+        return f"layer {L} tensor {sfx} element {element}"
+    b = plan.block_at(t["off"] + element * ITEMSIZE[t["dtype"]])
+    return f"{plan.where(L, b)} (element {element} of the tensor)"
 
 
 class _DecodedLayers:

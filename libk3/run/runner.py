@@ -262,7 +262,7 @@ class Run:
                        keep_logits=keep_logits, progress=progress, feed_last=bool(save_state),
                        drafting=self.drafting)
         if save_state:
-            state.save(save_state)
+            state.save(save_state, self.session.weights_identity)
         return res
 
     def close(self, failed: bool = False) -> None:
@@ -337,7 +337,11 @@ class DraftDump:
 
 
 def _load_state(run: Run, path) -> State:
-    return State.load(run.cfg, path) if path else run.session.new_state()
+    """The state saved at ``path`` (refused unless this run's weights computed it), or a
+    new one."""
+    if not path:
+        return run.session.new_state()
+    return State.load(run.cfg, path, run.session.weights_identity)
 
 
 def _checked(callback, should_stop):
@@ -497,4 +501,4 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
         printer.finish()
         convo.add_reply(run.reply_message(res.generated_ids))
     if save_state:
-        state.save(save_state)
+        state.save(save_state, run.session.weights_identity)

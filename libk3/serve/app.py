@@ -319,8 +319,8 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
     if run.session.tokenizer is not None:
         run.session.tokenizer.get()            # read once, before two threads use it
     from .turn_cache import TurnCache
-    turns = TurnCache(run.cfg, reuse_ram_bytes, reuse_disk_bytes) \
-        if reuse_ram_bytes or reuse_disk_bytes else None
+    turns = TurnCache(run.cfg, run.session.weights_identity, reuse_ram_bytes,
+                      reuse_disk_bytes) if reuse_ram_bytes or reuse_disk_bytes else None
     worker = Worker(run, run.width, log, turns, chunk=base_settings.prefill_chunk)
     server = Server(run, worker, base_settings, api_key=api_key, log=log,
                     model_name=os.path.basename(os.path.normpath(str(run.opts.model))))

@@ -24,12 +24,16 @@ from ..errors import K3Error
 
 
 class TurnCache:
-    """Kept states. ``ram_bytes`` bounds the copies held in memory, ``disk_bytes`` those
-    written to ``disk_dir`` (a private temporary directory when None); 0 disables a tier.
-    ``stats`` counts lookups, hits and the prompt tokens reused."""
+    """Kept states of the weights whose identity is ``weights_identity`` (what a spilled
+    state file records and is checked against). ``ram_bytes`` bounds the copies held in
+    memory, ``disk_bytes`` those written to ``disk_dir`` (a private temporary directory
+    when None); 0 disables a tier. ``stats`` counts lookups, hits and the prompt tokens
+    reused."""
 
-    def __init__(self, cfg, ram_bytes: int, disk_bytes: int = 0, disk_dir=None):
+    def __init__(self, cfg, weights_identity: str, ram_bytes: int, disk_bytes: int = 0,
+                 disk_dir=None):
         self.cfg = cfg
+        self.weights_identity = weights_identity
         self.ram_bytes, self.disk_bytes = ram_bytes, disk_bytes
         self._dir = disk_dir
         self._tmp = None
@@ -57,7 +61,7 @@ class TurnCache:
         else:
             from ..model.state import State
             try:
-                state = State.load(self.cfg, value)
+                state = State.load(self.cfg, value, self.weights_identity)
             except (K3Error, OSError):        # a spilled file gone bad: forget it
                 self._drop(best)
                 return None, 0
@@ -88,7 +92,7 @@ class TurnCache:
             if size <= self.disk_bytes:
                 path = os.path.join(self._disk(), f"turn-{next(self._names)}.k3state")
                 try:
-                    state.save(path)
+                    state.save(path, self.weights_identity)
                     self._entries[key] = ("disk", path, os.path.getsize(path))
                     continue
                 except (K3Error, OSError):

@@ -24,6 +24,7 @@ from ..errors import BudgetError
 from ..io import inventory
 from ..policies.registry import DEFAULT_POLICY
 from ..io.direct import FileSet, aligned_empty, window_bytes
+from ..units import gb_option
 from .policy import make_policy
 
 
@@ -41,7 +42,8 @@ class ExpertCache:
             raise BudgetError("expert cache budget holds fewer than top_k + 1 experts",
                               expected=f">= {need * self.slot_bytes} bytes ({need} slots)",
                               found=f"{budget} bytes",
-                              hint=f"raise --cache-gb to at least {need * self.slot_bytes / 1e9:.3f}")
+                              hint="raise --cache-gb to at least "
+                                   + gb_option(need * self.slot_bytes))
         self.arena = aligned_empty(self.n_slots * self.slot_bytes)
         self.base = np.zeros(self.n_slots, np.int64)      # payload offset inside the slot
         self.slot_key = np.full(self.n_slots, -1, np.int64)

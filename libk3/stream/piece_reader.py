@@ -110,15 +110,16 @@ class PieceReader:
              cancel=None, admit=None, **read_kw) -> tuple:
         """Read layer ``run`` (a LayerRun) into ``buf``: a raw run's aligned window from
         offset 0, a compressed run decoded from offset 0 (``buf`` holds at least
-        ``run.buffer_bytes``); with ``check``, every compressed block's CRC first (a raw
-        run's CRC is the caller's). ``landing`` is told each final prefix; ``cancel`` (an
-        Event) stops the read between pieces; ``admit(lo, hi, depth)``, called before
-        bytes ``[lo, hi)`` of ``buf`` are written (a piece read, a run of blocks
-        decoded), returns once they may be and how many pieces may be in flight then
-        (default: the lane's); ``read_kw`` goes to each piece's ``read_window`` (the
-        read-ahead's gate). Returns (bytes read, seconds waiting for pieces to land,
-        seconds waiting for the decoders); the two add up to the layer's wall time. A bad
-        block raises the first in block order."""
+        ``run.buffer_bytes``); with ``check``, every compressed block's CRC first and
+        its decoded values after (NaN or Inf refused; a raw run's CRC is the caller's).
+        ``landing`` is told each final prefix; ``cancel`` (an Event) stops the read
+        between pieces; ``admit(lo, hi, depth)``, called before bytes ``[lo, hi)`` of
+        ``buf`` are written (a piece read, a run of blocks decoded), returns once they
+        may be and how many pieces may be in flight then (default: the lane's);
+        ``read_kw`` goes to each piece's ``read_window`` (the read-ahead's gate).
+        Returns (bytes read, seconds waiting for pieces to land, seconds waiting for the
+        decoders); the two add up to the layer's wall time. A bad block raises the first
+        in block order."""
         piece, depth = self.shapes[lane]
         plan = run.blocks
         if plan is None:
@@ -146,7 +147,7 @@ class PieceReader:
                 if d.exception() is not None:     # an earlier block is bad: the layer is
                     return                        # refused, and its bytes are not needed
             self.codec.decode(plan, t.lo, t.hi, buf, at + int(plan.in_off[t.lo]), buf,
-                              check, run.path, run.layer)
+                              check, run.path, run.layer, finite=check)
 
         reads: list = []
         decodes: list = []

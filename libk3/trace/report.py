@@ -1,31 +1,38 @@
 """What `k3-trace stats` and `k3-trace replay` report about a trace, as data and as text.
 
 Owns: trace statistics (requests, tokens, distinct experts, reuse, hottest experts,
-per-layer spread, compulsory-miss ceiling), the capacity ladder (GB -> slots), the replay
-report over that ladder, its text tables and the optional plot. Does not own: the file
-format (``libk3.trace.format``), the policies (``libk3.trace.replay``) or option parsing (the
+per-layer spread, compulsory-miss ceiling), the capacity ladder (GB or slots given, else
+derived from the trace), the replay report over that ladder, its text tables and the
+optional plot. Does not own: the file format (``libk3.trace.format``), the policies
+(``libk3.trace.replay``), how sizes are written (``libk3.units``) or option parsing (the
 click front end).
 
 Units: GB = 10^9 bytes; slots = floor(capacity bytes / expert bytes), as the public C
 engine's cache simulator counts them. A capacity with fewer than top_k + 1 slots is
 skipped, because a cache that cannot hold one layer's experts plus one cannot run.
+Why the default ladder comes from the trace: fixed sizes fit one model only (for a small
+model every one of them holds every expert it touches); fractions of the experts the
+trace touches span its whole curve, and the last, all of them, reaches its ceiling.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import FormatError, K3Error, UsageError
+from ..errors import FormatError, UsageError
 from ..io import atomic
 from ..policies.registry import POLICIES, check_policy_names
-from .format import PHASE_NAMES, TraceReader
+from ..units import GB, size_text, size_texts, unit_of
+from .format import PHASE_NAMES, TraceHeader, TraceReader
 
-DEFAULT_LADDER_GB = (8, 16, 32, 64, 128, 192, 256)
+# Shares of the trace's distinct experts a default ladder holds, smallest first.
+DERIVED_FRACTIONS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)
 HOTTEST_SHOWN = 6
-GB = 10**9
+PLOT_INSTALL = "pip install 'k3[plot]'"      # the distribution's extra (pyproject.toml)
 
 
 def _scan(reader: TraceReader):
@@ -104,28 +111,56 @@ def trace_stats(reader: TraceReader) -> dict:
     }
 
 
-def capacity_ladder(expert_bytes: int, top_k: int, *, capacities_gb=None, slots=None):
-    """-> (rows [{capacity_gb, slots}], skipped [notes]). With neither list given, the
-    default ladder DEFAULT_LADDER_GB at this expert size."""
+def model_label(h: TraceHeader) -> str:
+    """The model a trace was taken on, for titles: the model directory k3-run recorded
+    (else synthetic or imported), then its shape."""
+    meta = h.meta or {}
+    model = meta.get("model")
+    if isinstance(model, str) and model:
+        name = Path(model).name or model
+    elif "synthetic" in meta:
+        name = "synthetic"
+    elif isinstance(meta.get("imported_from"), str):
+        name = f"imported {meta['imported_from']}"
+    else:
+        name = f"checkpoint {h.checkpoint[:12]}" if h.checkpoint else "unknown model"
+    return f"{name} ({h.n_layers} layers x {h.n_experts} experts, top-{h.top_k})"
+
+
+def derived_slots(distinct: int, top_k: int) -> list:
+    """The default ladder in slots: DERIVED_FRACTIONS of the ``distinct`` experts a trace
+    touches (rounded up), never below top_k + 1, without repeats."""
+    return sorted({max(top_k + 1, math.ceil(f * distinct)) for f in DERIVED_FRACTIONS})
+
+
+def capacity_ladder(expert_bytes: int, top_k: int, *, capacities_gb=None, slots=None,
+                    distinct: int | None = None):
+    """-> (rows [{capacity_gb, capacity_bytes, slots}], skipped [notes]). With neither
+    list given, the ladder derived from the trace's ``distinct`` experts."""
     if expert_bytes <= 0:
         raise UsageError("expert bytes must be positive", found=expert_bytes)
     if not capacities_gb and not slots:
-        capacities_gb = DEFAULT_LADDER_GB
+        if distinct is None:
+            raise ValueError("a ladder without capacities needs the trace's distinct experts")
+        slots = derived_slots(distinct, top_k)
     rows, skipped = [], []
     for gb in capacities_gb or ():
         if gb <= 0:
             raise UsageError("capacities must be positive", found=gb)
         n = int(round(gb * GB)) // expert_bytes
-        rows.append({"capacity_gb": float(gb), "slots": n})
+        rows.append({"capacity_gb": float(gb), "capacity_bytes": int(round(gb * GB)),
+                     "slots": n})
     for n in slots or ():
         if n <= 0:
             raise UsageError("slot counts must be positive", found=n)
-        rows.append({"capacity_gb": n * expert_bytes / GB, "slots": int(n)})
+        rows.append({"capacity_gb": n * expert_bytes / GB, "capacity_bytes": n * expert_bytes,
+                     "slots": int(n)})
     kept = []
     for r in rows:
         if r["slots"] < top_k + 1:
-            skipped.append(f"{r['capacity_gb']:g} GB = {r['slots']} slots skipped: fewer than "
-                           f"top_k + 1 = {top_k + 1} slots cannot hold a layer's experts")
+            skipped.append(f"{size_text(r['capacity_bytes'])} = {r['slots']} slots skipped: "
+                           f"fewer than top_k + 1 = {top_k + 1} slots cannot hold a layer's "
+                           "experts")
         else:
             kept.append(r)
     return kept, skipped
@@ -143,6 +178,7 @@ def replay_report(reader: TraceReader, *, policies, capacities_gb=None, slots=No
                              tokens=tokens, tokens_estimated=estimated, policies=policies,
                              capacities_gb=capacities_gb, slots=slots, workers=workers)
     rep["trace"] = str(reader.path)
+    rep["model"] = model_label(h)
     rep["truncated_tail"] = None if reader.tail_error is None else reader.tail_error.one_line()
     return rep
 
@@ -155,7 +191,9 @@ def replay_keys_report(keys, *, n_layers: int, n_experts: int, top_k: int, exper
 
     policies = check_policy_names(policies)
     eb = int(expert_bytes)
-    ladder, skipped = capacity_ladder(eb, top_k, capacities_gb=capacities_gb, slots=slots)
+    distinct = int(np.unique(keys).size)
+    ladder, skipped = capacity_ladder(eb, top_k, capacities_gb=capacities_gb, slots=slots,
+                                      distinct=distinct)
     rk = replay.ReplayKeys(keys, n_layers=n_layers, n_experts=n_experts)
     results = replay.replay_grid(rk, [r["slots"] for r in ladder], policies,
                                        n_layers=n_layers, n_experts=n_experts, workers=workers)
@@ -175,9 +213,9 @@ def replay_keys_report(keys, *, n_layers: int, n_experts: int, top_k: int, exper
         rows.append({**r, "policies": cells})
     seconds = {p: sum(x["seconds"] for x in results if x["policy"] == p) for p in policies}
     cpu = {p: sum(x["cpu_seconds"] for x in results if x["policy"] == p) for p in policies}
-    distinct = int(np.unique(rk.keys).size)
     return {
         "trace": None,
+        "model": None,
         "requests": int(rk.keys.size),
         "tokens": int(tokens),
         "tokens_estimated": bool(tokens_estimated),
@@ -185,6 +223,7 @@ def replay_keys_report(keys, *, n_layers: int, n_experts: int, top_k: int, exper
         "policies": policies,
         "online": {p: POLICIES[p].online for p in policies},
         "capacities": rows,
+        "capacities_from": "options" if capacities_gb or slots else "trace",
         "skipped": skipped,
         "compulsory_misses": distinct,
         "hit_rate_ceiling_pct": 100.0 * (1.0 - distinct / rk.keys.size),
@@ -212,8 +251,9 @@ def format_stats(s: dict) -> str:
         f"reuse        {100 * s['reuse']:.2f} % of requests repeat an earlier one",
         f"ceiling      {100 * s['hit_rate_ceiling']:.2f} % hit rate with unlimited cache "
         f"({s['compulsory_misses']:,} compulsory misses)",
-        f"uncached     {s['gb_per_token_uncached']:.2f} GB read per token; every touched "
-        f"expert {s['gb_all_touched']:.1f} GB; whole pool {s['gb_pool']:.1f} GB",
+        "uncached     {} read per token; every touched expert {}; whole pool {}".format(
+            *size_texts(s["gb_per_token_uncached"] * GB, s["gb_all_touched"] * GB,
+                        s["gb_pool"] * GB)),
         "hottest      " + ", ".join(f"L{x['layer']}/e{x['expert']} x{x['requests']:,}"
                                     for x in s["hottest"]),
         f"per layer    distinct experts min {s['per_layer_distinct']['min']}, median "
@@ -228,25 +268,31 @@ def format_replay(rep: dict) -> str:
     from .replay import PIN_FRACTIONS
 
     pols = rep["policies"]
+    rows = rep["capacities"]
     w = max(9, max(len(p) for p in pols) + 1)
     bound = {p: ("" if rep["online"][p] else "*") for p in pols}
-    head = f"{'CACHE GB':>9} {'SLOTS':>7} " + " ".join(f"{p + bound[p]:>{w}}" for p in pols)
+    cache = size_texts(*(r["capacity_bytes"] for r in rows))
+    cw = max([11] + [len(c) for c in cache])
+    head = f"{'CACHE':>{cw}} {'SLOTS':>7} " + " ".join(f"{p + bound[p]:>{w}}" for p in pols)
     tok = f"{rep['tokens']:,}" + (" (estimated)" if rep["tokens_estimated"] else "")
-    out = [f"trace {rep['trace'] or '(in memory)'}: {rep['requests']:,} requests, {tok} tokens, "
-           f"{rep['expert_bytes']:,} B/expert", "", "hit rate (%)", head]
-    for r in rep["capacities"]:
-        out.append(f"{r['capacity_gb']:>9g} {r['slots']:>7,} " + " ".join(
+    model = f" on {rep['model']}" if rep.get("model") else ""
+    out = [f"trace {rep['trace'] or '(in memory)'}{model}: {rep['requests']:,} requests, "
+           f"{tok} tokens, {rep['expert_bytes']:,} B/expert", "", "hit rate (%)", head]
+    for c, r in zip(cache, rows):
+        out.append(f"{c:>{cw}} {r['slots']:>7,} " + " ".join(
             f"{r['policies'][p]['hit_rate_pct']:>{w}.2f}" for p in pols))
-    out += ["", "GB read per token", head]
-    for r in rep["capacities"]:
-        out.append(f"{r['capacity_gb']:>9g} {r['slots']:>7,} " + " ".join(
-            f"{r['policies'][p]['gb_read_per_token']:>{w}.3f}" for p in pols))
+    unit, scale = unit_of(*(r["policies"][p]["gb_read_per_token"] * GB
+                            for r in rows for p in pols))
+    out += ["", f"{unit} read per token", head]
+    for c, r in zip(cache, rows):
+        out.append(f"{c:>{cw}} {r['slots']:>7,} " + " ".join(
+            f"{r['policies'][p]['gb_read_per_token'] * GB / scale:>{w}.3f}" for p in pols))
     out.append("")
-    followed = [(r["capacity_gb"], r["policies"][p]["followed"]) for p in pols
-                for r in rep["capacities"] if "followed" in r["policies"][p]]
+    followed = [(c, r["policies"][p]["followed"]) for p in pols
+                for c, r in zip(cache, rows) if "followed" in r["policies"][p]]
     if followed:
         out.append("adaptive followed (at the end): "
-                   + ", ".join(f"{gb:g} GB {name}" for gb, name in followed))
+                   + ", ".join(f"{c} {name}" for c, name in followed))
     if any(not v for v in rep["online"].values()):
         note = "* offline bound (uses the future)"
         if "pin+lru" in pols:
@@ -255,7 +301,11 @@ def format_replay(rep: dict) -> str:
         out.append(note)
     out.append(f"compulsory misses {rep['compulsory_misses']:,}: hit-rate ceiling "
                f"{rep['hit_rate_ceiling_pct']:.2f} %; every touched expert "
-               f"{rep['gb_all_touched']:.1f} GB")
+               f"{size_text(rep['gb_all_touched'] * GB)}")
+    if rep.get("capacities_from") == "trace":
+        out.append(f"capacities: 1/{round(1 / DERIVED_FRACTIONS[0])} .. 1 of the "
+                   f"{rep['compulsory_misses']:,} experts the trace touches; --capacity-gb "
+                   "or --slots replays others")
     out += rep["skipped"]
     if rep["truncated_tail"]:
         out.append(f"WARNING damaged tail ignored: {rep['truncated_tail']}")
@@ -265,38 +315,56 @@ def format_replay(rep: dict) -> str:
 # ---- plot (optional extra) -----------------------------------------------------------
 
 def require_matplotlib():
-    """Fail before any work if --plot cannot be honoured."""
+    """Fail before any work if --plot cannot be honoured: a usage error naming the extra
+    that installs it."""
     if importlib.util.find_spec("matplotlib") is None:
-        raise K3Error("--plot needs matplotlib, which is not installed",
-                      hint="pip install matplotlib, or drop --plot")
+        raise UsageError("--plot needs matplotlib, which is not installed",
+                         hint=f"{PLOT_INSTALL}, or drop --plot")
 
 
-def plot_replay(rep: dict, path) -> None:
-    """Hit rate versus capacity, one line per policy (bounds dashed), to an image file."""
+def replay_figure(rep: dict):
+    """Hit rate versus capacity, one line per policy (bounds dashed): capacity ticks in
+    KB/MB/GB below, slots above, the trace's file name and model in the title."""
     require_matplotlib()
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    xs = [r["capacity_gb"] for r in rep["capacities"]]
+    rows = rep["capacities"]
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    xs = [r["capacity_bytes"] for r in rows]
     for p in rep["policies"]:
-        ys = [r["policies"][p]["hit_rate_pct"] for r in rep["capacities"]]
+        ys = [r["policies"][p]["hit_rate_pct"] for r in rows]
         ax.plot(xs, ys, marker="o", linestyle="-" if rep["online"][p] else "--",
                 label=p + ("" if rep["online"][p] else " (bound)"))
     ax.axhline(rep["hit_rate_ceiling_pct"], color="grey", linewidth=0.8, linestyle=":",
                label="ceiling")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax.set_xticks(xs, size_texts(*xs))
+    ax.tick_params(axis="x", labelrotation=30)
     ax.minorticks_off()
-    ax.set_xlabel("expert cache (GB)")
+    ax.set_xlabel("expert cache")
     ax.set_ylabel("hit rate (%)")
-    ax.set_title(f"{rep['requests']:,} requests")
+    slots = ax.secondary_xaxis("top")
+    slots.set_xticks(xs, [f"{r['slots']:,}" for r in rows])
+    slots.minorticks_off()
+    slots.set_xlabel("slots")
+    name = Path(rep["trace"]).name if rep.get("trace") else "(in memory)"
+    tok = f"{rep['tokens']:,}" + (" (estimated)" if rep["tokens_estimated"] else "")
+    ax.set_title(f"{name}: {rep.get('model') or 'unknown model'}\n"
+                 f"{rep['requests']:,} requests, {tok} tokens", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot_replay(rep: dict, path) -> None:
+    """``replay_figure`` to an image file, its format from the name (as savefig)."""
+    fig = replay_figure(rep)
+    import matplotlib.pyplot as plt
     try:
-        with atomic.replacing(path) as f:          # the format from the name, as savefig
+        with atomic.replacing(path) as f:
             fig.savefig(f, format=Path(path).suffix[1:] or None)
     finally:
         plt.close(fig)

@@ -23,6 +23,7 @@ from ..pack.schema import load_manifest
 from ..budget import floor_problems, plan_trunk
 from ..io.direct import window_bytes
 from ..stream.trunk import runs_from_pack
+from ..units import gb_option, size_text, size_texts, unit_of
 from .format import TraceReader
 
 
@@ -93,23 +94,29 @@ def size_budget(trace_path, pack_dir, budget: float, seq_bps: float, rand_bps: f
 
 
 def format_sizing(rep: dict) -> str:
-    out = [f"budget {rep['budget_bytes'] / 1e9:.2f} GB, {rep['tokens']} tokens in the trace, "
+    rows = rep["splits"]
+    trunk = size_texts(*(r["trunk_bytes"] for r in rows))
+    cache = size_texts(*(r["cache_bytes"] for r in rows))
+    ok = [r for r in rows if r["feasible"]]
+    t_unit, t_scale = unit_of(*(r["trunk_streamed_per_token"] for r in ok))
+    e_unit, e_scale = unit_of(*(r["expert_bytes_per_token"] for r in ok))
+    out = [f"budget {size_text(rep['budget_bytes'])}, {rep['tokens']} tokens in the trace, "
            f"policy {rep['policy']}, disk {rep['seq_bps'] / 1e6:.0f} MB/s sequential, "
            f"{rep['rand_bps'] / 1e6:.0f} MB/s random",
-           f"{'trunk GB':>9} {'cache GB':>9} {'pinned':>6} {'hit %':>6} {'trunk MB/tok':>12} "
-           f"{'expert MB/tok':>13} {'I/O s/tok':>9}"]
-    for r in rep["splits"]:
-        head = f"{r['trunk_bytes'] / 1e9:9.2f} {r['cache_bytes'] / 1e9:9.2f}"
+           f"{'trunk':>11} {'cache':>11} {'pinned':>6} {'hit %':>6} "
+           f"{'trunk ' + t_unit + '/tok':>13} {'expert ' + e_unit + '/tok':>14} {'I/O s/tok':>9}"]
+    for t, c, r in zip(trunk, cache, rows):
+        head = f"{t:>11} {c:>11}"
         if not r["feasible"]:
             out.append(f"{head}   -- {r['why']}")
             continue
         mark = "  <- best" if r is rep["best"] or r == rep["best"] else ""
         out.append(f"{head} {r['pinned_layers']:6d} {100 * r['hit_rate']:6.1f} "
-                   f"{r['trunk_streamed_per_token'] / 1e6:12.1f} "
-                   f"{r['expert_bytes_per_token'] / 1e6:13.1f} "
+                   f"{r['trunk_streamed_per_token'] / t_scale:13.1f} "
+                   f"{r['expert_bytes_per_token'] / e_scale:14.1f} "
                    f"{r['predicted_io_s_per_token']:9.3f}{mark}")
     b = rep["best"]
-    out.append(f"recommended: --trunk-gb {b['trunk_bytes'] / 1e9:.2f} --cache-gb "
-               f"{b['cache_bytes'] / 1e9:.2f} (predicted I/O {b['predicted_io_s_per_token']:.3f} s/token; "
-               "compute overlaps it)")
+    out.append(f"recommended: --trunk-gb {gb_option(b['trunk_bytes'])} --cache-gb "
+               f"{gb_option(b['cache_bytes'])} (predicted I/O "
+               f"{b['predicted_io_s_per_token']:.3f} s/token; compute overlaps it)")
     return "\n".join(out)

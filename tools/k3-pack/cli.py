@@ -12,6 +12,7 @@ from libk3 import __version__
 from k3cli.group import DefaultGroup, Finite, Rule, quiet_option, threads_option
 from k3cli.support import handle_errors, print_json
 from libk3.engine.settings import seed_problem
+from libk3.units import size_text, size_texts
 
 
 @click.group(cls=DefaultGroup, default="pack",
@@ -46,14 +47,15 @@ def synth(out, preset, seed, draft, json_out, quiet):
     if json_out:
         print_json(info)
         return
-    click.echo(f"wrote {info['shards']} shards, {info['tensors']} tensors, "
-               f"{info['apparent_bytes'] / 1e9:.3f} GB apparent, "
-               f"{info['disk_bytes'] / 1e9:.3f} GB on disk to {path}")
+    apparent, disk = size_texts(info["apparent_bytes"], info["disk_bytes"])
+    click.echo(f"wrote {info['shards']} shards, {info['tensors']} tensors, {apparent} "
+               f"apparent, {disk} on disk to {path}")
     if draft:
         d = info["draft"]
+        apparent, disk = size_texts(d["apparent_bytes"], d["disk_bytes"])
         click.echo(f"wrote a draft of {d['tensors']} tensors tapping layers "
-                   f"{d['target_layer_ids']}, {d['apparent_bytes'] / 1e9:.3f} GB apparent, "
-                   f"{d['disk_bytes'] / 1e9:.3f} GB on disk to {d['path']}")
+                   f"{d['target_layer_ids']}, {apparent} apparent, {disk} on disk to "
+                   f"{d['path']}")
 
 
 @main.command("pack")
@@ -98,9 +100,9 @@ def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, allow_nonfin
             if json_out:
                 print_json(info)
             else:
-                click.echo(f"{info['layers']} layers, trunk {info['trunk_bytes'] / 1e9:.3f} GB "
-                           f"needed, {info['disk_free'] / 1e9:.1f} GB free at {probe}; "
-                           f"pack is {info['state']}")
+                need, free = size_texts(info["trunk_bytes"], info["disk_free"])
+                click.echo(f"{info['layers']} layers, trunk {need} needed, {free} free at "
+                           f"{probe}; pack is {info['state']}")
             return
         if source_probe is None:
             source_probe = (pack_state(out, ckpt) != "complete"
@@ -128,7 +130,7 @@ def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, allow_nonfin
         click.echo(f"{out}: pack already complete for this checkpoint; nothing to do")
     else:
         click.echo(f"packed {res.layers_packed} layers ({res.layers_resumed} verified from an "
-                   f"earlier run), {res.bytes_written / 1e6:.1f} MB in {res.seconds:.2f} s "
+                   f"earlier run), {size_text(res.bytes_written)} in {res.seconds:.2f} s "
                    f"= {res.mb_per_s:.0f} MB/s"
                    + (f" = {of_src:.0%} of the source disk's sequential read "
                       f"({src_bps / 1e6:.0f} MB/s, timed just before)" if of_src else ""))
@@ -159,17 +161,21 @@ def _compress(pack_dir, quiet: bool) -> dict:
     return {"out": res.out, "layers": res.layers, "resumed": res.layers_resumed,
             "raw_bytes": res.raw_bytes, "stored_bytes": res.stored_bytes,
             "fraction": round(res.fraction, 4), "seconds": round(res.seconds, 3),
-            "already_compressed": res.already_compressed}
+            "already_compressed": res.already_compressed,
+            "saves_nothing": res.saves_nothing}
 
 
 def _echo_compress(info: dict) -> None:
+    raw, stored = size_texts(info["raw_bytes"], info["stored_bytes"])
     if info["already_compressed"]:
         click.echo(f"{info['out']}: trunk already compressed "
                    f"({info['fraction']:.1%} of raw); nothing to do")
+    elif info["saves_nothing"]:
+        click.echo(f"{info['out']}: compressing saves nothing (trunk {raw} raw, {stored} "
+                   "compressed, plus its block index); the pack is left as it was")
     else:
         click.echo(f"compressed {info['layers']} layers ({info['resumed']} verified from an "
-                   f"earlier run): {info['raw_bytes'] / 1e6:.1f} MB -> "
-                   f"{info['stored_bytes'] / 1e6:.1f} MB ({info['fraction']:.1%}) in "
+                   f"earlier run): {raw} -> {stored} ({info['fraction']:.1%}) in "
                    f"{info['seconds']:.2f} s")
 
 

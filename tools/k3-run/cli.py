@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from types import SimpleNamespace
 
 import click
 
@@ -164,99 +165,118 @@ RULES = (
 @click.version_option(__version__, prog_name="k3-run")
 @click.pass_context
 @handle_errors
-def main(ctx, model, pack, prompt, prompt_file, ids, batch, out_path, wait, max_prompts,
-         deadline, batch_width, shard, chat, template_kwargs, serve_address, api_key, reuse_gb,
-         reuse_disk_gb, gen, temperature,
-         top_p, seed, stop_strings, stop_ids, preset, trunk_gb, cache_gb, resident,
-         cache_policy, io_threads, buffered_io, verify_reads, prefill_chunk, spec, draft,
-         draft_max, draft_dump, threads, quiet,
-         save_state, load_state, trace_path, logits_out, report_json, json_out):
+def main(ctx, **options):
+    """Each mode is one function below; ``a`` holds every option by its parameter name."""
     started = time.monotonic()
-    from libk3.run import runner
-
+    a = SimpleNamespace(**options)
     constraints.check(ctx, RULES)
-    if serve_address:
+    if a.serve_address:
         from libk3.serve.app import check_address
-        check_address(serve_address, api_key)        # before the model is opened
-    width = None if not (batch or serve_address) else \
-        ("auto" if batch_width is None else batch_width)
-    opts = runner.RunOptions(
-        model=model, pack=pack, preset=preset, trunk_gb=trunk_gb, cache_gb=cache_gb,
-        budget_order=ctx.meta.get("k3_budget_order", []), resident=resident,
-        cache_policy=cache_policy, io_threads=io_threads, direct_io=not buffered_io,
-        trace_path=trace_path, verify_reads=verify_reads, batch_width=width,
-        progress=not quiet, spec=spec, draft=draft, draft_max=draft_max, draft_dump=draft_dump,
-        warn=lambda m: click.echo(f"k3-run: {m}", err=True))
-    settings = runner.settings_from(gen=gen, temperature=temperature, top_p=top_p, seed=seed,
-                                    stop_strings=stop_strings, stop_ids=stop_ids,
-                                    prefill_chunk=prefill_chunk)
-    if batch:
-        limits = runner.BatchLimits(
-            max_prompts=max_prompts, wait=wait, started=started,
-            deadline=None if deadline is None else started + 60.0 * deadline)
-        _batch_mode(opts, settings, batch, out_path, limits, shard, json_out)
+        check_address(a.serve_address, a.api_key)        # before the model is opened
+    opts, settings = _run_options(ctx, a), _settings(a)
+    if a.batch:
+        _batch_mode(a, opts, settings, started)
         return
+    from libk3.run import runner
     with runner.open_run(opts) as run:
-        run.check_stop_ids(stop_ids)
-        if serve_address:
-            from libk3.serve.app import serve
-            serve(run, serve_address, settings, api_key=api_key,
-                  log=lambda m: click.echo(m, err=True),
-                  reuse_ram_bytes=int(reuse_gb * 1e9), reuse_disk_bytes=int(reuse_disk_gb * 1e9))
-            return
-        if chat:
-            runner.run_chat(run, settings, load_state=load_state, save_state=save_state,
-                            emit_factory=lambda: _Printer(run.session.tokenizer),
-                            warn=lambda m: click.echo(m, err=True),
-                            template_kwargs=template_kwargs,
-                            prompt_fn=_chat_prompt)
-            return
-        if ids is not None:
-            prompt_ids = runner.parse_ids(ids, run.cfg.vocab_size)
-        elif prompt_file is not None:
-            prompt_ids = run.encode_file(prompt_file)
+        run.check_stop_ids(a.stop_ids)
+        if a.serve_address:
+            _serve_mode(a, run, settings)
+        elif a.chat:
+            _chat_mode(a, run, settings)
         else:
-            prompt_ids = run.encode(prompt)
-        rep = _one_prompt(run, prompt_ids, settings, json_out, logits_out, load_state,
-                          save_state)
-    if report_json:
-        atomic.write_json(report_json, rep)
-    if json_out:
+            _prompt_mode(a, run, settings)
+
+
+def _run_options(ctx, a):
+    """What opens the model: budget, pack, streaming, drafting, tracing."""
+    from libk3.run import runner
+    width = None if not (a.batch or a.serve_address) else \
+        ("auto" if a.batch_width is None else a.batch_width)
+    return runner.RunOptions(
+        model=a.model, pack=a.pack, preset=a.preset, trunk_gb=a.trunk_gb, cache_gb=a.cache_gb,
+        budget_order=ctx.meta.get("k3_budget_order", []), resident=a.resident,
+        cache_policy=a.cache_policy, io_threads=a.io_threads, direct_io=not a.buffered_io,
+        trace_path=a.trace_path, verify_reads=a.verify_reads, batch_width=width,
+        progress=not a.quiet, spec=a.spec, draft=a.draft, draft_max=a.draft_max,
+        draft_dump=a.draft_dump, warn=lambda m: click.echo(f"k3-run: {m}", err=True))
+
+
+def _settings(a):
+    """How tokens are chosen and when generation stops."""
+    from libk3.run import runner
+    return runner.settings_from(gen=a.gen, temperature=a.temperature, top_p=a.top_p,
+                                seed=a.seed, stop_strings=a.stop_strings, stop_ids=a.stop_ids,
+                                prefill_chunk=a.prefill_chunk)
+
+
+def _serve_mode(a, run, settings) -> None:
+    """--serve: the OpenAI-style server until it is stopped."""
+    from libk3.serve.app import serve
+    serve(run, a.serve_address, settings, api_key=a.api_key,
+          log=lambda m: click.echo(m, err=True),
+          reuse_ram_bytes=int(a.reuse_gb * 1e9), reuse_disk_bytes=int(a.reuse_disk_gb * 1e9))
+
+
+def _chat_mode(a, run, settings) -> None:
+    """--chat: turns from the terminal or stdin until end of input."""
+    from libk3.run import runner
+    runner.run_chat(run, settings, load_state=a.load_state, save_state=a.save_state,
+                    emit_factory=lambda: _Printer(run.session.tokenizer),
+                    warn=lambda m: click.echo(m, err=True),
+                    template_kwargs=a.template_kwargs, prompt_fn=_chat_prompt)
+
+
+def _prompt_mode(a, run, settings) -> None:
+    """--prompt, --prompt-file, --ids: one prompt, its text as it comes, then the report."""
+    from libk3.run import runner
+    if a.ids is not None:
+        prompt_ids = runner.parse_ids(a.ids, run.cfg.vocab_size)
+    elif a.prompt_file is not None:
+        prompt_ids = run.encode_file(a.prompt_file)
+    else:
+        prompt_ids = run.encode(a.prompt)
+    rep = _one_prompt(run, prompt_ids, settings, a)
+    if a.report_json:
+        atomic.write_json(a.report_json, rep)
+    if a.json_out:
         print_json(rep)
     else:
         from libk3.run.report import short_text
         click.echo(short_text(rep), err=True)
 
 
-def _batch_mode(opts, settings, batch, out_path, limits, shard_kn, json_out) -> None:
+def _batch_mode(a, opts, settings, started: float) -> None:
     """--batch: the whole file (or what the limits allow), then its summary."""
     from libk3.run import runner
-    summary = runner.run_batch(opts, batch, out_path, settings,
+    limits = runner.BatchLimits(
+        max_prompts=a.max_prompts, wait=a.wait, started=started,
+        deadline=None if a.deadline is None else started + 60.0 * a.deadline)
+    summary = runner.run_batch(opts, a.batch, a.out_path, settings,
                                warn=lambda m: click.echo(m, err=True), limits=limits,
-                               shard=shard_kn)
-    if json_out:
+                               shard=a.shard)
+    if a.json_out:
         print_json(summary)
         return
     from libk3.run.batch import summary_text
     from libk3.run.report import batch_text
-    click.echo(summary_text(summary, out_path), err=True)
+    click.echo(summary_text(summary, a.out_path), err=True)
     if "width" in summary:
         click.echo(batch_text(summary), err=True)
 
 
-def _one_prompt(run, prompt_ids, settings, json_out, logits_out, load_state,
-                save_state) -> dict:
-    """--prompt, --prompt-file, --ids: generate with the text shown as it comes; the
-    logits saved when asked; the run report."""
-    printer = None if json_out else _Printer(run.session.tokenizer)
+def _one_prompt(run, prompt_ids, settings, a) -> dict:
+    """Generate with the text shown as it comes; the logits saved when asked; the run
+    report."""
+    printer = None if a.json_out else _Printer(run.session.tokenizer)
     res = run.generate(prompt_ids, settings, on_token=printer,
-                       keep_logits=logits_out is not None, load_state=load_state,
-                       save_state=save_state)
+                       keep_logits=a.logits_out is not None, load_state=a.load_state,
+                       save_state=a.save_state)
     if printer is not None:
         printer.finish()
-    if logits_out:
+    if a.logits_out:
         import numpy as np
-        npy = logits_out if logits_out.endswith(".npy") else logits_out + ".npy"
+        npy = a.logits_out if a.logits_out.endswith(".npy") else a.logits_out + ".npy"
         with atomic.replacing(npy) as f:       # np.save's own suffix rule, atomically
             np.save(f, res.logits)
     return run.report(res)

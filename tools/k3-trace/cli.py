@@ -1,9 +1,9 @@
 """k3-trace: import, inspect and replay expert-routing traces (formats/trace.md).
 
 Thin click front end: options are parsed here, the work is in libk3 (``libk3.trace.format``,
-``libk3.trace.report``, ``libk3.trace.replay``). Subcommands are registered one per
-function on the ``main`` group; ``record`` and ``size`` (which need k3-run) are added the
-same way by their own module.
+``libk3.trace.report``, ``libk3.trace.replay``, ``libk3.trace.sizing``). Subcommands are
+registered one per function on the ``main`` group; ``--help`` lists them from there, so
+the help text names none by hand.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def _jobs(jobs):
     return min(2, allowance().count)
 
 
-@click.group(cls=Group, help="Import, inspect and replay expert-routing traces. "
-                  "Subcommands: import, stats, replay, record, size.")
+@click.group(cls=Group, help="Record, import, inspect and replay expert-routing traces, "
+                              "and size a memory budget from one.")
 @click.version_option(__version__, prog_name="k3-trace")
 def main():
     pass
@@ -92,10 +92,11 @@ def stats(trace, tolerate_truncated, json_out):
 @main.command("replay")
 @click.argument("trace", type=click.Path(exists=True, dir_okay=False))
 @click.option("--capacity-gb", type=NumberList(gigabytes(positive=True)),
-              help="Comma-separated cache sizes in GB (10^9 bytes). "
-                   "Default: 8,16,32,64,128,192,256.")
+              help="Comma-separated cache sizes in GB (10^9 bytes). Default (neither this "
+                   "nor --slots): 1/64, 1/32, ... 1/2 and all of the distinct experts the "
+                   "trace touches.")
 @click.option("--slots", type=NumberList(click.IntRange(1)),
-              help="Comma-separated cache sizes in slots.")
+              help="Comma-separated cache sizes in slots (with --capacity-gb: both).")
 @click.option("--expert-bytes", type=click.IntRange(1, MAX_EXPERT_BYTES),
               help="Override the trace's expert size.")
 @click.option("--policy", "policy", help="Comma-separated policies (default: all).")
@@ -104,13 +105,14 @@ def stats(trace, tolerate_truncated, json_out):
 @click.option("--tolerate-truncated", is_flag=True,
               help="Use the intact frames of a trace whose last frame is damaged.")
 @click.option("--plot", type=click.Path(dir_okay=False),
-              help="Also write a hit-rate-versus-capacity chart (needs matplotlib).")
+              help="Also write a hit-rate-versus-capacity chart, its format from the "
+                   "name (.png, .svg, .pdf; needs pip install 'k3[plot]').")
 @click.option("--json", "json_out", is_flag=True, help="Print JSON.")
 @quiet_option
 @handle_errors
 def replay(trace, capacity_gb, slots, expert_bytes, policy, jobs, tolerate_truncated, plot,
            json_out, quiet):
-    """Hit rate and GB read per token of each cache policy at each capacity, replaying
+    """Hit rate and bytes read per token of each cache policy at each capacity, replaying
     TRACE offline (routing does not depend on the cache)."""
     from libk3.engine.precompile import prepare
     from libk3.policies.registry import POLICIES, check_policy_names

@@ -1,0 +1,66 @@
+"""The identity of a checkpoint's weights: what a pack, a saved state (and any cache of
+states) records to recognise the checkpoint it was made from.
+
+Owns: the sampled content digest of a shard (formats/pack.md ``sampled_sha256``), a
+checkpoint's ``source`` (its config fingerprint plus every shard's name, size and
+digest: trunk.json's ``source``), and ``weights_identity``, that source as one hex
+string (formats/state.md ``weights``). Does not own: comparing a pack's manifest against
+a checkpoint (``libk3.pack.schema``) or reading a state (``libk3.model.state``).
+
+Why sampled content: names and sizes alone accept another fine-tune of the same
+architecture; hashing whole shards (1.56 TB) at every start is out of the question, four
+64 KiB blocks per shard are not. What it does not see: a change that misses every
+sampled block (only ``k3-pack verify --against`` compares every trunk byte).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+SAMPLE_BLOCK = 64 << 10          # bytes per sampled block of a shard (formats/pack.md)
+
+
+def sample_blocks(size: int, data_start: int) -> list:
+    """(offset, length) of the blocks a shard's digest covers: the first, the first data
+    bytes (after the safetensors header), the middle and the last SAMPLE_BLOCK; the whole
+    file when it is at most four blocks long."""
+    if size <= 4 * SAMPLE_BLOCK:
+        return [(0, size)]
+    starts = {0, min(max(data_start, 0), size - SAMPLE_BLOCK),
+              size // 2 - SAMPLE_BLOCK // 2, size - SAMPLE_BLOCK}
+    return [(s, SAMPLE_BLOCK) for s in sorted(starts)]
+
+
+def shard_digest(ckpt, path: str, size: int) -> str:
+    """sha256 over each sampled block's offset (u64 LE) and bytes."""
+    h = hashlib.sha256()
+    head = ckpt.read_span(path, 0, 8) if size >= 8 else b""
+    data_start = 8 + int.from_bytes(bytes(head), "little") if size >= 8 else 0
+    for off, n in sample_blocks(size, data_start):
+        h.update(off.to_bytes(8, "little"))
+        h.update(ckpt.read_span(path, off, n))
+    return h.hexdigest()
+
+
+def source_identity(ckpt) -> dict:
+    """trunk.json's ``source``: what a pack records to recognise its checkpoint."""
+    ident = ckpt.identity()
+    return {"config_fingerprint": ident["config_fingerprint"],
+            "shards": [{"name": name, "size": size,
+                        "sampled_sha256": shard_digest(ckpt, path, size)}
+                       for path, (name, size) in zip(ckpt.shards, ident["shards"])]}
+
+
+def weights_identity(ckpt, source: dict | None = None) -> str:
+    """The identity of ``ckpt``'s weights as 64 hex digits: the sha256 of its
+    ``source_identity`` as canonical JSON (keys sorted, no spaces). The same whether a
+    run streams the trunk from a pack or from the shards (a pack's ``source`` is checked
+    to equal the checkpoint's); two checkpoints of one configuration with other weights
+    differ in it (up to the sampling above). ``source``: that dict when already at hand
+    and checked against ``ckpt`` (a pack's manifest after ``open_pack(pack, ckpt)``),
+    which saves re-reading the sampled blocks; else they are read (four per shard)."""
+    if source is None:
+        source = source_identity(ckpt)
+    text = json.dumps(source, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
