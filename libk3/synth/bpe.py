@@ -278,21 +278,27 @@ def _max_len(n: int) -> int:
     return min(MAX_TOKEN_BYTES, n.bit_length() - 7)
 
 
-def _one_script(text: str) -> bool:
-    """No control characters other than whitespace, and all letters from one script
-    (first word of the Unicode name: LATIN, CJK, HANGUL, ...), as real merges are."""
-    script = None
+def _script_of(token: bytes):
+    """What a token's text allows in a merge (real merges stay in one script): None when
+    it is not whole UTF-8, holds a control character other than whitespace, or mixes
+    scripts; else the script of its letters (first word of the Unicode name: LATIN, CJK,
+    HANGUL, ...), "" when it has none."""
+    try:
+        text = token.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    script = ""
     for ch in text:
         cat = unicodedata.category(ch)
         if cat == "Cc" and ch not in "\t\n\r\v\f":
-            return False
+            return None
         if cat[0] == "L":
             word = unicodedata.name(ch, "?").split(" ", 1)[0]
-            if script is None:
+            if not script:
                 script = word
             elif word != script:
-                return False
-    return True
+                return None
+    return script
 
 
 def _extend_by_concatenation(n_ranks: int, pre, ranks: list, rank_of: dict, accept) -> None:
@@ -300,6 +306,7 @@ def _extend_by_concatenation(n_ranks: int, pre, ranks: list, rank_of: dict, acce
     stream = _splitmix64(SPLITMIX_SEED)
     needed = n_ranks - len(ranks)
     budget = 200 * needed + 100_000        # far above the measured ~8 draws per token
+    scripts: dict = {}          # rank -> _script_of(its token): ranks never change
     for _ in range(budget):
         if len(ranks) >= n_ranks:
             return
@@ -309,11 +316,14 @@ def _extend_by_concatenation(n_ranks: int, pre, ranks: list, rank_of: dict, acce
         token = ranks[left] + ranks[right]
         if len(token) > _max_len(len(ranks)) or token in rank_of:
             continue
-        try:    # both parts whole UTF-8: characters come only from the corpus and ASCII
-            text = ranks[left].decode("utf-8") + ranks[right].decode("utf-8")
-        except UnicodeDecodeError:
+        # both parts whole UTF-8 (characters come only from the corpus and ASCII) and
+        # one script between them
+        a = scripts[left] if left in scripts else scripts.setdefault(left, _script_of(ranks[left]))
+        b = scripts[right] if right in scripts else scripts.setdefault(right,
+                                                                      _script_of(ranks[right]))
+        if a is None or b is None or (a and b and a != b):
             continue
-        if not _one_script(text) or len(pre.pre_tokenize_str(text)) != 1:
+        if len(pre.pre_tokenize_str(token.decode("utf-8"))) != 1:
             continue
         accept(left, right)
     if len(ranks) < n_ranks:
