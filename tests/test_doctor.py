@@ -23,7 +23,6 @@ from libk3.doctor import timing
 from libk3.errors import BudgetError, FormatError, UsageError
 from libk3.io.checkpoint import Checkpoint
 from libk3.budget import GB, ModelSizes
-from libk3.synth.checkpoint import synth_checkpoint
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
 REAL_TRUNK = 108_811_877_376          # model.md §3.5
@@ -64,11 +63,6 @@ def tiny_copy(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny") / "tiny"
     shutil.copytree(FIXTURE, d)
     return d
-
-
-@pytest.fixture(scope="module")
-def small_ckpt(tmp_path_factory):
-    return synth_checkpoint(tmp_path_factory.mktemp("small") / "small", "small", progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -339,11 +333,11 @@ def test_doctor_cli_usage_errors_exit_2(tmp_path):
     assert res.returncode == 2 and "Traceback" not in res.stderr
 
 
-def test_doctor_small_measures_disk_and_estimates_every_preset(small_ckpt, tmp_path,
+def test_doctor_small_measures_disk_and_estimates_every_preset(small_dir, tmp_path,
                                                                probe_tmp):
     """Catches estimates without measurements, a probe file left behind, or a pick that
     does not hold the whole small model."""
-    diag = doctor.diagnose(small_ckpt, tmp_path / "pack", probe_bytes=48 << 20,
+    diag = doctor.diagnose(small_dir, tmp_path / "pack", probe_bytes=48 << 20,
                            memory=hwmem.assumed_memory(8 * 10**9), probe_tmp=probe_tmp,
                            **FAST)
     rep = diag.report
@@ -357,7 +351,7 @@ def test_doctor_small_measures_disk_and_estimates_every_preset(small_ckpt, tmp_p
     lap = rows["laptop"]["estimate"]
     assert lap["expert_hit_rate"] == 1.0 and lap["trunk_streamed_bytes"] == 0
     assert rep["decision"]["pick"] == "laptop" and "whole model" in rep["decision"]["why"]
-    assert _probe_files(small_ckpt) == [] and not (tmp_path / "pack").exists()
+    assert _probe_files(small_dir) == [] and not (tmp_path / "pack").exists()
     assert _probe_files(probe_tmp) == []
     json.dumps(rep)                                   # JSON-ready
     assert "== verdict: this machine can run" in doctor.render_text(rep)
@@ -393,7 +387,7 @@ def test_doctor_truncated_shard_fails_naming_the_shard(tiny_copy, tmp_path):
     assert not rep["can_run"]
 
 
-def test_doctor_stale_pack_is_reported_and_a_new_directory_suggested(tiny_copy, small_ckpt,
+def test_doctor_stale_pack_is_reported_and_a_new_directory_suggested(tiny_copy, small_dir,
                                                                      tmp_path):
     """Catches a pack of another checkpoint being taken as complete."""
     from libk3.pack.writer import pack
@@ -406,7 +400,7 @@ def test_doctor_stale_pack_is_reported_and_a_new_directory_suggested(tiny_copy, 
     assert same.report["model"]["pack"]["state"] == "complete"
     assert len(same.report["next_commands"]) == 1
     assert same.report["next_commands"][0].startswith("k3-run ")
-    other = doctor.diagnose(small_ckpt, out, quick=True, memory=mem)
+    other = doctor.diagnose(small_dir, out, quick=True, memory=mem)
     assert other.report["model"]["pack"]["state"] == "stale"
     assert other.report["next_commands"][0].startswith("k3-pack ")
     assert str(out) not in other.report["next_commands"][0].split()[-1:]
@@ -768,13 +762,13 @@ def test_doctor_compression_advice_both_ways(real_sizes):
     assert doctor.compression_advice(None, 1e9, dec)["recommend"] is None
 
 
-def test_doctor_cli_recommends_compressing_with_a_slow_disk_override(small_ckpt, tmp_path,
+def test_doctor_cli_recommends_compressing_with_a_slow_disk_override(small_dir, tmp_path,
                                                                     probe_tmp):
     """Catches --assume-read-mbps / --assume-decode-mbps not reaching the advice or the
     next command: a 1 MB/s disk and a fast decoder say compress (k3-pack ...
     --compress-trunk), a fast disk and a slow decoder say not."""
     def run(read, decode):
-        p = subprocess.run(["k3-doctor", str(small_ckpt), "--pack", str(tmp_path / "p"),
+        p = subprocess.run(["k3-doctor", str(small_dir), "--pack", str(tmp_path / "p"),
                             "--json", "--assume-memory-gb", "0.38", "--assume-read-mbps",
                             str(read), "--assume-decode-mbps", str(decode),
                             "--probe-size-mb", "48"],
@@ -787,7 +781,7 @@ def test_doctor_cli_recommends_compressing_with_a_slow_disk_override(small_ckpt,
     assert yes["recommend"] is True and "--compress-trunk" in cmds[0], yes
     no, cmds = run(100_000, 1)
     assert no["recommend"] is False and "--compress-trunk" not in cmds[0], no
-    assert _probe_files(probe_tmp) == [] and _probe_files(small_ckpt) == []
+    assert _probe_files(probe_tmp) == [] and _probe_files(small_dir) == []
 
 
 def test_doctor_counts_a_draft_and_says_whether_drafting_pays(tmp_path):

@@ -6,7 +6,6 @@ shards and layout; tests/ckpt_helpers.rewrite_checkpoint)."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
@@ -22,6 +21,8 @@ from libk3.pack.writer import pack
 from libk3.budget import ModelSizes, minimum_budget
 
 from .ckpt_helpers import rewrite_checkpoint
+from .scripts import k3_here
+from .test_run_cli import _pack
 
 IDS = [5, 17, 300, 42, 7, 99, 128, 3, 250, 11]
 GEN = 4
@@ -139,11 +140,6 @@ def _router_checkpoints(tiny_dir, tmp_path):
     return f32, bf16
 
 
-def _k3(*args):
-    return subprocess.run(["k3-run", *map(str, args)], capture_output=True, text=True,
-                          timeout=600)
-
-
 def test_float_dtypes_f32_router_runs_everywhere_and_matches_bf16_within_rounding(
         tiny_dir, tmp_path):
     """The issue's case: a router gate.weight stored F32 (as the public engine's test
@@ -159,14 +155,14 @@ def test_float_dtypes_f32_router_runs_everywhere_and_matches_bf16_within_roundin
     budget = ("--trunk-gb", f"{(floor.trunk_bytes + 1) / 1e9:.9f}",
               "--cache-gb", f"{(floor.cache_bytes + 1) / 1e9:.9f}")
     pack_dir = tmp_path / "router.pack"
-    assert subprocess.run(["k3-pack", f32, pack_dir, "--quiet"]).returncode == 0
+    _pack(f32, pack_dir)
     runs = {"resident": (f32, "--resident"), "streamed": (f32, *budget),
             "pack": (f32, *budget, "--pack", pack_dir), "bf16": (bf16, "--resident")}
     logits, reports = {}, {}
     for key, (model, *flags) in runs.items():
         out, rep = tmp_path / f"{key}.npy", tmp_path / f"{key}.json"
-        p = _k3(model, "--ids", ",".join(map(str, IDS)), "--gen", GEN, *flags,
-                "--logits-out", out, "--report-json", rep)
+        p = k3_here(model, "--ids", ",".join(map(str, IDS)), "--gen", GEN, *flags,
+                    "--logits-out", out, "--report-json", rep)
         assert p.returncode == 0, (key, p.stderr)
         logits[key], reports[key] = np.load(out), json.loads(rep.read_text())
     for key in ("streamed", "pack"):

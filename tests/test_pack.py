@@ -18,10 +18,7 @@ import libk3.pack.writer as pack_mod
 from libk3.pack.writer import (ALIGN, JOURNAL_FILE, MANIFEST_FILE, PARTIAL_FILE, TRUNK_FILE,
                                load_expert_index, load_manifest, pack, verify)
 
-
-def k3pack(*args):
-    return subprocess.run(["k3-pack", *map(str, args)], capture_output=True, text=True,
-                          timeout=600)
+from .scripts import k3pack
 
 
 @pytest.fixture(scope="module")

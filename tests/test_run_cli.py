@@ -13,7 +13,7 @@ from libk3.engine.generate import GenSettings, generate
 from libk3.engine.session import open_session
 from libk3.io.checkpoint import Checkpoint
 from libk3.budget import ModelSizes, minimum_budget
-from .scripts import k3
+from .scripts import k3, k3_here
 
 PROMPT = "5,17,300,42,7,99,128,3,250,11,64,200,9,31"
 
@@ -66,8 +66,9 @@ def test_run_same_logits_at_every_budget_threads_and_pack(which, tiny_dir, small
     runs.append((_budgets(model)[2], ("--pack", pack_dir, "--threads", "1")))
     for i, (budget, extra) in enumerate(runs):
         out, rep = tmp_path / f"l{i}.npy", tmp_path / f"r{i}.json"
-        p = k3(model, "--ids", PROMPT, "--gen", 6, *budget, *extra, "--logits-out", out,
-               "--report-json", rep)
+        run = k3 if "--threads" in extra else k3_here     # a team size is set at start-up
+        p = run(model, "--ids", PROMPT, "--gen", 6, *budget, *extra, "--logits-out", out,
+                "--report-json", rep)
         assert p.returncode == 0, p.stderr
         got = np.load(out)
         report = json.loads(rep.read_text())

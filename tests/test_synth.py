@@ -125,11 +125,11 @@ def _expected_tensors(doc: dict) -> dict:
             for name, shape in shapes.items()}
 
 
-def test_synth_small_loads_back_with_every_tensor_checked(tmp_path_factory):
+def test_synth_small_loads_back_with_every_tensor_checked(small_dir):
     """Catches a preset whose tensors disagree with its own config: a missing, extra or
     misnamed tensor, a wrong shape or dtype, against the inventory model.md §3.4 and §4.1
     give for the config.json the preset wrote (not the inventory module both sides use)."""
-    d = synth_checkpoint(tmp_path_factory.mktemp("s") / "small", "small", progress=False)
+    d = small_dir                        # synth_checkpoint's "small", made once per run
     assert 1e8 < summary(d)["apparent_bytes"] < 1e9                 # "hundreds of MB"
     want = _expected_tensors(json.loads((d / "config.json").read_text()))
     with Checkpoint.open(d) as ckpt:
