@@ -1,6 +1,7 @@
 """Nothing silently wrong with packs: the schema gate shared by k3-run and k3-pack verify,
 the per-layer CRC on first read, the sampled-content identity, NaN/Inf in trunk tensors
-and in layer outputs (formats/pack.md v2).
+and in layer outputs; the damage properties hold for a raw pack (formats/pack.md v2) and
+a compressed one (v3: trunk.kz and its block index).
 
 What these tests deliberately do not catch: a checkpoint that differs from the packed one
 only outside the sampled blocks of its shards and outside the trunk runs (k3-run samples,
@@ -34,6 +35,8 @@ from libk3.io.checkpoint import Checkpoint
 from libk3.io.dtypes import EXPONENT_MASK
 from libk3.io.identity import SAMPLE_BLOCK, sample_blocks
 from libk3.pack.nonfinite import RunScan
+from libk3.pack.compress import compress
+from libk3.pack.schema import BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, open_pack
 from libk3.pack.writer import JOURNAL_FILE, pack
 from libk3.budget import ModelSizes
 
@@ -49,6 +52,25 @@ def tiny_pack(tmp_path_factory):
     with Checkpoint.open(TINY) as ckpt:
         pack(ckpt, out, progress=False)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_kz(tiny_pack, tmp_path_factory):
+    """tiny_pack compressed (v3); every tiny tensor is below the coded size, so its blocks
+    are stored raw, framed and checksummed as v3 says."""
+    out = tmp_path_factory.mktemp("integrity-v3") / "tiny.pack"
+    shutil.copytree(tiny_pack, out)
+    compress(out, progress=False, even_if_no_gain=True)
+    assert open_pack(out).compressed
+    return out
+
+
+@pytest.fixture(params=["v2", "v3"])
+def any_pack(request):
+    """(the pack, the file its trunk bytes are in): raw, then compressed."""
+    if request.param == "v2":
+        return request.getfixturevalue("tiny_pack"), TRUNK
+    return request.getfixturevalue("tiny_kz"), COMPRESSED_TRUNK_FILE
 
 
 @pytest.fixture(scope="module")
@@ -158,20 +180,27 @@ def _work_copy(tiny_pack) -> Path:
     return d
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+def test_pack_control_is_accepted_by_both(any_pack, budget_args):
+    """The control of every damage case below: the undamaged pack passes both tools."""
+    assert [c for c, _ in _both(any_pack[0], TINY, budget_args).values()] == [0, 0]
+
+
+@settings(max_examples=35, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(data=st.data())
-def test_pack_manifest_random_mutation_refused_by_both(tiny_pack, budget_args, data):
+def test_pack_manifest_random_mutation_refused_by_both(any_pack, budget_args, data):
     """Catches any trunk.json change (a value replaced by any JSON value, a key deleted or
-    added) that either tool accepts, crashes on, or reports in more than one line or
-    without naming the file. Changes that leave the document equal are skipped."""
-    doc = json.loads((tiny_pack / MANIFEST).read_text())
+    added; v3's codec block included) that either tool accepts, crashes on, or reports
+    in more than one line or without naming the file. Changes that leave the document
+    equal are skipped."""
+    packed, trunk = any_pack
+    doc = json.loads((packed / MANIFEST).read_text())
     paths = list(_nodes(doc))
     path = data.draw(st.sampled_from(paths[1:]), label="path")
     op = data.draw(st.sampled_from(["replace", "delete", "add_key"]), label="op")
     _mutate(doc, path, op, data)
-    assume(_canon(doc) != _canon(json.loads((tiny_pack / MANIFEST).read_text())))
-    d = _work_copy(tiny_pack)
+    assume(_canon(doc) != _canon(json.loads((packed / MANIFEST).read_text())))
+    d = _work_copy(packed)
     try:
         (d / MANIFEST).write_text(json.dumps(doc))
         if path[:2] == ("source", "shards") and op == "replace" and len(path) == 4:
@@ -180,7 +209,7 @@ def test_pack_manifest_random_mutation_refused_by_both(tiny_pack, budget_args, d
             needle = ("different checkpoint", MANIFEST)
         elif path[0] == "layers" and path[-1] == "crc32" and op == "replace" \
                 and type(crc := _get(doc, path[:-1])["crc32"]) is int and 0 <= crc < 2**32:
-            needle = TRUNK                             # a valid CRC that the bytes fail
+            needle = trunk                             # a valid CRC that the bytes fail
         else:
             needle = MANIFEST
         _assert_refused(_both(d, TINY, budget_args), needle)
@@ -227,6 +256,43 @@ def test_pack_trunk_any_bit_flip_refused_inside_a_run_accepted_in_padding(tiny_p
             assert [c for c, _ in out.values()] == [0, 0], out
         else:
             _assert_refused(out, f"layer {hit}: trunk bytes do not match")
+    finally:
+        shutil.rmtree(d.parent)
+
+
+@pytest.fixture(scope="module")
+def control_out(tiny_kz, budget_args):
+    """stdout of k3-run on the undamaged compressed pack."""
+    res = CliRunner().invoke(k3run_main, [str(TINY), "--pack", str(tiny_kz), "--ids", IDS,
+                                          "--gen", "1", *budget_args])
+    assert res.exit_code == 0, res.stderr
+    return res.stdout
+
+
+@pytest.mark.parametrize("name", [COMPRESSED_TRUNK_FILE, BLOCK_INDEX_FILE])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(data=st.data())
+def test_pack_v3_any_bit_flip_refused_by_both_or_harmless(name, tiny_kz, budget_args,
+                                                          control_out, data):
+    """Catches a flipped bit of the compressed trunk or its block index that k3-run
+    decodes into wrong weights, crashes on, or that only one tool refuses: both refuse
+    (exit 3, one line), or both accept and the run prints the control's output."""
+    size = (tiny_kz / name).stat().st_size
+    bit = data.draw(st.integers(0, size * 8 - 1), label="bit")
+    d = _work_copy(tiny_kz)
+    try:
+        _flip_bit(d / name, bit)
+        out = _both(d, TINY, budget_args)
+        codes = sorted(c for c, _ in out.values())
+        if codes == [0, 0]:
+            res = CliRunner().invoke(k3run_main, [str(TINY), "--pack", str(d), "--ids", IDS,
+                                                  "--gen", "1", *budget_args])
+            assert res.stdout == control_out
+        else:
+            lines = [e.strip().splitlines() for _, e in out.values()]
+            assert codes == [3, 3] and all(len(x) == 1 for x in lines), out
+            assert all(name in x[0] or "layer" in x[0] for x in lines), out
     finally:
         shutil.rmtree(d.parent)
 
