@@ -85,6 +85,66 @@ def violations(root: Path = ROOT) -> list:
     return out
 
 
+def import_graph(root: Path = ROOT) -> dict:
+    """libk3 module -> the libk3 modules it imports (function-level imports too)."""
+    mods = {module_name(p, root): p for p in (root / "libk3").rglob("*.py")}
+    return {mod: {t for _, t in imports(path, root) if t in mods and t != mod}
+            for mod, path in mods.items()}
+
+
+def circles(graph: dict) -> list:
+    """The import circles of ``graph``: each strongly connected set of more than one
+    module, sorted (Tarjan's algorithm, iterative)."""
+    index, low, on, stack, found = {}, {}, set(), [], []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_layers_no_module_imports_itself_through_others():
+    """Catches an import circle inside a layer (two modules of one room importing each
+    other, as the runner and the batch sink once did): a module must be readable
+    without the one that uses it."""
+    assert circles(import_graph()) == []
+
+
+def test_layers_circles_finds_a_circle():
+    """Control of the check above: a -> b -> c -> a and a lone d -> a."""
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(g) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
 def test_layers_imports_run_one_way_and_libk3_never_imports_click():
     """Catches a backward import (io or kernels importing model, stream importing the
     engine...) or click creeping back into libk3, lazy imports inside functions included."""
