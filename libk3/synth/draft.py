@@ -95,18 +95,15 @@ def write_draft(target_dir, dest, seed: int = 0, preset: str | None = None) -> N
     doc = draft_config_doc(target, preset)
     cfg = draft_config_from_dict(doc, source=f"<draft of preset {preset}>")
     cfg.check_against(target)
-    sparse = PRESETS[preset][2]
-    with Checkpoint.open(target_dir, config=target, validate=False) as ckpt:
-        tensors = []
-        for name, shape in cfg.tensor_shapes().items():
-            if sparse:
-                data = None                 # a hole, like the target's (reads as zeros)
-            elif name == EMBED:
-                data = _embedding_bytes(ckpt, shape)
-            else:
-                data = (lambda n=name, s=shape: _encoded(n, s, seed))
-            tensors.append((name, "BF16", shape, data))
-        write_shard(dest / DRAFT_FILE, tensors)
+    shapes = cfg.tensor_shapes()
+    if PRESETS[preset][2]:          # sparse: every tensor a hole, like the target's
+        write_shard(dest / DRAFT_FILE, [(n, "BF16", s, None) for n, s in shapes.items()])
+    else:
+        with Checkpoint.open(target_dir, config=target, validate=False) as ckpt:
+            write_shard(dest / DRAFT_FILE, [
+                (n, "BF16", s, _embedding_bytes(ckpt, s) if n == EMBED
+                 else (lambda n=n, s=s: _encoded(n, s, seed)))
+                for n, s in shapes.items()])
     write_json(dest / "config.json", doc)
 
 
