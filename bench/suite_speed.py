@@ -8,7 +8,7 @@ cache). Tests present and not skipped in both are compared by their best time; a
 counts as slower when it lost more than 20 % and more than 0.5 s (shorter tests are
 all noise on a shared machine).
 
-    python bench/suite_speed.py BASE_COMMIT [--rounds 2]
+    python bench/suite_speed.py BASE_COMMIT [--head COMMIT] [--rounds 2]
 
 Takes about 3 minutes per suite run on the 2-core dev machine.
 """
@@ -53,9 +53,10 @@ def times(xml: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("base", help="commit to compare against (e.g. the commit before a change)")
+    ap.add_argument("--head", default="HEAD", help="the commit measured against BASE")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    head = sh(["git", "-C", ROOT, "rev-parse", "HEAD"]).stdout.strip()
+    head = sh(["git", "-C", ROOT, "rev-parse", args.head]).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="k3-suite-") as tmp:
         tmp = Path(tmp)
         if CONFORMANCE.is_dir():            # each tree finds the vectors beside it

@@ -216,6 +216,7 @@ def _crafted_state(tiny_dir, tmp_path, pos):
         st = State(ckpt.config)
         wid = weights_identity(ckpt)
     st.pos, st.ids = 1, [1]
+    st.logits = np.zeros(ckpt.config.vocab_size, np.float32)
     good = tmp_path / "good.k3state"
     st.save(good, wid)
 

@@ -142,6 +142,7 @@ def _random_state(cfg) -> State:
         for a in store.values():
             a[...] = rng.standard_normal(a.shape)
     st_.pos, st_.ids = 5, [1, 2, 3, 4, 5]
+    st_.logits = rng.standard_normal(cfg.vocab_size).astype(np.float32)
     return st_
 
 
@@ -162,6 +163,7 @@ def test_state_control_loads_identically(saved_state):
     assert st_.pos == 5 and st_.ids == [1, 2, 3, 4, 5]
     for L in st_.kda_S:
         assert np.array_equal(st_.kda_S[L], again.kda_S[L]) and st_.kda_S[L].any()
+    assert np.array_equal(st_.logits, _random_state(cfg).logits)
 
 
 @settings(max_examples=60, **HYP)
@@ -228,23 +230,26 @@ def test_state_header_field_errors_are_refused(saved_state, tmp_path, name):
         state_header(blob)).replace('"pos": 5', '"pos": ' + HUGE_INT).encode())),
     ("version 1", lambda blob: craft_state(blob, version=1)),
     ("version 2", lambda blob: craft_state(blob, version=2)),
+    ("version 3", lambda blob: craft_state(blob, version=3)),
     ("version 99", lambda blob: craft_state(blob, version=99)),
 ])
 def test_state_named_damage_is_refused(saved_state, tmp_path, name, make):
     """Catches an empty, partial, nested or old-version state slipping past the loader
-    (a version 2 file records no weights identity: it must be re-created)."""
+    (a version 2 file records no weights identity, a version 3 file no last logits: it
+    must be re-created)."""
     cfg, _, blob = saved_state
     p = tmp_path / "bad.k3state"
     p.write_bytes(make(blob))
     line = check_refused(call(State.load, cfg, p, WEIGHTS, seconds=10), 3, str(p))
     if name.startswith("version"):
         assert "version" in line
-    if name in ("version 1", "version 2"):
+    if name in ("version 1", "version 2", "version 3"):
         assert "older k3" in line and "re-create" in line, line
 
 
 @pytest.mark.parametrize("array,value", [("kda_S.0", np.nan), ("kda_conv.1", -np.inf),
-                                         ("mla_latent.3", np.inf), ("mla_rope.3", np.nan)])
+                                         ("mla_latent.3", np.inf), ("mla_rope.3", np.nan),
+                                         ("logits", np.inf)])
 def test_state_holding_nan_or_inf_is_refused_naming_the_array(saved_state, tmp_path, array,
                                                               value):
     """Catches a loader that accepts NaN or Inf in a state's arrays (framing and checksum
@@ -253,8 +258,11 @@ def test_state_holding_nan_or_inf_is_refused_naming_the_array(saved_state, tmp_p
     test_state_control_loads_identically)."""
     cfg, _, _ = saved_state
     st_ = _random_state(cfg)
-    kind, L = array.rsplit(".", 1)
-    getattr(st_, kind)[int(L)].reshape(-1)[3] = value
+    if array == "logits":
+        st_.logits[3] = value
+    else:
+        kind, L = array.rsplit(".", 1)
+        getattr(st_, kind)[int(L)].reshape(-1)[3] = value
     p = tmp_path / "nan.k3state"
     st_.save(p, WEIGHTS)
     line = check_refused(call(State.load, cfg, p, WEIGHTS, seconds=10), 3, str(p), array)
@@ -415,7 +423,7 @@ def _documented(job) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool)
     t, p = job.get("temperature", 0), job.get("top_p", 1)
     ok = (isinstance(job.get("gen", 0), int) and not isinstance(job.get("gen", 0), bool)
-          and 0 <= job.get("gen", 0) <= MAX_GEN
+          and -1 <= job.get("gen", 0) <= MAX_GEN             # -1: until the end
           and num(t) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)
           and num(p) and math.isfinite(p) and 0 < p <= 1
           and isinstance(job.get("seed", 0), int) and not isinstance(job.get("seed", 0), bool)
@@ -434,8 +442,9 @@ def test_batch_line_settings_are_checked_exactly(fields):
     temperature accepted, a negative seed reaching numpy, stop_ids never checked)."""
     line = json.dumps({"id": 1, "ids": [1, 2], **fields}, allow_nan=True)
     want = _documented(fields) and (
-        "stop" not in fields or isinstance(fields["stop"], str)
-        or (isinstance(fields["stop"], list) and all(isinstance(s, str) for s in fields["stop"])))
+        "stop" not in fields or (isinstance(fields["stop"], str) and fields["stop"] != "")
+        or (isinstance(fields["stop"], list)
+            and all(isinstance(s, str) and s != "" for s in fields["stop"])))
     try:
         batchfile.parse_line(line.encode(), VOCAB)      # a line as read: bytes
     except batchfile.BatchLineError:

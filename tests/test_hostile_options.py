@@ -28,6 +28,7 @@ from .hostile_inputs import small_trace
 MIN_TEMPERATURE = 2.0 ** -126          # README: smallest normal float32
 MAX_GB = 1e6                           # README: GB options are at most 1,000,000
 MAX_GEN = 1 << 20                      # README: the trained context, 1,048,576 positions
+MAX_TOP_K = 1 << 24                    # README: no vocabulary is wider than 2^24
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +60,15 @@ def _base(env, tool):
 FLOAT_JUNK = ["nan", "NaN", "inf", "-inf", "1e400", "x"]
 # (tool, option, bad values, good values)
 OPTIONS = [
-    ("run", "--gen", ["-1", "nan", "1.5", str(MAX_GEN + 1), str(10**18)],
-     ["0", "16", str(MAX_GEN)]),
+    ("run", "--gen", ["-2", "nan", "1.5", str(MAX_GEN + 1), str(10**18)],
+     ["-1", "0", "16", str(MAX_GEN)]),
+    ("run", "--top-k", ["-2", "nan", "1.5", str(MAX_TOP_K + 1)],
+     ["-1", "0", "40", str(MAX_TOP_K)]),
+    ("run", "--min-p", FLOAT_JUNK + ["-0.1", "1.01"], ["0", "0.05", "1"]),
+    ("run", "--repeat-penalty", FLOAT_JUNK + ["0", "-1", "1e-39", "1e39"],
+     ["1", "1.1", "0.5", "1.2e-38", "8e37"]),
+    ("run", "--presence-penalty", FLOAT_JUNK + ["-2.01", "2.5"], ["-2", "0", "2"]),
+    ("run", "--frequency-penalty", FLOAT_JUNK + ["-2.01", "2.5"], ["-2", "0.5", "2"]),
     ("run", "--temperature", FLOAT_JUNK + ["-0.5", "1e-320", "1e-45", "1e-39"],
      ["0", "0.7", "1.2e-38", "100"]),
     ("run", "--top-p", FLOAT_JUNK + ["0", "-0.1", "1.01"], ["1", "0.5", "1e-300"]),
@@ -148,6 +156,10 @@ def _in(v, lo, hi, lo_open=False, hi_open=False):
 FLOAT_DOMAINS = {
     "--temperature": ("run", lambda v: v == 0 or _in(v, MIN_TEMPERATURE, math.inf, hi_open=True)),
     "--top-p": ("run", lambda v: _in(v, 0, 1, lo_open=True)),
+    "--min-p": ("run", lambda v: _in(v, 0, 1)),
+    "--repeat-penalty": ("run", lambda v: _in(v, MIN_TEMPERATURE, 2.0 ** 126)),
+    "--presence-penalty": ("run", lambda v: _in(v, -2, 2)),
+    "--frequency-penalty": ("run", lambda v: _in(v, -2, 2)),
     "--trunk-gb": ("run", lambda v: _in(v, 0, MAX_GB)),
     "--budget-gb": ("size", lambda v: _in(v, 0, MAX_GB, lo_open=True)),
     "--assume-memory-gb": ("doctor", lambda v: _in(v, 0, MAX_GB, lo_open=True)),

@@ -80,8 +80,8 @@ def test_finish_is_the_time_lockstep_takes(works, chunk, a, b):
     order, the last chunk's logits giving the first token, one token per decoder)."""
     clock = Clock()
     fwd = FakeForward(clock, a, b)
-    ls = Lockstep(fwd, lambda n: types.SimpleNamespace(pos=0), len(works), lambda job, res: None, chunk=chunk,
-                  clock=clock)
+    ls = Lockstep(fwd, lambda n: types.SimpleNamespace(pos=0, ids=[]), len(works),
+                  lambda job, res: None, chunk=chunk, clock=clock)
     for i, (p, g) in enumerate(works):
         ls.submit(Job(i, list(range(1, p + 1)), GenSettings(gen=g)))
     pace = Pace()

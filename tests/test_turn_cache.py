@@ -53,12 +53,14 @@ def test_turn_cache_takes_longest_strict_prefix_only(session):
 
 
 def _state(session, ids):
-    """A state holding ``ids`` (its arrays marked with len(ids), not computed)."""
+    """A state holding ``ids`` (its arrays and last logits marked with len(ids), not
+    computed)."""
     st = session.new_state()
     st.ids = list(ids)
     st.pos = len(ids)
     for a in st.kda_S.values():
         a[...] = np.float32(len(ids))
+    st.logits = np.full(session.cfg.vocab_size, len(ids), np.float32)
     return st
 
 

@@ -31,8 +31,9 @@ import numpy as np
 
 from ..model.forward import Segment
 from .defaults import PREFILL_CHUNK
-from .generate import Abandoned, GenResult, GenSettings, Stops
+from .generate import Abandoned, GenResult, GenSettings
 from .sampler import Sampler
+from .stops import Stops
 
 
 @dataclasses.dataclass
@@ -57,7 +58,9 @@ class _Lane:
         self.job = job
         self.prompt = [int(i) for i in job.prompt_ids]
         self.state = state
-        self.sampler = Sampler(job.settings.temperature, job.settings.top_p, job.settings.seed)
+        # tokens this lane may generate; its output starts after the state and prompt
+        self.limit = job.settings.limit(state.pos + len(self.prompt))
+        self.sampler = Sampler.of(job.settings, state.pos + len(self.prompt))
         self.spec = spec                # a Speculator when the run drafts
         self.fed = 0                    # prompt tokens fed so far
         self.next = None                # the sampled token the next pass feeds
@@ -79,7 +82,7 @@ class _Lane:
         if n_prompt or self.spec is None:
             return Segment(ids, self.state, all_logits=self.rows is not None or n_prompt == 0,
                            phase="prefill" if n_prompt else "decode", tag=tag)
-        room = self.job.settings.gen - len(self.generated)
+        room = self.limit - len(self.generated)
         return self.spec.plan(self.state, self.next, room, self.job.settings.stop_ids,
                               self.sampler, tag, others)
 
@@ -105,10 +108,10 @@ class _Lane:
             return
         if self.t_first is None:
             self.t_first = time.perf_counter()
-        if len(self.generated) >= self.job.settings.gen:
+        if len(self.generated) >= self.limit:
             self.reason = "length"
             return
-        tok = self.sampler(logits[-1], self.state.pos)
+        tok = self.sampler(logits[-1], self.state.pos, self.state.ids)
         self._emit(tok, on_token)
         self.next = tok
 
@@ -118,14 +121,15 @@ class _Lane:
         if on_token is not None:
             on_token(self.job, tok)
         self.reason = self.stops.see(tok)
-        if self.reason is None and len(self.generated) >= self.job.settings.gen:
+        if self.reason is None and len(self.generated) >= self.limit:
             self.reason = "length"
         return self.reason is not None
 
     def result(self, now: float) -> GenResult:
         logits = np.concatenate(self.rows).astype(np.float32) if self.rows else None
         return GenResult(self.prompt, self.generated, self.reason, self.t_first - self.t_enter,
-                         now - self.t_first, logits)
+                         now - self.t_first, logits,
+                         stop_strings=tuple(self.job.settings.stop_strings))
 
 
 @dataclasses.dataclass
@@ -190,7 +194,7 @@ class Lockstep:
     def submit(self, job: Job) -> None:
         self.make_room()
         state = job.state if job.state is not None else \
-            self.new_state(len(job.prompt_ids) + job.settings.gen)
+            self.new_state(len(job.prompt_ids) + max(job.settings.gen, 0))  # -1: grows
         spec = self.drafting.speculator() if self.drafting is not None else None
         self.lanes.append(_Lane(job, state, time.perf_counter(), self.keep_logits,
                                 self.tokenizer, spec))

@@ -85,8 +85,14 @@ class DSpark:
             self._tell("long", f"drafting is off past {self.cfg.trained_context:,} positions "
                        "(the draft's trained context, dspark.md §7)")
             return Proposal([])
+        block = [int(anchor)]             # the anchor, then each proposal as it is picked
+
+        def pick_k(k, logits):            # proposal k follows the anchor and k proposals
+            t = int(pick(logits, p + k + 1, state.ids, block[:k + 1]))
+            block[k + 1:] = [t]
+            return t
         got = self.draft.propose(cache, int(anchor), min(n, self.cfg.block_size),
-                                 pick=lambda k, logits: pick(logits, p + k + 1))
+                                 pick=pick_k)
         dump = None
         if self.dump:
             dump = {"draft_base_logits": got.base, "draft_logits": got.logits,

@@ -1,5 +1,6 @@
 """The rules for a generation request's settings: tokens to generate, temperature, top_p,
-seed and token ids. Each ``*_problem`` returns why a value is refused, or None.
+top_k, min_p, the three penalties, seed, stop strings and token ids. Each ``*_problem``
+returns why a value is refused, or None.
 
 Owns: what values the options, batch lines and server requests accept (one rule each,
 applied before any run). Imports neither numpy nor the model, so option parsing and
@@ -9,7 +10,10 @@ applied before any run). Imports neither numpy nor the model, so option parsing 
 Why temperatures in (0, 2^-126) are refused: logits are float32 (|logit| < 2^128), so for
 T >= 2^-126, the smallest normal float32, logits / T stays below 2^254 and the float64
 softmax is exact; a smaller T (e.g. the subnormal 1e-320) overflows to inf, and
-inf - inf makes every probability NaN.
+inf - inf makes every probability NaN. The repetition penalty divides or multiplies a
+logit the same way, so it lies in [2^-126, 2^126]; presence and frequency penalties lie in
+[-2, 2] (OpenAI's range), so a penalised logit stays finite too (formats/numerics.md
+section 12 has the rule they feed).
 """
 
 from __future__ import annotations
@@ -18,9 +22,14 @@ import math
 import numbers
 
 from ..config import K3_CONTEXT as MAX_POSITIONS
+from ..config import MAX_SIZE
 
 MIN_TEMPERATURE = 2.0 ** -126
+MAX_REPETITION_PENALTY = 2.0 ** 126
+MAX_PENALTY = 2.0                    # presence and frequency penalties: -2 .. 2
+MAX_TOP_K = MAX_SIZE                 # no vocabulary is wider (config.py refuses wider)
 SEED_LIMIT = 2 ** 64                 # seeds are 0 .. 2^64 - 1
+UNTIL_END = -1                       # gen: until a stop (the turn's end) or the context
 
 
 def _number(v) -> bool:
@@ -36,6 +45,16 @@ def gen_problem(n) -> str | None:
     if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_POSITIONS:
         return None
     return f"gen must be an integer 0 .. {MAX_POSITIONS:,} (the trained context), got {n!r}"
+
+
+def gen_or_until_end_problem(n) -> str | None:
+    """``gen_problem``, or -1 (UNTIL_END): generate until a stop or the context is full
+    (k3-run's --gen and batch lines; a server request's max_tokens takes a count)."""
+    if n == UNTIL_END and _integer(n):
+        return None
+    return gen_problem(n) and (f"gen must be -1 (until a stop or the context) or an "
+                               f"integer 0 .. {MAX_POSITIONS:,} (the trained context), "
+                               f"got {n!r}")
 
 
 def token_ids_problem(ids, vocab_size: int) -> str | None:
@@ -65,3 +84,58 @@ def seed_problem(s) -> str | None:
     if _integer(s) and 0 <= s < SEED_LIMIT:
         return None
     return f"seed must be an integer 0 .. 2^64 - 1, got {s!r}"
+
+
+def top_k_problem(k) -> str | None:
+    """Why ``k`` is not a top-k count (1 .. 2^24; 0 or -1 keep every token), or None."""
+    if _integer(k) and -1 <= k <= MAX_TOP_K:
+        return None
+    return f"top_k must be an integer 1 .. {MAX_TOP_K:,}, or 0 or -1 (off), got {k!r}"
+
+
+def min_p_problem(p) -> str | None:
+    """Why ``p`` is not a min-p fraction in [0, 1] (0 = off), or None."""
+    if _number(p) and math.isfinite(p) and 0 <= p <= 1:
+        return None
+    return f"min_p must be a number in [0, 1], got {p!r}"
+
+
+def repetition_penalty_problem(r) -> str | None:
+    """Why ``r`` is not a repetition penalty in [2^-126, 2^126] (1 = off), or None."""
+    if _number(r) and math.isfinite(r) and MIN_TEMPERATURE <= r <= MAX_REPETITION_PENALTY:
+        return None
+    return f"repetition_penalty must be a number in [2^-126, 2^126] (1 = off), got {r!r}"
+
+
+def _penalty_problem(name: str, a) -> str | None:
+    if _number(a) and math.isfinite(a) and -MAX_PENALTY <= a <= MAX_PENALTY:
+        return None
+    return f"{name} must be a number in [-2, 2] (0 = off), got {a!r}"
+
+
+def presence_penalty_problem(a) -> str | None:
+    """Why ``a`` is not a presence penalty in [-2, 2], or None."""
+    return _penalty_problem("presence_penalty", a)
+
+
+def frequency_penalty_problem(f) -> str | None:
+    """Why ``f`` is not a frequency penalty in [-2, 2], or None."""
+    return _penalty_problem("frequency_penalty", f)
+
+
+def stop_strings_problem(strings) -> str | None:
+    """Why ``strings`` is not a list (or tuple) of non-empty stop strings, or None (an
+    empty one would match before the first token)."""
+    if isinstance(strings, (list, tuple)) and all(isinstance(s, str) and s for s in strings):
+        return None
+    return f"stop must be a non-empty string or a list of them, got {str(strings)[:60]}"
+
+
+# The sampling fields a batch line or a request may give, each with its rule (one place:
+# the batch reader and the option table read it).
+SAMPLING_RULES = {
+    "temperature": temperature_problem, "top_p": top_p_problem, "top_k": top_k_problem,
+    "min_p": min_p_problem, "repetition_penalty": repetition_penalty_problem,
+    "presence_penalty": presence_penalty_problem,
+    "frequency_penalty": frequency_penalty_problem, "seed": seed_problem,
+}

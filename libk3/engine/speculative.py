@@ -7,7 +7,8 @@ the proposals that equal what the sampler picks from the target's rows, and comm
 the anchor and the accepted ones (``forward.commit``: no second pass over any weight).
 Also the counters a run reports (``SpecStats``). Does not own: the proposers
 (``libk3.engine.proposers``), the passes (``generate``, ``lockstep``), sampling
-(``sampler``: the pick at a position depends only on that position's logits).
+(``sampler``: the pick at a position depends only on that position's logits and the
+tokens before it, which for a verify row are the anchor and the proposals before it).
 
 Exactness: a verify pass computes each row with the arithmetic of plain decoding
 (model.md §7.4), and a proposal is kept only when it equals the token plain decoding picks
@@ -216,8 +217,9 @@ class Speculator:
              others: int = 0) -> Segment:
         """The decode Segment for ``anchor`` at position state.pos: [anchor] plus the
         proposals chosen to verify. ``room``: tokens still allowed after the anchor;
-        ``pick(logits, position)``: the sampler; ``others``: tokens the rest of the pass
-        feeds (lockstep). Proposals end at the first stop id."""
+        ``pick(logits, position, fed, pending)``: the sampler (``Sampler.__call__``);
+        ``others``: tokens the rest of the pass feeds (lockstep). Proposals end at the
+        first stop id."""
         self.drafts, self.dump = [], None
         n = min(self.cap, room)
         if n > 0 and anchor not in stop_ids and not self.width.measuring_plain() \
@@ -244,11 +246,13 @@ class Speculator:
 
     def accept(self, seg: Segment, logits: np.ndarray, pick) -> list:
         """The proposals that equal the sampler's pick from the verify rows, in order, up
-        to the first that does not (position of row i's pick: state.pos + i + 1)."""
+        to the first that does not (row i's pick is at position state.pos + i + 1, after
+        the state's ids, the anchor and the first i proposals)."""
         p = seg.state.pos                  # a verify pass leaves the state at the anchor
+        block = [int(t) for t in seg.ids]          # [anchor, d_1, ...]
         out = []
         for i, d in enumerate(self.drafts):
-            if pick(logits[i], p + i + 1) != d:
+            if pick(logits[i], p + i + 1, seg.state.ids, block[:i + 1]) != d:
                 break
             out.append(d)
         if self.on_dump is not None and self.dump is not None:

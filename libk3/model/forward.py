@@ -222,7 +222,7 @@ class Segment:
     Forward's ``taps`` asked for, one row per fed id (None when none were asked for)."""
 
     __slots__ = ("ids", "state", "all_logits", "phase", "tag", "verify", "tape", "taps",
-                 "r0", "r1", "positions")
+                 "r0", "r1", "positions", "rows")
 
     def __init__(self, ids, state: State, all_logits: bool = True, phase: str = "prefill",
                  tag=None, verify: bool = False):
@@ -231,6 +231,7 @@ class Segment:
         self.verify = verify
         self.tape = {} if verify else None
         self.taps = None
+        self.rows = None            # a verify's logits rows, for ``commit``
 
 
 class Taps(NamedTuple):
@@ -246,7 +247,8 @@ def commit(segment: Segment, n: int) -> None:
     """Make a verify segment's State hold its first ``n`` ids, as feeding only those
     would have (formats/dspark.md §6): the KDA recurrence and conv history are replayed
     from the pass's tape (the same kernel over the same inputs, so bit-identical), MLA
-    caches keep the rows already written (rows past the position are never read)."""
+    caches keep the rows already written (rows past the position are never read), and
+    the state's last logits are the pass's row of its n-th id."""
     if not segment.verify:
         raise ValueError("commit takes a verify segment")
     state, ids = segment.state, segment.ids
@@ -262,6 +264,8 @@ def commit(segment: Segment, n: int) -> None:
                              state.kda_S[L])
     state.pos += n
     state.ids.extend(int(i) for i in ids[:n])
+    if n:
+        state.logits = segment.rows[n - 1].copy()
     segment.tape = {}
     segment.verify = False
 
@@ -380,9 +384,12 @@ class Forward:
         for seg, rr in zip(live, rows):
             out[id(seg)] = logits[at:at + rr.size]
             at += rr.size
-            if not seg.verify:
+            if seg.verify:
+                seg.rows = out[id(seg)]
+            else:
                 seg.state.pos += seg.r1 - seg.r0
                 seg.state.ids.extend(int(i) for i in seg.ids)
+                seg.state.logits = out[id(seg)][-1].copy()
         return [out.get(id(seg), np.zeros((0, cfg.vocab_size), np.float32))
                 for seg in segments]
 

@@ -3,7 +3,8 @@
 Owns: per KDA layer the recurrent S [H, D, D] and the short-conv history (the last K-1
 PRE-activation inputs of q, k, v, oldest first); per MLA layer the latent cache
 [positions, kv_lora] (normalised) and the shared key slice [positions, rope] (raw); the
-position counter and the token ids fed so far. Saving and loading (formats/state.md).
+position counter, the token ids fed so far and the logits of the last position fed.
+Saving and loading (formats/state.md).
 Does not own: any math, the weights' identity a file records (computed by
 ``libk3.io.identity``, handed in by the caller), or what ``draft`` holds (a draft model's
 context for the sequence, opaque here: copied with the State, never saved, so a loaded
@@ -11,6 +12,9 @@ State has none).
 
 Why a state records its weights' identity: the config fingerprint alone would accept a
 state computed by another checkpoint of the same architecture, which generates garbage.
+Why it keeps its last logits (``logits``, set by the forward that fed it): a position
+cannot be fed twice, so without them a saved state could be continued only with a new
+prompt (``k3-run --load-state`` alone continues generating).
 
 AttnRes blocks are not carried: they are rebuilt per token (model.md §6).
 """
@@ -31,7 +35,7 @@ from ..errors import FormatError
 from ..io.atomic import replacing
 
 STATE_MAGIC = b"K3STATE\0"
-STATE_VERSION = 3
+STATE_VERSION = 4
 # The trained context (model.md §2.1, max_position_embeddings): the most positions a state
 # holds and the most tokens a run generates.
 MAX_POSITIONS = K3_CONTEXT
@@ -42,6 +46,7 @@ _HEADER_KEYS = ("arrays", "fingerprint", "ids", "pos", "weights")
 MAX_HEADER_BYTES = 16 << 20
 _HASH_CHUNK = 16 << 20
 _FINITE_CHUNK = 1 << 20                     # values checked at a time (bounded temporaries)
+LOGITS = "logits"                           # the array of the last position's logits
 
 
 def array_layout(cfg: K3Config, pos: int) -> list:
@@ -54,7 +59,7 @@ def array_layout(cfg: K3Config, pos: int) -> list:
     for L in (L for L in layers if cfg.is_mla(L)):
         out += [(f"mla_latent.{L}", (pos, cfg.kv_lora_rank)),
                 (f"mla_rope.{L}", (pos, cfg.qk_rope_head_dim))]
-    return out
+    return out + [(LOGITS, (min(pos, 1), cfg.vocab_size))]
 
 
 class State:
@@ -62,6 +67,7 @@ class State:
         self.cfg = cfg
         self.pos = 0
         self.ids: list[int] = []
+        self.logits = None       # float32 [vocab]: the last fed position's (None at pos 0)
         self.draft = None        # a draft model's context for this sequence; never saved
         H, D, P, K = cfg.num_heads, cfg.head_dim, cfg.kda_dim, cfg.short_conv_kernel_size
         self.kda_S = {}
@@ -92,6 +98,7 @@ class State:
         """An independent state at the same position (MLA caches trimmed to ``pos``)."""
         new = State.__new__(State)
         new.cfg, new.pos, new.ids = self.cfg, self.pos, list(self.ids)
+        new.logits = None if self.logits is None else self.logits.copy()
         new.draft = None if self.draft is None else self.draft.copy()
         new.kda_S = {L: a.copy() for L, a in self.kda_S.items()}
         new.kda_conv = {L: a.copy() for L, a in self.kda_conv.items()}
@@ -100,11 +107,19 @@ class State:
         return new
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for d in (self.kda_S, self.kda_conv, self.mla_latent, self.mla_rope)
-                   for a in d.values())
+        arrays = (self.kda_S, self.kda_conv, self.mla_latent, self.mla_rope)
+        return sum(a.nbytes for d in arrays for a in d.values()) + \
+            (0 if self.logits is None else self.logits.nbytes)
 
     def _array(self, name: str) -> np.ndarray:
-        """The live array a state-file array name refers to (MLA: the first pos rows)."""
+        """The live array a state-file array name refers to (MLA: the first pos rows;
+        the logits as [1, vocab], or [0, vocab] at position 0)."""
+        if name == LOGITS:
+            if not self.pos:
+                return np.zeros((0, self.cfg.vocab_size), np.float32)
+            if self.logits is None:
+                raise ValueError("a state fed without the forward has no last logits")
+            return self.logits.reshape(1, -1)
         kind, L = name.rsplit(".", 1)
         arr = getattr(self, kind)[int(L)]
         return arr[:self.pos] if kind.startswith("mla") else arr
@@ -151,6 +166,7 @@ class State:
                                       expected=f"{need} bytes", found=f"{size} bytes")
                 st = cls(cfg, capacity=max(64, meta["pos"]))
                 st.pos, st.ids = meta["pos"], meta["ids"]
+                st.logits = np.zeros(cfg.vocab_size, np.float32) if st.pos else None
                 f.seek(_PREFIX.size + len(head))
                 for name, _ in layout:
                     dest = st._array(name)

@@ -6,13 +6,16 @@ Does not own: generation (``libk3.engine.generate``) or the CLI.
 
 Input line: {"id": str|int (required, unique), "prompt": str | "ids": [int] | "messages":
 [message] (exactly one; "messages" with optional "tools" and "template_kwargs", rendered
-with the model's chat template, formats/chat.md), optional "gen", "temperature", "top_p", "seed", "stop" (str or list of str), "stop_ids"
-([int])}. The settings follow the same rules as the options (``gen_problem``,
-``settings.temperature_problem``, ...). A malformed line, or one with a bad setting, is
-reported with its line number and skipped; it never stops the batch.
+with the model's chat template, formats/chat.md), optional "gen", "stop" (str or list of
+str), "stop_ids" ([int]) and the sampling fields "temperature", "top_p", "top_k",
+"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed"}. The
+settings follow the same rules as the options (``settings.gen_or_until_end_problem``,
+``settings.SAMPLING_RULES``). A malformed line, or one with a bad setting, is reported
+with its line number and skipped; it never stops the batch.
 Lines are split on b"\n" only (U+2028 and U+2029 are legal inside a JSON string, and a
 trailing \r is JSON whitespace) and each is decoded as strict UTF-8: invalid bytes are
-that line's error, never replaced.
+that line's error, never replaced; so is a string the JSON escapes into a lone surrogate
+(``libk3.text.encodable``).
 
 Results file: one k3 result object per line (an object with "id", "line", "prompt_ids"
 and "generated_ids"). Before appending, the file is checked (``open_results``): every
@@ -38,12 +41,12 @@ from pathlib import Path
 from ..errors import FormatError, K3IOError
 from ..io.atomic import write_error
 from ..text.chat_request import conversation_problem
+from ..text.encodable import TextError, decode_text, field_problem
 from ..engine.generate import GenSettings
-from ..engine.settings import (gen_problem, seed_problem, temperature_problem, token_ids_problem,
-                       top_p_problem)
+from ..engine.settings import (SAMPLING_RULES, gen_or_until_end_problem, stop_strings_problem,
+                               token_ids_problem)
 
-_RULES = {"gen": gen_problem, "temperature": temperature_problem, "top_p": top_p_problem,
-          "seed": seed_problem}
+_RULES = {"gen": gen_or_until_end_problem, **SAMPLING_RULES}
 RESULT_KEYS = ("id", "line", "prompt_ids", "generated_ids")
 
 
@@ -58,9 +61,9 @@ def read_lines(path):
 
 def parse_line(line: bytes, vocab_size: int) -> dict:
     try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BatchLineError(f"not valid UTF-8 at byte offset {e.start} of the line") from None
+        text = decode_text(line)
+    except TextError as e:
+        raise BatchLineError(f"{e} of the line") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -69,6 +72,9 @@ def parse_line(line: bytes, vocab_size: int) -> dict:
         raise BatchLineError(f"not valid JSON ({str(e)[:80] or type(e).__name__})") from None
     if not isinstance(obj, dict):
         raise BatchLineError("not a JSON object")
+    bad = field_problem(obj)            # a "\ud800" escape: refused here, not mid-batch
+    if bad:
+        raise BatchLineError(bad[1])
     if "id" not in obj or not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
         raise BatchLineError("missing or invalid \"id\" (a string or integer)")
     has_prompt, has_ids = "prompt" in obj, "ids" in obj
@@ -88,8 +94,8 @@ def parse_line(line: bytes, vocab_size: int) -> dict:
     stop = obj.get("stop", [])
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise BatchLineError("\"stop\" must be a string or a list of strings")
+    if not isinstance(stop, list) or stop_strings_problem(stop):
+        raise BatchLineError("\"stop\" must be a non-empty string or a list of them")
     obj["stop"] = stop
     if "stop_ids" in obj and (not isinstance(obj["stop_ids"], list)
                               or token_ids_problem(obj["stop_ids"], vocab_size)):
@@ -100,10 +106,9 @@ def parse_line(line: bytes, vocab_size: int) -> dict:
 def job_settings(job: dict, base: GenSettings) -> GenSettings:
     """A parsed line's settings over the run's: each field the line gives replaces the
     option's."""
+    given = {key: job[key] for key in _RULES if key in job}
     return dataclasses.replace(
-        base, gen=job.get("gen", base.gen),
-        temperature=job.get("temperature", base.temperature), top_p=job.get("top_p", base.top_p),
-        seed=job.get("seed", base.seed), stop_strings=tuple(job["stop"]) or base.stop_strings,
+        base, **given, stop_strings=tuple(job["stop"]) or base.stop_strings,
         stop_ids=tuple(job.get("stop_ids", base.stop_ids)))
 
 

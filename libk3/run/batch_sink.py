@@ -100,7 +100,7 @@ class BatchSink:
             ls.step()
         if not self.pace.measured:
             return True
-        new = Work(len(job.prompt_ids), job.settings.gen)
+        new = Work(len(job.prompt_ids), job.settings.limit(len(job.prompt_ids)))
         while True:
             works = [_work_left(lane) for lane in ls.lanes]
             if self.pace.finish(works + [new], self.chunk) <= self.deadline - self.clock():
@@ -139,7 +139,7 @@ class BatchSink:
         rep = self.run.report(res, {"id": job_id, "line": lineno, "batch_width": self.width})
         if lineno in self.chats:
             self.chats.discard(lineno)
-            rep["message"] = self.run.reply_message(res.generated_ids)
+            rep["message"] = self.run.reply_message(res.generated_ids, res.stop_strings)
         batchfile.append_result(self.out_path, rep)
         if self.lockstep is None:
             self.generated += len(res.generated_ids)
@@ -186,7 +186,7 @@ class BatchSink:
 
 def _work_left(lane) -> Work:
     """What a lockstep lane still has to do: prompt tokens to feed, tokens to generate."""
-    return Work(len(lane.prompt) - lane.fed, lane.job.settings.gen - len(lane.generated))
+    return Work(len(lane.prompt) - lane.fed, lane.limit - len(lane.generated))
 
 
 def _bar(show: bool):

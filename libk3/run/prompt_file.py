@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 from ..errors import FormatError, K3IOError
+from ..text.encodable import TextError, decode_text
 
 
 def prompt_byte_bound(context_tokens: int, longest_rank_bytes: int) -> int:
@@ -43,7 +44,7 @@ def read_prompt_file(path, max_bytes: int) -> str:
         raise FormatError(too_big, path=path, expected=f"<= {max_bytes} bytes",
                           found=f"more than {max_bytes} bytes")
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FormatError(f"prompt file is not valid UTF-8 at byte offset {e.start}",
-                          path=path, found=repr(data[e.start:e.start + 4])) from None
+        return decode_text(data)
+    except TextError as e:
+        raise FormatError(f"prompt file is {e}", path=path,
+                          found=repr(data[e.offset:e.offset + 4])) from None

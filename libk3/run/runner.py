@@ -17,10 +17,12 @@ import numpy as np
 from ..engine.defaults import IO_THREADS, PREFILL_CHUNK
 from ..engine.generate import Abandoned, GenSettings, generate
 from ..engine.session import open_session, parse_ids  # noqa: F401  (re-exported for the CLI)
-from ..engine.settings import token_ids_problem
+from ..engine.settings import UNTIL_END, token_ids_problem
+from ..engine.stops import returned_text
 from ..errors import BudgetError, FormatError, UsageError
 from ..model.state import State
 from ..policies.registry import DEFAULT_POLICY
+from ..text.chat_template import DEFAULT_LIMITS, RenderLimits
 from ..trace.format import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
 from .batch_sink import ABANDONED, NO_TIME, BatchSink
@@ -49,13 +51,19 @@ class RunOptions:
     draft_max: int | None = None           # proposals per pass, at most (None: its block)
     draft_dump: str | None = None          # --draft-dump FILE.npz
     warn: object = None                    # notes for the user (drafting turned off, ...)
+    template_limits: RenderLimits = DEFAULT_LIMITS   # of each chat-template rendering
 
 
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
-                  prefill_chunk=PREFILL_CHUNK) -> GenSettings:
+                  prefill_chunk=PREFILL_CHUNK, *, model=None, **sampling) -> GenSettings:
+    """A run's settings from its options. ``sampling``: the sampler's other fields of
+    ``GenSettings`` by name (top_k, min_p, the penalties); ``model``: the directory whose
+    context (max_position_embeddings) a ``gen`` of -1 runs up to."""
+    from ..config import context_length
+    extra = {} if model is None else {"context": context_length(model)}
     return GenSettings(gen=gen, temperature=temperature, top_p=top_p, seed=seed,
                        stop_ids=tuple(stop_ids), stop_strings=tuple(stop_strings),
-                       prefill_chunk=prefill_chunk)
+                       prefill_chunk=prefill_chunk, **sampling, **extra)
 
 
 def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None = None):
@@ -205,7 +213,8 @@ class Run:
         """Conversations' prompt ids and turn ends for this model (``chat_request``)."""
         if self._chat is None:
             from ..text.chat_request import ChatEncoder
-            self._chat = ChatEncoder(self.opts.model, self._tokenizer(), warn)
+            self._chat = ChatEncoder(self.opts.model, self._tokenizer(), warn,
+                                     self.opts.template_limits)
         return self._chat
 
     def encode_messages(self, request: dict, warn=None) -> list:
@@ -221,12 +230,23 @@ class Run:
         stops = tuple(dict.fromkeys(tuple(settings.stop_ids) + self.chat(warn).stop_ids()))
         return dataclasses.replace(settings, stop_ids=stops)
 
-    def reply_message(self, generated_ids) -> dict:
-        """The assistant message parsed from a reply's ids (formats/chat.md)."""
-        from ..text.chat_parse import parse_reply, pieces
+    def until_end(self, settings: GenSettings) -> GenSettings:
+        """``settings`` whose ``gen`` -1 (until the end) also stops at the end of the
+        model's turn (``chat_settings``), when the model has a tokenizer to name it."""
+        if settings.gen != UNTIL_END or self.session.tokenizer is None:
+            return settings
+        return self.chat_settings(settings)
+
+    def reply_message(self, generated_ids, stop_strings=()) -> dict:
+        """The assistant message parsed from a reply's ids (formats/chat.md), its text
+        ending at a stop string (``stops``)."""
+        from ..engine.stops import returned_pieces
+        from ..text.chat_parse import parse_reply
+        tok = self._tokenizer()
         if self.chat().template is None:
-            return {"role": "assistant", "content": self._tokenizer().decode(generated_ids)}
-        return parse_reply(pieces(self._tokenizer(), generated_ids)).message()
+            return {"role": "assistant",
+                    "content": returned_text(tok, generated_ids, stop_strings)}
+        return parse_reply(returned_pieces(tok, generated_ids, stop_strings)).message()
 
     def report(self, res, extra=None) -> dict:
         stats = self.session.weights.stats()
@@ -237,7 +257,7 @@ class Run:
         rep["startup_seconds"] = startup_seconds(self.session.forward.first_layer_time)
         tok = self.session.tokenizer
         if tok is not None:
-            rep["generated_text"] = tok.decode(res.generated_ids)
+            rep["generated_text"] = returned_text(tok, res.generated_ids, res.stop_strings)
             rep["tokenizer_cache"] = tok.loaded.cache_status if tok.loaded else "not read"
         if res.spec is not None:
             rep["speculative"] = res.spec
@@ -253,6 +273,7 @@ class Run:
         is asked at every prefill chunk and token; when it answers True the prompt is
         abandoned (Abandoned is raised, nothing saved)."""
         self.check_stop_strings(settings)
+        settings = self.until_end(settings)
         state = _load_state(self, load_state)
         progress = _prefill_bar(len(prompt_ids), self.opts.progress)
         if should_stop is not None:
@@ -446,7 +467,7 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
         if summary["stopped"] is not None:
             summary["remaining"] += 1      # keep counting: the summary says what is left
             continue
-        settings = batchfile.job_settings(job, base)
+        settings = run.until_end(batchfile.job_settings(job, base))
         if "messages" in job:
             settings = run.chat_settings(settings, warn)
         outcome = sink.submit(lineno, job["id"], prompt_ids, settings, chat="messages" in job)
@@ -472,33 +493,108 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     return summary
 
 
-def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_factory,
-             prompt_fn, warn=None, template_kwargs=None) -> None:
-    """A multi-turn REPL in the model's chat template (``chat.Conversation``): the state
-    carries every earlier turn, each turn feeds only what the template adds. An empty
-    line or end of input ends the chat; the state is saved then if asked."""
-    from ..text.chat import Conversation
+class Chat:
+    """One chat's engine side: the state, the conversation it holds
+    (``chat.Conversation``), the settings of the next turn and the last reply. What the
+    user types and the commands are ``repl``'s. A fresh conversation (at start, after
+    ``clear``) opens with ``system``; one continued from a saved state does not: the
+    state already has its own start."""
 
-    tok = run.session.tokenizer
-    if tok is None:
-        raise UsageError("--chat needs the model's tokenizer (tiktoken.model)")
-    state = _load_state(run, load_state)
-    convo = Conversation(tok, run.chat(warn).template, template_kwargs)
-    turn_settings = run.chat_settings(settings, warn)
-    while True:
-        try:
-            text = prompt_fn()          # EOFError at end of input (the front end maps Ctrl-D)
-        except EOFError:
-            break
-        if not text:
-            break
-        ids, fresh = convo.add_user(text)
+    def __init__(self, run: Run, settings: GenSettings, *, load_state=None, system=None,
+                 template_kwargs=None, warn=None):
+        self.run = run
+        self.tokenizer = run.session.tokenizer
+        if self.tokenizer is None:
+            raise UsageError("--chat needs the model's tokenizer (tiktoken.model)")
+        self.settings = settings
+        self.system = system
+        self.template_kwargs = template_kwargs
+        self.warn = warn
+        self.template = run.chat(warn).template
+        self.last = None                        # the last reply's GenResult
+        if load_state:
+            self.load(load_state)
+            if system and warn is not None:
+                warn("--system opens the next fresh conversation (/clear), not the loaded "
+                     "state's")
+        else:
+            self.clear()
+
+    def _conversation(self, system):
+        from ..text.chat import Conversation
+        return Conversation(self.tokenizer, self.template, self.template_kwargs, system)
+
+    def clear(self) -> None:
+        """A new conversation in a new state."""
+        self.state = self.run.session.new_state()
+        self.convo = self._conversation(self.system)
+
+    def load(self, path) -> None:
+        """Continue from the state saved at ``path`` (FormatError: the chat as it was)."""
+        self.state = _load_state(self.run, path)
+        self.convo = self._conversation(None)
+
+    def save(self, path) -> None:
+        self.state.save(path, self.run.session.weights_identity)
+
+    def set_system(self, text) -> bool:
+        """``text`` opens the next fresh conversation, and this one when nothing is in its
+        state yet (then True)."""
+        self.system = text
+        if self.state.pos == 0 and not self.convo.fed:
+            self.convo = self._conversation(text)
+            return True
+        return False
+
+    def change(self, **values) -> None:
+        """Settings of the next turns (checked by the caller: ``settings`` rules)."""
+        self.settings = dataclasses.replace(self.settings, **values)
+
+    def turn(self, text: str, on_token=None, interrupted=None):
+        """One user message and the model's reply (``generate``: ``interrupted`` cuts it
+        short at a token, the state as if the reply had ended there)."""
+        ids, fresh = self.convo.add_user(text)
         if fresh:
-            state = run.session.new_state()
+            self.state = self.run.session.new_state()
+        res = generate(self.run.session.forward, self.state, ids,
+                       self.run.chat_settings(self.settings, self.warn),
+                       tokenizer=self.tokenizer, on_token=on_token,
+                       drafting=self.run.drafting, interrupted=interrupted)
+        self.convo.add_reply(self.run.reply_message(res.generated_ids, res.stop_strings))
+        self.last = res
+        return res
+
+    def stats(self) -> dict:
+        """Tokens in the state, the model's context, user turns, the last GenResult."""
+        from ..config import context_length
+        return {"tokens": self.state.pos, "context": context_length(self.run.opts.model),
+                "turns": sum(m["role"] == "user" for m in self.convo.messages),
+                "last": self.last}
+
+
+def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_factory,
+             console, warn=None, template_kwargs=None, system=None) -> None:
+    """A multi-turn chat in the model's chat template: ``console`` (``repl.Console``)
+    gives each entry; a message is a turn (``Chat.turn``) whose reply
+    ``emit_factory()``'s printer writes, a command is ``repl.perform``'s. End of input or
+    /exit ends the chat; the state is saved then if asked."""
+    from . import repl
+
+    chat = Chat(run, settings, load_state=load_state, system=system,
+                template_kwargs=template_kwargs, warn=warn)
+    while True:
+        entry = console.read()
+        if entry is None:
+            break
+        if isinstance(entry, repl.Command):
+            if not repl.perform(entry, chat, console):
+                break
+            continue
         printer = emit_factory()
-        res = generate(run.session.forward, state, ids, turn_settings, tokenizer=tok,
-                       on_token=printer, drafting=run.drafting)
+        with console.reply() as interrupted:
+            res = chat.turn(entry, printer, interrupted)
         printer.finish()
-        convo.add_reply(run.reply_message(res.generated_ids))
+        if res.stop_reason == "interrupted":
+            console.say(f"(reply stopped after {len(res.generated_ids)} tokens)")
     if save_state:
-        state.save(save_state, run.session.weights_identity)
+        chat.save(save_state)

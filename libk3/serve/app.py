@@ -9,6 +9,13 @@ the server keeps serving, and cancelling a job whose client disconnects. Does no
 the wire format's checks (``protocol``), the queue and the engine thread (``worker``),
 templates or generation.
 
+Every request gets an id (``x-request-id``), and every failure leaves the server as one
+OpenAI error body and, for a 5xx, one log line naming that id: no exception reaches
+aiohttp's bare 500 page or its traceback log. What aiohttp refuses in its parser, before
+any k3 code runs (a header or request line past ``PARSER_LINE_BYTES``, over 128 headers,
+bytes that are not HTTP), keeps aiohttp's plain-text 400, logged as one line: aiohttp
+has no public hook for that answer (docs/serve.md).
+
 Needs the optional ``serve`` extra (``pip install 'k3[serve]'``): the core install stays
 lean, and HTTP is left to a maintained server library rather than written by hand.
 """
@@ -21,17 +28,29 @@ import hmac
 import ipaddress
 import itertools
 import json
+import logging
 import os
 import signal
+import uuid
 
 from ..run.batch import job_settings
 from ..errors import K3Error, UsageError
+from ..text.encodable import text_problem
 from .protocol import (ApiError, check_request, envelope, finish_reason, parse_body, sse,
                        usage)
 from .replies import ReplyReader
 from .worker import Job, Worker
 
 MAX_BODY_BYTES = 32 * 2 ** 20        # a larger request body is refused with 413
+# A longer header field (name and value) is refused with 431, a longer request target
+# with 414, each with an OpenAI error body: aiohttp's own default, so no client that
+# worked before is refused now.
+MAX_HEADER_BYTES = 8190
+# What aiohttp's parser reads of one line before refusing the request itself (its own
+# plain-text 400): room for the limit above to answer in JSON, while 128 headers
+# (aiohttp's count limit) hold at most MAX_BODY_BYTES.
+PARSER_LINE_BYTES = 2 ** 18
+REQUEST_ID = "k3_request_id"         # the request's id, in the request's mapping
 DEFAULT_HOST = "127.0.0.1"
 LIVENESS = "/livez"                  # answered without the API key; says only "ok"
 
@@ -64,10 +83,59 @@ def check_address(address: str, api_key) -> tuple:
     return host, port
 
 
-def _error(status: int, message: str, code=None, kind="invalid_request_error"):
+def _check_sizes(request) -> None:
+    """ApiError 414 / 431 for a request target or a header field over MAX_HEADER_BYTES
+    (aiohttp's parser let it through, up to PARSER_LINE_BYTES)."""
+    if len(request.raw_path.encode("utf-8", "surrogateescape")) > MAX_HEADER_BYTES:
+        raise ApiError(414, f"the request target is over {MAX_HEADER_BYTES} bytes",
+                       code="uri_too_long")
+    for name, value in request.raw_headers:
+        if len(name) + len(value) > MAX_HEADER_BYTES:
+            shown = name[:40].decode("ascii", "replace")
+            raise ApiError(431, f"the header {shown!r} is over {MAX_HEADER_BYTES} bytes",
+                           code="header_too_large")
+
+
+def _refusal(e: Exception, rid: str) -> tuple:
+    """(status, OpenAI error body, what to log) of an exception a route raised."""
     from aiohttp import web
-    return web.json_response(ApiError(status, message, code=code, kind=kind).body,
-                             status=status)
+    if isinstance(e, ApiError):
+        return e.status, e.body, e.body["error"]["message"]
+    if isinstance(e, web.HTTPRequestEntityTooLarge):
+        return _body(413, f"the request body is over {MAX_BODY_BYTES} bytes",
+                     code="request_too_large")
+    if isinstance(e, web.HTTPException):
+        return _body(e.status, e.reason)
+    if isinstance(e, UsageError):            # the template refused the conversation, ...
+        return _body(422, e.one_line(), code="invalid_value")
+    if isinstance(e, K3Error):
+        return _body(500, e.one_line(), kind="server_error")
+    # a defect in k3: the client learns the id, the log the exception
+    status, body, _ = _body(500, f"internal error; the server's log names request {rid}",
+                            kind="server_error")
+    return status, body, " ".join(f"{type(e).__name__}: {e}".split())
+
+
+def _body(status: int, message: str, code=None, kind="invalid_request_error") -> tuple:
+    return status, ApiError(status, message, code=code, kind=kind).body, message
+
+
+def _http_logger(log):
+    """aiohttp's server logger for ``log``: one line per record, the exception's type
+    and message but never its traceback (what the parser refused; a client gone while
+    its reply was written)."""
+
+    class OneLine(logging.Handler):
+        def emit(self, record):
+            text = record.getMessage()
+            exc = record.exc_info[1] if record.exc_info else None
+            if exc is not None:
+                text += f": {type(exc).__name__}: {exc}"
+            log("aiohttp: " + " ".join(text.split()))
+
+    logger = logging.Logger("k3.serve.aiohttp", logging.INFO)   # not registered globally
+    logger.addHandler(OneLine())
+    return logger
 
 
 class Server:
@@ -86,6 +154,7 @@ class Server:
         from aiohttp import web
         app = web.Application(client_max_size=MAX_BODY_BYTES,
                               middlewares=[self._errors, self._auth])
+        app.on_response_prepare.append(self._tag)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -119,34 +188,47 @@ class Server:
         async def auth(request, handler):
             if self.api_key is not None and request.path != LIVENESS:
                 given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                    return _error(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                                  code="invalid_api_key")
+                # a header that is not UTF-8 (aiohttp escapes its bytes) is no key at all
+                if text_problem(given, "Authorization") or not hmac.compare_digest(
+                        given.encode(), f"Bearer {self.api_key}".encode()):
+                    raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                   code="invalid_api_key")
             return await handler(request)
         return auth
 
     @property
     def _errors(self):
+        """The outermost middleware: the request's id; oversized headers refused; every
+        exception a route raises turned into its OpenAI error body, a 5xx also logged."""
         from aiohttp import web
 
         @web.middleware
         async def errors(request, handler):
+            request[REQUEST_ID] = rid = f"req_{uuid.uuid4().hex}"
             try:
+                _check_sizes(request)
                 return await handler(request)
-            except ApiError as e:
-                return web.json_response(e.body, status=e.status)
-            except web.HTTPRequestEntityTooLarge:
-                return _error(413, f"the request body is over {MAX_BODY_BYTES} bytes",
-                              code="request_too_large")
             except web.HTTPException as e:
-                if e.status >= 400:
-                    return _error(e.status, e.reason, kind="invalid_request_error")
+                if e.status < 400:
+                    raise
+                status, body, said = _refusal(e, rid)
+            except ConnectionError:         # the client left mid-reply: nobody to answer
                 raise
-            except UsageError as e:        # the template refused the conversation, ...
-                return _error(422, e.one_line(), code="invalid_value")
-            except K3Error as e:
-                return _error(500, e.one_line(), kind="server_error")
+            except Exception as e:          # noqa: BLE001 (each kind mapped by _refusal)
+                status, body, said = _refusal(e, rid)
+            if status >= 500:
+                self._log_5xx(rid, status, said)
+            return web.json_response(body, status=status)
         return errors
+
+    async def _tag(self, request, response):
+        """Every response carries its request's id (the one a 5xx's log line names)."""
+        if REQUEST_ID in request:
+            response.headers["x-request-id"] = request[REQUEST_ID]
+
+    def _log_5xx(self, rid: str, status: int, said: str) -> None:
+        if self.log:
+            self.log(f"request {rid} failed ({status}): {said}")
 
     # ---- routes ----
     async def models(self, request):
@@ -288,19 +370,23 @@ class Server:
             if data:
                 await resp.write(data)
 
-        if req.chat:
-            await resp.write(chunk(delta={"role": "assistant", "content": ""}))
         try:
+            if req.chat:
+                await resp.write(chunk(delta={"role": "assistant", "content": ""}))
             res = await self._finished(job, generated, send_new)
-        except ApiError as e:
-            await resp.write(sse(e.body))
-            await resp.write(sse("[DONE]"))
-            return resp
-        await send_new(final=True)
-        await resp.write(chunk(finish=finish_reason(res.stop_reason, reader.sent_calls > 0)))
-        if req.include_usage:
-            await resp.write(sse(envelope(kind, rid, model, [], {
-                "usage": usage(len(res.prompt_ids), len(res.generated_ids))})))
+            await send_new(final=True)
+            await resp.write(chunk(finish=finish_reason(res.stop_reason,
+                                                        reader.sent_calls > 0)))
+            if req.include_usage:
+                await resp.write(sse(envelope(kind, rid, model, [], {
+                    "usage": usage(len(res.prompt_ids), len(res.generated_ids))})))
+        except ConnectionError:             # the client left: nobody to tell
+            raise
+        except Exception as e:              # noqa: BLE001 (the headers are sent: an event)
+            status, body, said = _refusal(e, request[REQUEST_ID])
+            if status >= 500:
+                self._log_5xx(request[REQUEST_ID], status, said)
+            await resp.write(sse(body))
         await resp.write(sse("[DONE]"))
         await resp.write_eof()
         return resp
@@ -318,6 +404,7 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
     host, port = check_address(address, api_key)
     if run.session.tokenizer is not None:
         run.session.tokenizer.get()            # read once, before two threads use it
+        run.chat(log).template                 # read and compiled: a broken one exits 3 here
     from .turn_cache import TurnCache
     turns = TurnCache(run.cfg, run.session.weights_identity, reuse_ram_bytes,
                       reuse_disk_bytes) if reuse_ram_bytes or reuse_disk_bytes else None
@@ -326,7 +413,9 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
                     model_name=os.path.basename(os.path.normpath(str(run.opts.model))))
 
     async def main():
-        runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
+                               logger=_http_logger(log), max_line_size=PARSER_LINE_BYTES,
+                               max_field_size=PARSER_LINE_BYTES)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         try:

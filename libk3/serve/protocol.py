@@ -18,6 +18,7 @@ import json
 import time
 
 from ..text.chat_request import conversation_problem
+from ..text.encodable import field_problem
 from ..engine.settings import (gen_problem, seed_problem, temperature_problem,
                                token_ids_problem, top_p_problem)
 
@@ -56,6 +57,8 @@ class Request:
 
 
 def parse_body(raw: bytes) -> dict:
+    """The body's JSON object; 400 when it is not JSON, not an object, or holds text k3
+    cannot encode (``encodable``: a ``\\ud800`` escape), naming the field."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -63,6 +66,9 @@ def parse_body(raw: bytes) -> dict:
                        code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    bad = field_problem(body)
+    if bad:
+        raise ApiError(400, bad[1], param=bad[0], code="invalid_text")
     return body
 
 

@@ -1,22 +1,18 @@
 """A reply as the client sees it: generated ids to a final message or to stream deltas.
 
 Owns: the assistant message of a chat reply (parsed from its channels when the model
-has a template, its text otherwise), a completion's text, stop sequences cut from the
-text, and the deltas a stream sends as tokens arrive (what changed since the last
-delta). Does not own: the parsing rules (``libk3.text.chat_parse``) or HTTP.
+has a template, its text otherwise), a completion's text, and the deltas a stream sends
+as tokens arrive (what changed since the last delta). Does not own: the parsing rules
+(``libk3.text.chat_parse``), where a stop sequence ends the text (``libk3.engine.stops``,
+the rule k3-run and batch results follow too) or HTTP.
 """
 
 from __future__ import annotations
 
-from ..text.chat_parse import Reply, parse_reply, pieces
+from ..engine.stops import returned_pieces, returned_text
+from ..text.chat_parse import Reply, parse_reply
 
 REPLACEMENT = "\ufffd"          # a UTF-8 character whose last bytes have not arrived yet
-
-
-def _cut(text: str, stops) -> str:
-    """``text`` up to the first stop sequence (the OpenAI API leaves it out)."""
-    cuts = [text.find(s) for s in stops if s in text]
-    return text[:min(cuts)] if cuts else text
 
 
 class ReplyReader:
@@ -29,15 +25,12 @@ class ReplyReader:
 
     def read(self, ids, final: bool) -> Reply:
         if self.templated:
-            reply = parse_reply(pieces(self.tokenizer, ids), final=final)
-        else:
-            reply = Reply(content=self.tokenizer.decode(ids))
-        reply.content = _cut(reply.content, self.stops)
-        return reply
+            return parse_reply(returned_pieces(self.tokenizer, ids, self.stops), final=final)
+        return Reply(content=returned_text(self.tokenizer, ids, self.stops))
 
     def text(self, ids) -> str:
         """A completion's text (no parsing: /v1/completions continues text)."""
-        return _cut(self.tokenizer.decode(ids), self.stops)
+        return returned_text(self.tokenizer, ids, self.stops)
 
     def delta(self, ids, final: bool = False) -> dict:
         """What a stream sends now: new reasoning and content text (``reasoning_content``,

@@ -25,7 +25,6 @@ import time
 
 from ..engine import lockstep
 from ..engine.defaults import PREFILL_CHUNK
-from ..errors import K3Error
 
 _RUN_FIGURES = ("cache_hit_rate", "expert_requests", "trunk_bytes_read", "expert_bytes_read",
                 "peak_rss_bytes")
@@ -178,10 +177,9 @@ class Worker:
                      f"{time.monotonic() - job.started:.2f} s")
 
     def _failed(self, job: Job, e: Exception) -> None:
+        """Counted here; logged once, with the request's id, where its answer is made."""
         self.counts["failed"] += 1
         job._send(("error", e))
-        if self.log:
-            self.log(f"request failed: {e.one_line() if isinstance(e, K3Error) else repr(e)}")
 
     def figures(self) -> dict:
         """What ``/health`` reports of the engine: the lockstep's width, passes, tokens and

@@ -11,7 +11,8 @@ the state already holds those turns; a template that rewrites an earlier turn (d
 old reasoning, say) makes the two renderings disagree, and only then is the whole
 conversation prefilled again into a fresh state. Markup a user types is text, never
 structure (HF's ``sanitize_control_tokens``). A model without a template runs plain
-continuation: each message's text is fed as typed.
+continuation: each message's text is fed as typed. A system message, when given, goes
+into the state with the first user message (its rendering, or its text as typed).
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ from .chat_template import ChatTemplate, encode_marked, mark
 class Conversation:
     """The messages of one chat and how each new one is fed (``template`` None: plain)."""
 
-    def __init__(self, tokenizer, template: ChatTemplate | None, template_kwargs=None):
+    def __init__(self, tokenizer, template: ChatTemplate | None, template_kwargs=None,
+                 system: str | None = None):
         self.tokenizer = tokenizer
         self.template = template
         self.template_kwargs = dict(template_kwargs or {})
-        self.messages: list = []
+        self.messages: list = ([] if system is None
+                               else [{"role": "system", "content": system}])
+        self.fed = False                 # whether any message is in the state yet
 
     def _render(self, messages, add_generation_prompt: bool) -> str:
         """The rendering with markup typed by the user marked as text (HF's sanitising)."""
@@ -38,14 +42,19 @@ class Conversation:
 
     def add_user(self, text: str) -> tuple:
         """(ids to feed, fresh): ``fresh`` True means the ids are the whole conversation
-        and go into a new state (the template changed an earlier turn)."""
+        and go into a new state (the template changed an earlier turn). A message that
+        cannot be rendered leaves the conversation as it was."""
         message = {"role": "user", "content": text}
         if self.template is None:
+            typed = ([] if self.fed else [m["content"] for m in self.messages]) + [text]
+            ids = [i for t in typed for i in self.tokenizer.encode(t)]
             self.messages.append(message)
-            return self.tokenizer.encode(text), False
-        before = self._render(self.messages, add_generation_prompt=False)
+            self.fed = True
+            return ids, False
+        before = self._render(self.messages, add_generation_prompt=False) if self.fed else ""
+        after = self._render(self.messages + [message], add_generation_prompt=True)
         self.messages.append(message)
-        after = self._render(self.messages, add_generation_prompt=True)
+        self.fed = True
         if after.startswith(before):
             return encode_marked(self.tokenizer, after[len(before):]), False
         return encode_marked(self.tokenizer, after), True

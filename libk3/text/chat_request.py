@@ -1,15 +1,16 @@
 """A conversation as a request gives it (a batch line, an HTTP body) turned into prompt ids.
 
 Owns: checking the request's "messages", "tools" and "template_kwargs" fields; encoding
-them with the model's template (read once per run), or as plain continuation when the
-model has none (said once, through ``warn``); the stop ids of the assistant turn.
-Does not own: the template semantics (``chat_template``), batch lines or HTTP.
+them with the model's template (read and compiled once per run, rendered within the
+run's ``RenderLimits``), or as plain continuation when the model has none (said once,
+through ``warn``); the stop ids of the assistant turn. Does not own: the template
+semantics (``chat_template``), batch lines or HTTP.
 """
 
 from __future__ import annotations
 
-from .chat_template import (ChatInputError, check_conversation, load_chat_template,
-                            plain_text, turn_stop_ids)
+from .chat_template import (DEFAULT_LIMITS, ChatInputError, RenderLimits, check_conversation,
+                            load_chat_template, plain_text, turn_stop_ids)
 
 NO_TEMPLATE = ("this model ships no chat template (tokenizer_config.json chat_template or "
                "chat_template.jinja): conversations run as plain continuation of their "
@@ -29,17 +30,22 @@ def conversation_problem(obj: dict) -> str | None:
 class ChatEncoder:
     """Prompt ids of conversations for one model (its template read on first use)."""
 
-    def __init__(self, model_dir, tokenizer, warn=None):
+    def __init__(self, model_dir, tokenizer, warn=None, limits: RenderLimits = DEFAULT_LIMITS):
         self.model_dir, self.tokenizer, self.warn = model_dir, tokenizer, warn
+        self.limits = limits
         self._template = None
         self._read = False
 
     @property
     def template(self):
+        """The model's ChatTemplate (None: it has none), read and compiled on first use:
+        CheckpointError, naming the file, for one that cannot be."""
         if not self._read:
-            self._template = load_chat_template(self.model_dir)
-            self._read = True
-            if self._template is None and self.warn is not None:
+            template = load_chat_template(self.model_dir, self.limits)
+            if template is not None:
+                template.check()
+            self._template, self._read = template, True
+            if template is None and self.warn is not None:
                 self.warn(NO_TEMPLATE)
         return self._template
 

@@ -15,8 +15,14 @@ from k3cli.group import (Command, Finite, JsonObject, Rule, Shard, Width, gigaby
 from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_SIZE
 from libk3.engine.defaults import IO_THREADS, PREFILL_CHUNK
-from libk3.engine.settings import gen_problem, seed_problem, temperature_problem, top_p_problem
+from libk3.engine.settings import (frequency_penalty_problem, gen_or_until_end_problem,
+                                   min_p_problem, presence_penalty_problem,
+                                   repetition_penalty_problem, seed_problem,
+                                   stop_strings_problem, temperature_problem, top_k_problem,
+                                   top_p_problem)
 from libk3.io import atomic
+from libk3.text.chat_template import DEFAULT_LIMITS, RenderLimits
+from libk3.text.encodable import text_problem
 from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
 
 
@@ -28,27 +34,68 @@ def _note_order(ctx, param, value):
 
 
 class _Printer:
-    """Writes each token to stdout as it is produced: text through the tokenizer's
-    streaming decoder (a UTF-8 character is never split), or ids when there is none."""
+    """Writes each token to stdout as it is produced: its text as it becomes final under
+    the stop rule (``libk3.engine.stops``: a UTF-8 character is never split, a stop
+    string never shown), or ids when there is no tokenizer."""
 
-    def __init__(self, tokenizer):
-        self.dec = tokenizer.stream_decoder() if tokenizer is not None else None
+    def __init__(self, tokenizer, stop_strings=()):
+        from libk3.engine.stops import StopText
+        self.text = StopText(tokenizer, stop_strings) if tokenizer is not None else None
 
     def __call__(self, tok):
-        sys.stdout.write(self.dec.push(tok) if self.dec is not None else f"{tok} ")
+        if self.text is None:
+            sys.stdout.write(f"{tok} ")
+        elif not self.text.stopped:
+            self.text.feed(tok)
+            sys.stdout.write(self.text.take())
         sys.stdout.flush()
 
     def finish(self):
-        if self.dec is not None:
-            sys.stdout.write(self.dec.flush())
+        if self.text is not None:
+            sys.stdout.write(self.text.finish())
         sys.stdout.write("\n")
         sys.stdout.flush()
+
+
+def _system_text(ctx, param, value):
+    """--system TEXT, or @FILE: the file's text (UTF-8, final newlines dropped); a leading
+    @@ stands for a literal @. Empty: no system message."""
+    if value is not None and value.startswith("@") and not value.startswith("@@"):
+        try:
+            with open(value[1:], encoding="utf-8") as f:
+                value = f.read().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.BadParameter(f"{value[1:]}: {getattr(e, 'strerror', None) or e}")
+    elif value is not None and value.startswith("@@"):
+        value = value[1:]
+    return value or None
+
+
+def _encodable(ctx, param, value):
+    """An option's text (each of a repeated option's), refused when UTF-8 cannot encode
+    it: bytes the shell passed that are not UTF-8 arrive as lone surrogates."""
+    for item in value if isinstance(value, tuple) else (value,):
+        why = text_problem(item, "the value")
+        if why:
+            raise click.BadParameter(why)
+    return value
+
+
+def _stop_strings(ctx, param, value):
+    """--stop values: encodable (``_encodable``) and not empty (one would match at once)."""
+    why = stop_strings_problem(_encodable(ctx, param, value))
+    if why:
+        raise click.BadParameter(why)
+    return value
 
 
 # Which options go together (k3cli.constraints), checked in this order before any work.
 _BUDGET_WIDTH = "--batch-width and --shard go with --batch (--batch-width also with --serve)"
 RULES = (
-    constraints.OneOf(("prompt", "prompt_file", "ids", "batch", "chat", "serve_address")),
+    constraints.OneOf(("model", "model_option"),
+                      text="give the model directory once: MODEL or -m/--model"),
+    constraints.OneOf(("prompt", "prompt_file", "ids", "batch", "chat", "serve_address"),
+                      or_none_with=("load_state",)),
     constraints.GoesWith(("batch",), ("out_path",), "--batch needs --out RESULTS.jsonl"),
     constraints.GoesWith(("out_path",), ("batch",), "--out goes with --batch"),
     constraints.GoesWith(("wait", "max_prompts", "deadline"), ("batch",),
@@ -56,7 +103,13 @@ RULES = (
     constraints.Excludes("resident", ("preset", "trunk_gb", "cache_gb", "pack"),
                          "--resident excludes --preset, --trunk-gb, --cache-gb and --pack"),
     constraints.GoesWith(("template_kwargs",), ("chat",), "--template-kwargs goes with --chat"),
+    constraints.GoesWith(("system", "history"), ("chat",),
+                         "--system and --history go with --chat"),
     constraints.GoesWith(("api_key",), ("serve_address",), "--api-key goes with --serve"),
+    constraints.GoesWith(("template_timeout", "template_max_bytes"),
+                         ("chat", "batch", "serve_address"),
+                         "--template-timeout and --template-max-bytes go with --chat, --batch "
+                         "or --serve"),
     constraints.Excludes("spec", ("draft",),
                          "--spec and --draft are two sources of proposals: give one"),
     constraints.GoesWith(("draft_max", "draft_dump"), ("draft",),
@@ -68,16 +121,21 @@ RULES = (
 
 @click.command(cls=Command, help="Run Kimi K3 (or a synthetic K3 checkpoint) on a prompt, a batch file "
                     "or a chat. Logits are identical at every budget.")
-@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.argument("model", required=False, type=click.Path(exists=True, file_okay=False))
+@click.option("-m", "--model", "model_option", metavar="MODEL",
+              type=click.Path(exists=True, file_okay=False),
+              help="The model directory, as the MODEL argument (give one of them).")
 @click.option("--pack", type=click.Path(exists=True, file_okay=False),
               help="Pack directory made by k3-pack (else the trunk is read from the shards).")
-@click.option("--prompt", help="Prompt text (needs the model's tokenizer).")
-@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False),
+@click.option("-p", "--prompt", callback=_encodable,
+              help="Prompt text (needs the model's tokenizer).")
+@click.option("-f", "--prompt-file", type=click.Path(exists=True, dir_okay=False),
               help="Read the prompt from a file, byte for byte (CRLF kept; must be UTF-8 "
                    "and fit the model's context).")
 @click.option("--ids", help="Prompt as comma-separated token ids.")
 @click.option("--batch", type=click.Path(exists=True, dir_okay=False),
-              help="JSONL prompts (id, prompt|ids, optional gen/temperature/top_p/seed/stop).")
+              help="JSONL prompts (id, prompt|ids|messages, optional gen, sampling fields, "
+                   "stop; formats/batch.md).")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False),
               help="With --batch: results JSONL, appended; ids already there are skipped.")
 @click.option("--wait", is_flag=True,
@@ -96,9 +154,24 @@ RULES = (
 @click.option("--shard", type=Shard(), metavar="K/N",
               help="With --batch: run only the ids of shard K of N (docs/batch.md).")
 @click.option("--chat", is_flag=True, help="Interactive multi-turn chat on stdin, in the "
-                                           "model's chat template.")
-@click.option("--template-kwargs", type=JsonObject(), metavar="JSON",
+                                           "model's chat template (/help lists its "
+                                           "commands; docs/serve.md).")
+@click.option("--template-kwargs", type=JsonObject(), metavar="JSON", callback=_encodable,
               help="With --chat: extra chat-template variables, e.g. '{\"thinking\": false}'.")
+@click.option("--template-timeout", type=Finite(0, 10 ** 6, min_open=True), metavar="SECONDS",
+              default=DEFAULT_LIMITS.seconds, show_default=True,
+              help="With --chat, --batch or --serve: a chat-template rendering that runs "
+                   "longer is that conversation's error (docs/serve.md).")
+@click.option("--template-max-bytes", type=click.IntRange(1), metavar="BYTES",
+              default=DEFAULT_LIMITS.max_bytes, show_default=True,
+              help="With --chat, --batch or --serve: a chat-template rendering that writes "
+                   "more is that conversation's error.")
+@click.option("--system", callback=_system_text, metavar="TEXT|@FILE",
+              help="With --chat: the system message opening the conversation (@FILE: the "
+                   "file's text; @@ for a literal @).")
+@click.option("--history", type=click.Path(dir_okay=False), envvar="K3_CHAT_HISTORY",
+              show_envvar=True, help="With --chat: the line-editing history file (default "
+                                     "$XDG_STATE_HOME/k3/chat_history).")
 @click.option("--serve", "serve_address", metavar="[HOST:]PORT",
               help="Serve an OpenAI-compatible API (needs the serve extra); HOST defaults "
                    "to 127.0.0.1, any other address needs --api-key.")
@@ -110,17 +183,40 @@ RULES = (
 @click.option("--reuse-disk-gb", type=gigabytes(), default=0.0, show_default=True,
               help="With --serve: disk (a private temp directory) for states spilled from "
                    "--reuse-gb.")
-@click.option("--gen", type=Rule(click.INT, gen_problem, "integer"), default=16,
-              show_default=True, help="Tokens to generate (per turn in --chat), at most "
-                                      "1,048,576 (the trained context).")
+@click.option("-n", "--gen", type=Rule(click.INT, gen_or_until_end_problem, "integer"),
+              default=16, show_default=True,
+              help="Tokens to generate (per turn in --chat), at most 1,048,576 (the trained "
+                   "context); -1: until the model ends its turn, a stop, or the context is "
+                   "full.")
 @click.option("--temperature", type=Rule(click.FLOAT, temperature_problem, "float"),
               default=0.0, show_default=True,
               help="0 = greedy; else at least 2^-126 (the smallest normal float32).")
 @click.option("--top-p", type=Rule(click.FLOAT, top_p_problem, "float"), default=1.0,
               show_default=True, help="Nucleus mass, in (0, 1].")
+@click.option("--top-k", type=Rule(click.INT, top_k_problem, "integer"), default=0,
+              show_default=True, help="Keep the K likeliest tokens, 1 .. 2^24; 0 or -1: all.")
+@click.option("--min-p", type=Rule(click.FLOAT, min_p_problem, "float"), default=0.0,
+              show_default=True, help="Keep tokens at least this fraction as likely as the "
+                                      "likeliest, in [0, 1]; 0: all.")
+@click.option("--repeat-penalty", "--repetition-penalty", "repetition_penalty",
+              type=Rule(click.FLOAT, repetition_penalty_problem, "float"), default=1.0,
+              show_default=True, help="Divide the positive logits (multiply the negative) of "
+                                      "every token already in the context, in [2^-126, "
+                                      "2^126]; 1: off.")
+@click.option("--presence-penalty", type=Rule(click.FLOAT, presence_penalty_problem, "float"),
+              default=0.0, show_default=True,
+              help="Subtract this from the logit of every token generated so far, in "
+                   "[-2, 2].")
+@click.option("--frequency-penalty",
+              type=Rule(click.FLOAT, frequency_penalty_problem, "float"), default=0.0,
+              show_default=True, help="Subtract this times its count so far from each "
+                                      "generated token's logit, in [-2, 2] (docs/run.md "
+                                      "\"Sampling\").")
 @click.option("--seed", type=Rule(click.INT, seed_problem, "integer"), default=0,
               show_default=True, help="0 .. 2^64 - 1.")
-@click.option("--stop", "stop_strings", multiple=True, help="Stop when this text appears.")
+@click.option("--stop", "stop_strings", multiple=True, callback=_stop_strings,
+              help="Stop when this text appears in the generated text (left out of the "
+                   "text shown and reported; docs/run.md \"Stop strings\").")
 @click.option("--stop-id", "stop_ids", type=click.IntRange(0, MAX_SIZE - 1), multiple=True,
               help="Stop at this token id (checked against the vocabulary).")
 @click.option("--preset", callback=_note_order, expose_value=True,
@@ -155,7 +251,8 @@ RULES = (
 @quiet_option
 @click.option("--save-state", type=click.Path(dir_okay=False), help="Save the state at the end.")
 @click.option("--load-state", type=click.Path(exists=True, dir_okay=False),
-              help="Continue from a saved state (the prompt continues it).")
+              help="Continue from a saved state (the prompt continues it; with no prompt, "
+                   "generation continues where the state ends).")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
               help="Record every expert request to this trace file (formats/trace.md).")
 @click.option("--logits-out", type=click.Path(dir_okay=False),
@@ -170,6 +267,7 @@ def main(ctx, **options):
     started = time.monotonic()
     a = SimpleNamespace(**options)
     constraints.check(ctx, RULES)
+    a.model = a.model or a.model_option
     if a.serve_address:
         from libk3.serve.app import check_address
         check_address(a.serve_address, a.api_key)        # before the model is opened
@@ -199,7 +297,8 @@ def _run_options(ctx, a):
         cache_policy=a.cache_policy, io_threads=a.io_threads, direct_io=not a.buffered_io,
         trace_path=a.trace_path, verify_reads=a.verify_reads, batch_width=width,
         progress=not a.quiet, spec=a.spec, draft=a.draft, draft_max=a.draft_max,
-        draft_dump=a.draft_dump, warn=lambda m: click.echo(f"k3-run: {m}", err=True))
+        draft_dump=a.draft_dump, warn=lambda m: click.echo(f"k3-run: {m}", err=True),
+        template_limits=RenderLimits(a.template_timeout, a.template_max_bytes))
 
 
 def _settings(a):
@@ -207,7 +306,10 @@ def _settings(a):
     from libk3.run import runner
     return runner.settings_from(gen=a.gen, temperature=a.temperature, top_p=a.top_p,
                                 seed=a.seed, stop_strings=a.stop_strings, stop_ids=a.stop_ids,
-                                prefill_chunk=a.prefill_chunk)
+                                prefill_chunk=a.prefill_chunk, model=a.model, top_k=a.top_k,
+                                min_p=a.min_p, repetition_penalty=a.repetition_penalty,
+                                presence_penalty=a.presence_penalty,
+                                frequency_penalty=a.frequency_penalty)
 
 
 def _serve_mode(a, run, settings) -> None:
@@ -219,23 +321,28 @@ def _serve_mode(a, run, settings) -> None:
 
 
 def _chat_mode(a, run, settings) -> None:
-    """--chat: turns from the terminal or stdin until end of input."""
-    from libk3.run import runner
-    runner.run_chat(run, settings, load_state=a.load_state, save_state=a.save_state,
-                    emit_factory=lambda: _Printer(run.session.tokenizer),
-                    warn=lambda m: click.echo(m, err=True),
-                    template_kwargs=a.template_kwargs, prompt_fn=_chat_prompt)
+    """--chat: turns and commands from the terminal or stdin until /exit or end of input."""
+    from libk3.run import repl, runner
+    tok = run.session.tokenizer
+    with repl.Console(history=a.history) as console:
+        runner.run_chat(run, settings, load_state=a.load_state, save_state=a.save_state,
+                        emit_factory=lambda: _Printer(tok, settings.stop_strings),
+                        console=console, warn=lambda m: click.echo(m, err=True),
+                        template_kwargs=a.template_kwargs, system=a.system)
 
 
 def _prompt_mode(a, run, settings) -> None:
-    """--prompt, --prompt-file, --ids: one prompt, its text as it comes, then the report."""
+    """--prompt, --prompt-file, --ids: one prompt, its text as it comes, then the report;
+    none (--load-state alone): the state's generation continues."""
     from libk3.run import runner
     if a.ids is not None:
         prompt_ids = runner.parse_ids(a.ids, run.cfg.vocab_size)
     elif a.prompt_file is not None:
         prompt_ids = run.encode_file(a.prompt_file)
-    else:
+    elif a.prompt is not None:
         prompt_ids = run.encode(a.prompt)
+    else:
+        prompt_ids = []
     rep = _one_prompt(run, prompt_ids, settings, a)
     if a.report_json:
         atomic.write_json(a.report_json, rep)
@@ -268,7 +375,7 @@ def _batch_mode(a, opts, settings, started: float) -> None:
 def _one_prompt(run, prompt_ids, settings, a) -> dict:
     """Generate with the text shown as it comes; the logits saved when asked; the run
     report."""
-    printer = None if a.json_out else _Printer(run.session.tokenizer)
+    printer = None if a.json_out else _Printer(run.session.tokenizer, a.stop_strings)
     res = run.generate(prompt_ids, settings, on_token=printer,
                        keep_logits=a.logits_out is not None, load_state=a.load_state,
                        save_state=a.save_state)
@@ -280,12 +387,3 @@ def _one_prompt(run, prompt_ids, settings, a) -> dict:
         with atomic.replacing(npy) as f:       # np.save's own suffix rule, atomically
             np.save(f, res.logits)
     return run.report(res)
-
-
-def _chat_prompt() -> str:
-    """One chat line from the terminal; end of input (click's Abort on Ctrl-D) is EOFError,
-    which ends the chat."""
-    try:
-        return click.prompt("you", prompt_suffix="> ", default="", show_default=False, err=True)
-    except click.exceptions.Abort:
-        raise EOFError from None

@@ -23,15 +23,23 @@ from libk3.errors import UsageError
 
 @dataclasses.dataclass(frozen=True)
 class OneOf:
-    """Exactly one of ``names`` (parameter names) is given."""
+    """Exactly one of ``names`` (parameter names) is given, or none when one of
+    ``or_none_with`` is (``--load-state`` alone continues a state); ``text``, when given,
+    is the message."""
 
     names: tuple
+    or_none_with: tuple = ()
+    text: str | None = None
 
     def broken(self, given, flag) -> str | None:
         got = [n for n in self.names if n in given]
-        if len(got) == 1:
+        if len(got) == 1 or (not got and any(n in given for n in self.or_none_with)):
             return None
-        return (f"give exactly one of {', '.join(flag(n) for n in self.names)}"
+        if self.text is not None:
+            return self.text
+        alone = (f" (or {' or '.join(flag(n) for n in self.or_none_with)} alone)"
+                 if self.or_none_with and not got else "")
+        return (f"give exactly one of {', '.join(flag(n) for n in self.names)}{alone}"
                 + (f" (got {', '.join(flag(n) for n in got)})" if got else ""))
 
 
@@ -68,7 +76,8 @@ def check(ctx: click.Context, rules) -> None:
     """UsageError for the first of ``rules`` that the command line breaks."""
     given = {p.name for p in ctx.command.params
              if ctx.get_parameter_source(p.name) == ParameterSource.COMMANDLINE}
-    flags = {p.name: p.opts[0] for p in ctx.command.params if p.opts}
+    flags = {p.name: next((o for o in p.opts if o.startswith("--")), p.opts[0])
+             for p in ctx.command.params if p.opts}
 
     def flag(name: str) -> str:
         return flags.get(name, name)

@@ -3,9 +3,10 @@
 Owns: the command and group classes every tool's entry goes through: they set up the
 kernels' thread team before anything loads numba (``libk3.machine.threads``), and print
 a usage error as one line with exit 2 (click prints a usage block, a hint, a blank line
-and the error); the ``--threads`` and ``--quiet`` options; the group whose main
-form needs no subcommand name (``k3-pack CHECKPOINT OUT``), and the option types that
-refuse NaN, infinities and out-of-range numbers at parse time (README "Exit codes").
+and the error), and take -h for --help; the ``-t/--threads`` and ``-q/--quiet`` options;
+the group whose main form needs no subcommand name (``k3-pack CHECKPOINT OUT``), and the
+option types that refuse NaN, infinities and out-of-range numbers at parse time (README
+"Exit codes").
 Does not own: the rules themselves (a libk3 function says what a temperature or a seed
 may be; ``Rule`` applies it), any command's options, or errors raised by the work
 (``k3cli.support.handle_errors``).
@@ -57,12 +58,23 @@ def _gives_threads(args) -> bool:
     return any(a in ("-t", "--threads") or a.startswith("--threads=") for a in args)
 
 
+# -h is --help in every tool (and its subcommands, whose contexts inherit the names)
+HELP_NAMES = {"help_option_names": ["-h", "--help"]}
+
+
+def _short_help(kwargs: dict) -> dict:
+    kwargs["context_settings"] = {**HELP_NAMES, **(kwargs.get("context_settings") or {})}
+    return kwargs
+
+
 class Command(OneLineErrors, click.Command):
-    pass
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **_short_help(kwargs))
 
 
 class Group(OneLineErrors, click.Group):
-    pass
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **_short_help(kwargs))
 
 
 class DefaultGroup(Group):

@@ -1,0 +1,304 @@
+"""The sampler's settings beyond temperature and top-p (formats/numerics.md section 12):
+repetition, presence and frequency penalties, top-k and min-p, against a brute-force
+oracle; and the engine's promise that they change no exactness: greedy is the argmax of
+the adjusted logits, the same tokens at any thread count, with drafting, in lockstep."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numba
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from libk3.engine.generate import GenSettings, generate
+from libk3.engine.lockstep import Job, run_lockstep
+from libk3.engine.sampler import Sampler
+from libk3.engine.session import open_session
+from libk3.model.state import State
+
+REPETITIVE = [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12, 13]
+PENALISED = dict(repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty=0.4)
+
+
+def oracle(logits, position, context, *, start=0, temperature=0.0, top_p=1.0, top_k=0,
+           min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+           seed=0) -> int:
+    """The token numerics.md section 12 defines, one id at a time: the penalties in
+    Python floats (float64, the same operations in the same order), the candidates by
+    sorting (probability descending, id ascending) and cutting by hand."""
+    V = len(logits)
+    assert len(context) == position
+    x = [float(v) for v in np.asarray(logits, np.float32)]
+    for v in set(context):
+        x[v] = x[v] / repetition_penalty if x[v] > 0 else x[v] * repetition_penalty
+    for v, n in collections.Counter(context[start:]).items():
+        x[v] = (x[v] - frequency_penalty * n) - presence_penalty
+    if temperature == 0:
+        return max(range(V), key=lambda v: (x[v], -v))        # the first maximum
+    z = np.array(x) / temperature
+    e = np.exp(z - z.max())
+    p = e / e.sum()
+    keep = sorted(range(V), key=lambda v: (-p[v], v))
+    top = p[keep[0]]
+    if min_p > 0:
+        keep = [v for v in keep if p[v] >= min_p * top]
+    if top_k > 0:
+        keep = keep[:top_k]
+    if top_p < 1:
+        total = 0.0
+        for v in keep:
+            total += p[v]
+        acc, cut = 0.0, []
+        for v in keep:
+            acc += p[v]
+            cut.append(v)
+            if acc >= top_p * total:
+                break
+        keep = cut
+    u = np.random.Generator(np.random.PCG64([seed, position])).random(V)
+    with np.errstate(divide="ignore"):
+        g = -np.log(-np.log(u))
+    return max(keep, key=lambda v: z[v] + g[v])
+
+
+@st.composite
+def cases(draw):
+    V = draw(st.integers(2, 12))
+    grid = st.sampled_from([-30.0, -3.5, -1.0, -0.25, 0.0, 0.0, 0.5, 1.0, 2.0, 7.0])
+    logits = draw(st.lists(st.one_of(grid, st.floats(-40, 40, width=32)), min_size=V,
+                           max_size=V))
+    position = draw(st.integers(0, 14))
+    context = draw(st.lists(st.integers(0, V - 1), min_size=position, max_size=position))
+    kw = dict(
+        start=draw(st.integers(0, position)),
+        temperature=draw(st.one_of(st.just(0.0), st.floats(0.05, 3.0))),
+        top_p=draw(st.one_of(st.just(1.0), st.floats(0.01, 1.0))),
+        top_k=draw(st.one_of(st.just(0), st.just(-1), st.integers(1, V + 2))),
+        min_p=draw(st.one_of(st.just(0.0), st.just(1.0), st.floats(0.0, 1.0))),
+        repetition_penalty=draw(st.one_of(st.just(1.0), st.floats(0.2, 3.0))),
+        presence_penalty=draw(st.one_of(st.just(0.0), st.floats(-2.0, 2.0))),
+        frequency_penalty=draw(st.one_of(st.just(0.0), st.floats(-2.0, 2.0))),
+        seed=draw(st.integers(0, 2**64 - 1)))
+    return np.array(logits, np.float32), position, context, kw
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=cases())
+def test_sampler_matches_the_brute_force_oracle(case):
+    """Catches a penalty applied to the wrong tokens (presence and frequency over the
+    prompt, repetition over the output only), in the wrong order or sign (a negative logit
+    divided by the repetition penalty, which raises it), top-k or min-p computed before
+    the penalties or the temperature, top-p taken over the whole vocabulary instead of
+    what top-k and min-p kept, or top_k = -1 not meaning "off": every pick equals the
+    oracle's, greedy and sampled."""
+    logits, position, context, kw = case
+    start, seed = kw.pop("start"), kw.pop("seed")
+    temperature, top_p = kw.pop("temperature"), kw.pop("top_p")
+    s = Sampler(temperature, top_p, seed, start=start, **kw)
+    want = oracle(logits, position, context, start=start, temperature=temperature,
+                  top_p=top_p, top_k=max(kw["top_k"], 0), seed=seed,
+                  **{k: v for k, v in kw.items() if k != "top_k"})
+    assert s(logits, position, context) == want
+    cut = max(1, position // 2)             # the context split between fed and pending
+    assert s(logits, position, context[:cut], context[cut:]) == want
+
+
+def test_sampler_neutral_settings_pick_as_before():
+    """Catches the new settings disturbing the old rule when off: with penalties 1, 0, 0
+    and top-k, min-p off, the pick is the temperature/top-p pick, whatever the context."""
+    rng = np.random.default_rng(3)
+    for pos in range(30):
+        logits = rng.standard_normal(40).astype(np.float32)
+        for T, p in ((0.0, 1.0), (0.8, 1.0), (1.1, 0.6)):
+            plain = Sampler(T, p, 9)(logits, pos)
+            assert Sampler(T, p, 9, top_k=0, min_p=0.0, repetition_penalty=1.0)(
+                logits, pos, rng.integers(0, 40, pos).tolist()) == plain
+
+
+def test_sampler_penalty_needs_the_ids_before_its_position():
+    """Catches a caller (a verify row, a draft) handing the penalties a context that is
+    not the tokens before the position: refused, not silently misapplied (control: the
+    right length is accepted)."""
+    s = Sampler(0.0, repetition_penalty=1.3)
+    logits = np.arange(6, dtype=np.float32)
+    with pytest.raises(ValueError, match="position"):
+        s(logits, 4, [1, 2, 3])
+    assert s(logits, 3, [5, 5, 5]) == 4
+
+
+@pytest.mark.parametrize("top_k,min_p", [(3, 0.0), (0, 0.3), (4, 0.05)])
+def test_sampler_draws_the_truncated_distribution(top_k, min_p):
+    """Catches a top-k or min-p set that is not the documented one, or a draw that is
+    not exact over it: chi-square of 6,000 draws against the renormalised softmax of
+    logits / T over the survivors."""
+    logits = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
+    T = 0.8
+    p = np.exp(logits / T - np.max(logits / T))
+    p /= p.sum()
+    keep = np.argsort(-p, kind="stable")
+    if min_p:
+        keep = keep[p[keep] >= min_p * p.max()]
+    if top_k:
+        keep = keep[:top_k]
+    want = np.zeros_like(p)
+    want[keep] = p[keep] / p[keep].sum()
+    n = 6000
+    counts = np.zeros(p.size)
+    for seed in range(60):
+        s = Sampler(T, 1.0, seed, top_k=top_k, min_p=min_p)
+        for pos in range(n // 60):
+            counts[s(logits, pos)] += 1
+    assert counts[want == 0].sum() == 0
+    exp = want[want > 0] * n
+    chi2 = float(((counts[want > 0] - exp) ** 2 / exp).sum())
+    assert chi2 < 24.3, (chi2, counts)       # 99.9th percentile for up to 7 dof
+
+
+# ---- the engine with the new settings --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    s = open_session(tiny_dir)
+    yield s
+    s.weights.close()
+
+
+def test_generate_greedy_with_penalties_is_the_argmax_of_the_adjusted_rows(tiny):
+    """Catches penalties that read the wrong context in the loop (the prompt left out of
+    the repetition penalty, the output counted from the wrong place, a token counted
+    before it is generated): each greedy token is the oracle's argmax of its own logits
+    row with the tokens before it; control: the penalties change the output here."""
+    settings = GenSettings(gen=14, **PENALISED)
+    res = generate(tiny.forward, tiny.new_state(), REPETITIVE, settings, keep_logits=True)
+    plain = generate(tiny.forward, tiny.new_state(), REPETITIVE, GenSettings(gen=14))
+    assert res.generated_ids != plain.generated_ids
+    seq = REPETITIVE + res.generated_ids
+    for i, tok in enumerate(res.generated_ids):
+        at = len(REPETITIVE) + i
+        row = res.logits[at - 1]
+        assert tok == oracle(row, at, seq[:at], start=len(REPETITIVE), **PENALISED), i
+
+
+def _settings_list():
+    return [GenSettings(gen=10, seed=4, **PENALISED),
+            GenSettings(gen=10, temperature=0.9, top_k=5, min_p=0.05, seed=4, **PENALISED),
+            GenSettings(gen=10, temperature=1.2, top_p=0.9, top_k=3, seed=8,
+                        repetition_penalty=0.7, presence_penalty=-0.5)]
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_generate_with_new_settings_is_bit_identical_at_1_and_2_threads(tiny, which):
+    """Catches a sampler whose pick depends on the kernels' thread count (a reduction
+    order, a shared buffer): ids and logits bytes equal at 1 and 2 threads."""
+    s = _settings_list()[which]
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = generate(tiny.forward, tiny.new_state(), REPETITIVE, s, keep_logits=True)
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        two = generate(tiny.forward, tiny.new_state(), REPETITIVE, s, keep_logits=True)
+    finally:
+        numba.set_num_threads(before)
+    assert one.generated_ids == two.generated_ids
+    assert np.array_equal(one.logits.view(np.uint32), two.logits.view(np.uint32))
+
+
+class _Oracle:
+    """Proposes the true continuation with every third token spoiled (partial
+    acceptance: a verify that keeps a rejected token shows)."""
+
+    taps = None
+
+    def __init__(self, truths, vocab):
+        self.truths, self.vocab = truths, vocab
+
+    def propose(self, state, anchor, n, pick):
+        for t in self.truths:
+            if t[:state.pos] == state.ids and len(t) > state.pos:
+                out = t[state.pos + 1:state.pos + 1 + n]
+                from libk3.engine.speculative import Proposal
+                return Proposal([(x + 1) % self.vocab if (state.pos + j) % 3 == 0 else x
+                                 for j, x in enumerate(out)])
+        from libk3.engine.speculative import Proposal
+        return Proposal([])
+
+    def observe(self, state, taps):
+        pass
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_drafting_with_new_settings_gives_plain_tokens(tiny, which):
+    """Catches a verify that picks every proposal with the anchor's context (penalties
+    depend on the tokens before each position, so row i must see the anchor and the
+    proposals before it): drafting with penalties, top-k and min-p gives plain decoding's
+    ids and logits bytes, from the true continuation (partly spoiled) and from prompt
+    lookup."""
+    from libk3.engine.proposers import PromptLookup
+    from libk3.engine.speculative import Drafting, Width
+
+    class Every(Width):
+        def choose(self, confidence, others=0):
+            return len(confidence), 2.0
+    s = _settings_list()[which]
+    plain = generate(tiny.forward, tiny.new_state(), REPETITIVE, s, keep_logits=True)
+    for proposer in (_Oracle([REPETITIVE + plain.generated_ids], tiny.cfg.vocab_size),
+                     PromptLookup()):
+        drafting = Drafting(proposer, 4)
+        drafting.width = Every(4)
+        fast = generate(tiny.forward, tiny.new_state(), REPETITIVE, s, keep_logits=True,
+                        drafting=drafting)
+        assert fast.generated_ids == plain.generated_ids, type(proposer).__name__
+        assert np.array_equal(fast.logits.view(np.uint32), plain.logits.view(np.uint32))
+        if isinstance(proposer, _Oracle):
+            assert 0 < drafting.stats.accepted < drafting.stats.drafted
+
+
+def test_dspark_draft_with_penalties_gives_plain_tokens(tiny_dir):
+    """Catches the DSpark draft picking proposals without the context its block adds
+    (and a verify that would accept them): with penalties, drafting by the bundled draft
+    gives plain decoding's ids and logits bytes."""
+    from libk3.draft.checkpoint import load_draft
+    from libk3.draft.forward import DraftForward
+    from libk3.engine.proposers import DSpark
+    from libk3.engine.speculative import Drafting
+
+    s = open_session(tiny_dir)
+    try:
+        draft = load_draft(tiny_dir / "draft", s.cfg)
+        w = s.weights
+        proposer = DSpark(DraftForward(draft.cfg, draft.weights, w.embed, w.model()["lm_head"]))
+        s.forward.capture(proposer.taps)
+        settings = GenSettings(gen=12, temperature=0.7, seed=2, top_k=6, **PENALISED)
+        plain = generate(s.forward, s.new_state(), REPETITIVE, settings, keep_logits=True)
+        fast = generate(s.forward, s.new_state(), REPETITIVE, settings, keep_logits=True,
+                        drafting=Drafting(proposer, 4))
+    finally:
+        s.weights.close()
+    assert fast.generated_ids == plain.generated_ids
+    assert np.array_equal(fast.logits.view(np.uint32), plain.logits.view(np.uint32))
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_lockstep_with_new_settings_equals_alone(tiny, width):
+    """Catches a lane whose sampler reads another lane's context, or counts its output
+    from the wrong position (a lane continuing a state): each job's ids and logits equal
+    it run alone, at widths 1 and 3."""
+    rng = np.random.default_rng(5)
+    jobs = []
+    for i, s in enumerate(_settings_list() * 2):
+        s = dataclasses.replace(s, gen=5 + i, prefill_chunk=4)
+        jobs.append(Job(i, REPETITIVE[:3 + i] + rng.integers(0, 400, i).tolist(), s))
+    alone = [generate(tiny.forward, tiny.new_state(), j.prompt_ids, j.settings,
+                      keep_logits=True) for j in jobs]
+    done = {}
+    run_lockstep(tiny.forward, lambda n: State(tiny.cfg, capacity=n), jobs, width,
+                 lambda job, res: done.__setitem__(job.tag, res), chunk=4, keep_logits=True)
+    for job, want in zip(jobs, alone):
+        got = done[job.tag]
+        assert got.generated_ids == want.generated_ids, job.tag
+        n = got.logits.shape[0]
+        assert np.array_equal(got.logits.view(np.uint32), want.logits[:n].view(np.uint32))
