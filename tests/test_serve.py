@@ -430,3 +430,31 @@ def test_serve_with_a_draft_answers_as_without(server, tiny_dir, tmp_path):
         _stop(drafted)
     assert got == plain
     assert spec["verify_passes"] > 0 and _health(server)["engine"]["speculative"] is None
+
+
+def test_serve_sampling_fields_mean_what_the_cli_options_mean(server, tiny_dir, tmp_path):
+    """Catches top_k, min_p and the penalties accepted and ignored by the server (or read
+    otherwise than k3-run reads them), and an empty stop string or an out-of-range value
+    accepted: the request's ids equal k3-run's with the same options, and differ from
+    the same request without them (control)."""
+    from .scripts import k3_here
+
+    fields = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 3.0,
+              "presence_penalty": 1.5, "frequency_penalty": 0.5}
+    base = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0.9,
+            "seed": 11}
+    status, body = _post(server, "/v1/completions", json.dumps({**base, **fields}).encode())
+    assert status == 200, body
+    got = body["k3"]["generated_ids"]
+    rep = tmp_path / "r.json"
+    p = k3_here(tiny_dir, "--resident", "--ids", "5,6,7", "--gen", 8, "--temperature", 0.9,
+                "--seed", 11, "--top-k", 5, "--min-p", 0.05, "--repeat-penalty", 3.0,
+                "--presence-penalty", 1.5, "--frequency-penalty", 0.5, "--report-json", rep)
+    assert p.returncode == 0, p.stderr
+    assert got == json.loads(rep.read_text())["generated_ids"]
+    status, plain = _post(server, "/v1/completions", json.dumps(base).encode())
+    assert status == 200 and plain["k3"]["generated_ids"] != got
+    for bad in ({"top_k": 1.5}, {"min_p": 2}, {"presence_penalty": float("nan")},
+                {"repetition_penalty": 0}, {"stop": ""}, {"stop": ["a", ""]}):
+        status, err = _post(server, "/v1/completions", json.dumps({**base, **bad}).encode())
+        assert status == 422 and err["error"]["param"] == next(iter(bad)), (bad, err)

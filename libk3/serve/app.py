@@ -277,6 +277,7 @@ class Server:
         fields = {"gen": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
                   "seed": req.seed}
         job = {k: v for k, v in fields.items() if v is not None}
+        job.update(req.sampling)
         job["stop"] = list(req.stop)
         if req.stop and self.run.session.tokenizer is None:
             raise ApiError(422, "'stop' needs the model's tokenizer", param="stop")

@@ -5,10 +5,11 @@ OpenAI-style error body), and building the response objects and stream chunks.
 Does not own: sockets and routing (``app``), queueing and generation (``worker``),
 rendering and parsing conversations (``libk3.engine.chat_*``).
 
-Fields a client may send that k3 does not use (``user``, ``logprobs`` false,
-``frequency_penalty`` 0, ...) are ignored, as the OpenAI API ignores what it does not
-know; a field k3 uses with the wrong type or range is refused (422), so a request never
-runs with settings other than those asked for.
+Fields a client may send that k3 does not use (``user``, ``logprobs`` false, ...) are
+ignored, as the OpenAI API ignores what it does not know; a field k3 uses with the wrong
+type or range is refused (422), so a request never runs with settings other than those
+asked for. The sampling fields beyond OpenAI's (``top_k``, ``min_p``,
+``repetition_penalty``) mean what vLLM's do (formats/numerics.md §12).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import time
 
 from ..text.chat_request import conversation_problem
 from ..text.encodable import field_problem
-from ..engine.settings import (gen_problem, seed_problem, temperature_problem,
-                               token_ids_problem, top_p_problem)
+from ..engine.settings import (SAMPLING_RULES, gen_problem, seed_problem,
+                               temperature_problem, token_ids_problem, top_p_problem)
 
 MAX_STOP = 4                     # stop sequences per request (as the OpenAI API)
+# Sampling fields passed to the engine as given (each checked by its settings rule).
+SAMPLED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 class ApiError(Exception):
@@ -51,6 +54,7 @@ class Request:
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    sampling: dict = dataclasses.field(default_factory=dict)   # top_k, min_p, penalties
     stop: tuple = ()
     stream: bool = False
     include_usage: bool = False
@@ -142,7 +146,11 @@ def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
     if req.seed is not None and seed_problem(req.seed):
         raise ApiError(422, f"'seed': {seed_problem(req.seed)}", param="seed",
                        code="invalid_value")
-    stop = _field(body, "stop", lambda v: isinstance(v, str) or (
+    for name in SAMPLED:
+        value = _rule(body, name, SAMPLING_RULES[name])
+        if value is not None:
+            req.sampling[name] = value
+    stop = _field(body, "stop", lambda v: (isinstance(v, str) and v) or (
         isinstance(v, list) and len(v) <= MAX_STOP and all(isinstance(s, str) and s for s in v)),
         f"a string or a list of at most {MAX_STOP} non-empty strings")
     req.stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
