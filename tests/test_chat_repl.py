@@ -331,3 +331,15 @@ def test_chat_piped_system_command_waits_for_a_fresh_conversation(tiny_dir, tmp_
                                  {"role": "user", "content": "Again"}])
     ids = _state_ids(tiny_dir, st)
     assert ids[:len(fresh)] == fresh and len(ids) - len(fresh) <= 2
+
+
+def test_chat_from_a_pipe_ends_at_an_empty_line(tiny_dir, tmp_path):
+    """Catches piped input that lost its old rule: an empty line ends the chat (a script
+    ends a conversation that way), so what follows it is never sent; the state saved is
+    the first turn's."""
+    st = tmp_path / "s.k3state"
+    p = k3(tiny_dir, "--chat", "--gen", 3, "--save-state", st, input="Hi there\n\nnever sent\n")
+    assert p.returncode == 0, p.stderr
+    first = _turn_ids(tiny_dir, [{"role": "user", "content": "Hi there"}])
+    ids = _state_ids(tiny_dir, st)
+    assert ids[:len(first)] == first and len(ids) == len(first) + 3

@@ -192,7 +192,9 @@ class Console:
 
     def read(self):
         """The next message (str) or Command; None at end of input. Blank entries are
-        skipped; Ctrl-C drops the entry being typed (from a pipe: ends the chat)."""
+        skipped at a terminal; from a pipe an empty line ends the chat, as it always has
+        (scripts end a conversation that way). Ctrl-C drops the entry being typed (from
+        a pipe: ends the chat)."""
         while True:
             try:
                 with self._raising():
@@ -207,6 +209,8 @@ class Console:
                 if not self.interactive:
                     return None
                 continue
+            if not self.interactive and text == "" and not block:
+                return None
             if self.history is not None:
                 self.history.keep()
             entry = parse(text, block)
