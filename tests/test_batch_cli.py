@@ -233,3 +233,33 @@ def test_doctor_recommends_the_width_that_reads_least_trunk_per_token():
     assert d["pick"] == "desktop" and d["presets"]["desktop"]["batch_width"] < w
     assert d["batch"]["preset"] == "laptop" and d["batch"]["width"] == laptop["batch_width"] == w
     assert d["sequence_bytes"] == sequence_bytes(sizes, load_rules().context_positions)
+
+
+def test_batch_line_whose_gen_runs_past_the_context_is_skipped(tiny_dir, tmp_path):
+    """Catches a line accepted although its prompt and "gen" run past the model's context
+    (formats/batch.md: skipped with its reason), while the good line beside it runs."""
+    batch = tmp_path / "b.jsonl"
+    batch.write_text('{"id": "long", "ids": [1, 2, 3], "gen": 1048574}\n'
+                     '{"id": "ok", "ids": [1, 2, 3], "gen": 2}\n')
+    out = tmp_path / "r.jsonl"
+    p = k3(tiny_dir, "--batch", batch, "--out", out, "--json", "--quiet")
+    assert p.returncode == 0, p.stderr
+    summary = json.loads(p.stdout)
+    assert summary["done"] == 1 and summary["malformed"] == 1, summary
+    assert "past the model's context" in summary["errors"][0]["error"]
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["ok"]
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_batch_results_path_that_is_not_a_file_is_refused_at_once(kind, tiny_dir, tmp_path):
+    """Catches a results path that is a directory refused as a usage error (exit 2; the
+    README's table says a rejected results file is 3) and a FIFO that blocks the run
+    forever: both are exit 3 at once, naming the path."""
+    batch = tmp_path / "b.jsonl"
+    batch.write_text('{"id": 1, "ids": [1, 2]}\n')
+    out = tmp_path / "r.jsonl"
+    out.mkdir() if kind == "directory" else os.mkfifo(out)
+    p = k3(tiny_dir, "--batch", batch, "--out", out, timeout=60)
+    assert p.returncode == 3, p.stderr
+    assert "not a regular file" in p.stderr and str(out) in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1

@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 
 from ..errors import FormatError, K3IOError
@@ -125,6 +126,33 @@ def _json(line: bytes):
 
 def _is_result(obj) -> bool:
     return isinstance(obj, dict) and all(k in obj for k in RESULT_KEYS)
+
+
+def check_results_path(results_path) -> None:
+    """FormatError at once when ``results_path`` exists and is not a regular file (a
+    directory, a FIFO that would block the run, a device): results are appended to a
+    file, nothing else."""
+    p = Path(results_path)
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise K3IOError(f"cannot read the results file: {e.strerror}", path=p) from None
+    if not stat.S_ISREG(mode):
+        raise FormatError("the results path is not a regular file", path=p,
+                          hint="give --out a file")
+
+
+def context_problem(n_prompt: int, gen: int, context: int) -> str | None:
+    """Why a prompt of ``n_prompt`` tokens and ``gen`` more (-1: until the end) do not fit
+    the model's ``context``, or None."""
+    if n_prompt > context:
+        return f"the prompt is {n_prompt:,} tokens, over the model's context of {context:,}"
+    if gen >= 0 and n_prompt + gen > context:
+        return (f"the prompt's {n_prompt:,} tokens and \"gen\" {gen:,} run past the "
+                f"model's context of {context:,}")
+    return None
 
 
 def open_results(results_path) -> set:

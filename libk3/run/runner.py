@@ -411,6 +411,7 @@ def run_batch(opts: RunOptions, batch_path, out_path, base: GenSettings, warn,
     from ..io.filelock import FileLock
 
     limits = limits or BatchLimits()
+    batchfile.check_results_path(out_path)      # before the lock: a FIFO would block it
     summary = {"done": 0, "skipped": 0, "malformed": 0, "errors": [], "stopped": None,
                "remaining": None, "cut_off": 0, "discarded_tokens": 0}
     lock = FileLock(out_path)
@@ -426,7 +427,9 @@ def run_batch(opts: RunOptions, batch_path, out_path, base: GenSettings, warn,
 
 def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, shard) -> dict:
     run.check_stop_ids(base.stop_ids)
+    from ..config import context_length
     done = batchfile.open_results(out_path)
+    context = context_length(run.opts.model)
     seen = set()
     summary["other_shard"] = 0
     lines = list(batchfile.read_lines(batch_path))       # read once: counted, then run
@@ -447,6 +450,9 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
             seen.add(key)
             prompt_ids = job["ids"] if "ids" in job else \
                 run.encode_messages(job, warn) if "messages" in job else run.encode(job["prompt"])
+            why = batchfile.context_problem(len(prompt_ids), job.get("gen", base.gen), context)
+            if why:
+                raise batchfile.BatchLineError(why)
         except (batchfile.BatchLineError, UsageError) as e:
             msg = e.one_line() if isinstance(e, UsageError) else str(e)
             warn(f"{batch_path}:{lineno}: skipped: {msg}")

@@ -136,7 +136,7 @@ RULES = (
 @click.option("--batch", type=click.Path(exists=True, dir_okay=False),
               help="JSONL prompts (id, prompt|ids|messages, optional gen, sampling fields, "
                    "stop; formats/batch.md).")
-@click.option("--out", "out_path", type=click.Path(dir_okay=False),
+@click.option("--out", "out_path", type=click.Path(),
               help="With --batch: results JSONL, appended; ids already there are skipped.")
 @click.option("--wait", is_flag=True,
               help="With --batch: if another run holds the results file, wait for it instead "
