@@ -263,3 +263,11 @@ def test_batch_results_path_that_is_not_a_file_is_refused_at_once(kind, tiny_dir
     assert p.returncode == 3, p.stderr
     assert "not a regular file" in p.stderr and str(out) in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_batch_file_that_is_not_a_regular_file_is_refused_at_once(tiny_dir, tmp_path):
+    """Catches --batch /dev/zero read until memory runs out (it grew to 2 GB): a batch
+    file must be a regular file, else exit 3 at once naming it."""
+    p = k3(tiny_dir, "--batch", "/dev/zero", "--out", tmp_path / "r.jsonl", timeout=60)
+    assert p.returncode == 3, p.stderr
+    assert "not a regular file" in p.stderr and "/dev/zero" in p.stderr

@@ -56,8 +56,17 @@ class BatchLineError(ValueError):
 
 
 def read_lines(path):
-    """(line number from 1, raw bytes) of every line of a batch file, split on b"\n" only."""
-    return enumerate(Path(path).read_bytes().split(b"\n"), start=1)
+    """(line number from 1, raw bytes) of every line of a batch file, split on b"\n" only.
+    A path that is not a regular file (``/dev/zero``, a FIFO) is refused at once
+    (FormatError): it could grow without end or block."""
+    p = Path(path)
+    try:
+        regular = stat.S_ISREG(p.stat().st_mode)
+    except OSError as e:
+        raise K3IOError(f"cannot read the batch file: {e.strerror}", path=p) from None
+    if not regular:
+        raise FormatError("the batch file is not a regular file", path=p)
+    return enumerate(p.read_bytes().split(b"\n"), start=1)
 
 
 def parse_line(line: bytes, vocab_size: int) -> dict:
