@@ -20,6 +20,8 @@ from libk3.engine.sampler import Sampler
 from libk3.engine.session import open_session
 from libk3.model.state import State
 
+from .test_speculative import assert_draws_follow
+
 REPETITIVE = [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12, 13]
 PENALISED = dict(repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty=0.4)
 
@@ -146,16 +148,8 @@ def test_sampler_draws_the_truncated_distribution(top_k, min_p):
         keep = keep[:top_k]
     want = np.zeros_like(p)
     want[keep] = p[keep] / p[keep].sum()
-    n = 6000
-    counts = np.zeros(p.size)
-    for seed in range(60):
-        s = Sampler(T, 1.0, seed, top_k=top_k, min_p=min_p)
-        for pos in range(n // 60):
-            counts[s(logits, pos)] += 1
-    assert counts[want == 0].sum() == 0
-    exp = want[want > 0] * n
-    chi2 = float(((counts[want > 0] - exp) ** 2 / exp).sum())
-    assert chi2 < 24.3, (chi2, counts)       # 99.9th percentile for up to 7 dof
+    assert_draws_follow(want, logits,
+                        lambda seed: Sampler(T, 1.0, seed, top_k=top_k, min_p=min_p))
 
 
 # ---- the engine with the new settings --------------------------------------------------

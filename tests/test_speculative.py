@@ -134,6 +134,23 @@ def test_width_verifies_what_pays_and_pauses_when_nothing_does():
     assert w.backoff == 1
 
 
+def assert_draws_follow(want, logits, make) -> None:
+    """6,000 draws (60 seeds of ``make(seed)``, 100 positions each) from ``logits`` follow
+    the distribution ``want``: never a token of probability 0, chi-square within the
+    99.9th percentile (up to 7 degrees of freedom)."""
+    n = 6000
+    counts = np.zeros(want.size)
+    for seed in range(60):
+        s = make(seed)
+        for pos in range(n // 60):
+            counts[s(logits, pos)] += 1
+    assert counts[want == 0].sum() == 0
+    exp = want[want > 0] * n
+    chi2 = float(((counts[want > 0] - exp) ** 2 / exp).sum())
+    assert chi2 < 24.3, (chi2, counts)
+
+
+
 def test_sampler_is_keyed_by_position_and_seed():
     """Catches a pick that depends on how many picks came before (a verify block would
     then not reproduce plain decoding), or on nothing but the seed."""
@@ -159,13 +176,4 @@ def test_sampler_draws_the_tempered_top_p_distribution(top_p):
     keep = order[:int(np.searchsorted(np.cumsum(p[order]), top_p) + 1)]
     want = np.zeros_like(p)
     want[keep] = p[keep] / p[keep].sum()
-    n = 6000
-    counts = np.zeros(p.size)
-    for seed in range(60):
-        s = Sampler(T, top_p, seed)
-        for pos in range(n // 60):
-            counts[s(logits, pos)] += 1
-    assert counts[want == 0].sum() == 0
-    exp = want[want > 0] * n
-    chi2 = float(((counts[want > 0] - exp) ** 2 / exp).sum())
-    assert chi2 < 24.3, (chi2, counts)       # 99.9th percentile for up to 7 dof
+    assert_draws_follow(want, logits, lambda seed: Sampler(T, top_p, seed))
