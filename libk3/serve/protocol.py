@@ -9,7 +9,7 @@ Fields a client may send that k3 does not use (``user``, ``logprobs`` false, ...
 ignored, as the OpenAI API ignores what it does not know; a field k3 uses with the wrong
 type or range is refused (422), so a request never runs with settings other than those
 asked for. The sampling fields beyond OpenAI's (``top_k``, ``min_p``,
-``repetition_penalty``) mean what vLLM's do (formats/numerics.md §12).
+``repetition_penalty``) mean what vLLM's do (formats/numerics.md section 12).
 """
 
 from __future__ import annotations
