@@ -11,6 +11,7 @@ import re
 import select
 import signal
 import struct
+import subprocess
 import termios
 import time
 
@@ -343,3 +344,13 @@ def test_chat_from_a_pipe_ends_at_an_empty_line(tiny_dir, tmp_path):
     first = _turn_ids(tiny_dir, [{"role": "user", "content": "Hi there"}])
     ids = _state_ids(tiny_dir, st)
     assert ids[:len(first)] == first and len(ids) == len(first) + 3
+
+
+def test_chat_line_of_invalid_utf8_is_refused_at_once(tiny_dir):
+    """Catches a 4 MB chat line of bytes that are not UTF-8 worked on for minutes (or a
+    traceback): it is refused in seconds, exit 2, one line naming the message."""
+    p = subprocess.run(["k3-run", str(tiny_dir), "--chat", "--gen", "2"],
+                       input=b"\xff" * 4_000_000 + b"\n", capture_output=True, timeout=60)
+    err = p.stderr.decode("utf-8", "replace")
+    assert p.returncode == 2, err
+    assert '"messages"[0]["content"]' in err and "Traceback" not in err
