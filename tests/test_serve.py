@@ -458,3 +458,29 @@ def test_serve_sampling_fields_mean_what_the_cli_options_mean(server, tiny_dir, 
                 {"repetition_penalty": 0}, {"stop": ""}, {"stop": ["a", ""]}):
         status, err = _post(server, "/v1/completions", json.dumps({**base, **bad}).encode())
         assert status == 422 and err["error"]["param"] == next(iter(bad)), (bad, err)
+
+
+def test_serve_refuses_fields_it_would_ignore_and_models_it_does_not_serve(server):
+    """Catches a request answered with 200 while a field it sent is silently ignored
+    (response_format, logprobs, tool_choice "required", logit_bias, echo, ...), a model
+    name that is not the served one accepted and echoed, and /v1/models/{id} missing;
+    controls: the do-nothing values of those fields and bookkeeping fields pass."""
+    base = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1}
+    for bad in ({"response_format": {"type": "json_object"}}, {"logprobs": True},
+                {"tool_choice": "required"}, {"logit_bias": {"5": 10}}, {"echo": True},
+                {"best_of": 2}, {"suffix": "x"}, {"frobnicate": 1}):
+        status, err = _post(server, "/v1/completions", json.dumps({**base, **bad}).encode())
+        assert status == 400 and err["error"]["param"] == next(iter(bad)), (bad, err)
+        assert err["error"]["code"] == "unsupported_field"
+    for fine in ({"logprobs": False}, {"tool_choice": "auto"}, {"logit_bias": {}},
+                 {"user": "me", "metadata": {"a": "b"}}, {"response_format": {"type": "text"}},
+                 {"echo": None}):
+        status, body = _post(server, "/v1/completions", json.dumps({**base, **fine}).encode())
+        assert status == 200, (fine, body)
+    status, err = _post(server, "/v1/completions", json.dumps({**base, "model": "tinny"}).encode())
+    assert status == 404 and err["error"]["code"] == "model_not_found"
+    c = _client(server)
+    assert c.models.retrieve("tiny").id == "tiny"
+    import openai
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("other")

@@ -158,6 +158,7 @@ class Server:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get(LIVENESS, self.livez)
         app.cleanup_ctx.append(self._cpu_thread)
@@ -231,10 +232,23 @@ class Server:
             self.log(f"request {rid} failed ({status}): {said}")
 
     # ---- routes ----
+    def _model_object(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "k3"}
+
     async def models(self, request):
         from aiohttp import web
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "k3"}]})
+        return web.json_response({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request):
+        from aiohttp import web
+        self._check_model(request.match_info["model"])
+        return web.json_response(self._model_object())
+
+    def _check_model(self, name) -> None:
+        """404 ``model_not_found`` unless ``name`` (None: not given) is the served model."""
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
 
     async def health(self, request):
         from aiohttp import web
@@ -259,6 +273,7 @@ class Server:
         """A chat body parsed, checked, rendered and tokenized (on the CPU thread):
         (Request, prompt ids, settings, ReplyReader)."""
         req = check_request(parse_body(raw), True, self.run.cfg.vocab_size)
+        self._check_model(req.model)
         ids = self.run.encode_messages({"messages": req.messages, "tools": req.tools,
                                         "template_kwargs": req.template_kwargs}, self.log)
         settings = self.run.chat_settings(self._settings(req), self.log)
@@ -269,6 +284,7 @@ class Server:
     def _read_completion(self, raw: bytes) -> tuple:
         """The same for a completion body."""
         req = check_request(parse_body(raw), False, self.run.cfg.vocab_size)
+        self._check_model(req.model)
         ids = req.prompt_ids if req.prompt_ids is not None else self.run.encode(req.prompt)
         settings = self._settings(req)
         return req, ids, settings, ReplyReader(self.run.session.tokenizer, False, req.stop)
@@ -394,9 +410,10 @@ class Server:
 
 
 def serve(run, address: str, base_settings, *, api_key=None, log=print,
-          reuse_ram_bytes: int = 0, reuse_disk_bytes: int = 0) -> None:
+          reuse_ram_bytes: int = 0, reuse_disk_bytes: int = 0, model_name=None) -> None:
     """Serve ``run`` on ``address`` until SIGINT or SIGTERM (then exit cleanly). States
-    of finished requests are kept for reuse within the two byte budgets (0: none)."""
+    of finished requests are kept for reuse within the two byte budgets (0: none). The
+    model is served as ``model_name`` (default: the checkpoint directory's name)."""
     try:
         from aiohttp import web
     except ImportError:
@@ -411,7 +428,8 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
                       reuse_disk_bytes) if reuse_ram_bytes or reuse_disk_bytes else None
     worker = Worker(run, run.width, log, turns, chunk=base_settings.prefill_chunk)
     server = Server(run, worker, base_settings, api_key=api_key, log=log,
-                    model_name=os.path.basename(os.path.normpath(str(run.opts.model))))
+                    model_name=model_name or os.path.basename(os.path.normpath(
+                        str(run.opts.model))))
 
     async def main():
         runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,

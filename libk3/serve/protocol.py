@@ -5,10 +5,11 @@ OpenAI-style error body), and building the response objects and stream chunks.
 Does not own: sockets and routing (``app``), queueing and generation (``worker``),
 rendering and parsing conversations (``libk3.engine.chat_*``).
 
-Fields a client may send that k3 does not use (``user``, ``logprobs`` false, ...) are
-ignored, as the OpenAI API ignores what it does not know; a field k3 uses with the wrong
-type or range is refused (422), so a request never runs with settings other than those
-asked for. The sampling fields beyond OpenAI's (``top_k``, ``min_p``,
+A field k3 does not implement is refused (400 naming it, ``unsupported_field``), unless
+it cannot change the reply: ``IGNORED`` fields, and ``NEUTRAL`` fields given their
+do-nothing value (``logprobs`` false, ``tool_choice`` "auto", ...). A field k3 uses with
+the wrong type or range is refused (422). Either way a request never runs with settings
+other than those asked for. The sampling fields beyond OpenAI's (``top_k``, ``min_p``,
 ``repetition_penalty``) mean what vLLM's do (formats/numerics.md section 12).
 """
 
@@ -26,6 +27,17 @@ from ..engine.settings import (SAMPLING_RULES, gen_problem, seed_problem,
 MAX_STOP = 4                     # stop sequences per request (as the OpenAI API)
 # Sampling fields passed to the engine as given (each checked by its settings rule).
 SAMPLED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+# The fields each endpoint reads; any other is refused unless IGNORED or NEUTRAL below.
+READ = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+        "stop", "stream", "stream_options", "n", *SAMPLED}
+READ_CHAT = READ | {"messages", "tools", "chat_template_kwargs"}
+READ_COMPLETION = READ | {"prompt"}
+# Bookkeeping a client may attach; it never changes the reply.
+IGNORED = {"user", "metadata", "store", "service_tier"}
+# Fields k3 does not implement, accepted only with the value that asks for nothing.
+NEUTRAL = {"logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "logit_bias": ({},),
+           "tool_choice": ("auto",), "parallel_tool_calls": (True,),
+           "response_format": ({"type": "text"},), "best_of": (1,), "suffix": ("",)}
 
 
 class ApiError(Exception):
@@ -103,8 +115,26 @@ def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def unsupported_field(body: dict, chat: bool) -> str | None:
+    """The first field of ``body`` that k3 would have to ignore to answer, or None."""
+    read = READ_CHAT if chat else READ_COMPLETION
+    for name, value in body.items():
+        if name in read or name in IGNORED or value is None:
+            continue
+        if name in NEUTRAL and any(value == v and type(value) is type(v)
+                                   for v in NEUTRAL[name]):
+            continue
+        return name
+    return None
+
+
 def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
     """The body of POST /v1/chat/completions (``chat``) or /v1/completions, checked."""
+    bad = unsupported_field(body, chat)
+    if bad is not None:
+        raise ApiError(400, f"'{bad}' is not implemented by k3 (with this value); leave it "
+                            "out (docs/serve.md lists the fields)", param=bad,
+                       code="unsupported_field")
     req = Request(chat=chat)
     req.model = _field(body, "model", lambda v: isinstance(v, str), "a string")
     if _field(body, "n", _is_int, "an integer") not in (None, 1):

@@ -106,6 +106,8 @@ RULES = (
     constraints.GoesWith(("system", "history"), ("chat",),
                          "--system and --history go with --chat"),
     constraints.GoesWith(("api_key",), ("serve_address",), "--api-key goes with --serve"),
+    constraints.GoesWith(("served_model_name",), ("serve_address",),
+                         "--served-model-name goes with --serve"),
     constraints.GoesWith(("template_timeout", "template_max_bytes"),
                          ("chat", "batch", "serve_address"),
                          "--template-timeout and --template-max-bytes go with --chat, --batch "
@@ -177,6 +179,9 @@ RULES = (
                    "to 127.0.0.1, any other address needs --api-key.")
 @click.option("--api-key", envvar="K3_API_KEY", show_envvar=True,
               help="With --serve: the key every request must send (Authorization: Bearer).")
+@click.option("--served-model-name", metavar="NAME",
+              help="With --serve: the model's name in the API (default: the checkpoint "
+                   "directory's name); a request naming another model is 404.")
 @click.option("--reuse-gb", type=gigabytes(), default=1.0, show_default=True,
               help="With --serve: RAM for states of earlier requests, resumed when a prompt "
                    "extends one (least recently used out; 0 = off).")
@@ -317,7 +322,8 @@ def _serve_mode(a, run, settings) -> None:
     from libk3.serve.app import serve
     serve(run, a.serve_address, settings, api_key=a.api_key,
           log=lambda m: click.echo(m, err=True),
-          reuse_ram_bytes=int(a.reuse_gb * 1e9), reuse_disk_bytes=int(a.reuse_disk_gb * 1e9))
+          reuse_ram_bytes=int(a.reuse_gb * 1e9), reuse_disk_bytes=int(a.reuse_disk_gb * 1e9),
+          model_name=a.served_model_name)
 
 
 def _chat_mode(a, run, settings) -> None:
