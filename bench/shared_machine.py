@@ -183,7 +183,7 @@ def free_port() -> int:
 
 
 def chat_latencies(port: int, n: int) -> list:
-    body = json.dumps({"model": "k3", "max_tokens": 8, "temperature": 0,
+    body = json.dumps({"max_tokens": 8, "temperature": 0,
                        "messages": [{"role": "user", "content": PROMPT}]}).encode()
     out = []
     for _ in range(n):

@@ -41,7 +41,7 @@ def start(model, log: Path, reuse_gb: str, run_args):
 
 
 def chat(url, messages, max_tokens):
-    body = json.dumps({"model": "m", "messages": messages, "max_tokens": max_tokens}).encode()
+    body = json.dumps({"messages": messages, "max_tokens": max_tokens}).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=3600) as r:
