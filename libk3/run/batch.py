@@ -60,12 +60,7 @@ def read_lines(path):
     A path that is not a regular file (``/dev/zero``, a FIFO) is refused at once
     (FormatError): it could grow without end or block."""
     p = Path(path)
-    try:
-        regular = stat.S_ISREG(p.stat().st_mode)
-    except OSError as e:
-        raise K3IOError(f"cannot read the batch file: {e.strerror}", path=p) from None
-    if not regular:
-        raise FormatError("the batch file is not a regular file", path=p)
+    _check_regular(p, "the batch file", "the batch file")
     return enumerate(p.read_bytes().split(b"\n"), start=1)
 
 
@@ -141,16 +136,21 @@ def check_results_path(results_path) -> None:
     """FormatError at once when ``results_path`` exists and is not a regular file (a
     directory, a FIFO that would block the run, a device): results are appended to a
     file, nothing else."""
-    p = Path(results_path)
+    _check_regular(Path(results_path), "the results file", "the results path",
+                   missing_ok=True, hint="give --out a file")
+
+
+def _check_regular(p: Path, reading: str, named: str, missing_ok=False, hint=None) -> None:
+    """K3IOError when ``p`` cannot be looked at (unless it is absent and ``missing_ok``),
+    FormatError when it is not a regular file: it could block or grow without end."""
     try:
-        mode = p.stat().st_mode
-    except FileNotFoundError:
-        return
+        regular = stat.S_ISREG(p.stat().st_mode)
     except OSError as e:
-        raise K3IOError(f"cannot read the results file: {e.strerror}", path=p) from None
-    if not stat.S_ISREG(mode):
-        raise FormatError("the results path is not a regular file", path=p,
-                          hint="give --out a file")
+        if missing_ok and isinstance(e, FileNotFoundError):
+            return
+        raise K3IOError(f"cannot read {reading}: {e.strerror}", path=p) from None
+    if not regular:
+        raise FormatError(f"{named} is not a regular file", path=p, hint=hint)
 
 
 def context_problem(n_prompt: int, gen: int, context: int) -> str | None:
