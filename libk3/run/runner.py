@@ -8,6 +8,7 @@ run shapes: one prompt, a batch file, a chat. Does not own: option parsing or pr
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 import json
 import time
@@ -161,6 +162,12 @@ class Run:
                 meta={"model": str(opts.model), "pack": opts.pack,
                       "cache_policy": opts.cache_policy}))
 
+    @functools.cached_property
+    def context(self) -> int:
+        """The model's context in tokens (``config.context_length``), read once."""
+        from ..config import context_length
+        return context_length(self.opts.model)
+
     @property
     def cfg(self):
         return self.session.cfg
@@ -198,10 +205,9 @@ class Run:
     def encode_file(self, path) -> list:
         """Token ids of a prompt file's exact text (``prompt_file``); FormatError when
         the file, or its tokens, exceed the model's context."""
-        from ..config import context_length
         from .prompt_file import prompt_byte_bound, read_prompt_file
 
-        context = context_length(self.opts.model)
+        context = self.context
         bound = prompt_byte_bound(context, self._tokenizer().longest_rank_bytes)
         ids = self.encode(read_prompt_file(path, bound))
         if len(ids) > context:
@@ -427,9 +433,8 @@ def run_batch(opts: RunOptions, batch_path, out_path, base: GenSettings, warn,
 
 def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, shard) -> dict:
     run.check_stop_ids(base.stop_ids)
-    from ..config import context_length
     done = batchfile.open_results(out_path)
-    context = context_length(run.opts.model)
+    context = run.context
     seen = set()
     summary["other_shard"] = 0
     lines = list(batchfile.read_lines(batch_path))       # read once: counted, then run
@@ -572,8 +577,7 @@ class Chat:
 
     def stats(self) -> dict:
         """Tokens in the state, the model's context, user turns, the last GenResult."""
-        from ..config import context_length
-        return {"tokens": self.state.pos, "context": context_length(self.run.opts.model),
+        return {"tokens": self.state.pos, "context": self.run.context,
                 "turns": sum(m["role"] == "user" for m in self.convo.messages),
                 "last": self.last}
 
