@@ -204,8 +204,13 @@ def resolve_budget(name: str | None, trunk_gb: float | None = None,
 MAX_AUTO_WIDTH = 64
 
 
+# States a batch run holds besides its lanes: the snapshot of the prefix its lines share
+# (``libk3.run.prefixes``); the server holds none (its kept turns have --reuse-gb).
+BATCH_SNAPSHOTS = 1
+
+
 def batch_width(budget: Budget, sizes: ModelSizes, mem, requested, *, jobs: int | None = None,
-                rules: Rules | None = None) -> tuple:
+                rules: Rules | None = None, held: int = 0) -> tuple:
     """(width, reasons) for ``--batch-width`` ``requested`` (an int >= 1 or "auto").
 
     Each sequence holds ``sequence_bytes`` for context_positions positions; the widths
@@ -213,17 +218,19 @@ def batch_width(budget: Budget, sizes: ModelSizes, mem, requested, *, jobs: int 
     resident tensors and the runtime reserve within headroom_fraction of usable memory.
     ``auto`` takes the largest, at most ``jobs`` (the prompts to run) and MAX_AUTO_WIDTH;
     a requested width that does not fit raises BudgetError with the figures, as does a
-    machine where not even one sequence fits."""
+    machine where not even one sequence fits. ``held``: sequences' states kept besides
+    the lanes (a batch's shared-prefix snapshot, ``libk3.run.prefixes``)."""
     rules = rules or load_rules()
     per = sequence_bytes(sizes, rules.context_positions)
     allowed = int(rules.headroom_fraction * usable_memory(mem))
     trunk = min(budget.trunk_bytes, sizes.trunk_bytes)
     cache = min(budget.cache_bytes, sizes.cache_all_bytes)
-    fixed = peak_bytes(budget, sizes, rules, width=0)
+    fixed = peak_bytes(budget, sizes, rules, width=held)
     fit = max(0, (allowed - fixed) // per)
     t = size_texts(trunk, cache, fixed - trunk - cache, max(0, allowed - fixed), allowed,
                    usable_memory(mem), per)
-    figures = (f"trunk {t[0]} + cache {t[1]} + resident and reserve {t[2]} leave {t[3]} of "
+    figures = (f"trunk {t[0]} + cache {t[1]} + resident and reserve"
+               + (f" and {held} snapshot" if held else "") + f" {t[2]} leave {t[3]} of "
                f"{t[4]} ({rules.headroom_fraction:.0%} of {t[5]}) "
                f"for sequences of {t[6]} each ({rules.context_positions} positions)")
     want = fit if requested == "auto" else int(requested)

@@ -289,7 +289,8 @@ def _batch_width(row: dict, sizes: ModelSizes, memory, rules) -> int | None:
     b = row["budget"]
     held = budget.Budget(b["trunk_bytes"], b["cache_bytes"], b["preset"], ())
     try:
-        return budget.batch_width(held, sizes, memory, "auto", rules=rules)[0]
+        return budget.batch_width(held, sizes, memory, "auto", rules=rules,
+                                  held=budget.BATCH_SNAPSHOTS)[0]
     except BudgetError:
         return None
 

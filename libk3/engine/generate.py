@@ -73,6 +73,7 @@ class GenResult:
     logits: np.ndarray | None = None
     spec: dict | None = None
     stop_strings: tuple = ()       # what the text ends at (``stops.returned_text``)
+    reused_tokens: int = 0         # of prompt_ids, resumed from a kept state, not prefilled
 
     @property
     def seconds_per_token(self) -> float:

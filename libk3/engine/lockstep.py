@@ -40,12 +40,15 @@ from .stops import Stops
 class Job:
     """One prompt of a batch. ``tag`` is the caller's handle, passed back with the result
     (and to trace records as the sequence's tag). ``state``: the State to continue (it
-    already holds what came before ``prompt_ids``: an earlier turn), else a new one."""
+    already holds what came before ``prompt_ids``: an earlier turn), else a new one.
+    ``keep_at``: after this many of ``prompt_ids`` are fed, the Lockstep's ``on_keep``
+    hears the state (a prefix worth keeping, such as a conversation's preamble); 0: none."""
 
     tag: object
     prompt_ids: list
     settings: GenSettings
     state: object = None
+    keep_at: int = 0
 
 
 class _Lane:
@@ -151,6 +154,8 @@ def plan_pass(lanes: list, chunk: int, join_prefill: bool = True) -> list:
     for lane in lanes:
         if lane.prefilling and room > 0:
             n = min(room, len(lane.prompt) - lane.fed)
+            if lane.fed < lane.job.keep_at:         # the pass ends at the kept prefix
+                n = min(n, lane.job.keep_at - lane.fed)
             plan.append((lane, lane.prompt[lane.fed:lane.fed + n], n))
             room -= n
     if join_prefill or not plan:
@@ -170,12 +175,13 @@ class Lockstep:
     ``should_stop()``, if given, is asked before every pass: True raises Abandoned, and
     the lanes in flight stay in ``lanes`` for the caller to count and drop.
     ``on_pass(prompt tokens, decoders, seconds)``, if given, hears each pass's size and
-    duration on ``clock`` (a batch's pace, ``libk3.engine.pace``)."""
+    duration on ``clock`` (a batch's pace, ``libk3.engine.pace``). ``on_keep(job,
+    state)`` hears a lane's state once its Job's ``keep_at`` prompt ids are in."""
 
     def __init__(self, forward, new_state, width: int, on_done, *, chunk: int = PREFILL_CHUNK,
                  tokenizer=None, on_token=None, keep_logits: bool = False,
                  join_prefill: bool = True, should_stop=None, on_pass=None,
-                 clock=time.perf_counter, drafting=None):
+                 clock=time.perf_counter, drafting=None, on_keep=None):
         if width < 1 or chunk < 1:
             raise ValueError("width and chunk must be >= 1")
         self.forward, self.new_state, self.width, self.on_done = forward, new_state, width, on_done
@@ -183,6 +189,7 @@ class Lockstep:
         self.keep_logits, self.join_prefill = keep_logits, join_prefill
         self.should_stop, self.on_pass, self.clock = should_stop, on_pass, clock
         self.drafting = drafting
+        self.on_keep = on_keep
         self.lanes: list[_Lane] = []
         self.stats = LockstepStats(width)
 
@@ -228,6 +235,8 @@ class Lockstep:
             st.prompt_tokens += n_prompt
             before = len(lane.generated)
             lane.take(seg, logits, n_prompt, self.on_token, took)
+            if n_prompt and lane.fed == lane.job.keep_at and self.on_keep is not None:
+                self.on_keep(lane.job, lane.state)
             st.generated_tokens += len(lane.generated) - before
         if self.drafting is not None and all(n == 0 for _, _, n in plan):   # commits too
             self.drafting.width.record(sum(seg.ids.shape[0] for seg in segs),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 from pathlib import Path
 
 from ..errors import UsageError
@@ -27,6 +29,9 @@ class Session:
     weights: object
     forward: Forward
     pack_source: dict | None = None    # a pack's ``source``, checked against ``ckpt``
+    # the pack the trunk streams from, as the sha256 of its manifest (canonical JSON), or
+    # "shards": what prefix-cache snapshots are keyed by besides the weights
+    pack_identity: str = "shards"
 
     @property
     def cfg(self):
@@ -68,7 +73,7 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
         ckpt = Checkpoint.open(model_dir)
     cfg = ckpt.config
     tok = load_tokenizer_if_present(model_dir, cfg.vocab_size, pack)
-    pack_source = None
+    pack_source, pack_identity = None, "shards"
     if trunk_bytes is None and cache_bytes is None and pack is None:
         weights = ResidentWeights(ckpt)
     else:
@@ -83,6 +88,8 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
             pk = open_pack(pack, ckpt)
             runs = runs_from_pack(pack, pk.manifest, pk.blocks)
             pack_source = pk.manifest["source"]
+            pack_identity = hashlib.sha256(json.dumps(
+                pk.manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
         else:
             runs = runs_from_checkpoint(ckpt)
         files = FileSet(use_direct=direct_io)
@@ -90,7 +97,8 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
                             policy=cache_policy)
         trunk = TrunkStreamer(cfg, runs, trunk_bytes, files, verify_reads=verify_reads)
         weights = StreamedWeights(ckpt, trunk, cache, files)
-    return Session(ckpt, tok, weights, Forward(cfg, weights, on_route=on_route), pack_source)
+    return Session(ckpt, tok, weights, Forward(cfg, weights, on_route=on_route), pack_source,
+                   pack_identity)
 
 
 def parse_ids(text: str, vocab_size: int) -> list:

@@ -183,6 +183,68 @@ class State:
         return st
 
 
+def read_meta(path, check: bool = False) -> dict:
+    """A state file's header (formats/state.md) without a model: what ``k3-pack cache``
+    lists. With ``check``, also the checksum and that every array its header lists is
+    finite and fits the file (what needs no model to tell); FormatError naming the file
+    otherwise. The model-specific checks are ``State.load``'s."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if check:
+                head = _read_header(f, size, path)
+            else:
+                prefix = f.read(_PREFIX.size)
+                if len(prefix) < _PREFIX.size or prefix[:8] != STATE_MAGIC:
+                    raise FormatError("not a k3 state file (empty, or bad magic)", path=path)
+                _, version, hlen = _PREFIX.unpack(prefix)
+                if version != STATE_VERSION or hlen > min(MAX_HEADER_BYTES, size):
+                    raise FormatError(f"state format version {version} is not read by this "
+                                      "k3, or its header runs past the file", path=path)
+                head = f.read(hlen)
+            try:
+                meta = json.loads(head.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError, RecursionError) as e:
+                raise FormatError(f"state header is not valid JSON ({type(e).__name__})",
+                                  path=path) from None
+            if not isinstance(meta, dict) or sorted(meta) != list(_HEADER_KEYS):
+                raise FormatError("state header fields wrong", path=path)
+            if check:
+                _check_arrays(f, meta, _PREFIX.size + len(head), size, path)
+    except OSError as e:
+        raise FormatError(f"cannot read state file: {e.strerror or e}", path=path) from None
+    return meta
+
+
+def _check_arrays(f, meta: dict, start: int, size: int, path) -> None:
+    """Every array the header lists is float32, fills the file exactly, and is finite."""
+    try:
+        shapes = [(str(name), [int(d) for d in shape]) for name, dtype, shape in meta["arrays"]
+                  if dtype == "F32"]
+    except (TypeError, ValueError):
+        shapes = None
+    if shapes is None or len(shapes) != len(meta["arrays"]) or any(
+            d < 0 for _, shape in shapes for d in shape):
+        raise FormatError("state arrays list is malformed", path=path)
+    need = start + sum(4 * int(np.prod(shape, dtype=np.int64)) for _, shape in shapes) \
+        + _DIGEST_BYTES
+    if need != size:
+        raise FormatError("state file size does not match its arrays", path=path,
+                          expected=f"{need} bytes", found=f"{size} bytes")
+    f.seek(start)
+    for name, shape in shapes:
+        left = int(np.prod(shape, dtype=np.int64))
+        while left:
+            n = min(left, _FINITE_CHUNK)
+            a = np.frombuffer(f.read(4 * n), dtype="<f4")
+            if a.size != n:
+                raise FormatError("state file is truncated", path=path, tensor=name)
+            if not np.isfinite(a).all():
+                raise FormatError(f"state array {name} holds NaN or Inf", path=path)
+            left -= n
+
+
 def _read_header(f, size: int, path) -> bytes:
     """Check the prefix, the header length and the checksum; -> the header bytes."""
     prefix = f.read(_PREFIX.size)

@@ -51,6 +51,8 @@ class BatchSink:
         self.bar = _bar(run.opts.progress)
         self.ids = {}                       # line -> the line's id
         self.chats = set()                  # lines given as "messages"
+        self.prompt_ids = {}                # line -> its whole prompt
+        self.reused = {}                    # line -> prompt ids resumed from a snapshot
         self.lockstep = None
         if width > 1 or self.pace is not None:
             cfg = run.cfg
@@ -61,32 +63,43 @@ class BatchSink:
                                      on_pass=self.pace.record if self.pace else None,
                                      clock=self.clock, drafting=run.drafting)
 
-    def submit(self, lineno: int, job_id, prompt_ids, settings, chat: bool = False) -> str:
+    def submit(self, lineno: int, job_id, prompt_ids, settings, chat: bool = False,
+               starts=None) -> str:
         """Run the prompt (width 1) or queue it for the next free slot; ``chat``: a
-        "messages" line, whose result also carries the parsed reply. ABANDONED when the
-        deadline passed meanwhile: this prompt and every one in flight are dropped;
-        NO_TIME when it would not finish before the deadline (nothing of it was run)."""
+        "messages" line, whose result also carries the parsed reply; ``starts()``: the
+        (state, n) it starts from, holding its first n ids (``prefixes.PrefixStarts``),
+        asked once the prompt is let in. ABANDONED when the deadline passed meanwhile:
+        this prompt and every one in flight are dropped; NO_TIME when it would not finish
+        before the deadline (nothing of it was run)."""
         job = Job(lineno, prompt_ids, settings)          # the tag is the trace's seq
         try:
             if self.lockstep is None:
-                self._expect(job_id, lineno, chat)
+                self._expect(job_id, lineno, chat, prompt_ids)
                 self.run.seq = lineno
-                self._done(job, self.run.generate(prompt_ids, settings,
+                state, n = starts() if starts is not None else (None, 0)
+                self.reused[lineno] = n
+                self._done(job, self.run.generate(prompt_ids[n:], settings, state=state,
                                                   should_stop=self.should_stop))
                 return STARTED
             self.run.check_stop_strings(settings)
             self.lockstep.make_room()
             if self.pace is not None and not self._fits(job_id, job):
                 return NO_TIME
-            self._expect(job_id, lineno, chat)
+            self._expect(job_id, lineno, chat, prompt_ids)
+            self.run.seq = lineno                        # a shared prefix built for it
+            if starts is not None:
+                state, n = starts()
+                self.reused[lineno] = n
+                job = Job(lineno, prompt_ids[n:], settings, state)
             self.lockstep.submit(job)
         except Abandoned:
             self.abandoned += 1 + self._drop_lanes()
             return ABANDONED
         return STARTED
 
-    def _expect(self, job_id, lineno: int, chat: bool) -> None:
+    def _expect(self, job_id, lineno: int, chat: bool, prompt_ids) -> None:
         self.ids[lineno] = job_id
+        self.prompt_ids[lineno] = prompt_ids
         if chat:
             self.chats.add(lineno)
 
@@ -136,6 +149,8 @@ class BatchSink:
     def _done(self, job, res) -> None:
         lineno = job.tag
         job_id = self.ids.pop(lineno)
+        res.prompt_ids = self.prompt_ids.pop(lineno)    # the whole prompt, resumed or not
+        res.reused_tokens = self.reused.pop(lineno, 0)
         rep = self.run.report(res, {"id": job_id, "line": lineno, "batch_width": self.width})
         if lineno in self.chats:
             self.chats.discard(lineno)
@@ -145,6 +160,7 @@ class BatchSink:
             self.generated += len(res.generated_ids)
         self.prompts.append({"id": job_id, "line": lineno,
                              "prompt_tokens": len(res.prompt_ids),
+                             "reused_tokens": res.reused_tokens,
                              "generated_tokens": len(res.generated_ids),
                              "stop_reason": res.stop_reason,
                              "prefill_seconds": round(res.prefill_seconds, 6),

@@ -60,6 +60,9 @@ def run_report(result, weights_stats: dict, budget=None, extra: dict | None = No
         "generated_ids": result.generated_ids,
         "stop_reason": result.stop_reason,
         "prefill_seconds": round(result.prefill_seconds, 6),
+        "reused_tokens": result.reused_tokens,
+        "prefill_tokens_per_second": _rate(len(result.prompt_ids) - result.reused_tokens,
+                                           result.prefill_seconds),
         "decode_seconds": round(result.decode_seconds, 6),
         "seconds_per_token": round(result.seconds_per_token, 6),
         "trunk_bytes_read": trunk.get("bytes_read", 0),
@@ -90,9 +93,17 @@ def run_report(result, weights_stats: dict, budget=None, extra: dict | None = No
     return rep
 
 
+def _rate(n: int, seconds: float):
+    return round(n / seconds, 6) if n and seconds > 0 else None
+
+
 def short_text(rep: dict) -> str:
     n = len(rep["generated_ids"])
     times = f"prefill {rep['prefill_seconds']:.2f} s"
+    if rep.get("prefill_tokens_per_second"):
+        times += f" at {rep['prefill_tokens_per_second']:.1f} tokens/s"
+    if rep.get("reused_tokens"):
+        times += f", {rep['reused_tokens']} prompt tokens resumed from a snapshot"
     if rep.get("startup_seconds") is not None:
         compiling = rep.get("compile_seconds")
         times = (f"start-up {rep['startup_seconds']:.2f} s"

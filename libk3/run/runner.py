@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from ..engine.defaults import IO_THREADS, PREFILL_CHUNK
+from ..engine.defaults import IO_THREADS, PREFILL_CHUNK, PREFIX_CACHE_BYTES
 from ..engine.generate import Abandoned, GenSettings, generate
 from ..engine.session import open_session, parse_ids  # noqa: F401  (re-exported for the CLI)
 from ..engine.settings import UNTIL_END, token_ids_problem
@@ -27,6 +27,7 @@ from ..text.chat_template import DEFAULT_LIMITS, RenderLimits
 from ..trace.format import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
 from .batch_sink import ABANDONED, NO_TIME, BatchSink
+from .prefixes import PrefixStarts, shared_lengths
 from .report import run_report, startup_seconds
 
 
@@ -53,6 +54,10 @@ class RunOptions:
     draft_dump: str | None = None          # --draft-dump FILE.npz
     warn: object = None                    # notes for the user (drafting turned off, ...)
     template_limits: RenderLimits = DEFAULT_LIMITS   # of each chat-template rendering
+    prefix_cache: str | None = None        # a prefix cache directory, or "auto" (--prefix-cache)
+    prefix_cache_bytes: int = PREFIX_CACHE_BYTES     # its budget on disk
+    share_prefixes: bool = True            # a batch prefills a prefix its lines share once
+    serve: bool = False                    # the run serves requests (--serve)
 
 
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
@@ -75,8 +80,8 @@ def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None =
     each use; None: held whole when that fits, else streamed. Returns (budget or None
     when resident, width, reasons, whether the draft streams)."""
     from ..machine.memory import probe_memory
-    from ..budget import (Budget, ModelSizes, admission_problems, batch_width, resolve_budget,
-                          with_draft)
+    from ..budget import (BATCH_SNAPSHOTS, Budget, ModelSizes, admission_problems, batch_width,
+                          resolve_budget, with_draft)
 
     if draft is not None and stream is None:
         try:
@@ -105,7 +110,9 @@ def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None =
     if opts.batch_width is None:
         return budget, 1, (), bool(stream)
     held = budget or Budget(sizes.trunk_bytes, sizes.cache_all_bytes, "resident", ())
-    return (budget,) + batch_width(held, sizes, mem, opts.batch_width) + (bool(stream),)
+    snapshots = BATCH_SNAPSHOTS if opts.share_prefixes and not opts.serve else 0
+    return (budget,) + batch_width(held, sizes, mem, opts.batch_width, held=snapshots) + \
+        (bool(stream),)
 
 
 class Run:
@@ -171,6 +178,19 @@ class Run:
     @property
     def cfg(self):
         return self.session.cfg
+
+    @functools.cached_property
+    def prefix_cache(self):
+        """The run's PrefixCache (formats/prefix-cache.md), or None without
+        --prefix-cache."""
+        if not self.opts.prefix_cache:
+            return None
+        from ..engine.prefix_cache import PrefixCache, default_directory
+        where = self.opts.prefix_cache
+        directory = default_directory(self.opts.pack) if where == "auto" else where
+        s = self.session
+        return PrefixCache(directory, self.opts.prefix_cache_bytes, s.cfg, s.weights_identity,
+                           s.pack_identity, warn=self.opts.warn)
 
     def _record(self, L, positions, ids, phase, tag=None):
         """One MoE layer's routing for a block of tokens: per token, its experts in
@@ -274,20 +294,33 @@ class Run:
             raise UsageError("--stop needs the model's tokenizer (tiktoken.model); use --stop-id")
 
     def generate(self, prompt_ids, settings: GenSettings, *, on_token=None, keep_logits=False,
-                 load_state=None, save_state=None, should_stop=None):
-        """One prompt, from a new state or ``load_state``'s. ``should_stop()``, if given,
-        is asked at every prefill chunk and token; when it answers True the prompt is
-        abandoned (Abandoned is raised, nothing saved)."""
+                 load_state=None, save_state=None, should_stop=None, state=None,
+                 save_prefix=False):
+        """One prompt, from ``state``, ``load_state``'s, the longest snapshot of the
+        prefix cache that it extends (unless its logits are kept: those of the resumed
+        positions would be missing), or a new state. ``save_prefix``: keep the state the
+        prompt leaves in the prefix cache. ``should_stop()``, if given, is asked at every
+        prefill chunk and token; when it answers True the prompt is abandoned (Abandoned
+        is raised, nothing saved)."""
         self.check_stop_strings(settings)
         settings = self.until_end(settings)
-        state = _load_state(self, load_state)
-        progress = _prefill_bar(len(prompt_ids), self.opts.progress)
+        reused = 0
+        if state is None and not load_state and not keep_logits and \
+                self.prefix_cache is not None:
+            state, reused = self.prefix_cache.lookup(prompt_ids)
+        if state is None:
+            state = _load_state(self, load_state)
+        tail = list(prompt_ids)[reused:]
+        progress = _prefill_bar(len(tail), self.opts.progress)
         if should_stop is not None:
             progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
-        res = generate(self.session.forward, state, prompt_ids, settings,
+        res = generate(self.session.forward, state, tail, settings,
                        tokenizer=self.session.tokenizer, on_token=on_token,
                        keep_logits=keep_logits, progress=progress, feed_last=bool(save_state),
-                       drafting=self.drafting)
+                       drafting=self.drafting,
+                       after_prefill=self.prefix_cache.store if save_prefix else None)
+        if reused:
+            res.prompt_ids, res.reused_tokens = list(prompt_ids), reused
         if save_state:
             state.save(save_state, self.session.weights_identity)
         return res
@@ -434,16 +467,68 @@ def run_batch(opts: RunOptions, batch_path, out_path, base: GenSettings, warn,
 def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, shard) -> dict:
     run.check_stop_ids(base.stop_ids)
     done = batchfile.open_results(out_path)
-    context = run.context
-    seen = set()
     summary["other_shard"] = 0
     lines = list(batchfile.read_lines(batch_path))       # read once: counted, then run
+    accepted = _accepted_lines(run, lines, base, batch_path, warn, summary, done)
     width = min(run.width, max(1, sum(1 for _, ln in lines if ln.strip())))
     summary["width_reasons"] = list(run.width_reasons) + (
         [f"capped at {width} (the batch's lines)"] if width < run.width else [])
     left_for_time = False               # a prompt not started: it would not finish in time
     sink = BatchSink(run, out_path, width, base.prefill_chunk, limits)
+    # prefixes are shared across every shard: each shard then builds (or finds on disk)
+    # the same snapshots
+    shared = shared_lengths([ids for _, _, ids in accepted], base.prefill_chunk) \
+        if run.opts.share_prefixes else [0] * len(accepted)
+    starts = PrefixStarts(run.session, base.prefill_chunk,
+                          [(ids, s) for (_, _, ids), s in zip(accepted, shared)],
+                          run.prefix_cache, run.drafting, sink.should_stop)
     started = 0
+    for (lineno, job, prompt_ids), share in zip(accepted, shared):
+        if shard is not None and not batchfile.in_shard(job["id"], *shard):
+            summary["other_shard"] += 1
+            continue
+        if summary["stopped"] is None:
+            if limits.max_prompts is not None and started >= limits.max_prompts:
+                summary["stopped"] = "max-prompts"
+            elif limits.passed():
+                summary["stopped"] = "deadline"
+        if summary["stopped"] is not None:
+            summary["remaining"] += 1      # keep counting: the summary says what is left
+            continue
+        settings = run.until_end(batchfile.job_settings(job, base))
+        if "messages" in job:
+            settings = run.chat_settings(settings, warn)
+        outcome = sink.submit(lineno, job["id"], prompt_ids, settings, chat="messages" in job,
+                              starts=lambda ids=prompt_ids, s=share: starts.start(ids, s))
+        if outcome == NO_TIME:
+            summary["remaining"] += 1          # a shorter prompt further on may still fit
+            left_for_time = True
+            continue
+        started += 1
+        if outcome == ABANDONED:
+            summary["stopped"] = "deadline"
+    summary.update(sink.close())
+    summary["prefixes"] = starts.summary()
+    if left_for_time:
+        summary["stopped"] = summary["stopped"] or "deadline"
+    summary["cut_off"], summary["discarded_tokens"] = sink.abandoned, sink.discarded
+    if sink.abandoned:
+        summary["stopped"] = summary["stopped"] or "deadline"
+        summary["remaining"] += sink.abandoned
+    if not summary["prompts"] and summary["stopped"] == "deadline":
+        warn(sink.unfit or "deadline: it passed before the first prompt started "
+             f"({limits.clock() - sink.since:.1f} s after the run began); give a longer "
+             "--deadline")
+    summary["done"] = len(summary["prompts"])
+    return summary
+
+
+def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
+    """(line number, job, prompt ids) of each line to run: malformed lines are reported
+    and counted, ids already in the results counted as skipped."""
+    context = run.context
+    seen = set()
+    out = []
     for lineno, line in lines:
         if not line.strip():
             continue
@@ -467,41 +552,8 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
         if key in done:
             summary["skipped"] += 1
             continue
-        if shard is not None and not batchfile.in_shard(job["id"], *shard):
-            summary["other_shard"] += 1
-            continue
-        if summary["stopped"] is None:
-            if limits.max_prompts is not None and started >= limits.max_prompts:
-                summary["stopped"] = "max-prompts"
-            elif limits.passed():
-                summary["stopped"] = "deadline"
-        if summary["stopped"] is not None:
-            summary["remaining"] += 1      # keep counting: the summary says what is left
-            continue
-        settings = run.until_end(batchfile.job_settings(job, base))
-        if "messages" in job:
-            settings = run.chat_settings(settings, warn)
-        outcome = sink.submit(lineno, job["id"], prompt_ids, settings, chat="messages" in job)
-        if outcome == NO_TIME:
-            summary["remaining"] += 1          # a shorter prompt further on may still fit
-            left_for_time = True
-            continue
-        started += 1
-        if outcome == ABANDONED:
-            summary["stopped"] = "deadline"
-    summary.update(sink.close())
-    if left_for_time:
-        summary["stopped"] = summary["stopped"] or "deadline"
-    summary["cut_off"], summary["discarded_tokens"] = sink.abandoned, sink.discarded
-    if sink.abandoned:
-        summary["stopped"] = summary["stopped"] or "deadline"
-        summary["remaining"] += sink.abandoned
-    if not summary["prompts"] and summary["stopped"] == "deadline":
-        warn(sink.unfit or "deadline: it passed before the first prompt started "
-             f"({limits.clock() - sink.since:.1f} s after the run began); give a longer "
-             "--deadline")
-    summary["done"] = len(summary["prompts"])
-    return summary
+        out.append((lineno, job, [int(i) for i in prompt_ids]))
+    return out
 
 
 class Chat:

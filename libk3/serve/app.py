@@ -279,7 +279,19 @@ class Server:
         settings = self.run.chat_settings(self._settings(req), self.log)
         reader = ReplyReader(self.run.session.tokenizer, self.run.chat().template is not None,
                              req.stop)
-        return req, ids, settings, reader
+        return req, ids, settings, reader, self._preamble(req, ids)
+
+    def _preamble(self, req, ids) -> int:
+        """The ids a later request can share (``ChatEncoder.preamble``), when prefixes are
+        kept and it is at least a prefill chunk; else 0. A template that cannot render the
+        shorter conversation only costs the sharing."""
+        if self.worker.turns is None:
+            return 0
+        try:
+            n = self.run.chat().preamble(req.messages, ids, req.tools, req.template_kwargs)
+        except K3Error:
+            return 0
+        return n if n >= self.base.prefill_chunk else 0
 
     def _read_completion(self, raw: bytes) -> tuple:
         """The same for a completion body."""
@@ -287,7 +299,7 @@ class Server:
         self._check_model(req.model)
         ids = req.prompt_ids if req.prompt_ids is not None else self.run.encode(req.prompt)
         settings = self._settings(req)
-        return req, ids, settings, ReplyReader(self.run.session.tokenizer, False, req.stop)
+        return req, ids, settings, ReplyReader(self.run.session.tokenizer, False, req.stop), 0
 
     def _settings(self, req):
         fields = {"gen": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
@@ -299,12 +311,12 @@ class Server:
             raise ApiError(422, "'stop' needs the model's tokenizer", param="stop")
         return job_settings(job, self.base)
 
-    async def _answer(self, request, req, ids, settings, reader):
+    async def _answer(self, request, req, ids, settings, reader, preamble):
         if len(ids) > self.context:
             raise ApiError(413, f"the prompt is {len(ids)} tokens, over the model's context "
                                 f"of {self.context}", param="messages" if req.chat else "prompt",
                            code="context_length_exceeded")
-        job = Job(list(ids), settings, asyncio.get_running_loop())
+        job = Job(list(ids), settings, asyncio.get_running_loop(), preamble=preamble)
         self.worker.submit(job)
         rid = f"{'chatcmpl' if req.chat else 'cmpl'}-k3-{next(self.ids)}"
         model = req.model or self.model_name
@@ -410,9 +422,10 @@ class Server:
 
 
 def serve(run, address: str, base_settings, *, api_key=None, log=print,
-          reuse_ram_bytes: int = 0, reuse_disk_bytes: int = 0, model_name=None) -> None:
+          reuse_ram_bytes: int = 0, model_name=None) -> None:
     """Serve ``run`` on ``address`` until SIGINT or SIGTERM (then exit cleanly). States
-    of finished requests are kept for reuse within the two byte budgets (0: none). The
+    of finished requests are kept for reuse within ``reuse_ram_bytes`` (0: none), then
+    in the run's prefix cache, with every conversation's preamble (formats/chat.md). The
     model is served as ``model_name`` (default: the checkpoint directory's name)."""
     try:
         from aiohttp import web
@@ -424,8 +437,8 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
         run.session.tokenizer.get()            # read once, before two threads use it
         run.chat(log).template                 # read and compiled: a broken one exits 3 here
     from .turn_cache import TurnCache
-    turns = TurnCache(run.cfg, run.session.weights_identity, reuse_ram_bytes,
-                      reuse_disk_bytes) if reuse_ram_bytes or reuse_disk_bytes else None
+    turns = TurnCache(run.cfg, reuse_ram_bytes, run.prefix_cache) \
+        if reuse_ram_bytes or run.prefix_cache is not None else None
     worker = Worker(run, run.width, log, turns, chunk=base_settings.prefill_chunk)
     server = Server(run, worker, base_settings, api_key=api_key, log=log,
                     model_name=model_name or os.path.basename(os.path.normpath(

@@ -41,6 +41,7 @@ class Job:
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     reused: int = 0               # prompt tokens resumed from a kept state, not prefilled
+    preamble: int = 0             # prompt tokens worth keeping on their own (0: none)
     started: float = 0.0          # when it took a lane (time.monotonic)
     generated: int = 0
 
@@ -70,7 +71,7 @@ class Worker:
         self.lockstep = lockstep.Lockstep(
             run.session.forward, lambda n: run.session.new_state(), width, self._done,
             chunk=chunk, tokenizer=run.session.tokenizer, on_token=self._token,
-            drafting=run.drafting)
+            drafting=run.drafting, on_keep=lambda lj, state: self.turns.keep(state))
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
@@ -127,10 +128,11 @@ class Worker:
         state, reused = self.turns.take(job.prompt_ids) if self.turns else (None, 0)
         job.reused = reused
         tag = next(self._tags)
+        keep_at = job.preamble - reused if self.turns and job.preamble > reused else 0
         try:
             self.lockstep.submit(lockstep.Job(
                 tag, job.prompt_ids[reused:], job.settings,
-                state if state is not None else self.run.session.new_state()))
+                state if state is not None else self.run.session.new_state(), keep_at))
         except Exception as e:            # a bad request must not stop the server
             self._failed(job, e)
             return

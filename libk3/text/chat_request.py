@@ -56,5 +56,18 @@ class ChatEncoder:
         return self.template.encode(self.tokenizer, messages, tools=tools,
                                     template_kwargs=template_kwargs)
 
+    def preamble(self, messages, ids, tools=None, template_kwargs=None) -> int:
+        """How many of ``ids`` (``encode(messages, ...)``) are the conversation before its
+        last message, as the template renders it without a generation prompt: the part a
+        later request (the next turn, or a new conversation with the same system prompt)
+        can share. 0 when there is no template, one message, or that rendering's ids are
+        not a prefix of ``ids``."""
+        if self.template is None or len(messages) < 2:
+            return 0
+        head = self.template.encode(self.tokenizer, messages[:-1], tools=tools,
+                                    template_kwargs=template_kwargs,
+                                    add_generation_prompt=False)
+        return len(head) if 0 < len(head) < len(ids) and ids[:len(head)] == head else 0
+
     def stop_ids(self) -> tuple:
         return turn_stop_ids(self.tokenizer, self.template)

@@ -14,7 +14,7 @@ from k3cli.group import (Command, Finite, JsonObject, Rule, Shard, Width, gigaby
                          quiet_option, threads_option)
 from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_SIZE
-from libk3.engine.defaults import IO_THREADS, PREFILL_CHUNK
+from libk3.engine.defaults import IO_THREADS, PREFILL_CHUNK, PREFIX_CACHE_BYTES
 from libk3.engine.settings import (frequency_penalty_problem, gen_or_until_end_problem,
                                    min_p_problem, presence_penalty_problem,
                                    repetition_penalty_problem, seed_problem,
@@ -116,6 +116,15 @@ RULES = (
                          "--spec and --draft are two sources of proposals: give one"),
     constraints.GoesWith(("draft_max", "draft_dump"), ("draft",),
                          "--draft-max and --draft-dump go with --draft"),
+    constraints.GoesWith(("prefix_cache_gb", "save_prefix"), ("prefix_cache",),
+                         "--prefix-cache-gb and --save-prefix go with --prefix-cache"),
+    constraints.GoesWith(("save_prefix",), ("prompt", "prompt_file", "ids"),
+                         "--save-prefix goes with a prompt (-p, -f or --ids)"),
+    constraints.Excludes("prefix_cache", ("load_state", "chat"),
+                         "--prefix-cache excludes --load-state and --chat (a chat resumes "
+                         "from its own state)"),
+    constraints.GoesWith(("no_prefix_sharing",), ("batch",),
+                         "--no-prefix-sharing goes with --batch"),
     constraints.GoesWith(("shard",), ("batch",), _BUDGET_WIDTH),
     constraints.GoesWith(("batch_width",), ("batch", "serve_address"), _BUDGET_WIDTH),
 )
@@ -185,9 +194,19 @@ RULES = (
 @click.option("--reuse-gb", type=gigabytes(), default=1.0, show_default=True,
               help="With --serve: RAM for states of earlier requests, resumed when a prompt "
                    "extends one (least recently used out; 0 = off).")
-@click.option("--reuse-disk-gb", type=gigabytes(), default=0.0, show_default=True,
-              help="With --serve: disk (a private temp directory) for states spilled from "
-                   "--reuse-gb.")
+@click.option("--prefix-cache", metavar="DIR|auto",
+              help="Keep snapshots of prompt prefixes on disk and resume later prompts "
+                   "(batch lines, requests, runs) from them (auto: prefix-cache/ in the "
+                   "pack, else the user cache; docs/run.md \"Prefix cache\").")
+@click.option("--prefix-cache-gb", type=gigabytes(), default=PREFIX_CACHE_BYTES / 1e9,
+              show_default=True, help="With --prefix-cache: its size on disk, least "
+                                      "recently used out.")
+@click.option("--no-prefix-sharing", is_flag=True,
+              help="With --batch: prefill every line whole, even the prefix lines share "
+                   "(to measure what sharing saves).")
+@click.option("--save-prefix", is_flag=True,
+              help="With --prefix-cache and a prompt: keep the state after the prompt as a "
+                   "snapshot, for later prompts that start with it.")
 @click.option("-n", "--gen", type=Rule(click.INT, gen_or_until_end_problem, "integer"),
               default=16, show_default=True,
               help="Tokens to generate (per turn in --chat), at most 1,048,576 (the trained "
@@ -303,7 +322,9 @@ def _run_options(ctx, a):
         trace_path=a.trace_path, verify_reads=a.verify_reads, batch_width=width,
         progress=not a.quiet, spec=a.spec, draft=a.draft, draft_max=a.draft_max,
         draft_dump=a.draft_dump, warn=lambda m: click.echo(f"k3-run: {m}", err=True),
-        template_limits=RenderLimits(a.template_timeout, a.template_max_bytes))
+        template_limits=RenderLimits(a.template_timeout, a.template_max_bytes),
+        prefix_cache=a.prefix_cache, prefix_cache_bytes=int(a.prefix_cache_gb * 1e9),
+        share_prefixes=not a.no_prefix_sharing, serve=bool(a.serve_address))
 
 
 def _settings(a):
@@ -322,7 +343,7 @@ def _serve_mode(a, run, settings) -> None:
     from libk3.serve.app import serve
     serve(run, a.serve_address, settings, api_key=a.api_key,
           log=lambda m: click.echo(m, err=True),
-          reuse_ram_bytes=int(a.reuse_gb * 1e9), reuse_disk_bytes=int(a.reuse_disk_gb * 1e9),
+          reuse_ram_bytes=int(a.reuse_gb * 1e9),
           model_name=a.served_model_name)
 
 
@@ -384,7 +405,7 @@ def _one_prompt(run, prompt_ids, settings, a) -> dict:
     printer = None if a.json_out else _Printer(run.session.tokenizer, a.stop_strings)
     res = run.generate(prompt_ids, settings, on_token=printer,
                        keep_logits=a.logits_out is not None, load_state=a.load_state,
-                       save_state=a.save_state)
+                       save_state=a.save_state, save_prefix=a.save_prefix)
     if printer is not None:
         printer.finish()
     if a.logits_out:
