@@ -484,3 +484,69 @@ def test_serve_refuses_fields_it_would_ignore_and_models_it_does_not_serve(serve
     import openai
     with pytest.raises(openai.NotFoundError):
         c.models.retrieve("other")
+
+
+def test_serve_preamble_survives_a_restart_through_the_prefix_cache(tiny_dir, tmp_path):
+    """Catches a server whose kept states die with it: after a restart on the same
+    --prefix-cache, a new conversation with the same long system prompt resumes from the
+    snapshot of that preamble (on disk) and answers as a fresh run of its ids does."""
+    system = {"role": "system", "content": "You are the log keeper of a slow ship. " * 6}
+    cache = tmp_path / "cache"
+    first = _start(tiny_dir, tmp_path / "a.log", "--prefix-cache", cache, "--prefill-chunk", 8)
+    try:
+        r1 = _client(first).chat.completions.create(
+            model="tiny", max_tokens=2, messages=[system, {"role": "user", "content": "Hi"}])
+        assert r1.model_extra["k3"]["reused_tokens"] == 0
+    finally:
+        _stop(first)
+    assert [p.suffix for p in cache.iterdir()] == [".k3state"]
+    second = _start(tiny_dir, tmp_path / "b.log", "--prefix-cache", cache, "--prefill-chunk", 8)
+    try:
+        msgs = [system, {"role": "user", "content": "Where are we?"}]
+        r2 = _client(second).chat.completions.create(model="tiny", max_tokens=3,
+                                                     messages=msgs).model_extra["k3"]
+        reuse = _health(second)["turn_reuse"]
+    finally:
+        _stop(second)
+    preamble = load_chat_template(tiny_dir).encode(K3Tokenizer.from_dir(tiny_dir), [system],
+                                                   add_generation_prompt=False)
+    assert r2["reused_tokens"] == len(preamble) and reuse["disk_hits"] == 1
+    assert r2["prompt_ids"] == _rendered(tiny_dir, msgs)
+    tok = K3Tokenizer.from_dir(tiny_dir)
+    fresh = k3(tiny_dir, "--ids", ",".join(map(str, r2["prompt_ids"])), "--gen", 3, "--json",
+               "--stop-id", tok.id_of("[EOS]"), "--stop-id", tok.id_of("<|end_of_msg|>"))
+    assert json.loads(fresh.stdout)["generated_ids"] == r2["generated_ids"]
+
+
+def _short_context_copy(tiny_dir, d, positions: int):
+    """The tiny model with max_position_embeddings set (its other files linked)."""
+    d.mkdir()
+    for f in tiny_dir.iterdir():
+        if f.name != "config.json":
+            (d / f.name).symlink_to(f)
+    doc = json.loads((tiny_dir / "config.json").read_text())
+    doc["text_config"]["max_position_embeddings"] = positions
+    (d / "config.json").write_text(json.dumps(doc))
+    return d
+
+
+def test_serve_max_tokens_left_out_runs_to_the_end_unless_gen_given(tiny_dir, tmp_path):
+    """Catches a request without max_tokens cut at 16 tokens (the CLI's --gen default)
+    where clients expect generation until the turn ends or the context is full; and a
+    --gen given on the command line not taken as that default."""
+    model = _short_context_copy(tiny_dir, tmp_path / "m", 48)
+    msgs = [{"role": "user", "content": "Hi"}]
+    srv = _start(model, tmp_path / "a.log", "--temperature", 0)
+    try:
+        r = _client(srv).chat.completions.create(model="m", messages=msgs)
+        n = len(r.model_extra["k3"]["prompt_ids"]) + r.usage.completion_tokens
+        assert r.usage.completion_tokens > 16
+        assert n == 48 or r.choices[0].finish_reason == "stop"
+    finally:
+        _stop(srv)
+    capped = _start(model, tmp_path / "b.log", "--gen", 5)
+    try:
+        r = _client(capped).chat.completions.create(model="m", messages=msgs)
+        assert r.usage.completion_tokens <= 5
+    finally:
+        _stop(capped)

@@ -8,6 +8,7 @@ import pytest
 
 from libk3.engine.generate import GenSettings, generate
 from libk3.engine.session import open_session
+from libk3.engine.prefix_cache import PrefixCache
 from libk3.serve.turn_cache import TurnCache
 
 P1 = [5, 17, 300, 42, 7, 99, 128, 3, 250, 11]
@@ -22,7 +23,7 @@ def session(tiny_dir):
 def test_turn_cache_resumed_prompt_equals_fresh_prefill(session):
     """Catches a resumed state that differs from prefilling the whole prompt (a stale or
     shared copy, a wrong position): same generated ids, same logits bytes."""
-    cache = TurnCache(session.cfg, session.weights_identity, ram_bytes=10 ** 9)
+    cache = TurnCache(session.cfg, ram_bytes=10 ** 9)
     first = generate(session.forward, session.new_state(), P1, GenSettings(gen=3),
                      after_prefill=cache.offer)
     state, n = cache.take(P2)
@@ -40,7 +41,7 @@ def test_turn_cache_resumed_prompt_equals_fresh_prefill(session):
 def test_turn_cache_takes_longest_strict_prefix_only(session):
     """Catches a hit on a state that is not a prefix, or on the whole prompt (the last
     prompt token must still be fed to give logits)."""
-    cache = TurnCache(session.cfg, session.weights_identity, ram_bytes=10 ** 9)
+    cache = TurnCache(session.cfg, ram_bytes=10 ** 9)
     for ids in (P1[:3], P1[:6], [9, 9, 9]):
         st = session.new_state()
         st.ids = list(ids)
@@ -64,24 +65,36 @@ def _state(session, ids):
     return st
 
 
-def test_turn_cache_spills_lru_to_disk_then_drops(session, tmp_path):
-    """Catches a cache that grows past its budgets, evicts the most recently used, or
-    loses a spilled state's contents."""
+def _disk(session, d):
+    return PrefixCache(d, 10 ** 9, session.cfg, session.weights_identity, "shards")
+
+
+def test_turn_cache_spills_lru_to_the_prefix_cache(session, tmp_path):
+    """Catches a cache that grows past its RAM budget, evicts the most recently used, or
+    loses a spilled state's contents; and one without a disk tier keeping what RAM let
+    go."""
     size = _state(session, [1]).copy().nbytes()
-    cache = TurnCache(session.cfg, session.weights_identity, ram_bytes=size,
-                      disk_bytes=10 ** 9, disk_dir=tmp_path)
+    cache = TurnCache(session.cfg, ram_bytes=size, prefix_cache=_disk(session, tmp_path))
     cache.offer(_state(session, [1]))
     cache.offer(_state(session, [2]))
-    assert cache.summary()["ram_entries"] == 1 and cache.summary()["disk_entries"] == 1
+    assert cache.summary()["ram_entries"] == 1 and cache.summary()["prefix_cache"]["entries"] == 1
     back, n = cache.take([1, 5])                       # from disk
     assert n == 1 and all((a == 1).all() for a in back.kda_S.values())
-    assert len(list(tmp_path.iterdir())) == 1
-    tight = TurnCache(session.cfg, session.weights_identity, ram_bytes=size, disk_bytes=0,
-                      disk_dir=tmp_path / "t")
+    assert cache.summary()["disk_hits"] == 1
+    tight = TurnCache(session.cfg, ram_bytes=size)
     for k in (1, 2, 3):
         tight.offer(_state(session, [k]))
-    assert tight.summary()["ram_entries"] == 1 and tight.summary()["disk_entries"] == 0
+    assert tight.summary()["ram_entries"] == 1 and tight.summary()["prefix_cache"] is None
     assert tight.take([3, 0])[1] == 1 and tight.take([1, 0])[1] == 0       # LRU went first
     assert tight.summary()["ram_bytes"] <= size
-    cache.close()
-    assert not list(tmp_path.glob("*.k3state"))
+
+
+def test_turn_cache_keep_survives_a_new_cache_and_ram_wins_ties(session, tmp_path):
+    """Catches a preamble kept only in RAM (lost at a restart), and a disk read where
+    RAM holds as long a prefix (a needless load of a GB-sized snapshot)."""
+    cache = TurnCache(session.cfg, ram_bytes=10 ** 9, prefix_cache=_disk(session, tmp_path))
+    cache.keep(_state(session, [4, 5, 6]))
+    assert cache.take([4, 5, 6, 7])[1] == 3 and cache.summary()["disk_hits"] == 0
+    restarted = TurnCache(session.cfg, ram_bytes=10 ** 9, prefix_cache=_disk(session, tmp_path))
+    st, n = restarted.take([4, 5, 6, 7])
+    assert n == 3 and st.ids == [4, 5, 6] and restarted.summary()["disk_hits"] == 1

@@ -3,9 +3,10 @@
 Owns: the prefix cache directory (formats/prefix-cache.md): naming a snapshot by its
 weights, pack and exact ids, finding the longest cached prefix of a prompt, writing a
 snapshot atomically, refusing (and removing) one that fails its checks, and keeping the
-directory within its byte budget, least recently used out. Does not own: which prefixes
-are worth keeping (``libk3.run.prefixes`` for batch files, the server's turn cache), the
-state file's format (``libk3.model.state``) or the forward.
+directory within its byte budget, least recently used out; what ``k3-pack cache``
+lists, checks and removes. Does not own: which prefixes are worth keeping
+(``libk3.run.prefixes`` for batch files, the server's turn cache), the state file's
+format (``libk3.model.state``), the forward, or printing (``k3-pack cache``).
 
 Why the file name carries the key: a lookup lists the directory and hashes the prompt
 only at the lengths found there, with no index to keep consistent between processes; two
@@ -26,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import K3Error
-from ..model.state import State, array_layout
+from ..errors import FormatError, K3Error, UsageError
+from ..model.state import State, array_layout, read_meta
 
 SUFFIX = ".k3state"
 KEY_VERSION = "k3-prefix/1"
@@ -78,14 +79,14 @@ def list_entries(directory) -> list:
         with os.scandir(directory) as it:
             for d in it:
                 m = _NAME.match(d.name)
-                if not m:
+                if not m or not d.is_file(follow_symlinks=False):
                     continue
                 try:
                     st = d.stat()
                 except OSError:          # removed meanwhile by another process
                     continue
                 out.append(Entry(Path(d.path), int(m.group(1)), st.st_size, st.st_mtime))
-    except FileNotFoundError:
+    except OSError:               # no folder yet, or one that cannot be read: no snapshots
         return []
     return sorted(out, key=lambda e: (e.used, e.path.name))
 
@@ -192,18 +193,11 @@ class PrefixCache:
     def evict(self, keep: Path | None = None) -> int:
         """Remove least recently used snapshots until the folder fits the budget (never
         ``keep``), and temporaries left by writers that are gone; -> bytes removed."""
-        _remove_stale_temps(self.directory)
-        entries = list_entries(self.directory)
-        total = sum(e.size for e in entries)
+        remove_stale_temps(self.directory)
         freed = 0
-        for e in entries:
-            if total <= self.budget_bytes:
-                break
-            if keep is not None and e.path == keep:
-                continue
+        for e in over_budget(list_entries(self.directory), self.budget_bytes, keep=keep):
             if _unlink(e.path):
                 freed += e.size
-            total -= e.size
         return freed
 
     def summary(self) -> dict:
@@ -217,6 +211,106 @@ def state_file_bytes(state) -> int:
     framing are a few KB more)."""
     return sum(4 * int(np.prod(shape, dtype=np.int64))
                for _, shape in array_layout(state.cfg, state.pos))
+
+
+# Managing the folder by hand (``k3-pack cache ls|verify|rm``): what each command shows,
+# checks or removes is decided here; the front end only prints.
+
+def describe(entry: Entry) -> dict:
+    """What ``k3-pack cache ls`` shows of a snapshot: its name, tokens, bytes, last use
+    (unix time), and from its header the weights identity and config fingerprint (None
+    when the header cannot be read). The checksum is not read: a listing stays instant
+    on GB-sized files (``check_entry`` reads every byte)."""
+    try:
+        meta = read_meta(entry.path)
+    except FormatError:
+        meta = {}
+
+    def text(key):
+        return meta[key] if isinstance(meta.get(key), str) else None
+    return {"name": entry.path.name, "tokens": entry.tokens, "bytes": entry.size,
+            "last_used": entry.used, "weights": text("weights"),
+            "fingerprint": text("fingerprint")}
+
+
+def check_entry(entry: Entry) -> FormatError | None:
+    """Why the snapshot ``entry`` is bad, or None: the checks that need no model
+    (``read_meta`` with ``check``: checksum, arrays that fill the file exactly, finite
+    values), and a header holding as many ids as its name's token count. The weights and
+    configuration are checked when a run loads it (``PrefixCache.lookup``)."""
+    path = entry.path
+    try:
+        meta = read_meta(path, check=True)
+    except FormatError as e:
+        # removed since the listing (another process's eviction): gone, not bad
+        return e if path.exists() else None
+    pos, ids = meta["pos"], meta["ids"]
+    if type(pos) is not int or pos != entry.tokens:
+        return FormatError("its header holds another token count than its name says",
+                           path=path, expected=entry.tokens, found=pos)
+    if not isinstance(ids, list) or len(ids) != pos:
+        found = f"{len(ids)} ids" if isinstance(ids, list) else type(ids).__name__
+        return FormatError("its header's ids are not pos long", path=path,
+                           expected=f"{pos} ids", found=found)
+    return None
+
+
+def unused_for(entries, seconds: float, now: float | None = None) -> list:
+    """The entries last used more than ``seconds`` ago (``rm --older-than``)."""
+    now = time.time() if now is None else now
+    return [e for e in entries if now - e.used > seconds]
+
+
+def over_budget(entries, budget_bytes: int, keep: Path | None = None) -> list:
+    """The entries to remove, least recently used first, for the rest to take at most
+    ``budget_bytes`` (never ``keep``): ``entries`` oldest use first, as ``list_entries``
+    gives them (eviction, ``rm --keep-gb``)."""
+    total = sum(e.size for e in entries)
+    out = []
+    for e in entries:
+        if total <= budget_bytes:
+            break
+        if keep is not None and e.path == keep:
+            continue
+        out.append(e)
+        total -= e.size
+    return out
+
+
+def named(entries, names, directory) -> list:
+    """The entries of ``directory`` called ``names`` (file names), each once, in the order
+    given; UsageError naming the first that is not a snapshot there, so a typo removes
+    nothing (``rm NAME...``)."""
+    by_name = {e.path.name: e for e in entries}
+    out = {}
+    for name in names:
+        if name not in by_name:
+            why = (f"no snapshot named {name!r}" if _NAME.match(name) else
+                   f"{name!r} is not a snapshot's file name (NNNNNNN-<40 hex>.k3state)")
+            raise UsageError(why, path=directory,
+                             hint=f"give file names as `k3-pack cache ls {directory}` "
+                                  "lists them")
+        out[name] = by_name[name]
+    return list(out.values())
+
+
+def remove_entries(entries) -> tuple:
+    """Remove ``entries``' files: -> (removed, failed), the entries removed and
+    (entry, why) for each that could not be; one already gone (another process's
+    eviction) is neither. Only snapshot names are ever removed (``list_entries``)."""
+    removed, failed = [], []
+    for e in entries:
+        if not _NAME.match(e.path.name):       # never anything but a snapshot
+            continue
+        try:
+            os.unlink(e.path)
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            failed.append((e, err.strerror or str(err)))
+            continue
+        removed.append(e)
+    return removed, failed
 
 
 def _touch(path: Path) -> None:
@@ -237,14 +331,16 @@ def _unlink(path: Path) -> bool:
         return False
 
 
-def _remove_stale_temps(directory: Path) -> None:
+def remove_stale_temps(directory) -> int:
     """Temporaries (``.<name>.<pid>.tmp``, ``libk3.io.atomic``) whose writer is gone and
-    that are over an hour old: a writer killed mid-write."""
+    that are over an hour old: a writer killed mid-write; -> how many were removed."""
+    directory = Path(directory)
     now = time.time()
+    removed = 0
     try:
         names = os.listdir(directory)
     except OSError:
-        return
+        return 0
     for name in names:
         m = _TEMP.match(name)
         if not m or _alive(int(m.group(1))):
@@ -253,8 +349,10 @@ def _remove_stale_temps(directory: Path) -> None:
         try:
             if now - path.stat().st_mtime > STALE_TEMP_SECONDS:
                 os.unlink(path)
+                removed += 1
         except OSError:
             pass
+    return removed
 
 
 def _alive(pid: int) -> bool:

@@ -139,4 +139,12 @@ def batch_text(summary: dict) -> str:
                      f"experts {summary['expert_bytes_per_token'] / 1e6:.1f} MB")
     if mean_union is not None:
         parts.append(f"experts per MoE layer per pass {mean_union:.1f}")
+    pre = summary.get("prefixes") or {}
+    if pre.get("prompts_resumed"):
+        cache = pre.get("cache")
+        parts.append(f"shared prefixes: {pre['prompts_resumed']} prompts resumed "
+                     f"({pre['tokens_reused']} tokens not prefilled; "
+                     f"{pre['prefix_tokens_built']} prefilled once"
+                     + (f", {cache['hits']} snapshots read from the prefix cache"
+                        if cache else "") + ")")
     return "; ".join(parts)

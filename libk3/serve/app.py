@@ -309,7 +309,7 @@ class Server:
         job["stop"] = list(req.stop)
         if req.stop and self.run.session.tokenizer is None:
             raise ApiError(422, "'stop' needs the model's tokenizer", param="stop")
-        return job_settings(job, self.base)
+        return self.run.until_end(job_settings(job, self.base))
 
     async def _answer(self, request, req, ids, settings, reader, preamble):
         if len(ids) > self.context:

@@ -1,15 +1,20 @@
 """k3-pack: convert a K3 checkpoint into a pack (trunk file + expert index); also makes
-synthetic checkpoints (``synth``) and verifies packs (``verify``).
+synthetic checkpoints (``synth``), verifies packs (``verify``) and lists, checks and
+empties prefix cache folders (``cache ls|verify|rm``).
 
 Thin click front end: options are parsed here, the work is in libk3.
 """
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from libk3 import __version__
-from k3cli.group import DefaultGroup, Finite, Rule, quiet_option, threads_option
+from k3cli import constraints
+from k3cli.group import (DefaultGroup, Finite, Group, Rule, gigabytes, quiet_option,
+                         threads_option)
 from k3cli.support import handle_errors, print_json
 from libk3.engine.settings import seed_problem
 from libk3.units import size_text, size_texts
@@ -18,7 +23,8 @@ from libk3.units import size_text, size_texts
 @click.group(cls=DefaultGroup, default="pack",
              help="Pack a K3 checkpoint: `k3-pack CHECKPOINT OUT`. "
                   "Subcommands: synth (make a synthetic checkpoint), verify (check a pack), "
-                  "compress (compress a pack's trunk).")
+                  "compress (compress a pack's trunk), cache (list, check or empty a "
+                  "prefix cache folder).")
 @click.version_option(__version__, prog_name="k3-pack")
 def main():
     pass
@@ -214,3 +220,161 @@ def _warn_nonfinite(tensors: list) -> None:
     if tensors:
         click.echo(f"warning: {len(tensors)} trunk tensor(s) hold NaN or Inf, e.g. "
                    f"{tensors[0]} (accepted: --allow-nonfinite)", err=True)
+
+
+@main.group("cache", cls=Group)
+def cache():
+    """List, check and empty a prefix cache folder (formats/prefix-cache.md): the
+    snapshots `k3-run --prefix-cache DIR` keeps."""
+
+
+_cache_dir = click.argument("directory", metavar="DIR",
+                            type=click.Path(exists=True, file_okay=False))
+
+
+@cache.command("ls")
+@_cache_dir
+@click.option("--json", "json_out", is_flag=True, help="Print the listing as JSON.")
+@handle_errors
+def cache_ls(directory, json_out):
+    """List DIR's snapshots, most recently used first: name, tokens, size, last use and
+    the weights each was computed with (the first 12 hex digits of their identity)."""
+    from datetime import datetime
+
+    from libk3.engine import prefix_cache as pc
+
+    rows = [pc.describe(e) for e in reversed(pc.list_entries(directory))]
+    total = sum(r["bytes"] for r in rows)
+    if json_out:
+        print_json({"directory": directory, "snapshots": rows, "bytes": total})
+        return
+    if not rows:
+        click.echo(f"no snapshots in {directory}")
+        return
+    for r in rows:
+        used = datetime.fromtimestamp(r["last_used"]).isoformat(timespec="seconds")
+        weights = r["weights"][:12] if r["weights"] else "unreadable"
+        click.echo(f"{r['name']}  {r['tokens']:>9,} tokens  {size_text(r['bytes']):>10}  "
+                   f"{used}  {weights}")
+    click.echo(f"{_snapshots(len(rows))}, {size_text(total)}")
+
+
+@cache.command("verify")
+@_cache_dir
+@click.option("--remove-bad", is_flag=True, help="Remove the snapshots that fail.")
+@click.option("--json", "json_out", is_flag=True, help="Print the result as JSON.")
+@quiet_option
+@handle_errors
+def cache_verify(directory, remove_bad, json_out, quiet):
+    """Check every snapshot in DIR, reading every byte, as far as no model is needed:
+    checksum, arrays filling the file, finite values, and as many token ids as its name
+    says. Exit 3 when one is bad; with --remove-bad, 0 once every bad one is removed."""
+    from libk3 import progress
+    from libk3.engine import prefix_cache as pc
+    from libk3.errors import FormatError
+
+    entries = pc.list_entries(directory)
+    bad = []
+    with progress.bar(desc="verify", total=sum(e.size for e in entries), unit="B",
+                      unit_scale=True, show=not quiet) as bar:
+        for e in entries:
+            err = pc.check_entry(e)
+            if err is not None:
+                bad.append((e, err))
+            bar.update(e.size)
+    removed, failed = pc.remove_entries([e for e, _ in bad]) if remove_bad else ([], [])
+    doc = {"directory": directory, "checked": len(entries),
+           "bad": [{"name": e.path.name, "error": err.one_line()} for e, err in bad],
+           "removed": [e.path.name for e in removed],
+           "failed": [{"name": e.path.name, "error": why} for e, why in failed]}
+    left = len(failed) if remove_bad else len(bad)
+    error = None if not left else FormatError(
+        f"{left} of {len(entries)} snapshots are bad", path=directory,
+        hint=None if remove_bad else f"remove them: k3-pack cache verify {directory} "
+                                     "--remove-bad")
+    if not json_out:
+        for _, err in bad:
+            click.echo(err.one_line())
+        for e in removed:
+            click.echo(f"removed {e.path.name}")
+        for e, why in failed:
+            click.echo(f"cannot remove {e.path}: {why}", err=True)
+        click.echo(f"{_snapshots(len(entries))} checked, {len(bad)} bad"
+                   + (f", {len(removed)} removed" if remove_bad else ""))
+    _end(doc, json_out, error)
+
+
+# Exactly one selector says what `cache rm` removes (k3cli.constraints).
+CACHE_RM_RULES = (
+    constraints.OneOf(("all_", "older_than", "keep_gb", "names"),
+                      text="give exactly one of --all, --older-than DAYS, --keep-gb G or "
+                           "snapshot NAMEs"),
+)
+
+
+@cache.command("rm")
+@_cache_dir
+@click.argument("names", metavar="[NAME]...", nargs=-1)
+@click.option("--all", "all_", is_flag=True,
+              help="Every snapshot, and temporaries left by writers that are gone.")
+@click.option("--older-than", type=Finite(min=0), metavar="DAYS",
+              help="The snapshots last used more than DAYS days ago.")
+@click.option("--keep-gb", type=gigabytes(), metavar="G",
+              help="The least recently used snapshots, until the rest take at most G GB.")
+@click.option("--json", "json_out", is_flag=True, help="Print the result as JSON.")
+@click.pass_context
+@handle_errors
+def cache_rm(ctx, directory, names, all_, older_than, keep_gb, json_out):
+    """Remove snapshots from DIR: --all, --older-than DAYS, --keep-gb G, or the NAMEs
+    given (file names as `k3-pack cache ls` lists them). Only snapshot files are ever
+    removed."""
+    from libk3.engine import prefix_cache as pc
+    from libk3.errors import K3IOError
+
+    constraints.check(ctx, CACHE_RM_RULES)
+    entries = pc.list_entries(directory)
+    if all_:
+        chosen = entries
+    elif older_than is not None:
+        chosen = pc.unused_for(entries, older_than * 86400)
+    elif keep_gb is not None:
+        chosen = pc.over_budget(entries, round(keep_gb * 1e9))
+    else:
+        chosen = pc.named(entries, names, directory)
+    removed, failed = pc.remove_entries(chosen)
+    temps = pc.remove_stale_temps(directory) if all_ else 0
+    freed = sum(e.size for e in removed)
+    left = pc.list_entries(directory)
+    doc = {"directory": directory,
+           "removed": [{"name": e.path.name, "bytes": e.size} for e in removed],
+           "bytes": freed, "temporaries": temps,
+           "failed": [{"name": e.path.name, "error": why} for e, why in failed],
+           "left": len(left), "left_bytes": sum(e.size for e in left)}
+    error = None if not failed else K3IOError(
+        f"{len(failed)} snapshot(s) could not be removed", path=directory)
+    if not json_out:
+        for e in removed:
+            click.echo(f"removed {e.path.name} ({size_text(e.size)})")
+        for e, why in failed:
+            click.echo(f"cannot remove {e.path}: {why}", err=True)
+        click.echo(f"removed {_snapshots(len(removed))}, {size_text(freed)} freed"
+                   + (f", and {temps} stale temporar{'y' if temps == 1 else 'ies'}"
+                      if temps else "")
+                   + f"; {len(left)} left, {size_text(doc['left_bytes'])}")
+    _end(doc, json_out, error)
+
+
+def _snapshots(n: int) -> str:
+    return f"{n} snapshot{'' if n == 1 else 's'}"
+
+
+def _end(doc: dict, json_out: bool, error) -> None:
+    """Print ``doc`` with --json, then end with ``error`` (its line, its exit code) when
+    there is one. The text report is printed by the command before."""
+    if json_out:
+        print_json(doc)
+        if error is not None:              # not raised: handle_errors would print a 2nd doc
+            click.echo(f"k3-pack: error: {error.one_line()}", err=True)
+            sys.exit(error.exit_code)
+    elif error is not None:
+        raise error

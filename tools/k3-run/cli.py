@@ -209,7 +209,8 @@ RULES = (
                    "snapshot, for later prompts that start with it.")
 @click.option("-n", "--gen", type=Rule(click.INT, gen_or_until_end_problem, "integer"),
               default=16, show_default=True,
-              help="Tokens to generate (per turn in --chat), at most 1,048,576 (the trained "
+              help="Tokens to generate (per turn in --chat; with --serve the default "
+                   "max_tokens, else until the turn ends), at most 1,048,576 (the trained "
                    "context); -1: until the model ends its turn, a stop, or the context is "
                    "full.")
 @click.option("--temperature", type=Rule(click.FLOAT, temperature_problem, "float"),
@@ -339,8 +340,15 @@ def _settings(a):
 
 
 def _serve_mode(a, run, settings) -> None:
-    """--serve: the OpenAI-style server until it is stopped."""
+    """--serve: the OpenAI-style server until it is stopped. A request without
+    max_tokens generates until its turn ends or the context is full (what clients
+    expect), unless --gen was given: then that is the default."""
+    import dataclasses
+    from click.core import ParameterSource
+    from libk3.engine.settings import UNTIL_END
     from libk3.serve.app import serve
+    if click.get_current_context().get_parameter_source("gen") != ParameterSource.COMMANDLINE:
+        settings = dataclasses.replace(settings, gen=UNTIL_END)
     serve(run, a.serve_address, settings, api_key=a.api_key,
           log=lambda m: click.echo(m, err=True),
           reuse_ram_bytes=int(a.reuse_gb * 1e9),
