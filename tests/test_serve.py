@@ -462,13 +462,12 @@ def test_serve_sampling_fields_mean_what_the_cli_options_mean(server, tiny_dir, 
 
 def test_serve_refuses_fields_it_would_ignore_and_models_it_does_not_serve(server):
     """Catches a request answered with 200 while a field it sent is silently ignored
-    (response_format, logprobs, tool_choice "required", logit_bias, echo, ...), a model
+    (response_format, tool_choice "required", logit_bias, ...), a model
     name that is not the served one accepted and echoed, and /v1/models/{id} missing;
     controls: the do-nothing values of those fields and bookkeeping fields pass."""
     base = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1}
-    for bad in ({"response_format": {"type": "json_object"}}, {"logprobs": True},
-                {"tool_choice": "required"}, {"logit_bias": {"5": 10}}, {"echo": True},
-                {"best_of": 2}, {"suffix": "x"}, {"frobnicate": 1}):
+    for bad in ({"response_format": {"type": "json_object"}},
+                {"tool_choice": "required"}, {"logit_bias": {"5": 10}}, {"best_of": 2}, {"suffix": "x"}, {"frobnicate": 1}):
         status, err = _post(server, "/v1/completions", json.dumps({**base, **bad}).encode())
         assert status == 400 and err["error"]["param"] == next(iter(bad)), (bad, err)
         assert err["error"]["code"] == "unsupported_field"
@@ -550,3 +549,94 @@ def test_serve_max_tokens_left_out_runs_to_the_end_unless_gen_given(tiny_dir, tm
         assert r.usage.completion_tokens <= 5
     finally:
         _stop(capped)
+
+
+def _rows(tiny_dir, tmp_path, ids):
+    """log-softmax (float64, computed here) of every logits row of a plain k3-run fed
+    ``ids`` (the prompt and the reply): row i predicts token i + 1."""
+    import numpy as np
+    out = tmp_path / "logits.npy"
+    run = k3(tiny_dir, "--ids", ",".join(map(str, ids)), "--gen", 1, "--json", "--logits-out",
+             out)
+    assert run.returncode == 0, run.stderr
+    x = np.load(out).astype(np.float64)
+    m = x.max(axis=1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True))
+
+
+def test_serve_chat_logprobs_are_the_logits_rows_of_the_same_run(server, tiny_dir, tmp_path):
+    """Catches logprobs taken from the wrong row (off by one position), after the
+    sampler's temperature or penalties, top alternatives out of order, and a streamed
+    reply whose logprobs differ from the whole one's."""
+    import numpy as np
+    c = _client(server)
+    args = dict(model="tiny", messages=MSGS, max_tokens=3, logprobs=True, top_logprobs=4,
+                temperature=0.9, seed=5, presence_penalty=1.0)
+    r = c.chat.completions.create(**args)
+    k3x = r.model_extra["k3"]
+    lp = _rows(tiny_dir, tmp_path, k3x["prompt_ids"] + k3x["generated_ids"])
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(k3x["generated_ids"]) >= 1
+    tok = K3Tokenizer.from_dir(tiny_dir)
+    p = len(k3x["prompt_ids"])
+    for j, (entry, t) in enumerate(zip(content, k3x["generated_ids"])):
+        row = lp[p - 1 + j]
+        assert abs(entry.logprob - row[t]) < 1e-9
+        assert bytes(entry.bytes) == tok.token_bytes(t)
+        best = np.argsort(-row, kind="stable")[:4]
+        assert [abs(a.logprob - row[b]) < 1e-9 for a, b in zip(entry.top_logprobs, best)] == \
+            [True] * 4
+        assert [a.bytes for a in entry.top_logprobs] == [list(tok.token_bytes(b)) for b in best]
+    streamed = []
+    for ch in c.chat.completions.create(**args, stream=True):
+        if ch.choices and ch.choices[0].logprobs:
+            streamed += ch.choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1)
+    assert plain.choices[0].logprobs is None                                     # control
+
+
+def test_serve_completion_echo_and_prompt_logprobs(server, tiny_dir, tmp_path):
+    """Catches echo that leaves the prompt out, prompt logprobs shifted by a position or
+    taken from a resumed state (a kept prompt is not fed again), a first prompt token
+    given a logprob, and streamed echo differing from whole."""
+    ids = [5, 17, 300, 42, 7, 99, 128]
+    base = {"model": "tiny", "prompt": ids, "max_tokens": 2}
+    _post(server, "/v1/completions", json.dumps(base).encode())     # kept: a reuse bait
+    status, body = _post(server, "/v1/completions",
+                         json.dumps({**base, "echo": True, "logprobs": 2}).encode())
+    assert status == 200, body
+    got = body["choices"][0]["logprobs"]
+    gen = body["k3"]["generated_ids"]
+    lp = _rows(tiny_dir, tmp_path, ids + gen)
+    tok = K3Tokenizer.from_dir(tiny_dir)
+    assert body["k3"]["reused_tokens"] == 0
+    assert body["choices"][0]["text"].startswith(tok.decode(ids))
+    assert len(got["tokens"]) == len(ids) + len(gen)
+    assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
+    for i, t in enumerate(ids[1:] + gen, start=1):
+        assert abs(got["token_logprobs"][i] - lp[i - 1][t]) < 1e-9, i
+        assert len(got["top_logprobs"][i]) <= 2
+    assert got["text_offset"][0] == 0 and got["text_offset"] == sorted(got["text_offset"])
+    c = _client(server)
+    parts = list(c.completions.create(**{**base, "echo": True, "logprobs": 2}, stream=True))
+    text = "".join(p.choices[0].text for p in parts if p.choices)
+    lps = [x for p in parts if p.choices and p.choices[0].logprobs
+           for x in p.choices[0].logprobs.token_logprobs]
+    assert text == body["choices"][0]["text"] and lps == got["token_logprobs"]
+    status, echo_only = _post(server, "/v1/completions", json.dumps({**base, "echo": True}).encode())
+    assert echo_only["choices"][0]["text"] == body["choices"][0]["text"]
+    assert echo_only["choices"][0]["logprobs"] is None
+
+
+def test_serve_logprobs_fields_are_checked(server):
+    """Catches out-of-range or contradictory logprobs fields accepted."""
+    chat = {"model": "tiny", "messages": MSGS, "max_tokens": 1}
+    for bad, param in (({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                       ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs")):
+        status, err = _post(server, "/v1/chat/completions", json.dumps({**chat, **bad}).encode())
+        assert status == 422 and err["error"]["param"] == param, (bad, err)
+    comp = {"model": "tiny", "prompt": [5, 6], "max_tokens": 1}
+    for bad in ({"logprobs": 6}, {"logprobs": True}, {"echo": "yes"}):
+        status, err = _post(server, "/v1/completions", json.dumps({**comp, **bad}).encode())
+        assert status == 422 and err["error"]["param"] == next(iter(bad)), (bad, err)

@@ -42,13 +42,18 @@ class Job:
     (and to trace records as the sequence's tag). ``state``: the State to continue (it
     already holds what came before ``prompt_ids``: an earlier turn), else a new one.
     ``keep_at``: after this many of ``prompt_ids`` are fed, the Lockstep's ``on_keep``
-    hears the state (a prefix worth keeping, such as a conversation's preamble); 0: none."""
+    hears the state (a prefix worth keeping, such as a conversation's preamble); 0: none.
+    ``rows``: the Lockstep's ``on_row`` hears each generated token with the logits row it
+    was chosen from; ``prompt_rows``: ``on_prompt_rows`` hears every prompt position's
+    row (log-probabilities of the prompt, ``echo``)."""
 
     tag: object
     prompt_ids: list
     settings: GenSettings
     state: object = None
     keep_at: int = 0
+    rows: bool = False
+    prompt_rows: bool = False
 
 
 class _Lane:
@@ -83,25 +88,29 @@ class _Lane:
         decode token (with the proposals its Speculator chooses to verify, the pass's
         ``others`` sequences riding along)."""
         if n_prompt or self.spec is None:
-            return Segment(ids, self.state, all_logits=self.rows is not None or n_prompt == 0,
+            every = self.rows is not None or n_prompt == 0 or self.job.prompt_rows
+            return Segment(ids, self.state, all_logits=every,
                            phase="prefill" if n_prompt else "decode", tag=tag)
         room = self.limit - len(self.generated)
         return self.spec.plan(self.state, self.next, room, self.job.settings.stop_ids,
                               self.sampler, tag, others)
 
-    def take(self, seg: Segment, logits, n_prompt: int, on_token, seconds: float) -> None:
+    def take(self, seg: Segment, logits, n_prompt: int, on_token, seconds: float,
+             on_row=None) -> None:
         """Absorb this lane's logits from a pass that fed ``n_prompt`` prompt tokens (or,
         with 0, its decode token and any proposals: the accepted ones are committed and
-        count as generated); sample the next token once the prompt is in."""
+        count as generated); sample the next token once the prompt is in. ``on_row(job,
+        token, row)`` hears each generated token's row when the Job asks for rows."""
         self.fed += n_prompt
+        on_row = on_row if self.job.rows else None
         if self.spec is not None:
             if n_prompt:
                 self.spec.observe(self.state, seg.taps)
             else:
                 kept = []
                 for d in self.spec.accept(seg, logits, self.sampler):
-                    kept.append(d)
-                    if self._emit(d, on_token):
+                    kept.append(d)            # chosen from the row after the one before
+                    if self._emit(d, on_token, on_row, logits[len(kept) - 1]):
                         break
                 self.spec.commit(seg, len(kept), seconds)
                 logits = logits[:len(kept) + 1]
@@ -115,11 +124,13 @@ class _Lane:
             self.reason = "length"
             return
         tok = self.sampler(logits[-1], self.state.pos, self.state.ids)
-        self._emit(tok, on_token)
+        self._emit(tok, on_token, on_row, logits[-1])
         self.next = tok
 
-    def _emit(self, tok: int, on_token) -> bool:
+    def _emit(self, tok: int, on_token, on_row=None, row=None) -> bool:
         """Count ``tok`` as generated; whether it ends the sequence (stop or length)."""
+        if on_row is not None:
+            on_row(self.job, tok, row)
         self.generated.append(tok)
         if on_token is not None:
             on_token(self.job, tok)
@@ -176,12 +187,16 @@ class Lockstep:
     the lanes in flight stay in ``lanes`` for the caller to count and drop.
     ``on_pass(prompt tokens, decoders, seconds)``, if given, hears each pass's size and
     duration on ``clock`` (a batch's pace, ``libk3.engine.pace``). ``on_keep(job,
-    state)`` hears a lane's state once its Job's ``keep_at`` prompt ids are in."""
+    state)`` hears a lane's state once its Job's ``keep_at`` prompt ids are in.
+    ``on_row(job, token, row)`` and ``on_prompt_rows(job, start, rows)`` hear the logits
+    rows of Jobs that ask for them (``Job.rows``, ``Job.prompt_rows``): rows[i] is prompt
+    position start + i's, predicting the prompt id after it."""
 
     def __init__(self, forward, new_state, width: int, on_done, *, chunk: int = PREFILL_CHUNK,
                  tokenizer=None, on_token=None, keep_logits: bool = False,
                  join_prefill: bool = True, should_stop=None, on_pass=None,
-                 clock=time.perf_counter, drafting=None, on_keep=None):
+                 clock=time.perf_counter, drafting=None, on_keep=None, on_row=None,
+                 on_prompt_rows=None):
         if width < 1 or chunk < 1:
             raise ValueError("width and chunk must be >= 1")
         self.forward, self.new_state, self.width, self.on_done = forward, new_state, width, on_done
@@ -190,6 +205,7 @@ class Lockstep:
         self.should_stop, self.on_pass, self.clock = should_stop, on_pass, clock
         self.drafting = drafting
         self.on_keep = on_keep
+        self.on_row, self.on_prompt_rows = on_row, on_prompt_rows
         self.lanes: list[_Lane] = []
         self.stats = LockstepStats(width)
 
@@ -234,7 +250,9 @@ class Lockstep:
         for (lane, ids, n_prompt), seg, logits in zip(plan, segs, outs):
             st.prompt_tokens += n_prompt
             before = len(lane.generated)
-            lane.take(seg, logits, n_prompt, self.on_token, took)
+            if n_prompt and lane.job.prompt_rows and self.on_prompt_rows is not None:
+                self.on_prompt_rows(lane.job, lane.fed, logits)
+            lane.take(seg, logits, n_prompt, self.on_token, took, self.on_row)
             if n_prompt and lane.fed == lane.job.keep_at and self.on_keep is not None:
                 self.on_keep(lane.job, lane.state)
             st.generated_tokens += len(lane.generated) - before

@@ -36,8 +36,8 @@ import uuid
 from ..run.batch import job_settings
 from ..errors import K3Error, UsageError
 from ..text.encodable import text_problem
-from .protocol import (ApiError, check_request, envelope, finish_reason, parse_body, sse,
-                       usage)
+from .protocol import (ApiError, chat_logprobs, check_request, completion_logprobs,
+                       envelope, finish_reason, parse_body, sse, usage)
 from .replies import ReplyReader
 from .worker import Job, Worker
 
@@ -309,6 +309,9 @@ class Server:
         job["stop"] = list(req.stop)
         if req.stop and self.run.session.tokenizer is None:
             raise ApiError(422, "'stop' needs the model's tokenizer", param="stop")
+        if (req.logprobs is not None or req.echo) and self.run.session.tokenizer is None:
+            raise ApiError(422, "'logprobs' and 'echo' need the model's tokenizer (a token's "
+                                "text)", param="logprobs" if req.logprobs is not None else "echo")
         return self.run.until_end(job_settings(job, self.base))
 
     async def _answer(self, request, req, ids, settings, reader, preamble):
@@ -316,7 +319,8 @@ class Server:
             raise ApiError(413, f"the prompt is {len(ids)} tokens, over the model's context "
                                 f"of {self.context}", param="messages" if req.chat else "prompt",
                            code="context_length_exceeded")
-        job = Job(list(ids), settings, asyncio.get_running_loop(), preamble=preamble)
+        job = Job(list(ids), settings, asyncio.get_running_loop(), preamble=preamble,
+                  logprobs=req.logprobs, echo=req.echo)
         self.worker.submit(job)
         rid = f"{'chatcmpl' if req.chat else 'cmpl'}-k3-{next(self.ids)}"
         model = req.model or self.model_name
@@ -358,16 +362,53 @@ class Server:
         k3 = {"prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids,
               "reused_tokens": job.reused}
         use = usage(len(res.prompt_ids), len(res.generated_ids))
+        tok = self.run.session.tokenizer
         if req.chat:
             reply = reader.read(res.generated_ids, final=True)
-            choice = {"index": 0, "message": reply.message(), "logprobs": None,
+            choice = {"index": 0, "message": reply.message(),
+                      "logprobs": None if req.logprobs is None else
+                      chat_logprobs(tok, job.token_logprobs),
                       "finish_reason": finish_reason(res.stop_reason, bool(reply.tool_calls))}
             body = envelope("chat.completion", rid, model, [choice], {"usage": use, "k3": k3})
         else:
-            choice = {"index": 0, "text": reader.text(res.generated_ids), "logprobs": None,
+            head = self._echoed(req, res.prompt_ids)
+            choice = {"index": 0, "text": head + reader.text(res.generated_ids),
+                      "logprobs": None if req.logprobs is None else
+                      self._completion_logprobs(req, job, res.generated_ids),
                       "finish_reason": finish_reason(res.stop_reason, False)}
             body = envelope("text_completion", rid, model, [choice], {"usage": use, "k3": k3})
         return json.dumps(body)
+
+    def _echo_chunk(self, req, job, sent, chunk) -> bytes:
+        """A streamed completion's first chunk under echo: the prompt, and its logprobs
+        when asked (the prompt is all fed before the first token is sampled)."""
+        head = self._echoed(req, job.prompt_ids)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(self.run.session.tokenizer, job.prompt_ids,
+                                           [None] + job.prompt_logprobs)
+        sent["chars"] = len(head)
+        return chunk(text=head, logprobs=logprobs)
+
+    def _echoed(self, req, prompt_ids) -> str:
+        """A completion's text before its reply: the prompt under ``echo`` (the text sent,
+        or its ids decoded), else nothing."""
+        if not req.echo:
+            return ""
+        return req.prompt if req.prompt is not None else \
+            self.run.session.tokenizer.decode(prompt_ids)
+
+    def _completion_logprobs(self, req, job, generated, start: int = 0, offset: int = 0,
+                             prompt: bool = True):
+        """A completion's ``logprobs`` for generated tokens from ``start`` (after the
+        prompt's, under echo with ``prompt``), their text offsets counting from
+        ``offset``."""
+        tok = self.run.session.tokenizer
+        ids, entries = list(generated[start:]), job.token_logprobs[start:len(generated)]
+        if req.echo and prompt:
+            ids = list(job.prompt_ids) + ids
+            entries = [None] + job.prompt_logprobs + entries
+        return completion_logprobs(tok, ids, entries, offset)
 
     async def _stream(self, request, req, job, rid, model, reader):
         from aiohttp import web
@@ -376,24 +417,46 @@ class Server:
         await resp.prepare(request)
         kind = "chat.completion.chunk" if req.chat else "text_completion"
         generated = []
+        # tokens whose logprobs went out, and characters of text sent (a completion's
+        # text_offset counts from the echoed prompt)
+        sent = {"tokens": 0, "chars": 0}
 
-        def chunk(delta=None, finish=None, text=None):
-            c = {"index": 0, "logprobs": None, "finish_reason": finish}
+        def chunk(delta=None, finish=None, text=None, logprobs=None):
+            c = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
             if req.chat:
                 c["delta"] = delta or {}
             else:
                 c["text"] = text or ""
             return sse(envelope(kind, rid, model, [c]))
 
+        def new_logprobs(final):
+            """The logprobs of the tokens generated since the last chunk (None: not asked,
+            or none new)."""
+            start, end = sent["tokens"], len(generated)
+            if req.logprobs is None or (end == start and not final):
+                return None
+            sent["tokens"] = end
+            if req.chat:
+                return chat_logprobs(self.run.session.tokenizer, job.token_logprobs[start:end])
+            return self._completion_logprobs(req, job, generated[:end], start, sent["chars"],
+                                             prompt=False)
+
         def new_chunk(final):
             """The chunk of what the reply gained since the last one, or None."""
             if req.chat:
                 delta = reader.delta(generated, final)
-                return chunk(delta=delta) if delta else None
+                return chunk(delta=delta, logprobs=new_logprobs(final)) if delta else None
             text = reader.text_delta(generated, final)
-            return chunk(text=text) if text else None
+            if not text:
+                return None
+            logprobs = new_logprobs(final)
+            sent["chars"] += len(text)
+            return chunk(text=text, logprobs=logprobs)
 
         async def send_new(final=False):
+            if req.echo and not sent.get("echoed"):   # the prompt is in: its logprobs too
+                sent["echoed"] = True
+                await resp.write(await self._off_loop(self._echo_chunk, req, job, sent, chunk))
             # on the CPU thread: each delta decodes the whole reply so far
             data = await self._off_loop(new_chunk, final)
             if data:

@@ -21,6 +21,7 @@ import time
 
 from ..text.chat_request import conversation_problem
 from ..text.encodable import field_problem
+from ..engine.logprobs import MAX_TOP
 from ..engine.settings import (SAMPLING_RULES, gen_problem, seed_problem,
                                temperature_problem, token_ids_problem, top_p_problem)
 
@@ -30,12 +31,13 @@ SAMPLED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequenc
 # The fields each endpoint reads; any other is refused unless IGNORED or NEUTRAL below.
 READ = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
         "stop", "stream", "stream_options", "n", *SAMPLED}
-READ_CHAT = READ | {"messages", "tools", "chat_template_kwargs"}
-READ_COMPLETION = READ | {"prompt"}
+READ_CHAT = READ | {"messages", "tools", "chat_template_kwargs", "logprobs", "top_logprobs"}
+READ_COMPLETION = READ | {"prompt", "logprobs", "echo"}
+MAX_COMPLETION_LOGPROBS = 5      # a completion's ``logprobs`` (alternatives), at most
 # Bookkeeping a client may attach; it never changes the reply.
 IGNORED = {"user", "metadata", "store", "service_tier"}
 # Fields k3 does not implement, accepted only with the value that asks for nothing.
-NEUTRAL = {"logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "logit_bias": ({},),
+NEUTRAL = {"logit_bias": ({},),
            "tool_choice": ("auto",), "parallel_tool_calls": (True,),
            "response_format": ({"type": "text"},), "best_of": (1,), "suffix": ("",)}
 
@@ -70,6 +72,8 @@ class Request:
     stop: tuple = ()
     stream: bool = False
     include_usage: bool = False
+    logprobs: int | None = None   # alternatives per token with logprobs; None: none asked
+    echo: bool = False            # a completion's prompt returned before its text
 
 
 def parse_body(raw: bytes) -> dict:
@@ -184,6 +188,7 @@ def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
         isinstance(v, list) and len(v) <= MAX_STOP and all(isinstance(s, str) and s for s in v)),
         f"a string or a list of at most {MAX_STOP} non-empty strings")
     req.stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    _logprobs(body, chat, req)
     req.stream = bool(_field(body, "stream", lambda v: isinstance(v, bool), "a boolean"))
     options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
     req.include_usage = options.get("include_usage") is True
@@ -194,6 +199,41 @@ def finish_reason(stop_reason: str, tool_calls: bool) -> str:
     if tool_calls:
         return "tool_calls"
     return "length" if stop_reason == "length" else "stop"
+
+
+def _token_text(tokenizer, token: int) -> tuple:
+    """(text, bytes) of one token: its bytes as UTF-8, a byte that is not (half a
+    character) written as a \\xNN escape, as OpenAI does."""
+    raw = tokenizer.token_bytes(token)
+    return raw.decode("utf-8", errors="backslashreplace"), list(raw)
+
+
+def chat_logprobs(tokenizer, entries) -> dict:
+    """A chat choice's ``logprobs``: ``content``, one object per TokenLogprob."""
+    def one(token, logprob):
+        text, raw = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+    return {"content": [{**one(e.token, e.logprob),
+                         "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def completion_logprobs(tokenizer, ids, entries, offset: int = 0) -> dict:
+    """A completion choice's ``logprobs`` for ``ids``, each with its TokenLogprob (None:
+    the first prompt id under echo, which nothing predicts): tokens, token_logprobs,
+    top_logprobs ({text: logprob}) and text_offset (characters before each token in the
+    choice's text, counting from ``offset``)."""
+    import codecs
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    at = offset
+    for token, e in zip(ids, entries):
+        out["tokens"].append(_token_text(tokenizer, token)[0])
+        out["token_logprobs"].append(None if e is None else e.logprob)
+        out["top_logprobs"].append(None if e is None else
+                                   {_token_text(tokenizer, t)[0]: lp for t, lp in e.top})
+        out["text_offset"].append(at)
+        at += len(decoder.decode(tokenizer.token_bytes(token)))
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -213,3 +253,24 @@ def sse(obj) -> bytes:
     """One server-sent event carrying ``obj`` as JSON (or the literal [DONE])."""
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
     return f"data: {data}\n\n".encode("utf-8")
+
+
+def _logprobs(body: dict, chat: bool, req: Request) -> None:
+    """Chat: ``logprobs`` true with ``top_logprobs`` 0..20 alternatives (only with
+    logprobs true); a completion: ``logprobs`` 0..5 alternatives (null: none), ``echo``."""
+    if chat:
+        on = _field(body, "logprobs", lambda v: isinstance(v, bool), "a boolean")
+        top = _field(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_TOP,
+                     f"an integer 0..{MAX_TOP}")
+        if top and not on:
+            raise ApiError(422, "'top_logprobs' needs 'logprobs': true", param="top_logprobs",
+                           code="invalid_value")
+        req.logprobs = (top or 0) if on else None
+        return
+    if body.get("logprobs") is False:            # what clients send for "none"
+        return
+    req.logprobs = _field(body, "logprobs",
+                          lambda v: _is_int(v) and 0 <= v <= MAX_COMPLETION_LOGPROBS,
+                          f"an integer 0..{MAX_COMPLETION_LOGPROBS}")
+
+    req.echo = bool(_field(body, "echo", lambda v: isinstance(v, bool), "a boolean"))

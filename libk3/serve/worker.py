@@ -24,6 +24,7 @@ import threading
 import time
 
 from ..engine import lockstep
+from ..engine.logprobs import token_logprob
 from ..engine.defaults import PREFILL_CHUNK
 
 _RUN_FIGURES = ("cache_hit_rate", "expert_requests", "trunk_bytes_read", "expert_bytes_read",
@@ -42,6 +43,13 @@ class Job:
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     reused: int = 0               # prompt tokens resumed from a kept state, not prefilled
     preamble: int = 0             # prompt tokens worth keeping on their own (0: none)
+    logprobs: int | None = None   # alternatives per token to report (None: no logprobs)
+    echo: bool = False            # also the prompt's logprobs (a completion's echo)
+    # TokenLogprob of each generated token, appended on the engine thread before the
+    # token is sent (so the loop finds a token's entry once it has the token), and of
+    # each prompt token after the first (with echo and logprobs)
+    token_logprobs: list = dataclasses.field(default_factory=list)
+    prompt_logprobs: list = dataclasses.field(default_factory=list)
     started: float = 0.0          # when it took a lane (time.monotonic)
     generated: int = 0
 
@@ -71,7 +79,8 @@ class Worker:
         self.lockstep = lockstep.Lockstep(
             run.session.forward, lambda n: run.session.new_state(), width, self._done,
             chunk=chunk, tokenizer=run.session.tokenizer, on_token=self._token,
-            drafting=run.drafting, on_keep=lambda lj, state: self.turns.keep(state))
+            drafting=run.drafting, on_keep=lambda lj, state: self.turns.keep(state),
+            on_row=self._row, on_prompt_rows=self._prompt_rows)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
@@ -125,14 +134,18 @@ class Worker:
             self._cancelled(job)
             return
         job.started = time.monotonic()
-        state, reused = self.turns.take(job.prompt_ids) if self.turns else (None, 0)
+        # the prompt's logprobs need every prompt position fed here: no kept state
+        resume = self.turns is not None and not (job.echo and job.logprobs is not None)
+        state, reused = self.turns.take(job.prompt_ids) if resume else (None, 0)
         job.reused = reused
         tag = next(self._tags)
         keep_at = job.preamble - reused if self.turns and job.preamble > reused else 0
         try:
             self.lockstep.submit(lockstep.Job(
                 tag, job.prompt_ids[reused:], job.settings,
-                state if state is not None else self.run.session.new_state(), keep_at))
+                state if state is not None else self.run.session.new_state(), keep_at,
+                rows=job.logprobs is not None,
+                prompt_rows=job.echo and job.logprobs is not None))
         except Exception as e:            # a bad request must not stop the server
             self._failed(job, e)
             return
@@ -146,6 +159,19 @@ class Worker:
             jobs, self.jobs = list(self.jobs.values()), {}
             for job in jobs:
                 self._failed(job, e)
+
+    def _row(self, lj, tok, row) -> None:
+        job = self.jobs[lj.tag]
+        job.token_logprobs.append(token_logprob(row, tok, job.logprobs))
+
+    def _prompt_rows(self, lj, start: int, rows) -> None:
+        """Each row but one scores the prompt id after its position; the prompt's last
+        row scores the first generated token (``_row``)."""
+        job = self.jobs[lj.tag]
+        ids = job.prompt_ids
+        for i, row in enumerate(rows):
+            if start + i + 1 < len(ids):
+                job.prompt_logprobs.append(token_logprob(row, ids[start + i + 1], job.logprobs))
 
     def _token(self, lj, tok) -> None:
         job = self.jobs[lj.tag]
