@@ -38,6 +38,7 @@ from ..errors import K3Error, UsageError
 from ..text.encodable import text_problem
 from .protocol import (ApiError, chat_logprobs, check_request, completion_logprobs,
                        envelope, finish_reason, parse_body, sse, usage)
+from . import tokenize
 from .replies import ReplyReader
 from .worker import Job, Worker
 
@@ -159,7 +160,10 @@ class Server:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_get(LIVENESS, self.livez)
         app.cleanup_ctx.append(self._cpu_thread)
         return app
@@ -249,6 +253,37 @@ class Server:
         if name is not None and name != self.model_name:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
+
+    async def tokenize(self, request):
+        from aiohttp import web
+        ids = await self._off_loop(self._tokenizer_call, tokenize.tokenize, await request.read())
+        return web.json_response({"count": len(ids), "max_model_len": self.context,
+                                  "tokens": ids})
+
+    async def detokenize(self, request):
+        from aiohttp import web
+        text = await self._off_loop(self._tokenizer_call, tokenize.detokenize,
+                                    await request.read())
+        return web.json_response({"prompt": text})
+
+    def _tokenizer_call(self, fn, raw: bytes):
+        """``fn(run, body)`` for a /tokenize or /detokenize body (on the CPU thread)."""
+        body = parse_body(raw)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ApiError(422, "'model' must be a string", param="model", code="invalid_type")
+        self._check_model(model)
+        if self.run.session.tokenizer is None:
+            raise ApiError(422, "this model has no tokenizer (tiktoken.model)",
+                           code="no_tokenizer")
+        return fn(self.run, body)
+
+    async def metrics(self, request):
+        from aiohttp import web
+        from .metrics import exposition
+        body, content_type = exposition(self.worker, self.run)
+        kind, _, charset = content_type.partition("; charset=")
+        return web.Response(body=body, content_type=kind, charset=charset or None)
 
     async def health(self, request):
         from aiohttp import web

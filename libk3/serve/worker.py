@@ -73,6 +73,10 @@ class Worker:
         self.turns = turns              # a TurnCache (reuse of earlier turns), or None
         self.queue: queue.Queue = queue.Queue()
         self.counts = {"served": 0, "cancelled": 0, "failed": 0, "generated_tokens": 0}
+        # sums over served requests (``/metrics``): prompt tokens (and those resumed from
+        # a kept state), seconds prefilling and decoding
+        self.totals = {"prompt_tokens": 0, "reused_tokens": 0, "prefill_seconds": 0.0,
+                       "decode_seconds": 0.0}
         self.jobs: dict = {}            # lane tag -> Job, for the jobs holding a lane
         self._tags = itertools.count()
         self.last = dict.fromkeys(_RUN_FIGURES)     # Run.report's, at the last request
@@ -187,6 +191,10 @@ class Worker:
             self.turns.offer(lj.state)               # the conversation with this reply
         self.counts["served"] += 1
         self.counts["generated_tokens"] += len(res.generated_ids)
+        self.totals["prompt_tokens"] += len(res.prompt_ids)
+        self.totals["reused_tokens"] += job.reused
+        self.totals["prefill_seconds"] += res.prefill_seconds
+        self.totals["decode_seconds"] += res.decode_seconds
         rep = self.run.report(res)
         self.last = {k: rep[k] for k in _RUN_FIGURES}
         if self.log:
