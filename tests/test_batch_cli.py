@@ -14,8 +14,8 @@ import pytest
 
 from libk3.run.batch import parse_shard, shard_of
 from libk3.errors import BudgetError
-from libk3.budget import (MAX_AUTO_WIDTH, Budget, ModelSizes, batch_width, load_rules,
-                          peak_bytes, sequence_bytes)
+from libk3.budget import (BATCH_SNAPSHOTS, MAX_AUTO_WIDTH, Budget, ModelSizes, batch_width,
+                          load_rules, peak_bytes, sequence_bytes)
 from libk3.doctor.report import reference_config
 from .scripts import k3
 
@@ -229,7 +229,7 @@ def test_doctor_recommends_the_width_that_reads_least_trunk_per_token():
     d = doctor.decide(sizes, 32 * 10 ** 9)
     laptop = d["presets"]["laptop"]
     budget = Budget(laptop["budget"]["trunk_bytes"], laptop["budget"]["cache_bytes"], None, ())
-    w = batch_width(budget, sizes, 32 * 10 ** 9, "auto")[0]
+    w = batch_width(budget, sizes, 32 * 10 ** 9, "auto", held=BATCH_SNAPSHOTS)[0]
     assert d["pick"] == "desktop" and d["presets"]["desktop"]["batch_width"] < w
     assert d["batch"]["preset"] == "laptop" and d["batch"]["width"] == laptop["batch_width"] == w
     assert d["sequence_bytes"] == sequence_bytes(sizes, load_rules().context_positions)
