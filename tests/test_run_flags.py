@@ -150,3 +150,87 @@ def test_batch_lines_take_the_sampling_fields(tiny_dir, tmp_path):
     assert rows["g"]["generated_ids"] == greedy[:greedy.index(greedy[2]) + 1]
     want = generate(s.forward, s.new_state(), ids, GenSettings(gen=10, **fields))
     assert rows["ok"]["generated_ids"] == want.generated_ids
+
+
+def _bias_args(bias) -> list:
+    return [x for v, b in bias for x in ("--logit-bias", f"{v}={b}")]
+
+
+def test_run_logit_bias_bans_and_forces_tokens_as_the_engine_does(tiny_dir):
+    """Catches --logit-bias parsed but not passed on (or only one of several), or with
+    id and bias swapped: the CLI's ids equal the engine's with the same bias and
+    penalty, never hold the banned id (plain greedy's first token), and differ from the
+    plain run; a +100 bias makes every token its id."""
+    from .scripts import k3_here
+
+    ids = [5, 17, 300, 42]
+    s = open_session(tiny_dir)
+    plain = generate(s.forward, s.new_state(), ids, GenSettings(gen=6)).generated_ids
+    bias = tuple(sorted({(plain[0], -100.0), (7 if plain[0] != 7 else 8, 2.5)}))
+    argv = [tiny_dir, "--resident", "--ids", "5,17,300,42", "-n", 6, "--json"]
+    got = _ids(k3_here(*argv, "--repeat-penalty", 1.3, *_bias_args(bias)))
+    want = generate(s.forward, s.new_state(), ids,
+                    GenSettings(gen=6, repetition_penalty=1.3, logit_bias=bias))
+    assert got == want.generated_ids != plain and plain[0] not in got
+    assert _ids(k3_here(*argv, "--logit-bias", "300=100")) == [300] * 6
+
+
+@pytest.mark.parametrize("bias,says", [
+    (["512=1"], "token id 512"), (["5=100.5"], "[-100, 100]"), (["5=nan"], "[-100, 100]"),
+    (["5=1", "5=-1"], "twice"), (["5"], "ID=BIAS"), (["-3=1"], "ID=BIAS"),
+    (["five=1"], "ID=BIAS"),
+])
+def test_run_logit_bias_refuses_bad_values_before_any_work(tiny_dir, tmp_path, bias, says):
+    """Catches an id outside the vocabulary, a bias out of range, an id given twice or a
+    malformed ID=BIAS accepted, or refused only after work began (a batch's results file
+    created by its lock): one line naming the problem, exit 2, no results file."""
+    batch = tmp_path / "b.jsonl"
+    batch.write_text('{"id": 1, "ids": [1, 2]}\n')
+    out = tmp_path / "r.jsonl"
+    argv = [tiny_dir, "--batch", batch, "--out", out]
+    check_refused(invoke(run_main, argv + [x for b in bias for x in ("--logit-bias", b)]),
+                  2, says, "--logit-bias")
+    assert not out.exists()
+
+
+def test_batch_lines_take_logit_bias_as_the_flag_does(tiny_dir, tmp_path):
+    """Catches a batch line's "logit_bias" ignored, read with its keys as anything but
+    token ids, not replacing the command line's --logit-bias (or {} not clearing it),
+    or a bad one accepted or stopping the batch: the line's ids equal k3-run's with the
+    same --logit-bias flags, a line without the field takes the flag's, {} runs plain,
+    and each bad line is skipped with its number, naming the field."""
+    from .scripts import k3_here
+
+    ids = [5, 17, 300, 42]
+    s = open_session(tiny_dir)
+    plain = generate(s.forward, s.new_state(), ids, GenSettings(gen=6)).generated_ids
+    bias = tuple(sorted({(plain[0], -100.0), (7 if plain[0] != 7 else 8, 2.5)}))
+    flag = _ids(k3_here(tiny_dir, "--resident", "--ids", "5,17,300,42", "-n", 6, "--json",
+                        *_bias_args(bias)))
+    as_json = {str(v): b for v, b in bias}
+    lines = [dict(id="ok", ids=ids, gen=6, logit_bias=as_json),
+             dict(id="k", ids=ids, logit_bias={"512": 1}),
+             dict(id="v", ids=ids, logit_bias={"5": 101}),
+             dict(id="x", ids=ids, logit_bias={"0x5": 1}),
+             dict(id="l", ids=ids, logit_bias=[[5, 1]]),
+             dict(id="t", ids=ids, logit_bias={"5": True}),
+             dict(id="many", ids=ids, logit_bias={str(i): 1 for i in range(301)}),
+             dict(id="none", ids=ids, gen=6, logit_bias={}),
+             dict(id="flag", ids=ids, gen=6)]
+    batch = tmp_path / "b.jsonl"
+    batch.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "r.jsonl"
+    cli = ((plain[0], -100.0), (flag[0], -100.0))    # moves both "ok" and "flag" lines
+    p = k3_here(tiny_dir, "--resident", "--batch", batch, "--out", out, "--json",
+                *_bias_args(cli))
+    assert p.returncode == 0, p.stderr
+    bad = {e["line"]: e["error"] for e in json.loads(p.stdout)["errors"]}
+    assert sorted(bad) == [2, 3, 4, 5, 6, 7] and all("logit_bias" in e for e in bad.values())
+    for line in range(2, 8):
+        assert f"{batch}:{line}: skipped" in p.stderr
+    rows = {r["id"]: r["generated_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["ok"] == flag != plain
+    assert rows["none"] == plain
+    on_flag = generate(s.forward, s.new_state(), ids,
+                       GenSettings(gen=6, logit_bias=tuple(sorted(cli)))).generated_ids
+    assert rows["flag"] == on_flag != plain

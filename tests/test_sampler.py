@@ -1,12 +1,13 @@
 """The sampler's settings beyond temperature and top-p (formats/numerics.md section 12):
-repetition, presence and frequency penalties, top-k and min-p, against a brute-force
-oracle; and the engine's promise that they change no exactness: greedy is the argmax of
+the logit bias, repetition, presence and frequency penalties, top-k and min-p, against a
+brute-force oracle; and the engine's promise that they change no exactness: greedy is the argmax of
 the adjusted logits, the same tokens at any thread count, with drafting, in lockstep."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 
 import numba
 import numpy as np
@@ -28,13 +29,16 @@ PENALISED = dict(repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty
 
 def oracle(logits, position, context, *, start=0, temperature=0.0, top_p=1.0, top_k=0,
            min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-           seed=0) -> int:
-    """The token numerics.md section 12 defines, one id at a time: the penalties in
-    Python floats (float64, the same operations in the same order), the candidates by
-    sorting (probability descending, id ascending) and cutting by hand."""
+           seed=0, logit_bias=()) -> int:
+    """The token numerics.md section 12 defines, one id at a time: the logit bias
+    ((id, bias) pairs) then the penalties in Python floats (float64, the same operations
+    in the same order), the candidates by sorting (probability descending, id ascending)
+    and cutting by hand."""
     V = len(logits)
     assert len(context) == position
     x = [float(v) for v in np.asarray(logits, np.float32)]
+    for v, b in logit_bias:
+        x[v] = x[v] + b
     for v in set(context):
         x[v] = x[v] / repetition_penalty if x[v] > 0 else x[v] * repetition_penalty
     for v, n in collections.Counter(context[start:]).items():
@@ -107,6 +111,112 @@ def test_sampler_matches_the_brute_force_oracle(case):
     assert s(logits, position, context) == want
     cut = max(1, position // 2)             # the context split between fed and pending
     assert s(logits, position, context[:cut], context[cut:]) == want
+
+
+@st.composite
+def biased_cases(draw):
+    """``cases`` with a logit bias of up to 4 distinct ids of the row: a value from the
+    ends of the range, zero or anywhere in [-100, 100]."""
+    logits, position, context, kw = draw(cases())
+    ids = draw(st.lists(st.integers(0, len(logits) - 1), max_size=4, unique=True))
+    value = st.one_of(st.sampled_from([-100.0, -100, 100.0, 100, 0.0, -2.5, 3]),
+                      st.floats(-100, 100))
+    return logits, position, context, kw, [(v, draw(value)) for v in ids]
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=biased_cases())
+def test_sampler_with_a_logit_bias_matches_the_brute_force_oracle(case):
+    """Catches a logit bias added after the penalties or the temperature, to the wrong
+    ids, only on the greedy (or only on the sampled) path, lost on a verify's pending
+    ids, or pairs taken unsorted: every pick equals the oracle's, greedy and sampled,
+    with and without penalties and truncation."""
+    logits, position, context, kw, bias = case
+    start, seed = kw.pop("start"), kw.pop("seed")
+    temperature, top_p = kw.pop("temperature"), kw.pop("top_p")
+    s = Sampler(temperature, top_p, seed, start=start, logit_bias=bias, **kw)
+    want = oracle(logits, position, context, start=start, temperature=temperature,
+                  top_p=top_p, top_k=max(kw["top_k"], 0), seed=seed, logit_bias=bias,
+                  **{k: v for k, v in kw.items() if k != "top_k"})
+    assert s(logits, position, context) == want
+    cut = max(1, position // 2)
+    assert s(logits, position, context[:cut], context[cut:]) == want
+
+
+def test_sampler_applies_the_bias_before_the_repetition_penalty():
+    """Catches the bias added after the repetition penalty (or not at all): token 0 was
+    seen, r = 2. Biased first, 2 + 1 = 3 is halved to 1.5 < 1.6 and token 1 wins; after
+    the penalty 1 + 1 = 2 would win for token 0. Biased first, 1 - 2 = -1 is doubled to
+    -2 < -1.8; after, 0.5 - 2 = -1.5 would win (as token 0 wins unbiased)."""
+    def after(row, bias, r):            # the wrong order, for the controls
+        x = [row[0] / r if row[0] > 0 else row[0] * r, row[1]]
+        return int(np.argmax([x[0] + bias, x[1]]))
+    for row, bias in (([2.0, 1.6], 1.0), ([1.0, -1.8], -2.0)):
+        logits = np.array(row, np.float32)
+        want = oracle(logits, 1, [0], repetition_penalty=2.0, logit_bias=[(0, bias)])
+        assert want == 1 and after(logits.astype(np.float64), bias, 2.0) == 0
+        for T in (0.0, 1e-3):           # greedy, and sampled as cold as greedy
+            s = Sampler(T, seed=3, repetition_penalty=2.0, logit_bias=((0, bias),))
+            assert s(logits, 1, [0]) == want == oracle(
+                logits, 1, [0], temperature=T, seed=3, repetition_penalty=2.0,
+                logit_bias=[(0, bias)]), (row, T)
+    plain = Sampler(0.0, repetition_penalty=2.0)(np.array([1.0, -1.8], np.float32), 1, [0])
+    assert plain == 0                   # control: the bias is what moves the pick
+
+
+def test_sampler_bias_of_minus_100_bans_and_100_forces_a_token():
+    """Catches a -100 bias that leaves the greedy choice (or a draw) on the banned token,
+    or a 100 bias that does not force its token: on rows of standard-normal logits the
+    banned argmax is never picked, greedy or sampled, and a +100 token always is."""
+    rng = np.random.default_rng(7)
+    for pos in range(40):
+        logits = rng.standard_normal(64).astype(np.float32)
+        top = int(np.argmax(logits))
+        second = int(np.argsort(-logits.astype(np.float64), kind="stable")[1])
+        assert Sampler(0.0, logit_bias=((top, -100),))(logits, pos) == second
+        forced = int(rng.integers(0, 64))
+        for T in (0.0, 0.7, 1.5):
+            s = Sampler(T, 1.0, pos, logit_bias=((top, -100.0),))
+            assert s(logits, pos) != top, (pos, T)
+            assert Sampler(T, 1.0, pos, top_k=5, logit_bias=((forced, 100.0),))(
+                logits, pos) == forced
+
+
+def test_sampler_without_a_bias_picks_as_before_and_leaves_the_row_alone():
+    """Catches the bias step disturbing the pick when off (no entries, or entries of 0),
+    or adding the bias in place to the caller's row (a float64 row is not copied by
+    ``asarray``; the generator keeps rows for --logits-out and the logprobs): picks
+    equal the unbiased oracle's on random rows, and every row's bytes are unchanged."""
+    rng = np.random.default_rng(11)
+    for pos in range(30):
+        row32 = rng.standard_normal(50).astype(np.float32)
+        ctx = rng.integers(0, 50, pos).tolist()
+        for T, extra in ((0.0, {}), (0.9, dict(top_k=7)), (1.2, PENALISED)):
+            want = oracle(row32, pos, ctx, temperature=T, seed=5, **extra)
+            zero = tuple((int(v), 0.0) for v in np.unique(rng.integers(0, 50, 5)))
+            for bias in ((), zero):
+                for row in (row32, row32.astype(np.float64)):
+                    before = row.tobytes()
+                    assert Sampler(T, 1.0, 5, logit_bias=bias, **extra)(row, pos, ctx) == want
+                    assert row.tobytes() == before
+            moved = Sampler(T, 1.0, 5, logit_bias=((int(np.argmax(row32)), -50.0),),
+                            **extra)
+            row = row32.astype(np.float64)
+            before = row.tobytes()
+            moved(row, pos, ctx)
+            assert row.tobytes() == before
+
+
+@pytest.mark.parametrize("bias,says", [
+    (((1, 101.0),), "[-100, 100]"), (((1, float("nan")),), "[-100, 100]"),
+    (((1, 2.0), (1, 3.0)), "twice"), (((-1, 2.0),), "outside"),
+    (tuple((i, 1.0) for i in range(301)), "at most 300"), ({"x": 1}, "decimal digits"),
+])
+def test_sampler_refuses_a_bad_logit_bias(bias, says):
+    """Catches a bias out of range, an id twice or negative, or more than 300 ids reaching
+    the pick (a NaN logit, a wrapped index): refused when the sampler is made."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        Sampler(0.0, logit_bias=bias)
 
 
 def test_sampler_neutral_settings_pick_as_before():
@@ -274,6 +384,84 @@ def test_dspark_draft_with_penalties_gives_plain_tokens(tiny_dir):
         s.weights.close()
     assert fast.generated_ids == plain.generated_ids
     assert np.array_equal(fast.logits.view(np.uint32), plain.logits.view(np.uint32))
+
+
+def _biased(tiny):
+    """Settings whose bias bans the two tokens plain greedy decoding of REPETITIVE makes
+    most and lifts another: greedy with penalties, and sampled."""
+    plain = generate(tiny.forward, tiny.new_state(), REPETITIVE, GenSettings(gen=12))
+    common = [t for t, _ in collections.Counter(plain.generated_ids).most_common(2)]
+    lift = next(v for v in (10, 20, 30) if v not in common)
+    bias = tuple(sorted([(v, -100.0) for v in common] + [(lift, 4.5)]))
+    return [GenSettings(gen=12, logit_bias=bias, **PENALISED),
+            GenSettings(gen=12, temperature=0.8, top_k=6, seed=4, logit_bias=bias)]
+
+
+def test_generate_with_a_logit_bias_is_the_oracle_and_drafts_give_plain_tokens(tiny):
+    """Catches a bias lost between the settings and the sampler, applied to the wrong
+    row, or written into the rows the generator keeps (--logits-out and the logprobs are
+    the model's own): each greedy token is the oracle's pick of its raw row with the bias
+    and penalties, never a banned id, and the prompt's rows equal the unbiased run's;
+    drafting (the true continuation partly spoiled, prompt lookup) gives the same ids and
+    logits bytes (the verify rows themselves: ``test_verify_rows_pick_with_the_bias``);
+    control: the bias changes the output."""
+    from libk3.engine.proposers import PromptLookup
+    from libk3.engine.speculative import Drafting, Width
+
+    class Every(Width):
+        def choose(self, confidence, others=0):
+            return len(confidence), 2.0
+    for s in _biased(tiny):
+        res = generate(tiny.forward, tiny.new_state(), REPETITIVE, s, keep_logits=True)
+        unbiased = dataclasses.replace(s, logit_bias=())
+        free = generate(tiny.forward, tiny.new_state(), REPETITIVE, unbiased,
+                        keep_logits=True)
+        assert res.generated_ids != free.generated_ids
+        banned = {v for v, b in s.logit_bias if b == -100.0}
+        assert not banned & set(res.generated_ids)
+        n = len(REPETITIVE)
+        assert np.array_equal(res.logits[:n].view(np.uint32), free.logits[:n].view(np.uint32))
+        if s.temperature == 0:
+            seq = REPETITIVE + res.generated_ids
+            for i, tok in enumerate(res.generated_ids):
+                at = n + i
+                assert tok == oracle(res.logits[at - 1], at, seq[:at], start=n,
+                                     logit_bias=s.logit_bias, **PENALISED), i
+        for proposer in (_Oracle([REPETITIVE + res.generated_ids], tiny.cfg.vocab_size),
+                         PromptLookup()):
+            drafting = Drafting(proposer, 4)
+            drafting.width = Every(4)
+            fast = generate(tiny.forward, tiny.new_state(), REPETITIVE, s, keep_logits=True,
+                            drafting=drafting)
+            assert fast.generated_ids == res.generated_ids, type(proposer).__name__
+            assert np.array_equal(fast.logits.view(np.uint32), res.logits.view(np.uint32))
+            if isinstance(proposer, _Oracle):
+                assert 0 < drafting.stats.accepted < drafting.stats.drafted
+
+
+def test_verify_rows_pick_with_the_bias():
+    """Catches a verify row (the pending path: the anchor and proposals not in the state
+    yet) picked without the bias: a proposal that is its row's raw argmax but banned is
+    rejected, and the one the bias lifts is accepted; control: without the bias the
+    banned proposal is accepted."""
+    from types import SimpleNamespace
+    from libk3.engine.proposers import PromptLookup
+    from libk3.engine.speculative import SpecStats, Speculator, Width
+
+    rows = np.zeros((3, 8), np.float32)
+    rows[0, 5], rows[0, 2] = 3.0, 1.0            # raw pick 5; banned, 2 wins
+    state = SimpleNamespace(pos=4, ids=[1, 2, 3, 4])
+
+    def accepted(sampler, drafts):
+        spec = Speculator(PromptLookup(), 4, Width(4), SpecStats(4))
+        spec.drafts = drafts
+        seg = SimpleNamespace(state=state, ids=[6] + drafts, taps=None)
+        return spec.accept(seg, rows, sampler)
+    for extra in ({}, dict(repetition_penalty=1.3, presence_penalty=0.5)):
+        biased = Sampler(0.0, logit_bias=((5, -100.0),), start=4, **extra)
+        assert accepted(biased, [5, 0]) == []
+        assert accepted(biased, [2, 0]) == [2, 0]
+        assert accepted(Sampler(0.0, start=4, **extra), [5, 0]) == [5, 0]
 
 
 @pytest.mark.parametrize("width", [1, 3])

@@ -460,14 +460,60 @@ def test_serve_sampling_fields_mean_what_the_cli_options_mean(server, tiny_dir, 
         assert status == 422 and err["error"]["param"] == next(iter(bad)), (bad, err)
 
 
+def test_serve_logit_bias_bans_and_forces_tokens_and_is_checked(server, tiny_dir, tmp_path):
+    """Catches logit_bias accepted and ignored (or read otherwise than k3-run's
+    --logit-bias), on chat or on completions, logprobs taken from the biased logits
+    instead of the model's, and a bad value accepted: -100 on the token the server picks
+    greedily changes the reply and that id never comes back; the completion equals
+    k3-run's with the same flag; +100 forces its token, whose logprob stays the model's
+    (far below 0); out-of-range biases, keys that are not ids, ids outside the
+    vocabulary and over 300 entries are 422 naming logit_bias."""
+    from .scripts import k3_here
+
+    base = {"model": "tiny", "prompt": [5, 17, 300, 42], "max_tokens": 4}
+    status, plain = _post(server, "/v1/completions", json.dumps(base).encode())
+    assert status == 200, plain
+    first = plain["k3"]["generated_ids"][0]
+    status, banned = _post(server, "/v1/completions", json.dumps(
+        {**base, "logit_bias": {str(first): -100}}).encode())
+    assert status == 200, banned
+    got = banned["k3"]["generated_ids"]
+    assert got != plain["k3"]["generated_ids"] and first not in got
+    rep = tmp_path / "r.json"
+    p = k3_here(tiny_dir, "--resident", "--ids", "5,17,300,42", "--gen", 4,
+                "--logit-bias", f"{first}=-100", "--report-json", rep)
+    assert p.returncode == 0, p.stderr
+    assert got == json.loads(rep.read_text())["generated_ids"]
+    status, forced = _post(server, "/v1/completions", json.dumps(
+        {**base, "logit_bias": {"300": 100}, "logprobs": 0}).encode())
+    assert status == 200 and forced["k3"]["generated_ids"] == [300] * 4, forced
+    assert max(forced["choices"][0]["logprobs"]["token_logprobs"]) < -0.5
+    chat = {"model": "tiny", "messages": MSGS, "max_tokens": 3}
+    status, reply = _post(server, "/v1/chat/completions", json.dumps(chat).encode())
+    assert status == 200, reply
+    said = reply["k3"]["generated_ids"][0]
+    status, other = _post(server, "/v1/chat/completions", json.dumps(
+        {**chat, "logit_bias": {str(said): -100.0}}).encode())
+    assert status == 200 and said not in other["k3"]["generated_ids"], other
+    for bad in ({"5": 101}, {"5": -100.5}, {"5": float("nan")}, {"5": "1"}, {"5": True},
+                {"x": 1}, {"-5": 1}, {"5.0": 1}, {"512": 1}, {"99999999999999999999999": 1},
+                {str(i): 1 for i in range(301)}, [[5, 1]], "5=1"):
+        for path, body in (("/v1/completions", base), ("/v1/chat/completions", chat)):
+            status, err = _post(server, path, json.dumps({**body, "logit_bias": bad}).encode())
+            assert status == 422 and err["error"]["param"] == "logit_bias", (bad, err)
+    status, ok = _post(server, "/v1/completions", json.dumps(
+        {**base, "logit_bias": {str(i): 0 for i in range(300)}}).encode())
+    assert status == 200 and ok["k3"]["generated_ids"] == plain["k3"]["generated_ids"]
+
+
 def test_serve_refuses_fields_it_would_ignore_and_models_it_does_not_serve(server):
     """Catches a request answered with 200 while a field it sent is silently ignored
-    (response_format, tool_choice "required", logit_bias, ...), a model
+    (response_format, tool_choice "required", best_of, ...), a model
     name that is not the served one accepted and echoed, and /v1/models/{id} missing;
     controls: the do-nothing values of those fields and bookkeeping fields pass."""
     base = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1}
     for bad in ({"response_format": {"type": "json_object"}},
-                {"tool_choice": "required"}, {"logit_bias": {"5": 10}}, {"best_of": 2}, {"suffix": "x"}, {"frobnicate": 1}):
+                {"tool_choice": "required"}, {"best_of": 2}, {"suffix": "x"}, {"frobnicate": 1}):
         status, err = _post(server, "/v1/completions", json.dumps({**base, **bad}).encode())
         assert status == 400 and err["error"]["param"] == next(iter(bad)), (bad, err)
         assert err["error"]["code"] == "unsupported_field"
@@ -640,3 +686,58 @@ def test_serve_logprobs_fields_are_checked(server):
     for bad in ({"logprobs": 6}, {"logprobs": True}, {"echo": "yes"}):
         status, err = _post(server, "/v1/completions", json.dumps({**comp, **bad}).encode())
         assert status == 422 and err["error"]["param"] == next(iter(bad)), (bad, err)
+
+
+def test_serve_tokenize_and_detokenize(server, tiny_dir):
+    """Catches /tokenize giving other ids than a chat request renders and feeds (or than
+    the tokenizer gives a text), /detokenize not inverting it, and unknown fields, bad
+    ids or another model's name accepted."""
+    c = _client(server)
+    r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1)
+    status, got = _post(server, "/tokenize", json.dumps({"messages": MSGS}).encode())
+    assert status == 200 and got["tokens"] == r.model_extra["k3"]["prompt_ids"]
+    assert got["count"] == len(got["tokens"]) and got["max_model_len"] > 0
+    status, head = _post(server, "/tokenize", json.dumps(
+        {"messages": MSGS, "add_generation_prompt": False}).encode())
+    assert status == 200 and got["tokens"][:len(head["tokens"])] == head["tokens"]
+    assert len(head["tokens"]) < len(got["tokens"])
+    tok = K3Tokenizer.from_dir(tiny_dir)
+    text = "Hello, wörld: tokens & bytes"
+    status, plain = _post(server, "/tokenize", json.dumps({"prompt": text}).encode())
+    assert status == 200 and plain["tokens"] == tok.encode(text)
+    status, back = _post(server, "/detokenize", json.dumps({"tokens": plain["tokens"]}).encode())
+    assert status == 200 and back["prompt"] == text
+    for path, body, code, param in (
+            ("/tokenize", {"prompt": "x", "frob": 1}, 400, "frob"),
+            ("/tokenize", {"prompt": 5}, 422, "prompt"),
+            ("/detokenize", {"tokens": [1, 10 ** 9]}, 422, "tokens"),
+            ("/detokenize", {"tokens": "1,2"}, 422, "tokens"),
+            ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model")):
+        status, err = _post(server, path, json.dumps(body).encode())
+        assert status == code and err["error"]["param"] == param, (path, body, err)
+
+
+def test_serve_metrics_in_prometheus_format_agree_with_health(server):
+    """Catches /metrics missing, not parseable as Prometheus' text format, or counting
+    differently from /health (two bookkeepings drifting apart)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    _client(server).chat.completions.create(model="tiny", messages=MSGS, max_tokens=2)
+    req = urllib.request.Request(server["url"] + "/metrics",
+                                 headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    health = _health(server)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples[("k3_requests_total", (("outcome", "served"),))] == health["served"] >= 1
+    assert samples[("k3_generated_tokens_total", ())] == health["generated_tokens"]
+    assert samples[("k3_passes_total", ())] == health["engine"]["passes"]
+    assert samples[("k3_queue_depth", ())] == health["queued"]
+    assert samples[("k3_prompt_tokens_total", ())] >= 1
+    assert samples[("k3_prefill_seconds_total", ())] > 0
+    assert ("k3_lanes_in_flight", ()) in samples and ("k3_trunk_read_bytes_total", ()) in samples
+    bare = urllib.request.Request(server["url"] + "/metrics")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(bare, timeout=60)
+    assert e.value.code == 401

@@ -42,7 +42,8 @@ class GenSettings:
     """A request's settings (the rules of each: ``settings``). ``gen``: tokens to
     generate, or UNTIL_END (-1): until a stop or the sequence holds ``context``
     positions (the model's max_position_embeddings). The sampling fields are
-    ``Sampler``'s; ``stop_strings`` follow ``stops``."""
+    ``Sampler``'s; ``logit_bias``: (token id, bias) pairs sorted by id (empty: none;
+    ``settings.logit_bias_pairs``); ``stop_strings`` follow ``stops``."""
     gen: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
@@ -56,6 +57,7 @@ class GenSettings:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     context: int = K3_CONTEXT
+    logit_bias: tuple = ()
 
     def limit(self, positions: int) -> int:
         """Tokens to generate after a sequence of ``positions`` (its prompt in): ``gen``,

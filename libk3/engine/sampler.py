@@ -1,13 +1,14 @@
 """Choosing the token at a position from its logits and the tokens before it.
 
 Owns: the decision rule only, in one fixed order (formats/numerics.md section 12): the
-repetition penalty over every token before the position, the frequency and presence
-penalties over those this request generated; greedy is then the first index of the
-maximum (model.md §5.9); sampling divides by the temperature, keeps the candidates that
-min-p, top-k and top-p leave, in order of (probability descending, id ascending), and
-takes the candidate with the largest logit/temperature plus a Gumbel noise drawn for
-(seed, position, token id) (the Gumbel-max rule, an exact draw from the candidates'
-renormalised softmax). Which settings are valid is ``settings.py``'s rule.
+logit bias of the request's biased tokens, the repetition penalty over every token before
+the position, the frequency and presence penalties over those this request generated;
+greedy is then the first index of the maximum (model.md §5.9); sampling divides by the
+temperature, keeps the candidates that min-p, top-k and top-p leave, in order of
+(probability descending, id ascending), and takes the candidate with the largest
+logit/temperature plus a Gumbel noise drawn for (seed, position, token id) (the
+Gumbel-max rule, an exact draw from the candidates' renormalised softmax). Which
+settings are valid is ``settings.py``'s rule.
 
 Why keyed by position and not by step: the noise of a position is fixed before any model
 runs, so the token there depends only on that position's logits and the tokens before it.
@@ -29,7 +30,8 @@ import collections
 
 import numpy as np
 
-from .settings import (frequency_penalty_problem, min_p_problem, presence_penalty_problem,
+from .settings import (MAX_TOP_K, frequency_penalty_problem, logit_bias_pairs,
+                       logit_bias_problem, min_p_problem, presence_penalty_problem,
                        repetition_penalty_problem, seed_problem, temperature_problem,
                        top_k_problem, top_p_problem)
 
@@ -40,17 +42,19 @@ class Sampler:
     """One sequence's picks. ``start``: the position of its first generated token (the
     presence and frequency penalties count the tokens from there on; earlier ones, a
     prompt or a continued state, count only for the repetition penalty). ``top_k`` 0 or
-    -1, ``min_p`` 0, ``repetition_penalty`` 1 and the other penalties 0 are off."""
+    -1, ``min_p`` 0, ``repetition_penalty`` 1, the other penalties 0 and an empty
+    ``logit_bias`` ((id, bias) pairs, as ``GenSettings.logit_bias``) are off."""
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, *,
                  top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 start: int = 0):
+                 logit_bias=(), start: int = 0):
         why = (temperature_problem(temperature) or top_p_problem(top_p) or seed_problem(seed)
                or top_k_problem(top_k) or min_p_problem(min_p)
                or repetition_penalty_problem(repetition_penalty)
                or presence_penalty_problem(presence_penalty)
-               or frequency_penalty_problem(frequency_penalty))
+               or frequency_penalty_problem(frequency_penalty)
+               or logit_bias_problem(logit_bias, MAX_TOP_K))   # the row bounds the ids
         if why:
             raise ValueError(why)
         self.temperature = float(temperature)
@@ -61,6 +65,9 @@ class Sampler:
         self.repetition_penalty = float(repetition_penalty)
         self.presence_penalty = float(presence_penalty)
         self.frequency_penalty = float(frequency_penalty)
+        self.logit_bias = logit_bias_pairs(logit_bias)
+        self._bias_ids = np.array([i for i, _ in self.logit_bias], dtype=np.int64)
+        self._bias = np.array([b for _, b in self.logit_bias], dtype=np.float64)
         self.start = int(start)
         self._noise = collections.OrderedDict()
 
@@ -71,7 +78,8 @@ class Sampler:
         return cls(settings.temperature, settings.top_p, settings.seed, top_k=settings.top_k,
                    min_p=settings.min_p, repetition_penalty=settings.repetition_penalty,
                    presence_penalty=settings.presence_penalty,
-                   frequency_penalty=settings.frequency_penalty, start=start)
+                   frequency_penalty=settings.frequency_penalty,
+                   logit_bias=settings.logit_bias, start=start)
 
     @property
     def greedy(self) -> bool:
@@ -86,8 +94,13 @@ class Sampler:
     def __call__(self, logits: np.ndarray, position: int, fed=(), pending=()) -> int:
         """The token at ``position`` (0-based in the sequence) given its logits row; the
         tokens before it are ``fed`` (the state's ids) then ``pending`` (a verify's anchor
-        and proposals, not in the state yet), read only when a penalty is on."""
-        logits = np.asarray(logits, dtype=np.float64)
+        and proposals, not in the state yet), read only when a penalty is on. The
+        caller's row is never changed (a biased row is a copy)."""
+        if self.logit_bias:
+            logits = np.array(logits, dtype=np.float64)          # a copy, always
+            logits[self._bias_ids] += self._bias                 # ids are distinct
+        else:
+            logits = np.asarray(logits, dtype=np.float64)
         if self.penalised:
             logits = self.penalise(logits, position, fed, pending)
         if self.greedy:

@@ -1,6 +1,6 @@
 """The rules for a generation request's settings: tokens to generate, temperature, top_p,
-top_k, min_p, the three penalties, seed, stop strings and token ids. Each ``*_problem``
-returns why a value is refused, or None.
+top_k, min_p, the three penalties, the logit bias, seed, stop strings and token ids. Each
+``*_problem`` returns why a value is refused, or None.
 
 Owns: what values the options, batch lines and server requests accept (one rule each,
 applied before any run). Imports neither numpy nor the model, so option parsing and
@@ -13,7 +13,9 @@ softmax is exact; a smaller T (e.g. the subnormal 1e-320) overflows to inf, and
 inf - inf makes every probability NaN. The repetition penalty divides or multiplies a
 logit the same way, so it lies in [2^-126, 2^126]; presence and frequency penalties lie in
 [-2, 2] (OpenAI's range), so a penalised logit stays finite too (formats/numerics.md
-section 12 has the rule they feed).
+section 12 has the rule they feed). A logit bias adds at most 100 in magnitude (OpenAI's
+range, 300 tokens at most) before them: a biased logit stays below 2^128 + 100, and the
+repetition penalty's bound still keeps it finite in float64.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ MAX_REPETITION_PENALTY = 2.0 ** 126
 MAX_PENALTY = 2.0                    # presence and frequency penalties: -2 .. 2
 MAX_TOP_K = MAX_SIZE                 # no vocabulary is wider (config.py refuses wider)
 SEED_LIMIT = 2 ** 64                 # seeds are 0 .. 2^64 - 1
+MAX_LOGIT_BIAS = 100                 # a token's logit bias: -100 .. 100 (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 300          # biased tokens per request (OpenAI's limit)
 UNTIL_END = -1                       # gen: until a stop (the turn's end) or the context
 
 
@@ -123,6 +127,67 @@ def frequency_penalty_problem(f) -> str | None:
     return _penalty_problem("frequency_penalty", f)
 
 
+def _bias_token(key, keyed: bool):
+    """The token id a logit bias entry names, or None: in a JSON object (``keyed``) a
+    string of decimal digits, as OpenAI's keys; in (id, bias) pairs an integer."""
+    if keyed:
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            return int(key) if len(key) <= 20 else 1 << 64     # past any vocabulary
+        return None
+    return int(key) if _integer(key) else None
+
+
+def _bias_entries(bias):
+    """(entries, keyed) of a logit bias given as a JSON object or as (id, bias) pairs, or
+    None when it is neither."""
+    if isinstance(bias, dict):
+        return list(bias.items()), True
+    if isinstance(bias, (list, tuple)) and all(isinstance(e, (list, tuple)) and len(e) == 2
+                                               for e in bias):
+        return list(bias), False
+    return None
+
+
+def logit_bias_problem(bias, vocab_size: int, *, json_only: bool = False) -> str | None:
+    """Why ``bias`` is not a logit bias, or None: a JSON object from token ids (strings of
+    decimal digits, OpenAI's keys) to biases, or (unless ``json_only``: a batch line's, a
+    request's) a list or tuple of (int id, bias) pairs (the option's,
+    ``GenSettings.logit_bias``); at most 300 entries, each id in 0 .. vocab_size - 1
+    once, each bias a number in [-100, 100]. Empty: no bias."""
+    got = _bias_entries(bias)
+    if got is None or (json_only and not isinstance(bias, dict)):
+        return ("logit_bias must be an object mapping token ids to biases, got "
+                f"{str(bias)[:60]}")
+    entries, keyed = got
+    if len(entries) > MAX_LOGIT_BIAS_TOKENS:
+        return (f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got "
+                f"{len(entries):,}")
+    seen = set()
+    for key, b in entries:
+        token = _bias_token(key, keyed)
+        if token is None:
+            kind = "strings of decimal digits" if keyed else "integers"
+            return f"logit_bias keys must be token ids ({kind}), got {str(key)[:30]!r}"
+        if not 0 <= token < vocab_size:
+            return (f"logit_bias: token id {str(key)[:30]} is outside the vocabulary "
+                    f"0..{vocab_size - 1}")
+        if token in seen:
+            return f"logit_bias: token id {token} is given twice"
+        seen.add(token)
+        # NaN and the infinities fail the comparison; a huge int is compared, not converted
+        if not (_number(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
+            return (f"logit_bias: the bias of token {token} must be a number in "
+                    f"[-100, 100], got {str(b)[:30]}")
+    return None
+
+
+def logit_bias_pairs(bias) -> tuple:
+    """A valid logit bias (``logit_bias_problem``) as ``GenSettings.logit_bias``: its
+    (id, float bias) pairs sorted by id."""
+    entries, keyed = _bias_entries(bias)
+    return tuple(sorted((_bias_token(k, keyed), float(b)) for k, b in entries))
+
+
 def stop_strings_problem(strings) -> str | None:
     """Why ``strings`` is not a list (or tuple) of non-empty stop strings, or None (an
     empty one would match before the first token)."""
@@ -132,7 +197,8 @@ def stop_strings_problem(strings) -> str | None:
 
 
 # The sampling fields a batch line or a request may give, each with its rule (one place:
-# the batch reader and the option table read it).
+# the batch reader and the option table read it). ``logit_bias`` is one too, but its rule
+# needs the model's vocabulary: ``logit_bias_problem``.
 SAMPLING_RULES = {
     "temperature": temperature_problem, "top_p": top_p_problem, "top_k": top_k_problem,
     "min_p": min_p_problem, "repetition_penalty": repetition_penalty_problem,

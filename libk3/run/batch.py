@@ -8,9 +8,10 @@ Input line: {"id": str|int (required, unique), "prompt": str | "ids": [int] | "m
 [message] (exactly one; "messages" with optional "tools" and "template_kwargs", rendered
 with the model's chat template, formats/chat.md), optional "gen", "stop" (str or list of
 str), "stop_ids" ([int]) and the sampling fields "temperature", "top_p", "top_k",
-"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed"}. The
-settings follow the same rules as the options (``settings.gen_or_until_end_problem``,
-``settings.SAMPLING_RULES``). A malformed line, or one with a bad setting, is reported
+"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
+"logit_bias" ({"id": bias})}. The settings follow the same rules as the options
+(``settings.gen_or_until_end_problem``, ``settings.SAMPLING_RULES``,
+``settings.logit_bias_problem``). A malformed line, or one with a bad setting, is reported
 with its line number and skipped; it never stops the batch.
 Lines are split on b"\n" only (U+2028 and U+2029 are legal inside a JSON string, and a
 trailing \r is JSON whitespace) and each is decoded as strict UTF-8: invalid bytes are
@@ -44,8 +45,8 @@ from ..io.atomic import write_error
 from ..text.chat_request import conversation_problem
 from ..text.encodable import TextError, decode_text, field_problem
 from ..engine.generate import GenSettings
-from ..engine.settings import (SAMPLING_RULES, gen_or_until_end_problem, stop_strings_problem,
-                               token_ids_problem)
+from ..engine.settings import (SAMPLING_RULES, gen_or_until_end_problem, logit_bias_pairs,
+                               logit_bias_problem, stop_strings_problem, token_ids_problem)
 
 _RULES = {"gen": gen_or_until_end_problem, **SAMPLING_RULES}
 RESULT_KEYS = ("id", "line", "prompt_ids", "generated_ids")
@@ -105,13 +106,19 @@ def parse_line(line: bytes, vocab_size: int) -> dict:
     if "stop_ids" in obj and (not isinstance(obj["stop_ids"], list)
                               or token_ids_problem(obj["stop_ids"], vocab_size)):
         raise BatchLineError(f"\"stop_ids\" must be a list of ids in 0..{vocab_size - 1}")
+    why = logit_bias_problem(obj["logit_bias"], vocab_size, json_only=True) \
+        if "logit_bias" in obj else None
+    if why:
+        raise BatchLineError(f"\"logit_bias\": {why}")
     return obj
 
 
 def job_settings(job: dict, base: GenSettings) -> GenSettings:
     """A parsed line's settings over the run's: each field the line gives replaces the
-    option's."""
+    option's (a "logit_bias" the whole of --logit-bias, {} none)."""
     given = {key: job[key] for key in _RULES if key in job}
+    if "logit_bias" in job:
+        given["logit_bias"] = logit_bias_pairs(job["logit_bias"])
     return dataclasses.replace(
         base, **given, stop_strings=tuple(job["stop"]) or base.stop_strings,
         stop_ids=tuple(job.get("stop_ids", base.stop_ids)))

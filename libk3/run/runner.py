@@ -63,7 +63,7 @@ class RunOptions:
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
                   prefill_chunk=PREFILL_CHUNK, *, model=None, **sampling) -> GenSettings:
     """A run's settings from its options. ``sampling``: the sampler's other fields of
-    ``GenSettings`` by name (top_k, min_p, the penalties); ``model``: the directory whose
+    ``GenSettings`` by name (top_k, min_p, the penalties, logit_bias); ``model``: the directory whose
     context (max_position_embeddings) a ``gen`` of -1 runs up to."""
     from ..config import context_length
     extra = {} if model is None else {"context": context_length(model)}

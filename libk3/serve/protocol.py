@@ -10,7 +10,8 @@ it cannot change the reply: ``IGNORED`` fields, and ``NEUTRAL`` fields given the
 do-nothing value (``logprobs`` false, ``tool_choice`` "auto", ...). A field k3 uses with
 the wrong type or range is refused (422). Either way a request never runs with settings
 other than those asked for. The sampling fields beyond OpenAI's (``top_k``, ``min_p``,
-``repetition_penalty``) mean what vLLM's do (formats/numerics.md section 12).
+``repetition_penalty``) mean what vLLM's do, and ``logit_bias`` is applied as vLLM
+applies it, to the raw logits before the penalties (formats/numerics.md section 12).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from ..text.chat_request import conversation_problem
 from ..text.encodable import field_problem
 from ..engine.logprobs import MAX_TOP
-from ..engine.settings import (SAMPLING_RULES, gen_problem, seed_problem,
+from ..engine.settings import (SAMPLING_RULES, gen_problem, logit_bias_problem, seed_problem,
                                temperature_problem, token_ids_problem, top_p_problem)
 
 MAX_STOP = 4                     # stop sequences per request (as the OpenAI API)
@@ -30,15 +31,14 @@ MAX_STOP = 4                     # stop sequences per request (as the OpenAI API
 SAMPLED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 # The fields each endpoint reads; any other is refused unless IGNORED or NEUTRAL below.
 READ = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-        "stop", "stream", "stream_options", "n", *SAMPLED}
+        "stop", "stream", "stream_options", "n", "logit_bias", *SAMPLED}
 READ_CHAT = READ | {"messages", "tools", "chat_template_kwargs", "logprobs", "top_logprobs"}
 READ_COMPLETION = READ | {"prompt", "logprobs", "echo"}
 MAX_COMPLETION_LOGPROBS = 5      # a completion's ``logprobs`` (alternatives), at most
 # Bookkeeping a client may attach; it never changes the reply.
 IGNORED = {"user", "metadata", "store", "service_tier"}
 # Fields k3 does not implement, accepted only with the value that asks for nothing.
-NEUTRAL = {"logit_bias": ({},),
-           "tool_choice": ("auto",), "parallel_tool_calls": (True,),
+NEUTRAL = {"tool_choice": ("auto",), "parallel_tool_calls": (True,),
            "response_format": ({"type": "text"},), "best_of": (1,), "suffix": ("",)}
 
 
@@ -68,7 +68,7 @@ class Request:
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    sampling: dict = dataclasses.field(default_factory=dict)   # top_k, min_p, penalties
+    sampling: dict = dataclasses.field(default_factory=dict)   # top_k, ..., logit_bias
     stop: tuple = ()
     stream: bool = False
     include_usage: bool = False
@@ -184,6 +184,13 @@ def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
         value = _rule(body, name, SAMPLING_RULES[name])
         if value is not None:
             req.sampling[name] = value
+    bias = body.get("logit_bias")
+    if bias is not None:
+        why = logit_bias_problem(bias, vocab_size, json_only=True)
+        if why:
+            raise ApiError(422, f"'logit_bias': {why}", param="logit_bias",
+                           code="invalid_value" if isinstance(bias, dict) else "invalid_type")
+        req.sampling["logit_bias"] = bias
     stop = _field(body, "stop", lambda v: (isinstance(v, str) and v) or (
         isinstance(v, list) and len(v) <= MAX_STOP and all(isinstance(s, str) and s for s in v)),
         f"a string or a list of at most {MAX_STOP} non-empty strings")

@@ -16,6 +16,7 @@ from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_SIZE
 from libk3.engine.defaults import IO_THREADS, PREFILL_CHUNK, PREFIX_CACHE_BYTES
 from libk3.engine.settings import (frequency_penalty_problem, gen_or_until_end_problem,
+                                   logit_bias_pairs, logit_bias_problem,
                                    min_p_problem, presence_penalty_problem,
                                    repetition_penalty_problem, seed_problem,
                                    stop_strings_problem, temperature_problem, top_k_problem,
@@ -87,6 +88,37 @@ def _stop_strings(ctx, param, value):
     if why:
         raise click.BadParameter(why)
     return value
+
+
+def _logit_bias(ctx, param, value):
+    """--logit-bias ID=BIAS values as (id, bias) pairs sorted by id: an id twice, a bias
+    outside [-100, 100] or over 300 ids refused here; the ids are checked against the
+    model's vocabulary once its config is read (``_check_logit_bias``)."""
+    pairs = []
+    for item in value:
+        tid, sep, bias = item.partition("=")
+        try:
+            if not sep or not (tid.strip().isascii() and tid.strip().isdigit()):
+                raise ValueError
+            pairs.append((int(tid), float(bias)))
+        except ValueError:
+            raise click.BadParameter(f"expected ID=BIAS, a token id and a number (e.g. "
+                                     f"1234=-100), got {item[:40]!r}") from None
+    why = logit_bias_problem(pairs, MAX_SIZE)
+    if why:
+        raise click.BadParameter(why)
+    return logit_bias_pairs(pairs)
+
+
+def _check_logit_bias(model, pairs) -> None:
+    """--logit-bias ids against the model's vocabulary (its config.json), before any work
+    (UsageError, exit 2, naming the id)."""
+    if pairs:
+        from libk3.config import load_config
+        from libk3.errors import UsageError
+        why = logit_bias_problem(pairs, load_config(model).vocab_size)
+        if why:
+            raise UsageError(f"--logit-bias: {why}")
 
 
 # Which options go together (k3cli.constraints), checked in this order before any work.
@@ -237,6 +269,11 @@ RULES = (
               show_default=True, help="Subtract this times its count so far from each "
                                       "generated token's logit, in [-2, 2] (docs/run.md "
                                       "\"Sampling\").")
+@click.option("--logit-bias", "logit_bias", multiple=True, callback=_logit_bias,
+              metavar="ID=BIAS",
+              help="Add BIAS, in [-100, 100], to token ID's logit before the penalties "
+                   "(-100: all but banned, 100: all but forced); repeatable, an id once, "
+                   "at most 300 (docs/run.md \"Sampling\").")
 @click.option("--seed", type=Rule(click.INT, seed_problem, "integer"), default=0,
               show_default=True, help="0 .. 2^64 - 1.")
 @click.option("--stop", "stop_strings", multiple=True, callback=_stop_strings,
@@ -297,6 +334,7 @@ def main(ctx, **options):
         from libk3.serve.app import check_address
         check_address(a.serve_address, a.api_key)        # before the model is opened
     opts, settings = _run_options(ctx, a), _settings(a)
+    _check_logit_bias(a.model, settings.logit_bias)
     if a.batch:
         _batch_mode(a, opts, settings, started)
         return
@@ -336,7 +374,8 @@ def _settings(a):
                                 prefill_chunk=a.prefill_chunk, model=a.model, top_k=a.top_k,
                                 min_p=a.min_p, repetition_penalty=a.repetition_penalty,
                                 presence_penalty=a.presence_penalty,
-                                frequency_penalty=a.frequency_penalty)
+                                frequency_penalty=a.frequency_penalty,
+                                logit_bias=a.logit_bias)
 
 
 def _serve_mode(a, run, settings) -> None:
