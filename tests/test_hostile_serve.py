@@ -191,7 +191,8 @@ def _serve_in_process(tiny_dir, requests) -> tuple:
     from libk3.serve.app import Server
 
     run = SimpleNamespace(opts=SimpleNamespace(model=tiny_dir), cfg=load_config(tiny_dir),
-                          session=SimpleNamespace(tokenizer=None))
+                          session=SimpleNamespace(tokenizer=None),
+                          until_end=lambda settings: settings)
     log = []
     server = Server(run, _FailingWorker(), settings_from(2, 0.0, 1.0, 0), model_name="tiny",
                     log=log.append)

@@ -285,7 +285,7 @@ MALFORMED = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "stop": 3}', 422),
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "stop": ["a","b","c","d","e"]}', 422),
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "stream": "yes"}', 422),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "n": 2}', 422),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "n": 17}', 422),
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "tools": {"a": 1}}', 422),
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "tools": [1]}', 422),
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "chat_template_kwargs": 1}', 422),
@@ -741,3 +741,37 @@ def test_serve_metrics_in_prometheus_format_agree_with_health(server):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(bare, timeout=60)
     assert e.value.code == 401
+
+
+def test_serve_n_choices_share_one_prefill_each_with_its_seed(server):
+    """Catches n > 1 refused or answered with copies of one choice, choices that each
+    prefill the prompt again, choice i not drawn with seed + i (so not reproducible one
+    by one), and streamed choices that differ from the whole ones."""
+    c = _client(server)
+    msgs = [{"role": "user", "content": "Tell me a long story about ships. " * 3}]
+    args = dict(model="tiny", messages=msgs, max_tokens=3, temperature=1.0)
+    before = _health(server)["engine"]["prompt_tokens"]
+    r = c.chat.completions.create(**args, n=3, seed=40)
+    fed = _health(server)["engine"]["prompt_tokens"] - before
+    k3x = r.model_extra["k3"]
+    p = len(k3x["prompt_ids"])
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert fed <= p + 2 + 2 * 3           # one prefill; each other choice feeds the last id
+    ids = [ch["generated_ids"] for ch in k3x["choices"]]
+    assert ids[0] == k3x["generated_ids"] and len({tuple(x) for x in ids}) > 1
+    assert r.usage.completion_tokens == sum(len(x) for x in ids)
+    for i in range(3):
+        one = c.chat.completions.create(**args, seed=40 + i).model_extra["k3"]["generated_ids"]
+        assert one == ids[i], i
+    texts = {0: "", 1: "", 2: ""}
+    for ch in c.chat.completions.create(**args, n=3, seed=40, stream=True):
+        for choice in ch.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert [texts[i] for i in range(3)] == [ch.message.content for ch in r.choices]
+    for bad in ({"n": 0}, {"n": 17}, {"n": "2"}):
+        status, err = _post(server, "/v1/chat/completions", json.dumps(
+            {"model": "tiny", "messages": msgs, "max_tokens": 1, **bad}).encode())
+        assert status == 422 and err["error"]["param"] == "n", (bad, err)
+    status, err = _post(server, "/v1/chat/completions", json.dumps(
+        {"model": "tiny", "messages": msgs, "max_tokens": 1, "best_of": 2}).encode())
+    assert status == 400 and err["error"]["param"] == "best_of"

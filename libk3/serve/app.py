@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import hmac
 import ipaddress
 import itertools
@@ -312,9 +313,7 @@ class Server:
         ids = self.run.encode_messages({"messages": req.messages, "tools": req.tools,
                                         "template_kwargs": req.template_kwargs}, self.log)
         settings = self.run.chat_settings(self._settings(req), self.log)
-        reader = ReplyReader(self.run.session.tokenizer, self.run.chat().template is not None,
-                             req.stop)
-        return req, ids, settings, reader, self._preamble(req, ids)
+        return req, ids, settings, self._reader(req), self._preamble(req, ids)
 
     def _preamble(self, req, ids) -> int:
         """The ids a later request can share (``ChatEncoder.preamble``), when prefixes are
@@ -334,7 +333,7 @@ class Server:
         self._check_model(req.model)
         ids = req.prompt_ids if req.prompt_ids is not None else self.run.encode(req.prompt)
         settings = self._settings(req)
-        return req, ids, settings, ReplyReader(self.run.session.tokenizer, False, req.stop), 0
+        return req, ids, settings, self._reader(req), 0
 
     def _settings(self, req):
         fields = {"gen": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
@@ -354,17 +353,29 @@ class Server:
             raise ApiError(413, f"the prompt is {len(ids)} tokens, over the model's context "
                                 f"of {self.context}", param="messages" if req.chat else "prompt",
                            code="context_length_exceeded")
-        job = Job(list(ids), settings, asyncio.get_running_loop(), preamble=preamble,
-                  logprobs=req.logprobs, echo=req.echo)
-        self.worker.submit(job)
+        loop = asyncio.get_running_loop()
+        # choice i draws with seed + i (mod 2^64); the others follow the first, which
+        # prefills the prompt once (``Worker``)
+        jobs = [Job(list(ids), dataclasses.replace(settings, seed=(settings.seed + i) % 2 ** 64),
+                    loop, preamble=preamble if req.n == 1 else 0, logprobs=req.logprobs,
+                    echo=req.echo) for i in range(req.n)]
+        jobs[0].followers = jobs[1:]
+        readers = [reader] + [self._reader(req) for _ in jobs[1:]]
+        self.worker.submit(jobs[0])
         rid = f"{'chatcmpl' if req.chat else 'cmpl'}-k3-{next(self.ids)}"
         model = req.model or self.model_name
         try:
             if req.stream:
-                return await self._stream(request, req, job, rid, model, reader)
-            return await self._whole(req, job, rid, model, reader)
+                return await self._stream(request, req, jobs, rid, model, readers)
+            return await self._whole(req, jobs, rid, model, readers)
         finally:
-            job.cancel()            # the client went away (or we are done): stop decoding
+            for job in jobs:
+                job.cancel()        # the client went away (or we are done): stop decoding
+
+    def _reader(self, req) -> ReplyReader:
+        """What turns a choice's ids into its message or text, as they come."""
+        chat = req.chat and self.run.chat().template is not None
+        return ReplyReader(self.run.session.tokenizer, chat, req.stop)
 
     async def _finished(self, job, generated, on_token=None):
         """Wait for the job's end, collecting its tokens; the GenResult."""
@@ -385,34 +396,41 @@ class Server:
             raise ApiError(500, value.one_line() if isinstance(value, K3Error)
                            else f"generation failed: {value!r}", kind="server_error")
 
-    async def _whole(self, req, job, rid, model, reader):
+    async def _whole(self, req, jobs, rid, model, readers):
         from aiohttp import web
-        res = await self._finished(job, [])
+        results = await asyncio.gather(*(self._finished(job, []) for job in jobs))
         return web.json_response(text=await self._off_loop(
-            self._whole_text, req, job, res, rid, model, reader))
+            self._whole_text, req, jobs, results, rid, model, readers))
 
-    def _whole_text(self, req, job, res, rid, model, reader) -> str:
+    def _whole_text(self, req, jobs, results, rid, model, readers) -> str:
         """The JSON of a finished request's response (on the CPU thread: it decodes the
-        whole reply and writes every prompt id)."""
-        k3 = {"prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids,
-              "reused_tokens": job.reused}
-        use = usage(len(res.prompt_ids), len(res.generated_ids))
+        whole replies and writes every prompt id)."""
+        first = results[0]
+        k3 = {"prompt_ids": first.prompt_ids, "generated_ids": first.generated_ids,
+              "reused_tokens": jobs[0].reused}
+        if len(jobs) > 1:
+            k3["choices"] = [{"generated_ids": r.generated_ids, "reused_tokens": j.reused}
+                             for j, r in zip(jobs, results)]
+        use = usage(len(first.prompt_ids), sum(len(r.generated_ids) for r in results))
         tok = self.run.session.tokenizer
-        if req.chat:
-            reply = reader.read(res.generated_ids, final=True)
-            choice = {"index": 0, "message": reply.message(),
-                      "logprobs": None if req.logprobs is None else
-                      chat_logprobs(tok, job.token_logprobs),
-                      "finish_reason": finish_reason(res.stop_reason, bool(reply.tool_calls))}
-            body = envelope("chat.completion", rid, model, [choice], {"usage": use, "k3": k3})
-        else:
-            head = self._echoed(req, res.prompt_ids)
-            choice = {"index": 0, "text": head + reader.text(res.generated_ids),
-                      "logprobs": None if req.logprobs is None else
-                      self._completion_logprobs(req, job, res.generated_ids),
-                      "finish_reason": finish_reason(res.stop_reason, False)}
-            body = envelope("text_completion", rid, model, [choice], {"usage": use, "k3": k3})
-        return json.dumps(body)
+        choices = []
+        for i, (job, res, reader) in enumerate(zip(jobs, results, readers)):
+            if req.chat:
+                reply = reader.read(res.generated_ids, final=True)
+                choices.append({
+                    "index": i, "message": reply.message(),
+                    "logprobs": None if req.logprobs is None else
+                    chat_logprobs(tok, job.token_logprobs),
+                    "finish_reason": finish_reason(res.stop_reason, bool(reply.tool_calls))})
+            else:
+                head = self._echoed(req, res.prompt_ids)
+                choices.append({
+                    "index": i, "text": head + reader.text(res.generated_ids),
+                    "logprobs": None if req.logprobs is None else
+                    self._completion_logprobs(req, job, res.generated_ids),
+                    "finish_reason": finish_reason(res.stop_reason, False)})
+        kind = "chat.completion" if req.chat else "text_completion"
+        return json.dumps(envelope(kind, rid, model, choices, {"usage": use, "k3": k3}))
 
     def _echo_chunk(self, req, job, sent, chunk) -> bytes:
         """A streamed completion's first chunk under echo: the prompt, and its logprobs
@@ -445,19 +463,41 @@ class Server:
             entries = [None] + job.prompt_logprobs + entries
         return completion_logprobs(tok, ids, entries, offset)
 
-    async def _stream(self, request, req, job, rid, model, reader):
+    async def _stream(self, request, req, jobs, rid, model, readers):
         from aiohttp import web
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         kind = "chat.completion.chunk" if req.chat else "text_completion"
+        try:
+            results = await asyncio.gather(*(
+                self._stream_choice(resp, req, i, job, reader, kind, rid, model)
+                for i, (job, reader) in enumerate(zip(jobs, readers))))
+            if req.include_usage:
+                await resp.write(sse(envelope(kind, rid, model, [], {
+                    "usage": usage(len(results[0].prompt_ids),
+                                   sum(len(r.generated_ids) for r in results))})))
+        except ConnectionError:             # the client left: nobody to tell
+            raise
+        except Exception as e:              # noqa: BLE001 (the headers are sent: an event)
+            status, body, said = _refusal(e, request[REQUEST_ID])
+            if status >= 500:
+                self._log_5xx(request[REQUEST_ID], status, said)
+            await resp.write(sse(body))
+        await resp.write(sse("[DONE]"))
+        await resp.write_eof()
+        return resp
+
+    async def _stream_choice(self, resp, req, index, job, reader, kind, rid, model):
+        """Choice ``index``'s chunks, written as its tokens come (beside the other
+        choices'); its GenResult."""
         generated = []
         # tokens whose logprobs went out, and characters of text sent (a completion's
         # text_offset counts from the echoed prompt)
         sent = {"tokens": 0, "chars": 0}
 
         def chunk(delta=None, finish=None, text=None, logprobs=None):
-            c = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+            c = {"index": index, "logprobs": logprobs, "finish_reason": finish}
             if req.chat:
                 c["delta"] = delta or {}
             else:
@@ -497,26 +537,12 @@ class Server:
             if data:
                 await resp.write(data)
 
-        try:
-            if req.chat:
-                await resp.write(chunk(delta={"role": "assistant", "content": ""}))
-            res = await self._finished(job, generated, send_new)
-            await send_new(final=True)
-            await resp.write(chunk(finish=finish_reason(res.stop_reason,
-                                                        reader.sent_calls > 0)))
-            if req.include_usage:
-                await resp.write(sse(envelope(kind, rid, model, [], {
-                    "usage": usage(len(res.prompt_ids), len(res.generated_ids))})))
-        except ConnectionError:             # the client left: nobody to tell
-            raise
-        except Exception as e:              # noqa: BLE001 (the headers are sent: an event)
-            status, body, said = _refusal(e, request[REQUEST_ID])
-            if status >= 500:
-                self._log_5xx(request[REQUEST_ID], status, said)
-            await resp.write(sse(body))
-        await resp.write(sse("[DONE]"))
-        await resp.write_eof()
-        return resp
+        if req.chat:
+            await resp.write(chunk(delta={"role": "assistant", "content": ""}))
+        res = await self._finished(job, generated, send_new)
+        await send_new(final=True)
+        await resp.write(chunk(finish=finish_reason(res.stop_reason, reader.sent_calls > 0)))
+        return res
 
 
 def serve(run, address: str, base_settings, *, api_key=None, log=print,

@@ -27,6 +27,7 @@ from ..engine.settings import (SAMPLING_RULES, gen_problem, logit_bias_problem, 
                                temperature_problem, token_ids_problem, top_p_problem)
 
 MAX_STOP = 4                     # stop sequences per request (as the OpenAI API)
+MAX_N = 16                       # choices per request (each a lane of its own)
 # Sampling fields passed to the engine as given (each checked by its settings rule).
 SAMPLED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 # The fields each endpoint reads; any other is refused unless IGNORED or NEUTRAL below.
@@ -74,6 +75,7 @@ class Request:
     include_usage: bool = False
     logprobs: int | None = None   # alternatives per token with logprobs; None: none asked
     echo: bool = False            # a completion's prompt returned before its text
+    n: int = 1                    # choices: lanes sharing one prefill of the prompt
 
 
 def parse_body(raw: bytes) -> dict:
@@ -141,9 +143,8 @@ def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
                        code="unsupported_field")
     req = Request(chat=chat)
     req.model = _field(body, "model", lambda v: isinstance(v, str), "a string")
-    if _field(body, "n", _is_int, "an integer") not in (None, 1):
-        raise ApiError(422, "'n' must be 1 (one choice per request)", param="n",
-                       code="invalid_value")
+    req.n = _field(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_N,
+                   f"an integer 1..{MAX_N}") or 1
     if chat:
         why = conversation_problem({"messages": body.get("messages"),
                                     "tools": body.get("tools"),

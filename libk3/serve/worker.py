@@ -17,6 +17,7 @@ time; the lanes' States are their own, so a pass serves every request in flight.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import queue
@@ -50,6 +51,11 @@ class Job:
     # each prompt token after the first (with echo and logprobs)
     token_logprobs: list = dataclasses.field(default_factory=list)
     prompt_logprobs: list = dataclasses.field(default_factory=list)
+    # n > 1: the other choices of this request, started from a copy of this job's state
+    # once all its prompt but the last id is in (the prompt is prefilled once)
+    followers: list = dataclasses.field(default_factory=list)
+    forked: bool = False          # a follower released: it starts from ``fork``
+    fork: object = None           # that state (None: a new one)
     started: float = 0.0          # when it took a lane (time.monotonic)
     generated: int = 0
 
@@ -79,11 +85,12 @@ class Worker:
                        "decode_seconds": 0.0}
         self.jobs: dict = {}            # lane tag -> Job, for the jobs holding a lane
         self._tags = itertools.count()
+        self.ready: collections.deque = collections.deque()   # released followers
         self.last = dict.fromkeys(_RUN_FIGURES)     # Run.report's, at the last request
         self.lockstep = lockstep.Lockstep(
             run.session.forward, lambda n: run.session.new_state(), width, self._done,
             chunk=chunk, tokenizer=run.session.tokenizer, on_token=self._token,
-            drafting=run.drafting, on_keep=lambda lj, state: self.turns.keep(state),
+            drafting=run.drafting, on_keep=self._keep,
             on_row=self._row, on_prompt_rows=self._prompt_rows)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
@@ -107,13 +114,17 @@ class Worker:
 
     def _loop(self) -> None:
         while not self._closing.is_set():
-            self._admit(wait=not self.jobs)
+            self._admit(wait=not self.jobs and not self.ready)
             for lj in self.lockstep.leave(lambda lj: self.jobs[lj.tag].cancelled.is_set()):
                 self._cancelled(self.jobs.pop(lj.tag))
             if self.jobs:
                 self._step()
         for lj in self.lockstep.leave(lambda lj: True):
-            self.jobs.pop(lj.tag)._send(("cancelled", None))
+            job = self.jobs.pop(lj.tag)
+            job._send(("cancelled", None))
+            self._drop_followers(job, ("cancelled", None))
+        while self.ready:
+            self.ready.popleft()._send(("cancelled", None))
         while True:
             try:
                 job = self.queue.get_nowait()
@@ -121,10 +132,14 @@ class Worker:
                 return
             if job is not None:
                 job._send(("cancelled", None))
+                self._drop_followers(job, ("cancelled", None))
 
     def _admit(self, wait: bool) -> None:
         """Give each free lane a queued job (waiting for one when no lane is busy)."""
         while len(self.jobs) < self.width and not self._closing.is_set():
+            if self.ready:
+                self._start(self.ready.popleft())
+                continue
             try:
                 job = self.queue.get(block=wait)
             except queue.Empty:
@@ -140,16 +155,24 @@ class Worker:
         job.started = time.monotonic()
         # the prompt's logprobs need every prompt position fed here: no kept state
         resume = self.turns is not None and not (job.echo and job.logprobs is not None)
-        state, reused = self.turns.take(job.prompt_ids) if resume else (None, 0)
+        if job.forked:
+            state, reused = job.fork, (0 if job.fork is None else job.fork.pos)
+        else:
+            state, reused = self.turns.take(job.prompt_ids) if resume else (None, 0)
         job.reused = reused
         tag = next(self._tags)
         keep_at = job.preamble - reused if self.turns and job.preamble > reused else 0
+        if job.followers:              # the fork point instead: all but the last prompt id
+            keep_at = len(job.prompt_ids) - 1 - reused
+            if keep_at <= 0:
+                self._release(job, state if reused else None)
+                keep_at = 0
         try:
             self.lockstep.submit(lockstep.Job(
                 tag, job.prompt_ids[reused:], job.settings,
                 state if state is not None else self.run.session.new_state(), keep_at,
                 rows=job.logprobs is not None,
-                prompt_rows=job.echo and job.logprobs is not None))
+                prompt_rows=job.echo and job.logprobs is not None and job.fork is None))
         except Exception as e:            # a bad request must not stop the server
             self._failed(job, e)
             return
@@ -163,6 +186,31 @@ class Worker:
             jobs, self.jobs = list(self.jobs.values()), {}
             for job in jobs:
                 self._failed(job, e)
+
+    def _keep(self, lj, state) -> None:
+        """A lane's prompt reached its Job's ``keep_at``: the followers' fork point, or
+        a preamble worth keeping."""
+        job = self.jobs[lj.tag]
+        if job.followers:
+            self._release(job, state)
+        elif self.turns is not None:
+            self.turns.keep(state)
+
+    def _release(self, job: Job, state) -> None:
+        """Let ``job``'s followers start, each from its own copy of ``state``."""
+        for f in job.followers:
+            f.fork = None if state is None else state.copy()
+            if state is not None:      # the prompt's logprobs so far: all of them
+                f.prompt_logprobs = list(job.prompt_logprobs)
+            f.forked = True
+            self.ready.append(f)
+
+    def _drop_followers(self, job: Job, item) -> None:
+        """Followers not yet released share their leader's end (cancelled or failed)."""
+        for f in job.followers:
+            if not f.forked:
+                f.forked = True
+                f._send(item)
 
     def _row(self, lj, tok, row) -> None:
         job = self.jobs[lj.tag]
@@ -208,6 +256,7 @@ class Worker:
     def _cancelled(self, job: Job) -> None:
         self.counts["cancelled"] += 1
         job._send(("cancelled", None))
+        self._drop_followers(job, ("cancelled", None))
         if self.log and job.started:
             self.log(f"request cancelled by its client after "
                      f"{time.monotonic() - job.started:.2f} s")
@@ -216,6 +265,7 @@ class Worker:
         """Counted here; logged once, with the request's id, where its answer is made."""
         self.counts["failed"] += 1
         job._send(("error", e))
+        self._drop_followers(job, ("error", e))
 
     def figures(self) -> dict:
         """What ``/health`` reports of the engine: the lockstep's width, passes, tokens and
