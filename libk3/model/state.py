@@ -203,13 +203,7 @@ def read_meta(path, check: bool = False) -> dict:
                     raise FormatError(f"state format version {version} is not read by this "
                                       "k3, or its header runs past the file", path=path)
                 head = f.read(hlen)
-            try:
-                meta = json.loads(head.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError, RecursionError) as e:
-                raise FormatError(f"state header is not valid JSON ({type(e).__name__})",
-                                  path=path) from None
-            if not isinstance(meta, dict) or sorted(meta) != list(_HEADER_KEYS):
-                raise FormatError("state header fields wrong", path=path)
+            meta = _header_json(head, path)
             if check:
                 _check_arrays(f, meta, _PREFIX.size + len(head), size, path)
     except OSError as e:
@@ -284,9 +278,8 @@ def _all_finite(a: np.ndarray) -> bool:
                for i in range(0, flat.size, _FINITE_CHUNK))
 
 
-def _check_meta(cfg: K3Config, head: bytes, path, weights_identity: str) -> dict:
-    """The header, every field checked against ``cfg`` and ``weights_identity``
-    (formats/state.md, invariant 4)."""
+def _header_json(head: bytes, path) -> dict:
+    """The header's JSON object, holding exactly the format's keys."""
     try:
         meta = json.loads(head.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -296,6 +289,13 @@ def _check_meta(cfg: K3Config, head: bytes, path, weights_identity: str) -> dict
         raise FormatError("state header fields wrong", path=path, expected=", ".join(_HEADER_KEYS),
                           found=", ".join(sorted(meta)) if isinstance(meta, dict)
                           else type(meta).__name__)
+    return meta
+
+
+def _check_meta(cfg: K3Config, head: bytes, path, weights_identity: str) -> dict:
+    """The header, every field checked against ``cfg`` and ``weights_identity``
+    (formats/state.md, invariant 4)."""
+    meta = _header_json(head, path)
     if meta["fingerprint"] != cfg.fingerprint():
         raise FormatError("state was saved for a different model configuration", path=path,
                           hint="load it with the model it was saved from")
