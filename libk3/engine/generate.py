@@ -43,7 +43,11 @@ class GenSettings:
     generate, or UNTIL_END (-1): until a stop or the sequence holds ``context``
     positions (the model's max_position_embeddings). The sampling fields are
     ``Sampler``'s; ``logit_bias``: (token id, bias) pairs sorted by id (empty: none;
-    ``settings.logit_bias_pairs``); ``stop_strings`` follow ``stops``."""
+    ``settings.logit_bias_pairs``); ``stop_strings`` follow ``stops``;
+    ``response_format``: the request's (OpenAI's shape, ``grammar.response_format_problem``;
+    None: free text) and ``grammar`` its compiled form for the run's tokenizer
+    (``grammar.compile_grammar``; each sequence's Sampler gets its own matcher), which the
+    engine reads."""
     gen: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
@@ -58,6 +62,8 @@ class GenSettings:
     frequency_penalty: float = 0.0
     context: int = K3_CONTEXT
     logit_bias: tuple = ()
+    response_format: object = None
+    grammar: object = None
 
     def limit(self, positions: int) -> int:
         """Tokens to generate after a sequence of ``positions`` (its prompt in): ``gen``,
@@ -76,6 +82,7 @@ class GenResult:
     spec: dict | None = None
     stop_strings: tuple = ()       # what the text ends at (``stops.returned_text``)
     reused_tokens: int = 0         # of prompt_ids, resumed from a kept state, not prefilled
+    grammar_seconds: float | None = None   # computing the grammar's masks (None: no grammar)
 
     @property
     def seconds_per_token(self) -> float:
@@ -135,7 +142,7 @@ def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokeni
     rows = [all_rows] if keep_logits else []
     generated: list[int] = []
     reason = "length"
-    stops = Stops(settings, tokenizer)
+    stops = Stops(settings, tokenizer, sampler.grammar)
     limit = settings.limit(state.pos)
     tok = None if last is None or limit <= 0 else sampler(last, state.pos, state.ids)
     if tok is not None and interrupted is not None and interrupted():
@@ -153,7 +160,7 @@ def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokeni
             kept = []
         else:
             room = 0 if ends else limit - len(generated)
-            seg = spec.plan(state, tok, room, settings.stop_ids, sampler)
+            seg = spec.plan(state, tok, room, stops.ids, sampler)
             t = time.perf_counter()
             logits = forward.run([seg])[0]
             kept = []
@@ -181,4 +188,6 @@ def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokeni
     return GenResult(prompt_ids, generated, reason, t1 - t0, t2 - t1,
                      np.concatenate(rows).astype(np.float32) if keep_logits else None,
                      spec.stats.to_json() if spec is not None else None,
-                     tuple(settings.stop_strings))
+                     tuple(settings.stop_strings),
+                     grammar_seconds=None if sampler.grammar is None else
+                     sampler.grammar.seconds)

@@ -73,7 +73,7 @@ class _Lane:
         self.fed = 0                    # prompt tokens fed so far
         self.next = None                # the sampled token the next pass feeds
         self.generated: list[int] = []
-        self.stops = Stops(job.settings, tokenizer)
+        self.stops = Stops(job.settings, tokenizer, self.sampler.grammar)
         self.reason = None              # set when finished
         self.t_enter = now
         self.t_first = None             # prefill done: first token sampled from here
@@ -92,7 +92,7 @@ class _Lane:
             return Segment(ids, self.state, all_logits=every,
                            phase="prefill" if n_prompt else "decode", tag=tag)
         room = self.limit - len(self.generated)
-        return self.spec.plan(self.state, self.next, room, self.job.settings.stop_ids,
+        return self.spec.plan(self.state, self.next, room, self.stops.ids,
                               self.sampler, tag, others)
 
     def take(self, seg: Segment, logits, n_prompt: int, on_token, seconds: float,
@@ -143,7 +143,9 @@ class _Lane:
         logits = np.concatenate(self.rows).astype(np.float32) if self.rows else None
         return GenResult(self.prompt, self.generated, self.reason, self.t_first - self.t_enter,
                          now - self.t_first, logits,
-                         stop_strings=tuple(self.job.settings.stop_strings))
+                         stop_strings=tuple(self.job.settings.stop_strings),
+                         grammar_seconds=None if self.sampler.grammar is None else
+                         self.sampler.grammar.seconds)
 
 
 @dataclasses.dataclass

@@ -1,6 +1,8 @@
 """Choosing the token at a position from its logits and the tokens before it.
 
-Owns: the decision rule only, in one fixed order (formats/numerics.md section 12): the
+Owns: the decision rule only, in one fixed order (formats/numerics.md section 12): a
+structured-output grammar's mask first, when the request has one (``grammar``: the ids it
+does not allow after the tokens generated before the position get -inf), then the
 logit bias of the request's biased tokens, the repetition penalty over every token before
 the position, the frequency and presence penalties over those this request generated;
 greedy is then the first index of the maximum (model.md §5.9); sampling divides by the
@@ -48,7 +50,7 @@ class Sampler:
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, *,
                  top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 logit_bias=(), start: int = 0):
+                 logit_bias=(), start: int = 0, grammar=None):
         why = (temperature_problem(temperature) or top_p_problem(top_p) or seed_problem(seed)
                or top_k_problem(top_k) or min_p_problem(min_p)
                or repetition_penalty_problem(repetition_penalty)
@@ -69,17 +71,21 @@ class Sampler:
         self._bias_ids = np.array([i for i, _ in self.logit_bias], dtype=np.int64)
         self._bias = np.array([b for _, b in self.logit_bias], dtype=np.float64)
         self.start = int(start)
+        self.grammar = grammar          # a grammar.Matcher, or None: no mask
         self._noise = collections.OrderedDict()
 
     @classmethod
     def of(cls, settings, start: int) -> "Sampler":
         """The sampler of a request's ``settings`` (``GenSettings``) whose first generated
-        token is at position ``start``."""
+        token is at position ``start`` (its own grammar matcher when the settings have a
+        grammar)."""
+        grammar = None if settings.grammar is None else \
+            settings.grammar.matcher(settings.stop_ids)
         return cls(settings.temperature, settings.top_p, settings.seed, top_k=settings.top_k,
                    min_p=settings.min_p, repetition_penalty=settings.repetition_penalty,
                    presence_penalty=settings.presence_penalty,
                    frequency_penalty=settings.frequency_penalty,
-                   logit_bias=settings.logit_bias, start=start)
+                   logit_bias=settings.logit_bias, start=start, grammar=grammar)
 
     @property
     def greedy(self) -> bool:
@@ -94,8 +100,10 @@ class Sampler:
     def __call__(self, logits: np.ndarray, position: int, fed=(), pending=()) -> int:
         """The token at ``position`` (0-based in the sequence) given its logits row; the
         tokens before it are ``fed`` (the state's ids) then ``pending`` (a verify's anchor
-        and proposals, not in the state yet), read only when a penalty is on. The
-        caller's row is never changed (a biased row is a copy)."""
+        and proposals, not in the state yet), read only when a penalty or a grammar is
+        on. The caller's row is never changed (a biased or masked row is a copy)."""
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits, self.made(position, fed, pending))
         if self.logit_bias:
             logits = np.array(logits, dtype=np.float64)          # a copy, always
             logits[self._bias_ids] += self._bias                 # ids are distinct
@@ -123,6 +131,16 @@ class Sampler:
             cand = np.arange(z.size)
         score = z[cand] + self.noise(position, z.size)[cand]
         return int(cand[int(np.argmax(score))])
+
+    def made(self, position: int, fed, pending) -> list:
+        """The tokens generated (from ``start``) before ``position``."""
+        n = len(fed)                    # fed then pending: every token before position
+        made = list(fed[self.start:]) + list(pending) if self.start <= n else \
+            list(pending)[self.start - n:]
+        if self.start + len(made) < position or position < self.start:
+            raise ValueError(f"the grammar needs the ids generated before position "
+                             f"{position}, got {len(made)} from {self.start}")
+        return made[:position - self.start]
 
     def penalise(self, logits: np.ndarray, position: int, fed, pending) -> np.ndarray:
         """float64 ``logits`` with the penalties of the tokens before ``position``: each id

@@ -118,10 +118,12 @@ def returned_pieces(tokenizer, ids, strings) -> list:
 class Stops:
     """One sequence's stop rules, applied after each generated token (``generate``, the
     lockstep): ``see(token)`` gives why to stop, "stop_id" or "stop_string", else None.
-    The length limit is the caller's."""
+    The length limit is the caller's. With a grammar matcher (structured output), its end
+    tokens are stop ids too (the mask allows them only once the output is complete)."""
 
-    def __init__(self, settings, tokenizer):
-        self.ids = settings.stop_ids
+    def __init__(self, settings, tokenizer, grammar=None):
+        self.ids = settings.stop_ids if grammar is None else \
+            tuple(dict.fromkeys(tuple(settings.stop_ids) + tuple(grammar.end_ids)))
         self.text = StopText(tokenizer, settings.stop_strings) if settings.stop_strings \
             else None
 

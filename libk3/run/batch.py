@@ -9,7 +9,8 @@ Input line: {"id": str|int (required, unique), "prompt": str | "ids": [int] | "m
 with the model's chat template, formats/chat.md), optional "gen", "stop" (str or list of
 str), "stop_ids" ([int]) and the sampling fields "temperature", "top_p", "top_k",
 "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-"logit_bias" ({"id": bias})}. The settings follow the same rules as the options
+"logit_bias" ({"id": bias}) and "response_format" (OpenAI's: {"type": "json_object"} or
+{"type": "json_schema", "json_schema": {"schema": {...}}}, ``grammar``)}. The settings follow the same rules as the options
 (``settings.gen_or_until_end_problem``, ``settings.SAMPLING_RULES``,
 ``settings.logit_bias_problem``). A malformed line, or one with a bad setting, is reported
 with its line number and skipped; it never stops the batch.
@@ -45,6 +46,7 @@ from ..io.atomic import write_error
 from ..text.chat_request import conversation_problem
 from ..text.encodable import TextError, decode_text, field_problem
 from ..engine.generate import GenSettings
+from ..engine.grammar import response_format_problem
 from ..engine.settings import (SAMPLING_RULES, gen_or_until_end_problem, logit_bias_pairs,
                                logit_bias_problem, stop_strings_problem, token_ids_problem)
 
@@ -110,15 +112,22 @@ def parse_line(line: bytes, vocab_size: int) -> dict:
         if "logit_bias" in obj else None
     if why:
         raise BatchLineError(f"\"logit_bias\": {why}")
+    why = response_format_problem(obj["response_format"]) \
+        if obj.get("response_format") is not None else None
+    if why:
+        raise BatchLineError(f"\"response_format\": {why}")
     return obj
 
 
 def job_settings(job: dict, base: GenSettings) -> GenSettings:
     """A parsed line's settings over the run's: each field the line gives replaces the
-    option's (a "logit_bias" the whole of --logit-bias, {} none)."""
+    option's (a "logit_bias" the whole of --logit-bias, {} none; a "response_format" that
+    of --response-format, {"type": "text"} none)."""
     given = {key: job[key] for key in _RULES if key in job}
     if "logit_bias" in job:
         given["logit_bias"] = logit_bias_pairs(job["logit_bias"])
+    if job.get("response_format") is not None:
+        given["response_format"], given["grammar"] = job["response_format"], None
     return dataclasses.replace(
         base, **given, stop_strings=tuple(job["stop"]) or base.stop_strings,
         stop_ids=tuple(job.get("stop_ids", base.stop_ids)))

@@ -256,6 +256,16 @@ class Run:
         stops = tuple(dict.fromkeys(tuple(settings.stop_ids) + self.chat(warn).stop_ids()))
         return dataclasses.replace(settings, stop_ids=stops)
 
+    def structured(self, settings: GenSettings) -> GenSettings:
+        """``settings`` with their ``response_format`` compiled for this model's tokenizer
+        (``grammar.compile_grammar``, cached by the format's text): UsageError when the
+        format is refused, the model has no tokenizer or llguidance is missing."""
+        if settings.response_format is None or settings.grammar is not None:
+            return settings
+        from ..engine.grammar import compile_grammar
+        return dataclasses.replace(settings, grammar=compile_grammar(
+            self._tokenizer(), settings.response_format))
+
     def until_end(self, settings: GenSettings) -> GenSettings:
         """``settings`` whose ``gen`` -1 (until the end) also stops at the end of the
         model's turn (``chat_settings``), when the model has a tokenizer to name it."""
@@ -287,6 +297,8 @@ class Run:
             rep["tokenizer_cache"] = tok.loaded.cache_status if tok.loaded else "not read"
         if res.spec is not None:
             rep["speculative"] = res.spec
+        if res.grammar_seconds is not None:
+            rep["grammar_mask_seconds"] = round(res.grammar_seconds, 6)
         return rep
 
     def check_stop_strings(self, settings: GenSettings) -> None:
@@ -303,7 +315,7 @@ class Run:
         prefill chunk and token; when it answers True the prompt is abandoned (Abandoned
         is raised, nothing saved)."""
         self.check_stop_strings(settings)
-        settings = self.until_end(settings)
+        settings = self.structured(self.until_end(settings))
         reused = 0
         if state is None and not load_state and not keep_logits and \
                 self.prefix_cache is not None:
@@ -498,6 +510,7 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
         settings = run.until_end(batchfile.job_settings(job, base))
         if "messages" in job:
             settings = run.chat_settings(settings, warn)
+        settings = run.structured(settings)     # compiled (and checked) in _accepted_lines
         outcome = sink.submit(lineno, job["id"], prompt_ids, settings, chat="messages" in job,
                               starts=lambda ids=prompt_ids, s=share: starts.start(ids, s))
         if outcome == NO_TIME:
@@ -543,6 +556,8 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
             why = batchfile.context_problem(len(prompt_ids), job.get("gen", base.gen), context)
             if why:
                 raise batchfile.BatchLineError(why)
+            if job.get("response_format") is not None:
+                run.structured(batchfile.job_settings(job, base))   # compiled once, cached
         except (batchfile.BatchLineError, UsageError) as e:
             msg = e.one_line() if isinstance(e, UsageError) else str(e)
             warn(f"{batch_path}:{lineno}: skipped: {msg}")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import click
@@ -121,6 +123,45 @@ def _check_logit_bias(model, pairs) -> None:
             raise UsageError(f"--logit-bias: {why}")
 
 
+def _response_format(ctx, param, value):
+    """--response-format json_object, or @SCHEMA.json (a JSON schema file): OpenAI's
+    response_format object; the file's JSON is read here (a bad one names the file), the
+    schema is checked by the library before any work (``_check_response_format``)."""
+    if value is None:
+        return None
+    if value == "json_object":
+        return {"type": "json_object"}
+    if not value.startswith("@") or len(value) < 2:
+        raise click.BadParameter("expected json_object or @SCHEMA.json (a JSON schema file)")
+    path = value[1:]
+    try:
+        with open(path, "rb") as f:
+            schema = json.loads(f.read().decode("utf-8"))
+    except OSError as e:
+        raise click.BadParameter(f"{path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise click.BadParameter(f"{path}: not a JSON file ({str(e)[:80]})") from None
+    if not isinstance(schema, dict):
+        raise click.BadParameter(f"{path}: a JSON schema must be an object")
+    return {"type": "json_schema",
+            "json_schema": {"name": Path(path).stem, "schema": schema, "strict": True},
+            "file": path}
+
+
+def _check_response_format(fmt) -> None:
+    """--response-format's schema against the library, before any work (UsageError, exit
+    2, naming the file; also when the ``structured`` extra is missing)."""
+    if fmt is not None:
+        from libk3.engine.grammar import response_format_problem
+        from libk3.errors import UsageError
+        fmt = dict(fmt)
+        where = fmt.pop("file", None)
+        why = response_format_problem(fmt)
+        if why:
+            raise UsageError(f"--response-format {where or fmt['type']}: {why}")
+    return fmt
+
+
 # Which options go together (k3cli.constraints), checked in this order before any work.
 _BUDGET_WIDTH = "--batch-width and --shard go with --batch (--batch-width also with --serve)"
 RULES = (
@@ -159,6 +200,8 @@ RULES = (
                          "--no-prefix-sharing goes with --batch"),
     constraints.GoesWith(("shard",), ("batch",), _BUDGET_WIDTH),
     constraints.GoesWith(("batch_width",), ("batch", "serve_address"), _BUDGET_WIDTH),
+    constraints.GoesWith(("response_format",), ("prompt", "prompt_file", "ids", "batch"),
+                         "--response-format goes with a prompt (-p, -f or --ids) or --batch"),
 )
 
 
@@ -274,6 +317,10 @@ RULES = (
               help="Add BIAS, in [-100, 100], to token ID's logit before the penalties "
                    "(-100: all but banned, 100: all but forced); repeatable, an id once, "
                    "at most 300 (docs/run.md \"Sampling\").")
+@click.option("--response-format", callback=_response_format, metavar="json_object|@SCHEMA",
+              help="Structured output: the text is a JSON object (json_object), or JSON "
+                   "valid against the JSON schema in the file SCHEMA; needs the structured "
+                   "extra (docs/run.md \"Structured output\").")
 @click.option("--seed", type=Rule(click.INT, seed_problem, "integer"), default=0,
               show_default=True, help="0 .. 2^64 - 1.")
 @click.option("--stop", "stop_strings", multiple=True, callback=_stop_strings,
@@ -333,6 +380,7 @@ def main(ctx, **options):
     if a.serve_address:
         from libk3.serve.app import check_address
         check_address(a.serve_address, a.api_key)        # before the model is opened
+    a.response_format = _check_response_format(a.response_format)
     opts, settings = _run_options(ctx, a), _settings(a)
     _check_logit_bias(a.model, settings.logit_bias)
     if a.batch:
@@ -375,7 +423,7 @@ def _settings(a):
                                 min_p=a.min_p, repetition_penalty=a.repetition_penalty,
                                 presence_penalty=a.presence_penalty,
                                 frequency_penalty=a.frequency_penalty,
-                                logit_bias=a.logit_bias)
+                                logit_bias=a.logit_bias, response_format=a.response_format)
 
 
 def _serve_mode(a, run, settings) -> None:
