@@ -192,7 +192,8 @@ def _serve_in_process(tiny_dir, requests) -> tuple:
 
     run = SimpleNamespace(opts=SimpleNamespace(model=tiny_dir), cfg=load_config(tiny_dir),
                           session=SimpleNamespace(tokenizer=None),
-                          until_end=lambda settings: settings)
+                          until_end=lambda settings: settings,
+                          structured=lambda settings: settings)
     log = []
     server = Server(run, _FailingWorker(), settings_from(2, 0.0, 1.0, 0), model_name="tiny",
                     log=log.append)

@@ -508,12 +508,11 @@ def test_serve_logit_bias_bans_and_forces_tokens_and_is_checked(server, tiny_dir
 
 def test_serve_refuses_fields_it_would_ignore_and_models_it_does_not_serve(server):
     """Catches a request answered with 200 while a field it sent is silently ignored
-    (response_format, tool_choice "required", best_of, ...), a model
+    (tool_choice "required", best_of, ...), a model
     name that is not the served one accepted and echoed, and /v1/models/{id} missing;
     controls: the do-nothing values of those fields and bookkeeping fields pass."""
     base = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1}
-    for bad in ({"response_format": {"type": "json_object"}},
-                {"tool_choice": "required"}, {"best_of": 2}, {"suffix": "x"}, {"frobnicate": 1}):
+    for bad in ({"tool_choice": "required"}, {"best_of": 2}, {"suffix": "x"}, {"frobnicate": 1}):
         status, err = _post(server, "/v1/completions", json.dumps({**base, **bad}).encode())
         assert status == 400 and err["error"]["param"] == next(iter(bad)), (bad, err)
         assert err["error"]["code"] == "unsupported_field"
@@ -775,3 +774,44 @@ def test_serve_n_choices_share_one_prefill_each_with_its_seed(server):
     status, err = _post(server, "/v1/chat/completions", json.dumps(
         {"model": "tiny", "messages": msgs, "max_tokens": 1, "best_of": 2}).encode())
     assert status == 400 and err["error"]["param"] == "best_of"
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "size"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "size": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "kind": {"enum": ["ship", "boat"]}}}
+
+
+def test_serve_response_format_is_enforced_streamed_or_not(server):
+    """Catches response_format accepted but not enforced (the random tiny model writes
+    no JSON on its own), a schema not validated, streamed replies that differ, and a bad
+    format not refused."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    c = _client(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA,
+                                                  "strict": True}}
+    ended = 0
+    for seed in range(5):
+        args = dict(model="tiny", messages=MSGS, max_tokens=60, temperature=1.0, seed=seed,
+                    response_format=fmt)
+        r = c.chat.completions.create(**args)
+        if r.choices[0].finish_reason != "stop":
+            continue
+        ended += 1
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                           c.chat.completions.create(**args, stream=True) if ch.choices)
+        assert streamed == r.choices[0].message.content
+    assert ended >= 3
+    r = c.completions.create(model="tiny", prompt="x", max_tokens=40, temperature=1.0,
+                             extra_body={"response_format": {"type": "json_object"}})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    plain = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=8)
+    with pytest.raises(ValueError):                                          # control
+        json.loads(plain.choices[0].message.content or "x")
+    for bad in ({"type": "json_schema"}, {"type": "xml"}, "json"):
+        status, err = _post(server, "/v1/chat/completions", json.dumps(
+            {"model": "tiny", "messages": MSGS, "max_tokens": 1, "response_format": bad}).encode())
+        assert status == 422 and err["error"]["param"] == "response_format", (bad, err)

@@ -341,12 +341,15 @@ class Server:
         job = {k: v for k, v in fields.items() if v is not None}
         job.update(req.sampling)
         job["stop"] = list(req.stop)
+        if req.response_format is not None:
+            job["response_format"] = req.response_format
         if req.stop and self.run.session.tokenizer is None:
             raise ApiError(422, "'stop' needs the model's tokenizer", param="stop")
         if (req.logprobs is not None or req.echo) and self.run.session.tokenizer is None:
             raise ApiError(422, "'logprobs' and 'echo' need the model's tokenizer (a token's "
                                 "text)", param="logprobs" if req.logprobs is not None else "echo")
-        return self.run.until_end(job_settings(job, self.base))
+        # a format is compiled once per schema text (on this CPU thread) and enforced
+        return self.run.structured(self.run.until_end(job_settings(job, self.base)))
 
     async def _answer(self, request, req, ids, settings, reader, preamble):
         if len(ids) > self.context:

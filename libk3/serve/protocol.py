@@ -22,6 +22,7 @@ import time
 
 from ..text.chat_request import conversation_problem
 from ..text.encodable import field_problem
+from ..engine.grammar import response_format_problem
 from ..engine.logprobs import MAX_TOP
 from ..engine.settings import (SAMPLING_RULES, gen_problem, logit_bias_problem, seed_problem,
                                temperature_problem, token_ids_problem, top_p_problem)
@@ -32,7 +33,7 @@ MAX_N = 16                       # choices per request (each a lane of its own)
 SAMPLED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 # The fields each endpoint reads; any other is refused unless IGNORED or NEUTRAL below.
 READ = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-        "stop", "stream", "stream_options", "n", "logit_bias", *SAMPLED}
+        "stop", "stream", "stream_options", "n", "logit_bias", "response_format", *SAMPLED}
 READ_CHAT = READ | {"messages", "tools", "chat_template_kwargs", "logprobs", "top_logprobs"}
 READ_COMPLETION = READ | {"prompt", "logprobs", "echo"}
 MAX_COMPLETION_LOGPROBS = 5      # a completion's ``logprobs`` (alternatives), at most
@@ -40,7 +41,7 @@ MAX_COMPLETION_LOGPROBS = 5      # a completion's ``logprobs`` (alternatives), a
 IGNORED = {"user", "metadata", "store", "service_tier"}
 # Fields k3 does not implement, accepted only with the value that asks for nothing.
 NEUTRAL = {"tool_choice": ("auto",), "parallel_tool_calls": (True,),
-           "response_format": ({"type": "text"},), "best_of": (1,), "suffix": ("",)}
+           "best_of": (1,), "suffix": ("",)}
 
 
 class ApiError(Exception):
@@ -76,6 +77,7 @@ class Request:
     logprobs: int | None = None   # alternatives per token with logprobs; None: none asked
     echo: bool = False            # a completion's prompt returned before its text
     n: int = 1                    # choices: lanes sharing one prefill of the prompt
+    response_format: dict | None = None   # structured output (OpenAI's shape), enforced
 
 
 def parse_body(raw: bytes) -> dict:
@@ -197,6 +199,13 @@ def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
         f"a string or a list of at most {MAX_STOP} non-empty strings")
     req.stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
     _logprobs(body, chat, req)
+    fmt = body.get("response_format")
+    if fmt is not None:
+        why = response_format_problem(fmt)
+        if why:
+            raise ApiError(422, f"'response_format': {why}", param="response_format",
+                           code="invalid_value")
+        req.response_format = fmt
     req.stream = bool(_field(body, "stream", lambda v: isinstance(v, bool), "a boolean"))
     options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
     req.include_usage = options.get("include_usage") is True
