@@ -815,3 +815,33 @@ def test_serve_response_format_is_enforced_streamed_or_not(server):
         status, err = _post(server, "/v1/chat/completions", json.dumps(
             {"model": "tiny", "messages": MSGS, "max_tokens": 1, "response_format": bad}).encode())
         assert status == 422 and err["error"]["param"] == "response_format", (bad, err)
+
+
+def test_serve_reasoning_effort_maps_to_the_templates_thinking_switch(server, tiny_dir, tmp_path):
+    """Catches reasoning_effort ignored (the prompt is the same as without it), mapped
+    the wrong way round, overriding a keyword the request sets itself, accepted with a
+    value OpenAI does not define, or accepted for a template with no switch at all."""
+    from libk3.text.chat_request import ChatEncoder
+    from libk3.text.chat_template import ChatInputError
+
+    def ids(**extra):
+        status, body = _post(server, "/v1/chat/completions", json.dumps(
+            {"model": "tiny", "messages": MSGS, "max_tokens": 1, **extra}).encode())
+        assert status == 200, body
+        return body["k3"]["prompt_ids"]
+    off = ids(chat_template_kwargs={"thinking": False})
+    on = ids(chat_template_kwargs={"thinking": True})
+    assert off != on                                                         # control
+    assert ids(reasoning_effort="none") == off
+    assert ids(reasoning_effort="high") == ids(reasoning_effort="low") == on
+    assert ids(reasoning_effort="none", chat_template_kwargs={"thinking": True}) == on
+    status, err = _post(server, "/v1/chat/completions", json.dumps(
+        {"model": "tiny", "messages": MSGS, "reasoning_effort": "max"}).encode())
+    assert status == 422 and err["error"]["param"] == "reasoning_effort"
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}))
+    enc = ChatEncoder(plain, K3Tokenizer.from_dir(tiny_dir))
+    with pytest.raises(ChatInputError, match="no reasoning switch"):
+        enc.reasoning_kwargs("high")

@@ -310,6 +310,9 @@ class Server:
         (Request, prompt ids, settings, ReplyReader)."""
         req = check_request(parse_body(raw), True, self.run.cfg.vocab_size)
         self._check_model(req.model)
+        if req.reasoning_effort is not None:
+            req.template_kwargs = self.run.chat(self.log).reasoning_kwargs(
+                req.reasoning_effort, req.tools, req.template_kwargs)
         ids = self.run.encode_messages({"messages": req.messages, "tools": req.tools,
                                         "template_kwargs": req.template_kwargs}, self.log)
         settings = self.run.chat_settings(self._settings(req), self.log)

@@ -34,7 +34,9 @@ SAMPLED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequenc
 # The fields each endpoint reads; any other is refused unless IGNORED or NEUTRAL below.
 READ = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
         "stop", "stream", "stream_options", "n", "logit_bias", "response_format", *SAMPLED}
-READ_CHAT = READ | {"messages", "tools", "chat_template_kwargs", "logprobs", "top_logprobs"}
+READ_CHAT = READ | {"messages", "tools", "chat_template_kwargs", "logprobs", "top_logprobs",
+                    "reasoning_effort"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")   # OpenAI's values
 READ_COMPLETION = READ | {"prompt", "logprobs", "echo"}
 MAX_COMPLETION_LOGPROBS = 5      # a completion's ``logprobs`` (alternatives), at most
 # Bookkeeping a client may attach; it never changes the reply.
@@ -64,6 +66,7 @@ class Request:
     messages: list | None = None
     tools: list | None = None
     template_kwargs: dict | None = None
+    reasoning_effort: str | None = None   # mapped onto the template's switches
     prompt: str | None = None
     prompt_ids: list | None = None
     max_tokens: int | None = None
@@ -157,6 +160,9 @@ def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
                            param=param, code="invalid_value")
         req.messages, req.tools = body["messages"], body.get("tools")
         req.template_kwargs = body.get("chat_template_kwargs")
+        req.reasoning_effort = _field(body, "reasoning_effort",
+                                      lambda v: v in REASONING_EFFORTS,
+                                      "one of " + ", ".join(REASONING_EFFORTS))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

@@ -69,5 +69,23 @@ class ChatEncoder:
                                     add_generation_prompt=False)
         return len(head) if 0 < len(head) < len(ids) and ids[:len(head)] == head else 0
 
+    def reasoning_kwargs(self, effort: str, tools=None, template_kwargs=None) -> dict:
+        """``template_kwargs`` with a request's ``reasoning_effort`` mapped onto the
+        template's own switches: its ``reasoning_effort`` variable gets the value, its
+        ``thinking`` one false for "none" and true otherwise; a keyword the request sets
+        itself wins. ChatInputError when the template has neither switch (the effort
+        would be ignored)."""
+        kwargs = dict(template_kwargs or {})
+        names = self.template.variables(tools=tools) if self.template is not None else ()
+        if "reasoning_effort" not in names and "thinking" not in names:
+            raise ChatInputError("reasoning_effort: this model's chat template has no "
+                                 "reasoning switch (a 'thinking' or 'reasoning_effort' "
+                                 "variable)")
+        if "reasoning_effort" in names:
+            kwargs.setdefault("reasoning_effort", effort)
+        if "thinking" in names:
+            kwargs.setdefault("thinking", effort != "none")
+        return kwargs
+
     def stop_ids(self) -> tuple:
         return turn_stop_ids(self.tokenizer, self.template)

@@ -121,6 +121,11 @@ class ChatTemplate:
                              "'default'", path=self.source,
                              hint="pick one by name: " + ", ".join(sorted(self.templates)))
 
+    def variables(self, name=None, tools=None) -> frozenset:
+        """The variables the template ``pick`` chooses reads from outside (jinja2's
+        undeclared variables): what a request's keywords can switch, e.g. ``thinking``."""
+        return _variables(self.pick(name, tools))
+
     def render(self, messages, *, tools=None, documents=None, add_generation_prompt=True,
                name=None, template_kwargs=None) -> str:
         """The conversation as text. ``template_kwargs`` (e.g. ``thinking``) reach the
@@ -409,6 +414,12 @@ def _compile(source: str, path):
     except RecursionError:
         raise CheckpointError("chat template is nested too deeply to compile",
                               path=path) from None
+
+
+@functools.lru_cache(maxsize=16)
+def _variables(source: str) -> frozenset:
+    from jinja2 import meta
+    return frozenset(meta.find_undeclared_variables(_environment().parse(source)))
 
 
 @functools.lru_cache(maxsize=1)
