@@ -239,3 +239,40 @@ def test_serve_an_unexpected_exception_is_a_500_body_logged_once_with_its_id(tin
                                          "the engine broke")):
         assert rid in line and why in line and "Traceback" not in line, (rid, line)
     assert answers[3][0] == 200 and answers[3][1]["x-request-id"].startswith("req_")  # control
+
+
+class _SlowWorker:
+    """An engine whose jobs take 0.5 s before their one token (a long prefill)."""
+
+    def submit(self, job) -> None:
+        import threading
+
+        def later():
+            job._send(7)
+            job._send(("done", SimpleNamespace(prompt_ids=job.prompt_ids, generated_ids=[7],
+                                               stop_reason="length")))
+        threading.Timer(0.5, later).start()
+
+
+def test_serve_stream_sends_keepalive_comments_while_nothing_comes(tiny_dir):
+    """Catches a stream silent through a long prefill (clients and proxies drop idle
+    connections): SSE comments go out meanwhile, and the events around them are whole."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from libk3.serve.app import Server
+    run = SimpleNamespace(opts=SimpleNamespace(model=tiny_dir), cfg=load_config(tiny_dir),
+                          session=SimpleNamespace(tokenizer=None),
+                          until_end=lambda settings: settings,
+                          structured=lambda settings: settings)
+    server = Server(run, _SlowWorker(), settings_from(2, 0.0, 1.0, 0), model_name="tiny")
+    server.keepalive_seconds = 0.1
+
+    async def go():
+        async with TestClient(TestServer(server.app())) as client:
+            r = await client.post("/v1/completions", json={"prompt": [1, 2], "stream": True})
+            return r.status, (await r.read()).decode()
+    status, body = asyncio.run(go())
+    lines = [ln for ln in body.split("\n\n") if ln]
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    assert lines.count(": keep-alive") >= 2
+    assert all(ln == ": keep-alive" or ln.startswith("data: ") for ln in lines)

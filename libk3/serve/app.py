@@ -44,6 +44,9 @@ from .replies import ReplyReader
 from .worker import Job, Worker
 
 MAX_BODY_BYTES = 32 * 2 ** 20        # a larger request body is refused with 413
+# A stream with nothing to send for this long (a long prefill, a queue) sends an SSE
+# comment, so clients and proxies that time out idle connections keep it open.
+KEEPALIVE_SECONDS = 15.0
 # A longer header field (name and value) is refused with 431, a longer request target
 # with 414, each with an OpenAI error body: aiohttp's own default, so no client that
 # worked before is refused now.
@@ -149,6 +152,7 @@ class Server:
         self.model_name, self.api_key, self.log = model_name, api_key, log
         self.ids = itertools.count(1)
         self.cpu = None               # the CPU thread's executor, while the app runs
+        self.keepalive_seconds = KEEPALIVE_SECONDS
         from ..config import context_length
         self.context = context_length(run.opts.model)
 
@@ -383,10 +387,18 @@ class Server:
         chat = req.chat and self.run.chat().template is not None
         return ReplyReader(self.run.session.tokenizer, chat, req.stop)
 
-    async def _finished(self, job, generated, on_token=None):
-        """Wait for the job's end, collecting its tokens; the GenResult."""
+    async def _finished(self, job, generated, on_token=None, on_idle=None):
+        """Wait for the job's end, collecting its tokens; the GenResult. ``on_idle()`` is
+        awaited after each ``keepalive_seconds`` without an event."""
         while True:
-            item = await job.events.get()
+            if on_idle is None:
+                item = await job.events.get()
+            else:
+                try:
+                    item = await asyncio.wait_for(job.events.get(), self.keepalive_seconds)
+                except asyncio.TimeoutError:
+                    await on_idle()
+                    continue
             if isinstance(item, int):
                 generated.append(item)
                 if on_token is not None:
@@ -545,7 +557,10 @@ class Server:
 
         if req.chat:
             await resp.write(chunk(delta={"role": "assistant", "content": ""}))
-        res = await self._finished(job, generated, send_new)
+        async def keep_alive():
+            await resp.write(b": keep-alive\n\n")   # an SSE comment: clients skip it
+
+        res = await self._finished(job, generated, send_new, keep_alive)
         await send_new(final=True)
         await resp.write(chunk(finish=finish_reason(res.stop_reason, reader.sent_calls > 0)))
         return res
