@@ -271,3 +271,22 @@ def test_batch_file_that_is_not_a_regular_file_is_refused_at_once(tiny_dir, tmp_
     p = k3(tiny_dir, "--batch", "/dev/zero", "--out", tmp_path / "r.jsonl", timeout=60)
     assert p.returncode == 3, p.stderr
     assert "not a regular file" in p.stderr and "/dev/zero" in p.stderr
+
+
+def test_batch_ids_are_told_apart_by_their_text(tiny_dir, tmp_path):
+    """Catches two result lines that a script reading ids as text cannot tell apart: an
+    integer id and the string of its digits are one id (the second line is a duplicate),
+    and a result under one finishes the other on the next run."""
+    from .scripts import k3_here
+    batch = tmp_path / "b.jsonl"
+    batch.write_text('{"id": 7, "ids": [5, 6], "gen": 1}\n{"id": "7", "ids": [8, 9], "gen": 1}\n'
+                     '{"id": "x", "ids": [3, 4], "gen": 1}\n')
+    out = tmp_path / "out.jsonl"
+    res = k3_here(tiny_dir, "--batch", batch, "--out", out, "--json", "-q")
+    summary = json.loads(res.stdout)
+    assert summary["malformed"] == 1 and summary["errors"][0]["line"] == 2
+    assert "duplicate id" in summary["errors"][0]["error"]
+    assert sorted(str(json.loads(ln)["id"]) for ln in out.read_text().splitlines()) == ["7", "x"]
+    batch.write_text('{"id": "7", "ids": [8, 9], "gen": 1}\n')
+    again = json.loads(k3_here(tiny_dir, "--batch", batch, "--out", out, "--json", "-q").stdout)
+    assert again["skipped"] == 1 and again["done"] == 0

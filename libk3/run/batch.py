@@ -208,7 +208,14 @@ def open_results(results_path) -> set:
             f.truncate(len(data) - len(tail))
             f.flush()
             os.fsync(f.fileno())
-    return {json.dumps(row["id"]) for row in rows}
+    return {id_key(row["id"]) for row in rows}
+
+
+def id_key(job_id) -> str:
+    """What tells ids apart: their text. An integer id and the string of its digits are
+    one id (a script reading the results with `jq -r .id` could not tell them apart), so
+    the second is a duplicate, and a result under either finishes both."""
+    return str(job_id)
 
 
 def append_result(results_path, obj: dict) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import dataclasses
-import json
 import time
 
 import numpy as np
@@ -547,7 +546,7 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
             continue
         try:
             job = batchfile.parse_line(line, run.cfg.vocab_size)
-            key = json.dumps(job["id"])
+            key = batchfile.id_key(job["id"])
             if key in seen:
                 raise batchfile.BatchLineError(f"duplicate id {job['id']!r}")
             seen.add(key)
