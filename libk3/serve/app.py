@@ -2,12 +2,13 @@
 
 Owns: the address rule (loopback by default; any other address needs an API key,
 checked on every request but the liveness probe), the routes (POST /v1/chat/completions
-and /v1/completions, streamed as server-sent events or not; GET /v1/models, /health and
-/livez), the CPU thread that parses, renders, tokenizes and detokenizes requests so the
-event loop keeps answering, turning every refusal into an OpenAI-style error body while
-the server keeps serving, and cancelling a job whose client disconnects. Does not own:
-the wire format's checks (``protocol``), the queue and the engine thread (``worker``),
-templates or generation.
+and /v1/completions, streamed as server-sent events or not; Anthropic's POST
+/v1/messages, its shapes ``anthropic``'s; GET /v1/models, /health and /livez), the CPU
+thread that parses, renders, tokenizes and detokenizes requests so the event loop keeps
+answering, turning every refusal into an OpenAI-style error body (Anthropic's on
+/v1/messages) while the server keeps serving, and cancelling a job whose client
+disconnects. Does not own: the wire format's checks (``protocol``, ``anthropic``), the
+queue and the engine thread (``worker``), templates or generation.
 
 Every request gets an id (``x-request-id``), and every failure leaves the server as one
 OpenAI error body and, for a 5xx, one log line naming that id: no exception reaches
@@ -39,7 +40,7 @@ from ..errors import K3Error, UsageError
 from ..text.encodable import text_problem
 from .protocol import (ApiError, chat_logprobs, check_request, completion_logprobs,
                        envelope, finish_reason, parse_body, sse, usage)
-from . import tokenize
+from . import anthropic, tokenize
 from .replies import ReplyReader
 from .worker import Job, Worker
 
@@ -163,6 +164,8 @@ class Server:
         app.on_response_prepare.append(self._tag)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post(anthropic.PATH, self.messages)
+        app.router.add_post(anthropic.PATH + "/count_tokens", self.count_tokens)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/tokenize", self.tokenize)
@@ -196,15 +199,23 @@ class Server:
 
         @web.middleware
         async def auth(request, handler):
-            if self.api_key is not None and request.path != LIVENESS:
-                given = request.headers.get("Authorization", "")
-                # a header that is not UTF-8 (aiohttp escapes its bytes) is no key at all
-                if text_problem(given, "Authorization") or not hmac.compare_digest(
-                        given.encode(), f"Bearer {self.api_key}".encode()):
-                    raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                                   code="invalid_api_key")
+            if self.api_key is not None and request.path != LIVENESS \
+                    and not self._key_given(request):
+                raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY, "
+                                    "or x-api-key: KEY)", code="invalid_api_key")
             return await handler(request)
         return auth
+
+    def _key_given(self, request) -> bool:
+        """The API key in ``Authorization: Bearer KEY`` (OpenAI's clients) or in
+        ``x-api-key: KEY`` (Anthropic's)."""
+        for header, prefix in (("Authorization", "Bearer "), ("x-api-key", "")):
+            given = request.headers.get(header)
+            # a header that is not UTF-8 (aiohttp escapes its bytes) is no key at all
+            if given is not None and not text_problem(given, header) and hmac.compare_digest(
+                    given.encode(), f"{prefix}{self.api_key}".encode()):
+                return True
+        return False
 
     @property
     def _errors(self):
@@ -228,6 +239,8 @@ class Server:
                 status, body, said = _refusal(e, rid)
             if status >= 500:
                 self._log_5xx(rid, status, said)
+            if request.path.startswith(anthropic.PATH):     # Anthropic's clients' shape
+                body = anthropic.error_body(status, body)
             return web.json_response(body, status=status)
         return errors
 
@@ -309,10 +322,33 @@ class Server:
         read = await self._off_loop(self._read_completion, await request.read())
         return await self._answer(request, *read)
 
+    async def messages(self, request):
+        """Anthropic's Messages API over the same path (``anthropic``)."""
+        read = await self._off_loop(self._read_messages, await request.read())
+        return await self._answer(request, *read)
+
+    async def count_tokens(self, request):
+        """Anthropic's token count: the prompt ids a Messages body renders to."""
+        from aiohttp import web
+        read = await self._off_loop(self._count_messages, await request.read())
+        return web.json_response({"input_tokens": len(read[1])})
+
+    def _count_messages(self, raw: bytes) -> tuple:
+        body = parse_body(raw)
+        if body.get("max_tokens") is None:       # not part of a count's body
+            body["max_tokens"] = 1
+        return self._rendered(anthropic.check_request(body))
+
     def _read_chat(self, raw: bytes) -> tuple:
         """A chat body parsed, checked, rendered and tokenized (on the CPU thread):
         (Request, prompt ids, settings, ReplyReader)."""
-        req = check_request(parse_body(raw), True, self.run.cfg.vocab_size)
+        return self._rendered(check_request(parse_body(raw), True, self.run.cfg.vocab_size))
+
+    def _read_messages(self, raw: bytes) -> tuple:
+        """The same for a Messages body (converted to a chat Request)."""
+        return self._rendered(anthropic.check_request(parse_body(raw)))
+
+    def _rendered(self, req) -> tuple:
         self._check_model(req.model)
         if req.reasoning_effort is not None:
             req.template_kwargs = self.run.chat(self.log).reasoning_kwargs(
@@ -375,6 +411,10 @@ class Server:
         rid = f"{'chatcmpl' if req.chat else 'cmpl'}-k3-{next(self.ids)}"
         model = req.model or self.model_name
         try:
+            if isinstance(req, anthropic.MessagesRequest):
+                rid = "msg_k3_" + rid.rpartition("-")[2]
+                answer = self._messages_stream if req.stream else self._messages_whole
+                return await answer(request, req, jobs[0], rid, model, reader)
             if req.stream:
                 return await self._stream(request, req, jobs, rid, model, readers)
             return await self._whole(req, jobs, rid, model, readers)
@@ -565,6 +605,61 @@ class Server:
         await resp.write(chunk(finish=finish_reason(res.stop_reason, reader.sent_calls > 0)))
         return res
 
+    # ---- Anthropic's Messages API: one job, the shapes ``anthropic``'s ----
+    async def _messages_whole(self, request, req, job, rid, model, reader):
+        from aiohttp import web
+        res = await self._finished(job, [])
+        return web.json_response(text=await self._off_loop(
+            self._message_text, req, job, res, rid, model, reader))
+
+    def _message_text(self, req, job, res, rid, model, reader) -> str:
+        """The JSON of a finished Messages response (on the CPU thread)."""
+        reply = reader.read(res.generated_ids, final=True)
+        reason = anthropic.stop_reason(res, bool(reply.tool_calls), self.run.session.tokenizer,
+                                       req.stop)
+        k3 = {"prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids,
+              "reused_tokens": job.reused}
+        return json.dumps(anthropic.message(rid, model, reply, reason, anthropic.usage(
+            len(res.prompt_ids), len(res.generated_ids)), k3))
+
+    async def _messages_stream(self, request, req, job, rid, model, reader):
+        """Anthropic's events as the tokens come; a ping after message_start and after
+        each ``keepalive_seconds`` without a token; a failure once the headers are out
+        is an ``error`` event."""
+        from aiohttp import web
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        generated, blocks = [], anthropic.Blocks()
+
+        async def send_new(final=False):
+            # on the CPU thread: each delta decodes the whole reply so far
+            data = await self._off_loop(lambda: blocks.events(reader.delta(generated, final)))
+            if data:
+                await resp.write(data)
+
+        async def ping():
+            await resp.write(anthropic.PING)
+
+        try:
+            await resp.write(anthropic.start_event(rid, model, len(job.prompt_ids)) +
+                             anthropic.PING)
+            res = await self._finished(job, generated, send_new, ping)
+            await send_new(final=True)
+            reason = await self._off_loop(anthropic.stop_reason, res, reader.sent_calls > 0,
+                                          self.run.session.tokenizer, req.stop)
+            await resp.write(blocks.close() +
+                             anthropic.end_events(reason, len(res.generated_ids)))
+        except ConnectionError:             # the client left: nobody to tell
+            raise
+        except Exception as e:              # noqa: BLE001 (the headers are sent: an event)
+            status, body, said = _refusal(e, request[REQUEST_ID])
+            if status >= 500:
+                self._log_5xx(request[REQUEST_ID], status, said)
+            await resp.write(anthropic.error_event(anthropic.error_body(status, body)))
+        await resp.write_eof()
+        return resp
+
 
 def serve(run, address: str, base_settings, *, api_key=None, log=print,
           reuse_ram_bytes: int = 0, model_name=None) -> None:
@@ -602,7 +697,8 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
         bound = runner.addresses[0][1] if runner.addresses else port
         shown = f"[{host}]" if ":" in host else host
         log(f"k3 serving {server.model_name} on http://{shown}:{bound}/v1 "
-            f"(chat/completions, completions, models; /health; {LIVENESS} without the key), "
+            f"(chat/completions, completions, messages, models; /health; {LIVENESS} without the "
+            f"key), "
             f"up to {run.width} requests decoded together; Ctrl-C stops")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
