@@ -80,7 +80,9 @@ def test_prefix_cache_across_shards_and_runs(tiny_dir, tmp_path, whole):
     second = _run(tiny_dir, batch, tmp_path / "out.jsonl", "--prefix-cache", cache,
                   "--shard", "2/2", "--batch-width", 2)
     assert first["prefixes"]["prefixes_built"] == 1 and first["prefixes"]["cache"]["writes"] == 1
-    assert second["prefixes"]["prefixes_built"] == 0 and second["prefixes"]["cache"]["hits"] >= 1
+    # read from disk once, then held for every line sharing it (a snapshot is GBs at K3)
+    assert second["prefixes"]["prefixes_built"] == 0 and second["prefixes"]["cache"]["hits"] == 1
+    assert second["prefixes"]["prompts_resumed"] >= 2
     got = _results(tmp_path / "out.jsonl")
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
     names = [p.name for p in cache.iterdir()]

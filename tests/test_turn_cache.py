@@ -77,6 +77,7 @@ def test_turn_cache_spills_lru_to_the_prefix_cache(session, tmp_path):
     cache = TurnCache(session.cfg, ram_bytes=size, prefix_cache=_disk(session, tmp_path))
     cache.offer(_state(session, [1]))
     cache.offer(_state(session, [2]))
+    cache.flush()
     assert cache.summary()["ram_entries"] == 1 and cache.summary()["prefix_cache"]["entries"] == 1
     back, n = cache.take([1, 5])                       # from disk
     assert n == 1 and all((a == 1).all() for a in back.kda_S.values())
@@ -94,7 +95,10 @@ def test_turn_cache_keep_survives_a_new_cache_and_ram_wins_ties(session, tmp_pat
     RAM holds as long a prefix (a needless load of a GB-sized snapshot)."""
     cache = TurnCache(session.cfg, ram_bytes=10 ** 9, prefix_cache=_disk(session, tmp_path))
     cache.keep(_state(session, [4, 5, 6]))
-    assert cache.take([4, 5, 6, 7])[1] == 3 and cache.summary()["disk_hits"] == 0
+    cache.close()                                    # a server's end: queued writes done
+    assert cache.summary()["prefix_cache"]["writes"] == 1
     restarted = TurnCache(session.cfg, ram_bytes=10 ** 9, prefix_cache=_disk(session, tmp_path))
+    restarted.keep(_state(session, [4, 5]))
+    assert restarted.take([4, 5, 9])[1] == 2 and restarted.summary()["disk_hits"] == 0
     st, n = restarted.take([4, 5, 6, 7])
     assert n == 3 and st.ids == [4, 5, 6] and restarted.summary()["disk_hits"] == 1

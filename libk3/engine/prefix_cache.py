@@ -109,7 +109,7 @@ class PrefixCache:
         self.warn = warn or (lambda line: None)
         self.writable = True
         self.stats = {"lookups": 0, "hits": 0, "reused_tokens": 0, "writes": 0,
-                      "refused": 0}
+                      "refused": 0, "load_seconds": 0.0, "write_seconds": 0.0}
 
     def name(self, ids) -> str:
         return snapshot_name(self.context, ids)
@@ -143,6 +143,7 @@ class PrefixCache:
         return None, 0
 
     def _load(self, path: Path, ids):
+        t0 = time.perf_counter()
         try:
             state = State.load(self.cfg, path, self.weights_identity)
         except FileNotFoundError:
@@ -152,6 +153,8 @@ class PrefixCache:
                 return None
             self._refuse(path, e.one_line())
             return None
+        finally:
+            self.stats["load_seconds"] += time.perf_counter() - t0
         if state.ids != ids:
             self._refuse(path, "it holds other token ids than its name says")
             return None
@@ -177,6 +180,7 @@ class PrefixCache:
             return path
         if state_file_bytes(state) > self.budget_bytes:
             return None
+        t0 = time.perf_counter()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             state.save(path, self.weights_identity)
@@ -187,6 +191,7 @@ class PrefixCache:
                       "saving snapshots")
             return None
         self.stats["writes"] += 1
+        self.stats["write_seconds"] += time.perf_counter() - t0
         self.evict(keep=path)
         return path
 

@@ -65,7 +65,7 @@ class PrefixStarts:
         self.wanted = {tuple(ids[:s]) for ids, s in plan if s}
         self.held = None                      # the one snapshot kept in RAM
         self.stats = {"prefixes_built": 0, "prefix_tokens_built": 0, "prompts_resumed": 0,
-                      "tokens_reused": 0, "build_seconds": 0.0}
+                      "tokens_reused": 0, "build_seconds": 0.0, "load_seconds": 0.0}
 
     def start(self, ids, shared: int):
         """(state, n): a fresh state holding the first n ids of ``ids`` (n = 0: a new
@@ -89,8 +89,11 @@ class PrefixStarts:
         n_held = held.pos if held is not None and held.pos <= limit and \
             held.ids == ids[:held.pos] else 0
         if self.cache is not None and limit > n_held:
+            t0 = time.perf_counter()
             state, n = self.cache.lookup(ids, limit=limit, above=n_held)
-            if n:
+            self.stats["load_seconds"] += time.perf_counter() - t0
+            if n:                  # held from now on: the next line sharing it reads no disk
+                self.held = state
                 return state, n
         return (held, n_held) if n_held else (None, 0)
 
@@ -102,7 +105,8 @@ class PrefixStarts:
             self.on_prefix(shared - n)
         state = self.session.new_state() if start is None else \
             (start.copy() if start is self.held else start)
-        stops = [b for b in range(n + 1, shared) if tuple(ids[:b]) in self.wanted] + [shared]
+        stops = sorted({len(w) for w in self.wanted
+                        if n < len(w) < shared and tuple(ids[:len(w)]) == w}) + [shared]
         spec = self.drafting.speculator() if self.drafting is not None else None
         for b in stops:
             for i in range(state.pos, b, self.chunk):
@@ -120,7 +124,8 @@ class PrefixStarts:
         return state.copy()
 
     def summary(self) -> dict:
-        out = {**self.stats, "build_seconds": round(self.stats["build_seconds"], 6)}
+        out = {**self.stats, "build_seconds": round(self.stats["build_seconds"], 6),
+               "load_seconds": round(self.stats["load_seconds"], 6)}
         if self.cache is not None:
             out["cache"] = self.cache.summary()
         return out

@@ -12,11 +12,19 @@ between tokens (spec section 6), and the forward gives byte-identical logits whe
 sequence is fed at once, in chunks, or resumed from a saved state (invariant 2, tested).
 Why a strict prefix: the last prompt token must be fed to give the logits of the first
 generated token.
+Why disk writes go to a thread of their own: a snapshot of a long K3 prefix is GBs, seconds
+to write (bench/README.md "Prefix cache"); written on the engine thread it would stall
+every request in flight. At most ``WRITES_QUEUED`` wait (each holds a state's memory);
+one more is dropped, which costs only a later prefill.
 """
 
 from __future__ import annotations
 
 import collections
+import queue
+import threading
+
+WRITES_QUEUED = 2
 
 
 class TurnCache:
@@ -31,7 +39,14 @@ class TurnCache:
         self.disk = prefix_cache
         # key (tuple of ids) -> (State, nbytes); least recently used first
         self._entries: collections.OrderedDict = collections.OrderedDict()
-        self.stats = {"lookups": 0, "hits": 0, "disk_hits": 0, "reused_tokens": 0}
+        self.stats = {"lookups": 0, "hits": 0, "disk_hits": 0, "reused_tokens": 0,
+                      "writes_dropped": 0}
+        self._writes: queue.Queue = queue.Queue(WRITES_QUEUED)
+        self._writer = None
+        if prefix_cache is not None:
+            self._writer = threading.Thread(target=self._write_loop, name="k3-snapshots",
+                                            daemon=True)
+            self._writer.start()
 
     def _used(self) -> int:
         return sum(e[1] for e in self._entries.values())
@@ -67,22 +82,46 @@ class TurnCache:
             self._entries.move_to_end(key)
             return
         if self.ram_bytes <= 0:
-            if self.disk is not None:
-                self.disk.store(state)
+            self._store(state.copy())
             return
         copy = state.copy()
         self._entries[key] = (copy, copy.nbytes())
         while self._used() > self.ram_bytes:
             _, (old, _) = self._entries.popitem(last=False)
-            if self.disk is not None:
-                self.disk.store(old)
+            self._store(old)
 
     def keep(self, state) -> None:
         """Keep ``state`` in RAM and at once on disk: a prefix worth surviving a restart
         (a conversation's preamble)."""
         self.offer(state)
-        if self.disk is not None:
-            self.disk.store(state)
+        key = tuple(state.ids)
+        self._store(self._entries[key][0] if key in self._entries else state.copy())
+
+    def _store(self, state) -> None:
+        """Queue ``state`` (not changed after this) for the prefix cache's writer."""
+        if self.disk is None:
+            return
+        try:
+            self._writes.put_nowait(state)
+        except queue.Full:
+            self.stats["writes_dropped"] += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):     # ``flush``: all before it written
+                item.set()
+                continue
+            self.disk.store(item)
+
+    def flush(self) -> None:
+        """Wait until every snapshot queued so far is written."""
+        if self._writer is not None:
+            done = threading.Event()
+            self._writes.put(done)
+            done.wait()
 
     def summary(self) -> dict:
         """``stats`` plus the entries and bytes kept in RAM, and the prefix cache's."""
@@ -90,4 +129,9 @@ class TurnCache:
                 "prefix_cache": None if self.disk is None else self.disk.summary()}
 
     def close(self) -> None:
+        """Finish the queued writes, then forget the RAM copies."""
+        if self._writer is not None:
+            self._writes.put(None)
+            self._writer.join()
+            self._writer = None
         self._entries.clear()
