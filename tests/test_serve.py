@@ -508,7 +508,7 @@ def test_serve_logit_bias_bans_and_forces_tokens_and_is_checked(server, tiny_dir
 
 def test_serve_refuses_fields_it_would_ignore_and_models_it_does_not_serve(server):
     """Catches a request answered with 200 while a field it sent is silently ignored
-    (tool_choice "required", best_of, ...), a model
+    (tool_choice "required" on a completion, which has no tools; best_of, ...), a model
     name that is not the served one accepted and echoed, and /v1/models/{id} missing;
     controls: the do-nothing values of those fields and bookkeeping fields pass."""
     base = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1}

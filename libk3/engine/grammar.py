@@ -8,8 +8,13 @@ tokenizer (``compile_grammar``: cached by the format's canonical JSON text on th
 tokenizer's ``GrammarTokenizer``, so a server compiles a schema once for every request that
 sends it), and one sequence's ``Matcher`` (the allowed tokens after the tokens it has seen,
 ``advance``, ``copy``, ``is_done``). Does not own: where the mask is applied (``sampler``:
-first, before the logit bias and the penalties, formats/numerics.md §12), the stop rule
+first, before the logit bias and the penalties, formats/numerics.md section 12), the stop rule
 (``stops``: a grammar's end token ends generation), options and batch lines.
+
+It also compiles the server's ``tool_choice`` constraint (``compile_tool_grammar``,
+docs/serve.md): a Lark grammar over the chat markup (formats/chat.md "Parsing the
+reply"): an optional think channel, then the channels the choice allows, each call's
+arguments a ``%json`` sub-grammar of its tool's schema; special tokens written by id.
 
 Why llguidance (the ``structured`` extra, never a core dependency): it builds its token
 trie from raw token bytes, as k3's tokenizer gives them (``token_bytes``: byte-level BPE,
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import threading
 import time
 
@@ -181,13 +187,18 @@ def compile_grammar(tokenizer, fmt) -> "Grammar | None":
     if _schema(fmt) is None:
         return None
     gt = GrammarTokenizer.for_tokenizer(tokenizer)
-    key = format_key(fmt)
+    return _kept(gt, format_key(fmt), lambda key: Grammar(gt, _grammar_text(_schema(fmt)), key))
+
+
+def _kept(gt: GrammarTokenizer, key: str, build) -> "Grammar":
+    """The grammar cached on ``gt`` by ``key``, else ``build(key)`` cached (least
+    recently used out past GRAMMARS_KEPT)."""
     with _LOCK:
         g = gt.grammars.get(key)
         if g is not None:
             gt.grammars.move_to_end(key)
             return g
-    g = Grammar(gt, _grammar_text(_schema(fmt)), key)
+    g = build(key)
     with _LOCK:
         gt.grammars[key] = g
         if len(gt.grammars) > GRAMMARS_KEPT:
@@ -198,12 +209,13 @@ def compile_grammar(tokenizer, fmt) -> "Grammar | None":
 class Grammar:
     """A compiled format for one tokenizer; ``matcher(stop_ids)`` starts a sequence."""
 
-    def __init__(self, gt: GrammarTokenizer, text: str, key: str):
+    def __init__(self, gt: GrammarTokenizer, text: str, key: str,
+                 what: str = "response format"):
         llg = llguidance()
         self.tokenizer, self.key = gt, key
         self._proto = llg.LLMatcher(gt.lltok, text, log_level=0)
         if self._proto.is_error():
-            raise UsageError(f"response format: schema refused: "
+            raise UsageError(f"{what}: schema refused: "
                              f"{self._proto.get_error().splitlines()[0]}")
 
     def matcher(self, stop_ids=()) -> "Matcher":
@@ -310,3 +322,150 @@ class Matcher:
             self.sync(made)
         row[~self.allowed(row.size)] = -np.inf
         return row
+
+
+
+# ---- tool_choice: the reply's tool calls enforced on the chat markup (docs/serve.md) ----
+TOOL_CHOICES = ("none", "auto", "required")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")   # a name a call's head can carry
+CALL_ID = r"[A-Za-z0-9_.:-]{1,40}"                  # a call's optional id="..." (bounded)
+THINK_MODES = ("optional", "closed", "open")        # where the prompt leaves the think channel
+_MARKS = ("<|open|>", "<|close|>", "<|sep|>")
+
+
+def tool_schemas(tools) -> dict:
+    """{name: parameters schema} of OpenAI-style ``tools`` (an absent schema: any JSON
+    object); ValueError for a tool a call cannot name."""
+    out = {}
+    for k, tool in enumerate(tools or ()):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if fn is None or tool.get("type", "function") != "function" \
+                or not isinstance(fn, dict):
+            raise ValueError(f"tools[{k}] must be {{\"type\": \"function\", \"function\": "
+                             "{\"name\": ...}} to be called under tool_choice")
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise ValueError(f"tools[{k}]: a function's name must be 1-64 of A-Z a-z 0-9 "
+                             "_ . : - to be called under tool_choice")
+        if name in out:
+            raise ValueError(f"tools[{k}]: the function name {name!r} is given twice")
+        schema = fn.get("parameters")
+        schema = {"type": "object"} if schema is None else schema
+        if not isinstance(schema, dict):
+            raise ValueError(f"tools[{k}]: \"parameters\" must be a JSON schema (an object)")
+        out[name] = schema
+    return out
+
+
+def tool_choice_name(choice):
+    """The function a named ``tool_choice`` ({"type": "function", "function": {"name":
+    N}}) asks for, None for "none" / "auto" / "required"; ValueError otherwise."""
+    if isinstance(choice, str) and choice in TOOL_CHOICES:
+        return None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(fn, dict) or choice.get("type") != "function" \
+            or not isinstance(fn.get("name"), str):
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", '
+                         '"function": {"name": NAME}}')
+    return fn["name"]
+
+
+def tool_choice_problem(choice, tools, parallel=True) -> tuple | None:
+    """(field, why) when ``choice`` (with ``parallel_tool_calls``) cannot be enforced for
+    ``tools``, or None. Does not compile the schemas (``compile_tool_grammar`` does)."""
+    try:
+        name = tool_choice_name(choice)
+    except ValueError as e:
+        return "tool_choice", str(e)
+    if choice == "none" or (choice == "auto" and (parallel or not tools)):
+        return None                  # no call asked for: the tools are not read
+    if not tools:
+        return "tool_choice", f"{json.dumps(choice)} needs 'tools' to call"
+    try:
+        schemas = tool_schemas(tools)
+    except ValueError as e:
+        return "tools", str(e)
+    if name is not None and name not in schemas:
+        return "tool_choice", f"names the function {name!r}, which is not in 'tools'"
+    return None
+
+
+def think_mode(tokenizer, prompt_ids) -> str:
+    """Where a rendered chat prompt leaves the think channel: "closed" (the generation
+    prompt closed one, as a template does with thinking off), "open" (it opened one the
+    reply continues) or "optional" (the reply may open one)."""
+    tok = tokenizer.get() if hasattr(tokenizer, "get") else tokenizer
+    from ..text.chat_parse import pieces
+    tail = pieces(tok, list(prompt_ids)[-8:])[-3:]
+    if len(tail) == 3 and tail[1] == ("text", "think") and tail[2] == ("mark", "<|sep|>"):
+        if tail[0] == ("mark", "<|close|>"):
+            return "closed"
+        if tail[0] == ("mark", "<|open|>"):
+            return "open"
+    return "optional"
+
+
+def tool_lark(marks, schemas: dict, choice, parallel: bool, think: str) -> str:
+    """The Lark grammar of a reply under ``choice``: an optional think channel (any text;
+    per ``think``), then for "none" an optional reply (a response channel or plain text),
+    for "auto" (``parallel`` False) that and at most one call, for "required" or a named
+    function a tools channel only (one call, or one or more when ``parallel``), each
+    call ``call name="F"`` with an optional bounded id and arguments valid JSON for F's
+    schema; then optionally the closing assistant tag. ``marks``: the ids of <|open|>,
+    <|close|>, <|sep|>."""
+    o, c, s = (f"<[{int(i)}]>" for i in marks)
+    name = tool_choice_name(choice)
+    lines = ['TEXT: /(.|\\n)+/',
+             f'close: {c} "assistant" {s}',
+             f'reply: {o} "response" {s} TEXT? {c} "response" {s} | TEXT']
+    head = {"optional": "think? ", "closed": "", "open": "think_rest "}[think]
+    lines += [f'think: {o} "think" {s} think_rest', f'think_rest: TEXT? {c} "think" {s}']
+    if choice == "none":
+        body = "reply?"
+    else:
+        names = [name] if name is not None else list(schemas)
+        calls = []
+        for k, fn in enumerate(names):
+            schema = dict(schemas[fn])
+            schema.setdefault("x-guidance", JSON_OPTIONS)
+            calls.append(f"call_{k}")
+            lines.append(f'call_{k}: {o} {json.dumps(f"call name={json.dumps(fn)}")} call_id? '
+                         f'{s} %json {json.dumps(schema, ensure_ascii=False)} {c} "call" {s}')
+        lines += [f'call_id: " id=\\"" /{CALL_ID}/ "\\""',
+                  "call: " + " | ".join(calls),
+                  f'tools: {o} "tools" {s} call{"+" if parallel else ""} {c} "tools" {s}']
+        body = "reply? tools?" if choice == "auto" else "tools"
+    return "\n".join([f"start: {head}{body} close?"] + lines) + "\n"
+
+
+def compile_tool_grammar(tokenizer, tools, choice, parallel: bool = True,
+                         think: str = "optional") -> "Grammar | None":
+    """The grammar enforcing ``tool_choice`` ``choice`` and ``parallel_tool_calls``
+    ``parallel`` on a chat reply (``tool_lark``) for ``tokenizer``, cached by its text;
+    None when nothing is enforced ("auto" with parallel calls, or no tools). UsageError
+    for what ``tool_choice_problem`` refuses, a schema llguidance refuses, a vocabulary
+    without the markup, or llguidance missing."""
+    why = tool_choice_problem(choice, tools, parallel)
+    if why:
+        raise UsageError(f"{why[0]}: {why[1]}")
+    if choice == "auto" and (parallel or not tools):
+        return None
+    if think not in THINK_MODES:
+        raise ValueError(f"think must be one of {THINK_MODES}")
+    tok = tokenizer.get() if hasattr(tokenizer, "get") else tokenizer
+    marks = [tok.id_of(m) for m in _MARKS]
+    if None in marks:
+        raise UsageError("tool_choice needs the chat markup (<|open|>, <|close|>, <|sep|>) "
+                         "in the vocabulary")
+    schemas = {} if choice == "none" else tool_schemas(tools)
+    text = tool_lark(marks, schemas, choice, parallel, think)
+    llg = llguidance()
+    try:
+        grammar = llg.LLMatcher.grammar_from_lark(text)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"tools: schema refused: {str(e).splitlines()[0]}") from None
+    why = llg.LLMatcher.validate_grammar(grammar)
+    if why and not why.startswith("WARNING"):
+        raise UsageError(f"tools: schema refused: {why.splitlines()[0]}")
+    gt = GrammarTokenizer.for_tokenizer(tok)
+    return _kept(gt, "tools:" + text, lambda key: Grammar(gt, grammar, key, what="tools"))

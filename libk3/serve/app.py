@@ -356,7 +356,28 @@ class Server:
         ids = self.run.encode_messages({"messages": req.messages, "tools": req.tools,
                                         "template_kwargs": req.template_kwargs}, self.log)
         settings = self.run.chat_settings(self._settings(req), self.log)
+        settings = self._tool_grammar(req, ids, settings)
         return req, ids, settings, self._reader(req), self._preamble(req, ids)
+
+    def _tool_grammar(self, req, ids, settings):
+        """``settings`` with the grammar of the request's ``tool_choice`` and
+        ``parallel_tool_calls`` (docs/serve.md, tool_choice; compiled on this CPU thread,
+        cached by its text). Unchanged when nothing is enforced ("auto" with parallel
+        calls), or under a response_format's grammar (its JSON holds no call)."""
+        choice = getattr(req, "tool_choice", "auto")
+        parallel = getattr(req, "parallel_tool_calls", True)
+        if settings.grammar is not None or (choice == "auto" and (parallel or not req.tools)):
+            return settings
+        if self.run.session.tokenizer is None or self.run.chat().template is None:
+            if choice in ("none", "auto"):       # without a template no call is parsed
+                return settings
+            raise ApiError(422, "'tool_choice' needs the model's chat template (its calls are "
+                                "read from the reply's markup)", param="tool_choice",
+                           code="invalid_value")
+        from ..engine.grammar import compile_tool_grammar, think_mode
+        tok = self.run.session.tokenizer
+        return dataclasses.replace(settings, grammar=compile_tool_grammar(
+            tok, req.tools, choice, parallel, think_mode(tok, ids)))
 
     def _preamble(self, req, ids) -> int:
         """The ids a later request can share (``ChatEncoder.preamble``), when prefixes are

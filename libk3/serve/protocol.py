@@ -7,7 +7,7 @@ rendering and parsing conversations (``libk3.engine.chat_*``).
 
 A field k3 does not implement is refused (400 naming it, ``unsupported_field``), unless
 it cannot change the reply: ``IGNORED`` fields, and ``NEUTRAL`` fields given their
-do-nothing value (``logprobs`` false, ``tool_choice`` "auto", ...). A field k3 uses with
+do-nothing value (``logprobs`` false, ``best_of`` 1, ...). A field k3 uses with
 the wrong type or range is refused (422). Either way a request never runs with settings
 other than those asked for. The sampling fields beyond OpenAI's (``top_k``, ``min_p``,
 ``repetition_penalty``) mean what vLLM's do, and ``logit_bias`` is applied as vLLM
@@ -22,7 +22,7 @@ import time
 
 from ..text.chat_request import conversation_problem
 from ..text.encodable import field_problem
-from ..engine.grammar import response_format_problem
+from ..engine.grammar import response_format_problem, tool_choice_problem
 from ..engine.logprobs import MAX_TOP
 from ..engine.settings import (SAMPLING_RULES, gen_problem, logit_bias_problem, seed_problem,
                                temperature_problem, token_ids_problem, top_p_problem)
@@ -35,13 +35,14 @@ SAMPLED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequenc
 READ = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
         "stop", "stream", "stream_options", "n", "logit_bias", "response_format", *SAMPLED}
 READ_CHAT = READ | {"messages", "tools", "chat_template_kwargs", "logprobs", "top_logprobs",
-                    "reasoning_effort"}
+                    "reasoning_effort", "tool_choice", "parallel_tool_calls"}
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")   # OpenAI's values
 READ_COMPLETION = READ | {"prompt", "logprobs", "echo"}
 MAX_COMPLETION_LOGPROBS = 5      # a completion's ``logprobs`` (alternatives), at most
 # Bookkeeping a client may attach; it never changes the reply.
 IGNORED = {"user", "metadata", "store", "service_tier"}
-# Fields k3 does not implement, accepted only with the value that asks for nothing.
+# Fields k3 does not implement, accepted only with the value that asks for nothing (a chat
+# request reads tool_choice and parallel_tool_calls: ``_tool_choice``).
 NEUTRAL = {"tool_choice": ("auto",), "parallel_tool_calls": (True,),
            "best_of": (1,), "suffix": ("",)}
 
@@ -81,6 +82,8 @@ class Request:
     echo: bool = False            # a completion's prompt returned before its text
     n: int = 1                    # choices: lanes sharing one prefill of the prompt
     response_format: dict | None = None   # structured output (OpenAI's shape), enforced
+    tool_choice: object = "auto"          # "none", "auto", "required" or a named function
+    parallel_tool_calls: bool = True      # False: at most one call (enforced with a grammar)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -212,6 +215,8 @@ def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
             raise ApiError(422, f"'response_format': {why}", param="response_format",
                            code="invalid_value")
         req.response_format = fmt
+    if chat:
+        _tool_choice(body, req)
     req.stream = bool(_field(body, "stream", lambda v: isinstance(v, bool), "a boolean"))
     options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
     req.include_usage = options.get("include_usage") is True
@@ -297,3 +302,22 @@ def _logprobs(body: dict, chat: bool, req: Request) -> None:
                           f"an integer 0..{MAX_COMPLETION_LOGPROBS}")
 
     req.echo = bool(_field(body, "echo", lambda v: isinstance(v, bool), "a boolean"))
+
+
+def _tool_choice(body: dict, req: Request) -> None:
+    """``tool_choice`` and ``parallel_tool_calls`` (docs/serve.md, tool_choice): 422 for a
+    malformed choice, one that needs tools the request lacks or names a function not in
+    them, and "required" or a named function with a constraining ``response_format``."""
+    choice = body.get("tool_choice")
+    choice = "auto" if choice is None else choice
+    parallel = _field(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "a boolean")
+    req.parallel_tool_calls = parallel is not False
+    why = tool_choice_problem(choice, req.tools, req.parallel_tool_calls)
+    if why:
+        raise ApiError(422, f"'{why[0]}': {why[1]}", param=why[0], code="invalid_value")
+    if choice not in ("none", "auto") and req.response_format is not None \
+            and req.response_format.get("type") != "text":
+        raise ApiError(422, "'tool_choice' other than \"none\" or \"auto\" cannot be enforced "
+                            "together with a 'response_format' (the reply is either calls or "
+                            "that JSON)", param="tool_choice", code="invalid_value")
+    req.tool_choice = choice
