@@ -304,7 +304,7 @@ def test_the_client_reads_refusals_and_a_wrong_key_is_401(server):
     changed by the Messages API's."""
     with pytest.raises(anthropic.BadRequestError) as e:
         _client(server).messages.create(model="tiny", max_tokens=4, messages=HELLO,
-                                        tool_choice={"type": "any"})
+                                        extra_body={"frobnicate": 1})
     assert e.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.AuthenticationError) as e:
         _client(server, key="wrong").messages.create(model="tiny", max_tokens=4,
@@ -333,3 +333,28 @@ def test_stop_reason_rules():
     assert shapes.tool_input("{\"a\": [1]}") == {"a": [1]}
     assert shapes.tool_input("[1]") == {shapes.UNPARSED: "[1]"}
     assert shapes._arguments({shapes.UNPARSED: "[1"}) == "[1"
+
+
+def test_tool_choice_is_enforced_as_on_the_chat_endpoint(server):
+    """Catches Anthropic's tool_choice refused or ignored: "tool" names the one function
+    every reply calls (with arguments its input_schema accepts), "any" calls one of the
+    tools, "none" calls nothing; a name not among the tools is refused."""
+    c = _client(server)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    short = [{**TOOLS[0], "input_schema": {      # a short call: the random model ends it
+        "type": "object", "required": ["city"], "additionalProperties": False,
+        "properties": {"city": {"enum": ["Paris", "Rome"]}}}}]
+    for seed_choice in ({"type": "tool", "name": "get_weather",
+                         "disable_parallel_tool_use": True}, {"type": "any"}):
+        m = c.messages.create(model="tiny", max_tokens=120, messages=msgs, tools=short,
+                              tool_choice=seed_choice, extra_body={"temperature": 1.0})
+        calls = [b for b in m.content if b.type == "tool_use"]
+        assert m.stop_reason == "tool_use" and calls, m
+        assert {b.name for b in calls} == {"get_weather"} and all(
+            b.input in ({"city": "Paris"}, {"city": "Rome"}) for b in calls)
+    m = c.messages.create(model="tiny", max_tokens=8, messages=msgs, tools=TOOLS,
+                          tool_choice={"type": "none"})
+    assert not [b for b in m.content if b.type == "tool_use"]
+    status, _, raw = _raw(server, {"model": "tiny", "max_tokens": 4, "messages": msgs,
+                                   "tools": TOOLS, "tool_choice": {"type": "tool", "name": "x"}})
+    assert status == 422 and "tool_choice" in json.loads(raw)["error"]["message"]

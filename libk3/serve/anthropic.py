@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from ..engine.grammar import tool_choice_problem
 from ..engine.settings import SAMPLING_RULES, gen_problem, temperature_problem, top_p_problem
 from ..engine.stops import StopText
 from .protocol import MAX_STOP, ApiError, Request, _field, _is_int, _rule
@@ -265,6 +266,36 @@ def _thinking(body: dict, max_tokens: int):
     return "high"
 
 
+def _tool_choice(choice, req) -> None:
+    """Anthropic's tool_choice as the chat path's (enforced by the same grammar): auto,
+    any ("required"), tool (a named function), none; ``disable_parallel_tool_use`` true:
+    at most one call."""
+    if choice is None:
+        return
+    kinds = {"auto": "auto", "any": "required", "none": "none", "tool": None}
+    if not isinstance(choice, dict) or choice.get("type") not in kinds:
+        raise ApiError(422, "'tool_choice' must be an object with a type: auto, any, tool or "
+                            "none", param="tool_choice", code="invalid_value")
+    _unknown_keys(choice, {"type", "name", "disable_parallel_tool_use"}, "tool_choice")
+    mapped = kinds[choice["type"]]
+    if mapped is None:
+        name = choice.get("name")
+        if not isinstance(name, str):
+            raise ApiError(422, "'tool_choice' of type tool needs the tool's name",
+                           param="tool_choice", code="invalid_value")
+        mapped = {"type": "function", "function": {"name": name}}
+    no_parallel = choice.get("disable_parallel_tool_use", False)
+    if not isinstance(no_parallel, bool):
+        raise ApiError(422, "'disable_parallel_tool_use' must be a boolean",
+                       param="tool_choice", code="invalid_type")
+    req.parallel_tool_calls = not no_parallel
+    why = tool_choice_problem(mapped, req.tools, req.parallel_tool_calls)
+    if why:
+        raise ApiError(422, f"'tool_choice': {why[1]}", param="tool_choice",
+                       code="invalid_value")
+    req.tool_choice = mapped
+
+
 def check_request(body: dict) -> MessagesRequest:
     """The body of POST /v1/messages, checked and converted (ApiError when refused)."""
     for name, value in body.items():
@@ -280,12 +311,9 @@ def check_request(body: dict) -> MessagesRequest:
     why = gen_problem(req.max_tokens) or (req.max_tokens < 1 and "max_tokens must be >= 1")
     if why:
         raise ApiError(422, f"'max_tokens': {why}", param="max_tokens", code="invalid_value")
-    choice = body.get("tool_choice")
-    if choice is not None and choice != {"type": "auto"}:
-        _refuse("'tool_choice' other than {\"type\": \"auto\"} is not implemented by k3 (it "
-                "does not force or forbid tool calls); leave it out", "tool_choice")
     req.messages = _messages(body)
     req.tools = _tools(body.get("tools"))
+    _tool_choice(body.get("tool_choice"), req)
     req.reasoning_effort = _thinking(body, req.max_tokens)
     req.temperature = _rule(body, "temperature", temperature_problem)
     req.top_p = _rule(body, "top_p", top_p_problem)
