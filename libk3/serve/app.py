@@ -249,6 +249,14 @@ class Server:
         if REQUEST_ID in request:
             response.headers["x-request-id"] = request[REQUEST_ID]
 
+    def _stream_failure(self, request, e: Exception) -> tuple:
+        """(status, error body) of an exception met after a stream's headers went out (so
+        it is told as an event), a 5xx logged once with the request's id."""
+        status, body, said = _refusal(e, request[REQUEST_ID])
+        if status >= 500:
+            self._log_5xx(request[REQUEST_ID], status, said)
+        return status, body
+
     def _log_5xx(self, rid: str, status: int, said: str) -> None:
         if self.log:
             self.log(f"request {rid} failed ({status}): {said}")
@@ -559,10 +567,7 @@ class Server:
         except ConnectionError:             # the client left: nobody to tell
             raise
         except Exception as e:              # noqa: BLE001 (the headers are sent: an event)
-            status, body, said = _refusal(e, request[REQUEST_ID])
-            if status >= 500:
-                self._log_5xx(request[REQUEST_ID], status, said)
-            await resp.write(sse(body))
+            await resp.write(sse(self._stream_failure(request, e)[1]))
         await resp.write(sse("[DONE]"))
         await resp.write_eof()
         return resp
@@ -674,10 +679,8 @@ class Server:
         except ConnectionError:             # the client left: nobody to tell
             raise
         except Exception as e:              # noqa: BLE001 (the headers are sent: an event)
-            status, body, said = _refusal(e, request[REQUEST_ID])
-            if status >= 500:
-                self._log_5xx(request[REQUEST_ID], status, said)
-            await resp.write(anthropic.error_event(anthropic.error_body(status, body)))
+            await resp.write(anthropic.error_event(anthropic.error_body(
+                *self._stream_failure(request, e))))
         await resp.write_eof()
         return resp
 
