@@ -365,7 +365,7 @@ class Server:
                                         "template_kwargs": req.template_kwargs}, self.log)
         settings = self.run.chat_settings(self._settings(req), self.log)
         settings = self._tool_grammar(req, ids, settings)
-        return req, ids, settings, self._reader(req), self._preamble(req, ids)
+        return req, ids, settings, self._reader(req, settings), self._preamble(req, ids)
 
     def _tool_grammar(self, req, ids, settings):
         """``settings`` with the grammar of the request's ``tool_choice`` and
@@ -405,7 +405,7 @@ class Server:
         self._check_model(req.model)
         ids = req.prompt_ids if req.prompt_ids is not None else self.run.encode(req.prompt)
         settings = self._settings(req)
-        return req, ids, settings, self._reader(req), 0
+        return req, ids, settings, self._reader(req, settings), 0
 
     def _settings(self, req):
         fields = {"gen": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
@@ -435,7 +435,7 @@ class Server:
                     loop, preamble=preamble if req.n == 1 else 0, logprobs=req.logprobs,
                     echo=req.echo) for i in range(req.n)]
         jobs[0].followers = jobs[1:]
-        readers = [reader] + [self._reader(req) for _ in jobs[1:]]
+        readers = [reader] + [self._reader(req, settings) for _ in jobs[1:]]
         self.worker.submit(jobs[0])
         rid = f"{'chatcmpl' if req.chat else 'cmpl'}-k3-{next(self.ids)}"
         model = req.model or self.model_name
@@ -451,10 +451,12 @@ class Server:
             for job in jobs:
                 job.cancel()        # the client went away (or we are done): stop decoding
 
-    def _reader(self, req) -> ReplyReader:
+    def _reader(self, req, settings) -> ReplyReader:
         """What turns a choice's ids into its message or text, as they come."""
         chat = req.chat and self.run.chat().template is not None
-        return ReplyReader(self.run.session.tokenizer, chat, req.stop)
+        ends = tuple(settings.stop_ids) + (settings.grammar.end_ids(settings.stop_ids)
+                                           if settings.grammar is not None else ())
+        return ReplyReader(self.run.session.tokenizer, chat, req.stop, ends)
 
     async def _finished(self, job, generated, on_token=None, on_idle=None):
         """Wait for the job's end, collecting its tokens; the GenResult. ``on_idle()`` is

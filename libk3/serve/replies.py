@@ -18,8 +18,9 @@ REPLACEMENT = "\ufffd"          # a UTF-8 character whose last bytes have not ar
 class ReplyReader:
     """Reads one request's generated ids; ``templated`` False: the reply is plain text."""
 
-    def __init__(self, tokenizer, templated: bool, stops=()):
+    def __init__(self, tokenizer, templated: bool, stops=(), end_ids=()):
         self.tokenizer, self.templated, self.stops = tokenizer, templated, tuple(stops)
+        self.end_ids = frozenset(end_ids)   # ids that end generation: not a completion's text
         self.sent = Reply()
         self.sent_calls = 0
 
@@ -29,7 +30,11 @@ class ReplyReader:
         return Reply(content=returned_text(self.tokenizer, ids, self.stops))
 
     def text(self, ids) -> str:
-        """A completion's text (no parsing: /v1/completions continues text)."""
+        """A completion's text (no parsing: /v1/completions continues text), without the
+        token that ended it by a stop id (a turn's end, a grammar's end): OpenAI's text
+        holds no stop."""
+        if ids and ids[-1] in self.end_ids:
+            ids = ids[:-1]
         return returned_text(self.tokenizer, ids, self.stops)
 
     def delta(self, ids, final: bool = False) -> dict:
