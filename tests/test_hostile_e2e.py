@@ -234,8 +234,10 @@ def _crafted_state(tiny_dir, tmp_path, pos):
 def test_process_state_of_other_weights_is_refused_in_run_and_chat(tiny_dir, tmp_path):
     """Catches a state computed with other weights of the same configuration loading
     silently (the one-prompt run and the chat generated garbage from it): exit 3, one line
-    naming the state file. Control: the state, saved streaming through a pack, loads into
-    a resident run of its own checkpoint (the identity is the weights', not the pack's)."""
+    naming the state file; and a run that compiled the kernels before refusing it (on a
+    cold numba cache: a minute and 0.6 GB). Control: the state, saved streaming through a
+    pack, loads into a resident run of its own checkpoint (the identity is the weights',
+    not the pack's)."""
     from .hostile_inputs import model_with_other_weights
     from .test_run_cli import _pack
 
@@ -248,12 +250,13 @@ def test_process_state_of_other_weights_is_refused_in_run_and_chat(tiny_dir, tmp
     mine = run_script(run + [tiny_dir, "--ids", "4", "--gen", "1", "--load-state", state])
     assert mine.code == 0, mine.stderr
     other = model_with_other_weights(tiny_dir, tmp_path / "other")
+    cold = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     check_process_refused(run_script(run + [other, "--ids", "4", "--gen", "1", "--load-state",
-                                            state]), 3, str(state), "other weights")
+                                            state], env=cold), 3, str(state), "other weights")
     (tmp_path / "turns.txt").write_text("Hi there\n\n")
     with open(tmp_path / "turns.txt") as turns:
         chat = run_script(run + [other, "--chat", "--gen", "1", "--load-state", state],
-                          stdin=turns)
+                          stdin=turns, env=cold)
     check_process_refused(chat, 3, str(state), "other weights")
 
 

@@ -153,17 +153,7 @@ class State:
         path = Path(path)
         try:
             with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                head = _read_header(f, size, path)
-                meta = _check_meta(cfg, head, path, weights_identity)
-                layout = array_layout(cfg, meta["pos"])
-                need = _PREFIX.size + len(head) + sum(
-                    4 * int(np.prod(shape, dtype=np.int64)) for _, shape in layout) \
-                    + _DIGEST_BYTES
-                if size != need:
-                    raise FormatError("state file size does not match its arrays "
-                                      "(truncated or trailing bytes)", path=path,
-                                      expected=f"{need} bytes", found=f"{size} bytes")
+                head, meta, layout = _checked_header(f, cfg, path, weights_identity)
                 st = cls(cfg, capacity=max(64, meta["pos"]))
                 st.pos, st.ids = meta["pos"], meta["ids"]
                 st.logits = np.zeros(cfg.vocab_size, np.float32) if st.pos else None
@@ -181,6 +171,36 @@ class State:
         except OSError as e:
             raise FormatError(f"cannot read state file: {e.strerror or e}", path=path) from None
         return st
+
+
+def check_file(cfg: K3Config, path, weights_identity: str) -> dict:
+    """``State.load``'s checks that read only the header (framing, the header against
+    ``cfg`` and ``weights_identity``, the file's size; not the checksum or the arrays'
+    values, which ``load`` checks): the header, or a FormatError naming the file. Why: a
+    run checks a state it was asked to load before compiling or reading anything for the
+    model, so a state of another model is refused at once."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            return _checked_header(f, cfg, path, weights_identity, digest=False)[1]
+    except OSError as e:
+        raise FormatError(f"cannot read state file: {e.strerror or e}", path=path) from None
+
+
+def _checked_header(f, cfg: K3Config, path, weights_identity: str, digest: bool = True):
+    """(header bytes, header, array layout) of an open state file, every check that
+    reads no array's values done."""
+    size = os.fstat(f.fileno()).st_size
+    head = _read_header(f, size, path, digest)
+    meta = _check_meta(cfg, head, path, weights_identity)
+    layout = array_layout(cfg, meta["pos"])
+    need = _PREFIX.size + len(head) + sum(
+        4 * int(np.prod(shape, dtype=np.int64)) for _, shape in layout) + _DIGEST_BYTES
+    if size != need:
+        raise FormatError("state file size does not match its arrays "
+                          "(truncated or trailing bytes)", path=path,
+                          expected=f"{need} bytes", found=f"{size} bytes")
+    return head, meta, layout
 
 
 def read_meta(path, check: bool = False) -> dict:
@@ -239,8 +259,9 @@ def _check_arrays(f, meta: dict, start: int, size: int, path) -> None:
             left -= n
 
 
-def _read_header(f, size: int, path) -> bytes:
-    """Check the prefix, the header length and the checksum; -> the header bytes."""
+def _read_header(f, size: int, path, digest: bool = True) -> bytes:
+    """Check the prefix, the header length and (``digest``) the checksum; -> the header
+    bytes."""
     prefix = f.read(_PREFIX.size)
     if len(prefix) < _PREFIX.size or prefix[:8] != STATE_MAGIC:
         raise FormatError("not a k3 state file (empty, or bad magic)", path=path,
@@ -256,15 +277,17 @@ def _read_header(f, size: int, path) -> bytes:
         raise FormatError("state header length runs past the file (truncated?)", path=path,
                           expected=f"<= {min(MAX_HEADER_BYTES, size - _PREFIX.size - 32)}",
                           found=hlen)
-    digest = hashlib.sha256(prefix)
+    if not digest:
+        return f.read(hlen)
+    sha = hashlib.sha256(prefix)
     left = size - _PREFIX.size - _DIGEST_BYTES
     while left > 0:
         chunk = f.read(min(_HASH_CHUNK, left))
         if not chunk:
             raise FormatError("state file is truncated", path=path)
-        digest.update(chunk)
+        sha.update(chunk)
         left -= len(chunk)
-    if f.read(_DIGEST_BYTES) != digest.digest():
+    if f.read(_DIGEST_BYTES) != sha.digest():
         raise FormatError("state checksum mismatch (the file is damaged or incomplete)",
                           path=path)
     f.seek(_PREFIX.size)

@@ -57,6 +57,7 @@ class RunOptions:
     prefix_cache_bytes: int = PREFIX_CACHE_BYTES     # its budget on disk
     share_prefixes: bool = True            # a batch prefills a prefix its lines share once
     serve: bool = False                    # the run serves requests (--serve)
+    load_state: str | None = None          # a state to resume (--load-state): checked first
 
 
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
@@ -126,6 +127,10 @@ class Run:
         ckpt = Checkpoint.open(opts.model)       # indexed once, for the budget and the run
         self.drafting = None
         try:
+            if opts.load_state:     # a state of another model is refused before any compile
+                from ..io.identity import weights_identity
+                from ..model.state import check_file
+                check_file(ckpt.config, opts.load_state, weights_identity(ckpt))
             draft = None
             if opts.draft:
                 from ..draft.checkpoint import load_draft

@@ -411,7 +411,8 @@ def _run_options(ctx, a):
         draft_dump=a.draft_dump, warn=lambda m: click.echo(f"k3-run: {m}", err=True),
         template_limits=RenderLimits(a.template_timeout, a.template_max_bytes),
         prefix_cache=a.prefix_cache, prefix_cache_bytes=int(a.prefix_cache_gb * 1e9),
-        share_prefixes=not a.no_prefix_sharing, serve=bool(a.serve_address))
+        share_prefixes=not a.no_prefix_sharing, serve=bool(a.serve_address),
+        load_state=a.load_state)
 
 
 def _settings(a):
