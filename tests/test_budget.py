@@ -115,3 +115,30 @@ def test_budget_trunk_hint_is_not_below_the_floor_it_names():
     value = float(e.value.hint.rsplit(" ", 1)[-1])
     assert int(round(value * 1e9)) >= trunk_floor(layers)
     plan_trunk(layers, int(round(value * 1e9)))                    # control: it runs
+
+
+def test_prefill_chunk_rule_takes_its_activations_from_the_cache_never_below_its_floor():
+    """Catches a prefill chunk whose activations land on top of the budget (the peak past
+    budget + overhead), one that starves the expert cache below its floor, or a rule that
+    never raises the chunk: at Kimi K3's dims the floor and the laptop cache keep 64
+    tokens, the desktop cache takes 512; every chunk's extra activations are exactly what
+    the cache gives up; a requested chunk at the floor leaves the cache at its floor."""
+    from libk3.budget import PREFILL_CHUNKS, activation_peak, prefill_chunk
+    from libk3.k3_dims import real_config
+    cfg = real_config()
+    sizes = ModelSizes.from_config(cfg)
+    per = sizes.activation_token_bytes
+    assert per == activation_peak(cfg, 1)[0] and activation_peak(cfg, 512)[0] == 512 * per
+    floor = minimum_budget(sizes)
+    assert prefill_chunk(floor, sizes, 64) == (64, floor.cache_bytes, "")
+    for gb in (0.4, 1, 2, 4, 10, 30):
+        b = Budget(floor.trunk_bytes, int(gb * 1e9), None, ())
+        chunk, cache, why = prefill_chunk(b, sizes, 64)
+        assert chunk in (64,) + PREFILL_CHUNKS
+        assert b.cache_bytes - cache == (chunk - 64) * per          # taken, not added
+        assert cache >= floor.cache_bytes and (chunk - 64) * per <= b.cache_bytes / 16
+        assert (chunk > 64) == bool(why)
+    assert prefill_chunk(Budget(0, int(0.4e9), None, ()), sizes, 64)[0] == 64
+    assert prefill_chunk(Budget(0, int(10e9), None, ()), sizes, 64)[0] == 512
+    chunk, cache, why = prefill_chunk(floor, sizes, 64, requested=256)
+    assert (chunk, cache) == (256, floor.cache_bytes) and "raise the peak" in why

@@ -1,6 +1,7 @@
 """Whether a budget fits a machine, and resolving the flags into one: the fixed overhead
 a run needs besides its two budgets, the planned peak, admission, the ``auto`` rule,
-``--preset``/``--trunk-gb``/``--cache-gb`` in argv order, and the batch width.
+``--preset``/``--trunk-gb``/``--cache-gb`` in argv order, the batch width and the
+prefill chunk.
 """
 
 from __future__ import annotations
@@ -254,3 +255,45 @@ def batch_width(budget: Budget, sizes: ModelSizes, mem, requested, *, jobs: int 
     else:
         reasons.append(f"width {width} from --batch-width")
     return width, tuple(reasons)
+
+
+# ---- prefill chunk (formats/presets.md 6) -----------------------------------------------
+
+# The prefill chunks the rule picks from. Why raise it: a chunk streams the trunk once and
+# loads the union of its tokens' experts, so a longer chunk reads fewer bytes per prompt
+# token (bench/README.md, "Prefill chunk"); past 512 the union is nearly every expert.
+PREFILL_CHUNKS = (128, 256, 512)
+# A chunk's activations beyond the base chunk's take at most this share of the expert cache.
+CHUNK_CACHE_SHARE = 1 / 16
+
+
+def prefill_chunk(budget: Budget, sizes: ModelSizes, base: int,
+                  requested: int | None = None) -> tuple:
+    """(chunk, cache bytes, reason): the prompt tokens per prefill pass and what is left
+    of ``budget``'s expert cache beside its activations.
+
+    The runtime reserve holds the activations of a ``base``-token pass; a longer chunk's
+    extra activations (``activation_token_bytes`` per token) come out of the expert
+    cache, never on top of the budget. Unless ``requested``, the chunk is the longest of
+    PREFILL_CHUNKS whose extra is at most CHUNK_CACHE_SHARE of the cache and leaves the
+    cache its floor, else ``base``. A ``requested`` chunk takes its extra from the cache
+    as far as the floor allows (the rest raises the peak: the reason says by how much).
+    Same arithmetic at every chunk: it only sets how many tokens a pass feeds."""
+    floor = minimum_budget(sizes).cache_bytes
+    cache = budget.cache_bytes
+    extra = lambda k: max(0, k - base) * sizes.activation_token_bytes  # noqa: E731
+    if requested is None:
+        fits = [k for k in PREFILL_CHUNKS if k > base and extra(k) <= CHUNK_CACHE_SHARE * cache
+                and cache - extra(k) >= floor]
+        chunk = max(fits, default=base)
+    else:
+        chunk = requested
+    taken = min(extra(chunk), max(0, cache - floor))
+    if extra(chunk) == 0:
+        return chunk, cache, ""
+    reason = (f"prefill chunk {chunk}: its activations beyond {base} tokens' "
+              f"({size_text(extra(chunk))}) come out of the expert cache")
+    if taken < extra(chunk):
+        reason = (f"prefill chunk {chunk}: its activations beyond {base} tokens' raise the "
+                  f"peak by {size_text(extra(chunk) - taken)} (the expert cache is at its floor)")
+    return chunk, cache - taken, reason

@@ -1,7 +1,8 @@
 """A model's sizes as the budget sees them (``ModelSizes``): trunk layers, model-level
 tensors, experts, per-sequence state, and a draft model's share.
 
-Owns: those byte counts, exactly from a checkpoint's headers or bounded from a config.
+Owns: those byte counts, exactly from a checkpoint's headers or bounded from a config,
+and the activations one forward pass holds per token (``activation_peak``).
 Does not own: what to do with them (``plan``, ``admission``).
 """
 
@@ -34,6 +35,7 @@ class ModelSizes:
     kv_bytes_per_position: int     # MLA latent + rope cache over all MLA layers (f32)
     exact: bool
     draft_bytes: int = 0           # a draft model's weights and verify tape (``with_draft``)
+    activation_token_bytes: int = 0   # a forward pass's activations per token (its peak)
 
     @property
     def trunk_bytes(self) -> int:
@@ -93,7 +95,8 @@ class ModelSizes:
         E, V = cfg.hidden_size, cfg.vocab_size
         return cls(tuple(layers), 2 * V * E, 2 * V * E, 4 * 3 * E, cfg.expert_bytes,
                    cfg.num_experts, cfg.num_experts_per_token, len(cfg.moe_layers), bf16,
-                   _state_bytes(cfg), _kv_per_position(cfg), exact=False)
+                   _state_bytes(cfg), _kv_per_position(cfg), exact=False,
+                   activation_token_bytes=activation_peak(cfg, 1)[0])
 
     @classmethod
     def from_checkpoint(cls, ckpt) -> "ModelSizes":
@@ -114,7 +117,8 @@ class ModelSizes:
         return cls(tuple(layers), ckpt.entry(names.EMBED).nbytes,
                    head.nbytes + bound_extra_bytes(head.dtype, head.nbytes), vec, cfg.expert_bytes,
                    cfg.num_experts, cfg.num_experts_per_token, len(cfg.moe_layers), bf16,
-                   _state_bytes(cfg), _kv_per_position(cfg), exact=True)
+                   _state_bytes(cfg), _kv_per_position(cfg), exact=True,
+                   activation_token_bytes=activation_peak(cfg, 1)[0])
 
     def to_json(self) -> dict:
         return {"trunk_bytes": self.trunk_bytes, "layers": len(self.layer_bytes),
@@ -124,7 +128,8 @@ class ModelSizes:
                 "experts_total": self.total_experts, "experts_bytes": self.experts_bytes,
                 "expert_slot_bytes": self.expert_slot_bytes, "top_k": self.top_k,
                 "state_bytes": self.state_bytes,
-                "kv_bytes_per_position": self.kv_bytes_per_position, "exact": self.exact}
+                "kv_bytes_per_position": self.kv_bytes_per_position,
+                "activation_token_bytes": self.activation_token_bytes, "exact": self.exact}
 
 
 def _state_bytes(cfg: K3Config) -> int:
@@ -138,6 +143,73 @@ def _kv_per_position(cfg: K3Config) -> int:
     """Latent [kv_lora] + rope [qk_rope] per MLA layer and position, f32 (model.md §6)."""
     mla = sum(1 for L in range(cfg.num_hidden_layers) if cfg.is_mla(L))
     return 4 * mla * cfg.mla_cache_width
+
+
+def activation_peak(cfg: K3Config, tokens: int, all_logits: bool = False,
+                    expert_share: float = 1.0) -> tuple:
+    """(bytes, stage): the peak of the arrays one forward pass of ``tokens`` tokens holds
+    (``libk3.model.forward``, ``libk3.model.ops``: every one f32 with a row per token, so
+    the peak is linear in ``tokens``) and the stage where it falls.
+
+    Per token, in floats, at each layer L (nb = AttnRes blocks after L's boundary; the
+    layer loop holds nb blocks, the layer input p unless it is the block's first, the
+    previous layer's attention input, x_a and h):
+      KDA   11 P + H + E    q^ k^ v^ (projections), z (decay), q k v (conv, l2norm),
+                            alpha, then o (normed), gate, gate * o; the o_proj output
+      MLA   Q + Hq + (r + rope) + r + max(Hq + Hv, 3 Hv) + E
+                            cq, q, c, latent; at the attention the q_nope / q_rope
+                            copies and out, or out, gate, gate * out; the o_proj output
+      dense 3 I             gate, up, SiTU (layer 0)
+      MoE   3k + (k + 1) Lt + E + max(share max(Lt + 3M, 2Lt + M), 2Lt, Lt + 2E)
+                            ids and weights, z, the shared experts' output, the
+                            per-(token, pick) expert outputs [T, k, Lt], then one
+                            expert's rows (its share of the pass: ``expert_share``, 1 =
+                            every token), or u and its norm, or y and y + y_s (the shared
+                            experts before: 3k + Lt + 3S)
+      head  max(2 nb + 3, nb + 4 + V / E with all_logits) x E: blocks, prefix, the
+                            output mixture, or its norm and the [T, vocab] logits (only
+                            the last row's without all_logits)
+    The MLP half of a layer holds 2 arrays more than the attention (a and the new prefix,
+    one in a block's first layer) plus x_m and h; the AttnRes mixture that makes x_m
+    stacks the nb blocks once more. E hidden, P = KDA heads x head dim, H KDA heads, Q
+    q_lora, Hq = MLA heads x (nope + rope), Hv = MLA heads x v, r kv_lora, I dense
+    intermediate, S shared intermediate, Lt latent (routed_expert_hidden), M
+    moe_intermediate, k top_k, V vocab. Not counted: the router's [T, N] scores (below
+    the MoE peak: freed before z), the MLA kernel's per-thread scratch (no T), the 1-row
+    embedding reads. bench/prefill.py compares it with tracemalloc's peak."""
+    E, P, H = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_heads
+    Q, Hm = cfg.q_lora_rank, cfg.num_attention_heads
+    Hq, Hv = Hm * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), Hm * cfg.v_head_dim
+    r, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    I, Lt, M, k = (cfg.intermediate_size, cfg.routed_expert_hidden_size,
+                   cfg.moe_intermediate_size, cfg.num_experts_per_token)
+    S = cfg.num_shared_experts * cfg.moe_intermediate_size
+    best, where, nb = 0, "", 0
+    for L in range(cfg.num_hidden_layers):
+        first = cfg.is_boundary(L)
+        nb += first
+        held = nb + (not first) + (L >= 2) + (L >= 1)   # blocks, p, previous x_a, x_a
+        if cfg.is_mla(L):
+            attn, kind = Q + Hq + (r + rope) + r + max(Hq + Hv, 3 * Hv) + E, "MLA"
+        else:
+            attn, kind = 11 * P + H + E, "KDA"
+        mlp_held = held + (1 if first else 2) + 2
+        stages = [((held + 1) * E + attn, f"{kind} attention, layer {L}"),
+                  ((mlp_held + nb) * E, f"AttnRes mixture, layer {L}")]
+        if cfg.is_dense(L):
+            stages.append((mlp_held * E + 3 * I, f"dense MLP, layer {L}"))
+        else:
+            routed = 3 * k + (k + 1) * Lt + E + max(expert_share * max(Lt + 3 * M, 2 * Lt + M),
+                                                     2 * Lt, Lt + 2 * E)
+            shared = 3 * k + Lt + 3 * S
+            stages.append((mlp_held * E + max(routed, shared), f"MoE, layer {L}"))
+        for v, name in stages:
+            if v > best:
+                best, where = v, name
+    head = max(2 * nb + 3, nb + 3 + (1 + cfg.vocab_size / E if all_logits else 0)) * E
+    if head > best:
+        best, where = head, "head" + (" (all_logits)" if all_logits else "")
+    return int(tokens * 4 * best), where
 
 
 # ---- budgets -----------------------------------------------------------------------------

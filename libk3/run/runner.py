@@ -58,6 +58,7 @@ class RunOptions:
     share_prefixes: bool = True            # a batch prefills a prefix its lines share once
     serve: bool = False                    # the run serves requests (--serve)
     load_state: str | None = None          # a state to resume (--load-state): checked first
+    prefill_chunk: int | None = None       # prompt tokens per prefill pass (None: the rule's)
 
 
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
@@ -78,10 +79,12 @@ def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None =
     (``budget.batch_width``). A ``draft`` (its checked checkpoint) is counted beside the
     model: held whole, or with ``stream`` only what it holds when its matrices are read at
     each use; None: held whole when that fits, else streamed. Returns (budget or None
-    when resident, width, reasons, whether the draft streams)."""
+    when resident, width, reasons, whether the draft streams, (prefill chunk, expert
+    cache bytes beside its activations or None when resident, why the chunk)): the chunk
+    is ``opts.prefill_chunk``, else ``budget.prefill_chunk``'s rule."""
     from ..machine.memory import probe_memory
     from ..budget import (BATCH_SNAPSHOTS, Budget, ModelSizes, admission_problems, batch_width,
-                          resolve_budget, with_draft)
+                          prefill_chunk, resolve_budget, with_draft)
 
     if draft is not None and stream is None:
         try:
@@ -107,12 +110,14 @@ def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None =
                             + (" even streamed" if stream else ""))
         if problems:
             raise BudgetError("; ".join(problems), hint="choose a smaller --preset or budgets")
+    chunk = (opts.prefill_chunk or PREFILL_CHUNK, None, "") if budget is None else \
+        prefill_chunk(budget, sizes, PREFILL_CHUNK, opts.prefill_chunk)
     if opts.batch_width is None:
-        return budget, 1, (), bool(stream)
+        return budget, 1, (), bool(stream), chunk
     held = budget or Budget(sizes.trunk_bytes, sizes.cache_all_bytes, "resident", ())
     snapshots = BATCH_SNAPSHOTS if opts.share_prefixes and not opts.serve else 0
     return (budget,) + batch_width(held, sizes, mem, opts.batch_width, held=snapshots) + \
-        (bool(stream),)
+        (bool(stream), chunk)
 
 
 class Run:
@@ -135,8 +140,12 @@ class Run:
             if opts.draft:
                 from ..draft.checkpoint import load_draft
                 draft = load_draft(opts.draft, ckpt.config, read=False)
-            self.budget, self.width, self.width_reasons, stream = \
+            self.budget, self.width, self.width_reasons, stream, \
+                (self.prefill_chunk, cache_bytes, chunk_reason) = \
                 resolve_run_budget(opts, ckpt, draft)
+            if chunk_reason:
+                self.budget = dataclasses.replace(
+                    self.budget, reasons=self.budget.reasons + (chunk_reason,))
             if draft is not None:
                 draft = load_draft(opts.draft, ckpt.config, stream=stream)
                 if stream and opts.warn is not None:
@@ -149,7 +158,7 @@ class Run:
             self.session = open_session(
                 opts.model, ckpt=ckpt, pack=opts.pack,
                 trunk_bytes=None if opts.resident else self.budget.trunk_bytes,
-                cache_bytes=None if opts.resident else self.budget.cache_bytes,
+                cache_bytes=cache_bytes,
                 cache_policy=opts.cache_policy, io_threads=opts.io_threads,
                 direct_io=opts.direct_io, on_route=on_route, verify_reads=opts.verify_reads)
             self.drafting = _drafting(opts, draft, self.session)
@@ -172,6 +181,10 @@ class Run:
                 self.cfg, created_by=f"k3-run {__version__}",
                 meta={"model": str(opts.model), "pack": opts.pack,
                       "cache_policy": opts.cache_policy}))
+
+    def chunked(self, settings: GenSettings) -> GenSettings:
+        """``settings`` with this run's prefill chunk (``resolve_run_budget``)."""
+        return dataclasses.replace(settings, prefill_chunk=self.prefill_chunk)
 
     @functools.cached_property
     def context(self) -> int:
@@ -293,6 +306,7 @@ class Run:
         rep = run_report(res, stats, self.budget, extra)
         rep["model"] = str(self.opts.model)
         rep["pack"] = self.opts.pack
+        rep["prefill_chunk"] = self.prefill_chunk
         rep["compile_seconds"] = round(self.compile_seconds, 6)
         rep["startup_seconds"] = startup_seconds(self.session.forward.first_layer_time)
         tok = self.session.tokenizer
@@ -482,6 +496,7 @@ def run_batch(opts: RunOptions, batch_path, out_path, base: GenSettings, warn,
 
 def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, shard) -> dict:
     run.check_stop_ids(base.stop_ids)
+    base = run.chunked(base)
     done = batchfile.open_results(out_path)
     summary["other_shard"] = 0
     lines = list(batchfile.read_lines(batch_path))       # read once: counted, then run
@@ -491,9 +506,10 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
         [f"capped at {width} (the batch's lines)"] if width < run.width else [])
     left_for_time = False               # a prompt not started: it would not finish in time
     sink = BatchSink(run, out_path, width, base.prefill_chunk, limits)
-    # prefixes are shared across every shard: each shard then builds (or finds on disk)
-    # the same snapshots
-    shared = shared_lengths([ids for _, _, ids in accepted], base.prefill_chunk) \
+    # prefixes are shared across every shard, at a grain that no budget changes: each
+    # shard then builds (or finds on disk) the same snapshots
+    shared = shared_lengths([ids for _, _, ids in accepted],
+                            min(base.prefill_chunk, PREFILL_CHUNK)) \
         if run.opts.share_prefixes else [0] * len(accepted)
     starts = PrefixStarts(run.session, base.prefill_chunk,
                           [(ids, s) for (_, _, ids), s in zip(accepted, shared)],

@@ -342,8 +342,9 @@ RULES = (
 @click.option("--verify-reads", type=click.Choice(["first", "every"]), default="first",
               show_default=True, help="With --pack: check a trunk layer's CRC-32 the first "
                                       "time this run reads it, or on every read.")
-@click.option("--prefill-chunk", type=click.IntRange(1), default=PREFILL_CHUNK,
-              show_default=True)
+@click.option("--prefill-chunk", type=click.IntRange(1),
+              help=f"Prompt tokens per prefill pass [default: {PREFILL_CHUNK}, longer when "
+                   "the expert cache has room for its activations]")
 @click.option("--spec", type=click.IntRange(0, 16), default=0, show_default=True,
               help="Speculative decoding by prompt lookup: propose up to N tokens from the "
                    "context and verify them in one pass (same tokens as without).")
@@ -389,6 +390,7 @@ def main(ctx, **options):
     from libk3.run import runner
     with runner.open_run(opts) as run:
         run.check_stop_ids(a.stop_ids)
+        settings = run.chunked(settings)
         if a.serve_address:
             _serve_mode(a, run, settings)
         elif a.chat:
@@ -412,7 +414,7 @@ def _run_options(ctx, a):
         template_limits=RenderLimits(a.template_timeout, a.template_max_bytes),
         prefix_cache=a.prefix_cache, prefix_cache_bytes=int(a.prefix_cache_gb * 1e9),
         share_prefixes=not a.no_prefix_sharing, serve=bool(a.serve_address),
-        load_state=a.load_state)
+        load_state=a.load_state, prefill_chunk=a.prefill_chunk)
 
 
 def _settings(a):
@@ -420,7 +422,8 @@ def _settings(a):
     from libk3.run import runner
     return runner.settings_from(gen=a.gen, temperature=a.temperature, top_p=a.top_p,
                                 seed=a.seed, stop_strings=a.stop_strings, stop_ids=a.stop_ids,
-                                prefill_chunk=a.prefill_chunk, model=a.model, top_k=a.top_k,
+                                prefill_chunk=a.prefill_chunk or PREFILL_CHUNK, model=a.model,
+                                top_k=a.top_k,
                                 min_p=a.min_p, repetition_penalty=a.repetition_penalty,
                                 presence_penalty=a.presence_penalty,
                                 frequency_penalty=a.frequency_penalty,
