@@ -141,19 +141,18 @@ def run_script(args, *, timeout: float = 120, fsize: int | None = None,
                env=None) -> Process:
     """Run a console script as a real process; its own peak RSS comes from wait4's
     rusage (not shared with other children). ``fsize`` caps every file it writes (a full
-    disk: writes past it fail with EFBIG, SIGXFSZ ignored).
+    disk: writes past it fail with EFBIG, SIGXFSZ ignored); ``stdin``: the path of a file
+    fed on its standard input.
 
     Why through a forkserver: a child's ru_maxrss includes the memory of the process it
     was forked from (Linux keeps the pre-exec high-water mark), and pytest grows past
     0.5 GB once the chat oracle (transformers) is loaded; the forkserver stays small."""
     global _SPAWNER
-    if stdin is not None:
-        return _run_script_here(args, timeout, fsize, address_space, cwd, stdin, env)
     if _SPAWNER is None:
         import multiprocessing
         _SPAWNER = multiprocessing.get_context("forkserver").Pool(1)
-    return _SPAWNER.apply(_run_script_here, (args, timeout, fsize, address_space, cwd, None,
-                                             env))
+    return _SPAWNER.apply(_run_script_here, (args, timeout, fsize, address_space, cwd,
+                                             None if stdin is None else str(stdin), env))
 
 
 def _run_script_here(args, timeout, fsize, address_space, cwd, stdin, env) -> Process:
@@ -167,10 +166,10 @@ def _run_script_here(args, timeout, fsize, address_space, cwd, stdin, env) -> Pr
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            open(os.devnull if stdin is None else stdin, "rb") as inp:
         p = subprocess.Popen([str(a) for a in args], stdout=out, stderr=err, cwd=cwd,
-                             stdin=subprocess.DEVNULL if stdin is None else stdin,
-                             env=env, preexec_fn=limits)
+                             stdin=inp, env=env, preexec_fn=limits)
         timer = threading.Timer(timeout, p.kill)
         timer.start()
         try:

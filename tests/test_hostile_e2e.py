@@ -254,9 +254,8 @@ def test_process_state_of_other_weights_is_refused_in_run_and_chat(tiny_dir, tmp
     check_process_refused(run_script(run + [other, "--ids", "4", "--gen", "1", "--load-state",
                                             state], env=cold), 3, str(state), "other weights")
     (tmp_path / "turns.txt").write_text("Hi there\n\n")
-    with open(tmp_path / "turns.txt") as turns:
-        chat = run_script(run + [other, "--chat", "--gen", "1", "--load-state", state],
-                          stdin=turns, env=cold)
+    chat = run_script(run + [other, "--chat", "--gen", "1", "--load-state", state],
+                      stdin=tmp_path / "turns.txt", env=cold)
     check_process_refused(chat, 3, str(state), "other weights")
 
 
