@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import json
 import socket
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -276,3 +277,63 @@ def test_serve_stream_sends_keepalive_comments_while_nothing_comes(tiny_dir):
     assert status == 200 and lines[-1] == "data: [DONE]"
     assert lines.count(": keep-alive") >= 2
     assert all(ln == ": keep-alive" or ln.startswith("data: ") for ln in lines)
+
+
+def test_serve_a_body_that_never_finishes_arriving_is_408_and_spares_the_rest(tiny_dir):
+    """Catches a slow client holding a handler for ever (a body sent a few bytes at a time,
+    or never finished): after the server's body deadline it is a 408 OpenAI error, and
+    other requests are answered meanwhile. Control: a body that arrives in pieces within the deadline
+    is read and answered (here by the failing engine's 500). The responses are read as
+    they come, not to the end of the connection: a request whose body never came whole
+    leaves aiohttp waiting for the rest of it, with the handler done."""
+    from aiohttp.test_utils import TestServer
+
+    from libk3.serve.app import Server
+    run = SimpleNamespace(opts=SimpleNamespace(model=tiny_dir), cfg=load_config(tiny_dir),
+                          session=SimpleNamespace(tokenizer=None),
+                          until_end=lambda settings: settings,
+                          structured=lambda settings: settings)
+    server = Server(run, _FailingWorker(), settings_from(2, 0.0, 1.0, 0), model_name="tiny")
+    server.body_seconds = 0.5
+    body = b'{"prompt": [1, 2]}'
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: k3\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+
+    async def send(ts, pieces, pause):
+        reader, writer = await asyncio.open_connection(ts.host, ts.port)
+        writer.write(head)
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(pause)
+        answer = await asyncio.wait_for(reader.read(1 << 16), 10)
+        writer.close()
+        status = int(answer.split(b" ", 2)[1])
+        return status, answer.split(b"\r\n\r\n", 1)[1]
+
+    async def models(ts):
+        reader, writer = await asyncio.open_connection(ts.host, ts.port)
+        t0 = time.monotonic()
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: k3\r\nConnection: close\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return int(answer.split(b" ", 2)[1]), time.monotonic() - t0
+
+    async def go():
+        ts = TestServer(server.app())
+        await ts.start_server()
+        try:
+            stalled = asyncio.ensure_future(send(ts, [body[:5]], 0))
+            await asyncio.sleep(0.1)
+            alive = await models(ts)
+            dribbled = await send(ts, [body[i:i + 4] for i in range(0, len(body), 4)], 0.05)
+            return await stalled, alive, dribbled
+        finally:
+            await ts.close()
+
+    (status, raw), alive, dribbled = asyncio.run(go())
+    err = json.loads(raw)["error"]
+    assert status == 408 and err["code"] == "request_timeout", (status, raw)
+    assert alive[0] == 200 and alive[1] < 0.4, alive
+    assert dribbled[0] == 500 and json.loads(dribbled[1])["error"]["type"] == "server_error"

@@ -45,6 +45,9 @@ from .replies import ReplyReader
 from .worker import Job, Worker
 
 MAX_BODY_BYTES = 32 * 2 ** 20        # a larger request body is refused with 413
+# A body still arriving after this long is refused with 408: a client that sends a byte
+# now and then would otherwise hold its connection and handler for ever.
+BODY_SECONDS = 60.0
 # A stream with nothing to send for this long (a long prefill, a queue) sends an SSE
 # comment, so clients and proxies that time out idle connections keep it open.
 KEEPALIVE_SECONDS = 15.0
@@ -154,6 +157,7 @@ class Server:
         self.ids = itertools.count(1)
         self.cpu = None               # the CPU thread's executor, while the app runs
         self.keepalive_seconds = KEEPALIVE_SECONDS
+        self.body_seconds = BODY_SECONDS
         from ..config import context_length
         self.context = context_length(run.opts.model)
 
@@ -282,14 +286,14 @@ class Server:
 
     async def tokenize(self, request):
         from aiohttp import web
-        ids = await self._off_loop(self._tokenizer_call, tokenize.tokenize, await request.read())
+        ids = await self._off_loop(self._tokenizer_call, tokenize.tokenize, await self._body(request))
         return web.json_response({"count": len(ids), "max_model_len": self.context,
                                   "tokens": ids})
 
     async def detokenize(self, request):
         from aiohttp import web
         text = await self._off_loop(self._tokenizer_call, tokenize.detokenize,
-                                    await request.read())
+                                    await self._body(request))
         return web.json_response({"prompt": text})
 
     def _tokenizer_call(self, fn, raw: bytes):
@@ -318,27 +322,35 @@ class Server:
                                   "busy": self.worker.busy, **self.worker.counts,
                                   "engine": self.worker.figures(), "turn_reuse": turns})
 
+    async def _body(self, request) -> bytes:
+        """The request's body, whole within ``body_seconds`` (else ApiError 408)."""
+        try:
+            return await asyncio.wait_for(request.read(), self.body_seconds)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within "
+                                f"{self.body_seconds:g} s", code="request_timeout") from None
+
     async def livez(self, request):
         from aiohttp import web
         return web.json_response({"status": "ok"})
 
     async def chat(self, request):
-        read = await self._off_loop(self._read_chat, await request.read())
+        read = await self._off_loop(self._read_chat, await self._body(request))
         return await self._answer(request, *read)
 
     async def completions(self, request):
-        read = await self._off_loop(self._read_completion, await request.read())
+        read = await self._off_loop(self._read_completion, await self._body(request))
         return await self._answer(request, *read)
 
     async def messages(self, request):
         """Anthropic's Messages API over the same path (``anthropic``)."""
-        read = await self._off_loop(self._read_messages, await request.read())
+        read = await self._off_loop(self._read_messages, await self._body(request))
         return await self._answer(request, *read)
 
     async def count_tokens(self, request):
         """Anthropic's token count: the prompt ids a Messages body renders to."""
         from aiohttp import web
-        read = await self._off_loop(self._count_messages, await request.read())
+        read = await self._off_loop(self._count_messages, await self._body(request))
         return web.json_response({"input_tokens": len(read[1])})
 
     def _count_messages(self, raw: bytes) -> tuple:
