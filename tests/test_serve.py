@@ -508,7 +508,8 @@ def test_serve_logit_bias_bans_and_forces_tokens_and_is_checked(server, tiny_dir
 
 def test_serve_refuses_fields_it_would_ignore_and_models_it_does_not_serve(server):
     """Catches a request answered with 200 while a field it sent is silently ignored
-    (tool_choice "required" on a completion, which has no tools; best_of, ...), a model
+    (tool_choice "required" on a completion, which has no tools; best_of, ...) or a
+    message's image, audio or other non-text part is dropped by the template, a model
     name that is not the served one accepted and echoed, and /v1/models/{id} missing;
     controls: the do-nothing values of those fields and bookkeeping fields pass."""
     base = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1}
@@ -521,6 +522,17 @@ def test_serve_refuses_fields_it_would_ignore_and_models_it_does_not_serve(serve
                  {"echo": None}):
         status, body = _post(server, "/v1/completions", json.dumps({**base, **fine}).encode())
         assert status == 200, (fine, body)
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look:"}]}],
+            "max_tokens": 1}
+    for part in ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                 {"type": "image"}, {"type": "input_audio"}, {"type": "text"}, "text"):
+        bad = {**chat, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is in this picture?"}, part]}]}
+        status, err = _post(server, "/v1/chat/completions", json.dumps(bad).encode())
+        assert status == 400 and err["error"]["code"] == "unsupported_content", (part, err)
+        assert '"content"][1]' in err["error"]["message"]
+    status, body = _post(server, "/v1/chat/completions", json.dumps(chat).encode())
+    assert status == 200, body                             # a text part is read
     status, err = _post(server, "/v1/completions", json.dumps({**base, "model": "tinny"}).encode())
     assert status == 404 and err["error"]["code"] == "model_not_found"
     c = _client(server)

@@ -533,3 +533,20 @@ def test_encode_long_run_is_cut_before_encoding(small):
     text = "z" * (MAX_RUN_CHARS + 7)
     assert tok.encode(text) == enc.encode("z" * MAX_RUN_CHARS) + enc.encode("z" * 7)
     assert tok.decode_bytes(tok.encode(text)) == text.encode()
+
+
+def test_encode_with_a_limit_stops_early_with_the_first_ids(small):
+    """Catches a limit that changes ids (the prefix must be the whole text's first ids), one
+    that stops at or below the limit (a text over a context would pass as fitting), or no
+    early stop at all (a 30 MB request tokenized whole, 18 million ids, to be refused):
+    past the limit only the pieces needed are encoded; at or under it, the ids are all."""
+    from libk3.io.tokenizer import MAX_ENCODE_CHARS
+    tok = small[0]
+    text = "alpha beta\n" * (3 * MAX_ENCODE_CHARS // 11)          # three pieces and a bit
+    whole = tok.encode(text)
+    for limit in (0, 1, 1000, len(whole) // 3, len(whole) - 1):
+        got = tok.encode(text, limit=limit)
+        assert len(got) > limit and got == whole[:len(got)], limit
+    assert len(tok.encode(text, limit=1000)) < len(whole) // 2      # it stopped early
+    assert tok.encode(text, limit=len(whole)) == whole
+    assert tok.encode("short text", limit=10 ** 6) == tok.encode("short text")

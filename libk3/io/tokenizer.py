@@ -435,10 +435,17 @@ def split_long_runs(text: str) -> list:
     most MAX_ENCODE_CHARS characters, and within a chunk a cut before any character that
     would make a run of same-class (str.isspace) characters longer than MAX_RUN_CHARS.
     Pieces are encoded independently. Only inputs longer than MAX_RUN_CHARS can change."""
+    return list(iter_long_runs(text))
+
+
+def iter_long_runs(text: str):
+    """``split_long_runs``'s pieces one chunk at a time, so an encoding that stops early
+    scans no further."""
     if len(text) <= MAX_RUN_CHARS:
-        return [text]
-    pieces = []
+        yield text
+        return
     for c0 in range(0, len(text), MAX_ENCODE_CHARS):
+        pieces = []
         chunk = text[c0:c0 + MAX_ENCODE_CHARS]
         start, run, run_is_space = 0, 0, chunk[0].isspace()
         for i, ch in enumerate(chunk):
@@ -451,7 +458,7 @@ def split_long_runs(text: str) -> list:
                     pieces.append(chunk[start:i])
                     start, run = i, 1
         pieces.append(chunk[start:])
-    return pieces
+        yield from pieces
 
 
 # ---- the tokenizer ------------------------------------------------------------------
@@ -562,10 +569,13 @@ class K3Tokenizer:
         return tok
 
     # ---- encoding ----
-    def encode(self, text: str, allow_special: bool = False) -> list:
+    def encode(self, text: str, allow_special: bool = False, limit: int | None = None) -> list:
         """Token ids of ``text``; no BOS is prepended (model.md §8.4). With ``allow_special``
         False, special-token strings in the text are encoded as ordinary text (use this for
-        anything a user typed); True recognises them, leftmost-longest match first."""
+        anything a user typed); True recognises them, leftmost-longest match first. With
+        ``limit``, encoding stops once more than ``limit`` ids are known: the ids then are
+        the whole text's first ones (its pieces are encoded independently), enough to
+        refuse a text over a context without tokenizing all of it."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
@@ -573,10 +583,12 @@ class K3Tokenizer:
             text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
         tok = self._tokenizers()[0 if allow_special else 1]
         ids = []
-        for piece in split_long_runs(text):
+        for piece in iter_long_runs(text):
             # encode_batch lets go of the GIL while it works (encode does not), so a
             # server thread tokenizing a huge request leaves the event loop free
             ids.extend(tok.encode_batch([piece], add_special_tokens=False)[0].ids)
+            if limit is not None and len(ids) > limit:
+                break
         return ids
 
     def pre_tokens(self, text: str) -> list:
@@ -627,8 +639,8 @@ class LazyTokenizer:
     def longest_rank_bytes(self) -> int:
         return self.get().longest_rank_bytes
 
-    def encode(self, text: str, allow_special: bool = False) -> list:
-        return self.get().encode(text, allow_special)
+    def encode(self, text: str, allow_special: bool = False, limit: int | None = None) -> list:
+        return self.get().encode(text, allow_special, limit)
 
     def token_bytes(self, token_id) -> bytes:
         return self.get().token_bytes(token_id)

@@ -233,8 +233,8 @@ class Run:
         if why:
             raise UsageError(f"--stop-id: {why}")
 
-    def encode(self, text: str) -> list:
-        ids = self._tokenizer().encode(text)
+    def encode(self, text: str, limit=None) -> list:
+        ids = self._tokenizer().encode(text, limit=limit)
         if not ids:
             raise UsageError("the prompt encodes to no tokens")
         return ids
@@ -260,10 +260,11 @@ class Run:
                                      self.opts.template_limits)
         return self._chat
 
-    def encode_messages(self, request: dict, warn=None) -> list:
-        """Prompt ids of a request's "messages" (with its "tools", "template_kwargs")."""
+    def encode_messages(self, request: dict, warn=None, limit=None) -> list:
+        """Prompt ids of a request's "messages" (with its "tools", "template_kwargs");
+        ``limit``: stop once more than that many are known (``K3Tokenizer.encode``)."""
         ids = self.chat(warn).encode(request["messages"], request.get("tools"),
-                                     request.get("template_kwargs"))
+                                     request.get("template_kwargs"), limit)
         if not ids:
             raise UsageError("the conversation encodes to no tokens")
         return ids

@@ -374,10 +374,19 @@ class Server:
             req.template_kwargs = self.run.chat(self.log).reasoning_kwargs(
                 req.reasoning_effort, req.tools, req.template_kwargs)
         ids = self.run.encode_messages({"messages": req.messages, "tools": req.tools,
-                                        "template_kwargs": req.template_kwargs}, self.log)
+                                        "template_kwargs": req.template_kwargs}, self.log,
+                                       limit=self.context)
+        self._check_context(req, ids)
         settings = self.run.chat_settings(self._settings(req), self.log)
         settings = self._tool_grammar(req, ids, settings)
         return req, ids, settings, self._reader(req, settings), self._preamble(req, ids)
+
+    def _check_context(self, req, ids) -> None:
+        """413 for a prompt over the model's context (``ids`` may stop short past it)."""
+        if len(ids) > self.context:
+            raise ApiError(413, f"the prompt is over the model's context of {self.context} "
+                                "tokens", param="messages" if req.chat else "prompt",
+                           code="context_length_exceeded")
 
     def _tool_grammar(self, req, ids, settings):
         """``settings`` with the grammar of the request's ``tool_choice`` and
@@ -415,7 +424,9 @@ class Server:
         """The same for a completion body."""
         req = check_request(parse_body(raw), False, self.run.cfg.vocab_size)
         self._check_model(req.model)
-        ids = req.prompt_ids if req.prompt_ids is not None else self.run.encode(req.prompt)
+        ids = req.prompt_ids if req.prompt_ids is not None else \
+            self.run.encode(req.prompt, limit=self.context)
+        self._check_context(req, ids)
         settings = self._settings(req)
         return req, ids, settings, self._reader(req, settings), 0
 
@@ -436,10 +447,6 @@ class Server:
         return self.run.structured(self.run.until_end(job_settings(job, self.base)))
 
     async def _answer(self, request, req, ids, settings, reader, preamble):
-        if len(ids) > self.context:
-            raise ApiError(413, f"the prompt is {len(ids)} tokens, over the model's context "
-                                f"of {self.context}", param="messages" if req.chat else "prompt",
-                           code="context_length_exceeded")
         loop = asyncio.get_running_loop()
         # choice i draws with seed + i (mod 2^64); the others follow the first, which
         # prefills the prompt once (``Worker``)

@@ -102,6 +102,22 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
+def _check_parts(messages) -> None:
+    """400 for a content part k3 cannot read: only text parts (``{"type": "text", "text":
+    STRING}``) pass; an image, audio or file part would reach the template and be
+    dropped or rendered as a placeholder, answering a question the client did not ask."""
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f'"messages"[{i}]["content"][{j}] is not a text part '
+                                    f'(type {str(kind)[:40]!r}): k3 reads text only',
+                               param="messages", code="unsupported_content")
+
+
 def _field(body, name, check, expected):
     """``body[name]`` when present and not null, refused (422) when ``check`` says no."""
     value = body.get(name)
@@ -161,6 +177,7 @@ def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
             param = why.split('"')[1].replace("template_kwargs", "chat_template_kwargs")
             raise ApiError(422, why.replace("template_kwargs", "chat_template_kwargs"),
                            param=param, code="invalid_value")
+        _check_parts(body["messages"])
         req.messages, req.tools = body["messages"], body.get("tools")
         req.template_kwargs = body.get("chat_template_kwargs")
         req.reasoning_effort = _field(body, "reasoning_effort",

@@ -49,12 +49,13 @@ class ChatEncoder:
                 self.warn(NO_TEMPLATE)
         return self._template
 
-    def encode(self, messages, tools=None, template_kwargs=None) -> list:
-        """Ids of the conversation with the generation prompt (the assistant's turn next)."""
+    def encode(self, messages, tools=None, template_kwargs=None, limit=None) -> list:
+        """Ids of the conversation with the generation prompt (the assistant's turn next);
+        ``limit``: as ``K3Tokenizer.encode``'s."""
         if self.template is None:
-            return self.tokenizer.encode(plain_text(messages))
+            return self.tokenizer.encode(plain_text(messages), limit=limit)
         return self.template.encode(self.tokenizer, messages, tools=tools,
-                                    template_kwargs=template_kwargs)
+                                    template_kwargs=template_kwargs, limit=limit)
 
     def preamble(self, messages, ids, tools=None, template_kwargs=None) -> int:
         """How many of ``ids`` (``encode(messages, ...)``) are the conversation before its

@@ -174,18 +174,19 @@ class ChatTemplate:
                                path=self.source)
 
     def encode(self, tokenizer, messages, *, sanitize: bool = False, tools=None,
-               template_kwargs=None, **kw) -> list:
+               template_kwargs=None, limit: int | None = None, **kw) -> list:
         """Token ids of the rendered conversation; special-token text in it is recognised
         (HF encodes the rendering with its added tokens and no BOS/EOS of its own). With
         ``sanitize`` (HF's ``sanitize_control_tokens``), special-token text inside the
-        caller's strings is encoded as ordinary text; only the template's own is markup."""
+        caller's strings is encoded as ordinary text; only the template's own is markup.
+        ``limit``: as ``K3Tokenizer.encode``'s (the first ids, once more than it)."""
         if not sanitize:
             return tokenizer.encode(self.render(messages, tools=tools,
                                                 template_kwargs=template_kwargs, **kw),
-                                    allow_special=True)
+                                    allow_special=True, limit=limit)
         text = self.render(mark(tokenizer, messages), tools=mark(tokenizer, tools),
                            template_kwargs=mark(tokenizer, template_kwargs), **kw)
-        return encode_marked(tokenizer, text)
+        return encode_marked(tokenizer, text, limit)
 
 
 def check_conversation(messages, tools=None, template_kwargs=None) -> None:
@@ -249,18 +250,21 @@ def mark(tokenizer, obj):
     return walk(obj)
 
 
-def encode_marked(tokenizer, text: str) -> list:
+def encode_marked(tokenizer, text: str, limit: int | None = None) -> list:
     """Ids of a rendering with marked caller text: a marked special is ordinary text, a
     lone marker (a template split one) is dropped but still separates the text around
     it, the rest is encoded with specials recognised. Each piece after the first is
     encoded after a newline that is then removed, as HF does (a piece is encoded as it
-    would be mid-text, not as the start of a string)."""
+    would be mid-text, not as the start of a string). ``limit``: as
+    ``K3Tokenizer.encode``'s (each piece is encoded on its own, so the first ids hold)."""
     pattern = _special_pattern(tuple(tokenizer.special_ids))
     splitter = re.compile(f"{MARK_START}({pattern.pattern}){MARK_END}|[{MARK_START}{MARK_END}]")
     parts = splitter.split(text)
     newline = tokenizer.encode("\n")
-    ids = tokenizer.encode(parts[0], allow_special=True)
+    ids = tokenizer.encode(parts[0], allow_special=True, limit=limit)
     for i, part in enumerate(parts[1:], start=1):
+        if limit is not None and len(ids) > limit:
+            break
         if not part:
             continue
         as_text = i % 2 == 1
