@@ -159,6 +159,31 @@ def test_run_stop_string_cut_from_text_kept_in_ids(tiny_dir, tmp_path):
     assert rep["stop_reason"] == "length" and len(rep["generated_ids"]) == 16
 
 
+def test_run_token_ending_by_its_id_is_left_out_of_the_text(tiny_dir, tmp_path):
+    """Catches k3-run printing and reporting the text of the token that ended generation
+    by its id (a turn's end such as <|end_of_msg|>, or a --stop-id; the server leaves it
+    out of a completion's text), in the report, a batch result and the printed text;
+    control: the ids keep it, and the same run without the stop id shows its text."""
+    from libk3.io.tokenizer import K3Tokenizer
+    tok = K3Tokenizer.from_dir(tiny_dir)
+    free = json.loads(k3(tiny_dir, "--prompt", PLAIN_PROMPT, "--gen", 6, "--json").stdout)
+    stop = free["generated_ids"][3]
+    p = k3(tiny_dir, "--prompt", PLAIN_PROMPT, "--gen", 6, "--stop-id", stop,
+           "--report-json", tmp_path / "r.json")
+    assert p.returncode == 0, p.stderr
+    rep = json.loads((tmp_path / "r.json").read_text())
+    first = free["generated_ids"].index(stop)
+    assert rep["stop_reason"] == "stop_id" and rep["generated_ids"][-1] == stop
+    want = tok.decode(rep["generated_ids"][:first])
+    assert rep["generated_text"] == want and p.stdout == want + "\n"
+    assert free["generated_text"].startswith(tok.decode(free["generated_ids"][:first + 1]))
+    batch = tmp_path / "b.jsonl"
+    batch.write_text(json.dumps({"id": 1, "prompt": PLAIN_PROMPT, "gen": 6}) + "\n")
+    q = k3(tiny_dir, "--batch", batch, "--out", tmp_path / "o.jsonl", "--stop-id", stop)
+    assert q.returncode == 0, q.stderr
+    assert json.loads((tmp_path / "o.jsonl").read_text())["generated_text"] == want
+
+
 def test_batch_results_cut_stop_strings_as_the_cli_does(tiny_dir, tmp_path):
     """Catches batch results keeping the stop text (or a "messages" line's parsed reply
     keeping it) where the CLI and server cut it."""

@@ -12,7 +12,8 @@ The rule. A stop string matches in the bytes of ordinary tokens only: a special 
 (``<|im_end|>``, a template's markup) is never matched by its text and ends the run of
 bytes a match may span. Generation ends with the token that completes the first match;
 the returned text ends where that match starts (the stop string and whatever followed it
-in the same token are left out), while the ids keep every generated token. Why bytes: a
+in the same token are left out), while the ids keep every generated token. A token that
+ends generation by its id (a turn's end, a stop id) is left out of the text too. Why bytes: a
 token may end inside a UTF-8 character, and a stop string's bytes then still match
 across the boundary; decoded text would show U+FFFD there until the next token.
 """
@@ -29,8 +30,9 @@ class StopText:
     ``finish()`` the rest of the returned text. Also ``pieces()``: the returned text so
     far as ("mark", special token text) and ("text", str) pieces (``chat_parse``'s form)."""
 
-    def __init__(self, tokenizer, strings=()):
+    def __init__(self, tokenizer, strings=(), end_ids=()):
         self.tokenizer = tokenizer
+        self.end_ids = frozenset(int(i) for i in end_ids)   # end the text, not part of it
         # an empty string matches nothing here (the front ends refuse it:
         # ``settings.stop_strings_problem``)
         self.strings = tuple(s.encode("utf-8") for s in strings if s)
@@ -46,9 +48,14 @@ class StopText:
         self.stopped = False
 
     def feed(self, tok: int) -> bool:
-        """Add a generated token; True when it completes a stop string."""
+        """Add a generated token; True when it completes a stop string or is an end id
+        (then it adds no text)."""
         if self.stopped:
             raise ValueError("a stop string already ended this text")
+        if int(tok) in self.end_ids:
+            self._end_run()
+            self.stopped = True
+            return True
         if self.specials is None:
             self.specials = {i: t for t, i in self.tokenizer.special_ids.items()}
         name = self.specials.get(int(tok))
@@ -99,16 +106,17 @@ class StopText:
         return self.done + tail
 
 
-def returned_text(tokenizer, ids, strings) -> str:
+def returned_text(tokenizer, ids, strings, end_ids=()) -> str:
     """The text a finished generation of ``ids`` returns under stop ``strings`` (the
-    module's rule): the decoded ids, ending where the first stop string starts."""
-    return "".join(text for _, text in returned_pieces(tokenizer, ids, strings))
+    module's rule): the decoded ids, ending where the first stop string starts or at an
+    id of ``end_ids`` (left out)."""
+    return "".join(text for _, text in returned_pieces(tokenizer, ids, strings, end_ids))
 
 
-def returned_pieces(tokenizer, ids, strings) -> list:
+def returned_pieces(tokenizer, ids, strings, end_ids=()) -> list:
     """The same as ("mark", special token text) and ("text", str) pieces, runs of
     ordinary tokens decoded together: what ``chat_parse.parse_reply`` reads."""
-    st = StopText(tokenizer, strings)
+    st = StopText(tokenizer, strings, end_ids)
     for tok in ids:
         if st.feed(tok):
             break

@@ -291,6 +291,12 @@ class Run:
             return settings
         return self.chat_settings(settings)
 
+    def end_ids(self, settings: GenSettings) -> tuple:
+        """The ids that end a generation under ``settings``, as ``generate`` runs it: its
+        stop ids, the turn's end when it runs until the end, a format's end tokens."""
+        s = self.structured(self.until_end(settings))
+        return tuple(s.stop_ids) + (s.grammar.end_ids(s.stop_ids) if s.grammar else ())
+
     def reply_message(self, generated_ids, stop_strings=()) -> dict:
         """The assistant message parsed from a reply's ids (formats/chat.md), its text
         ending at a stop string (``stops``)."""
@@ -312,7 +318,10 @@ class Run:
         rep["startup_seconds"] = startup_seconds(self.session.forward.first_layer_time)
         tok = self.session.tokenizer
         if tok is not None:
-            rep["generated_text"] = returned_text(tok, res.generated_ids, res.stop_strings)
+            # the token that ended it by its id (a turn's end) is not text of the reply
+            rep["generated_text"] = returned_text(
+                tok, res.generated_ids, res.stop_strings,
+                res.generated_ids[-1:] if res.stop_reason == "stop_id" else ())
             rep["tokenizer_cache"] = tok.loaded.cache_status if tok.loaded else "not read"
         if res.spec is not None:
             rep["speculative"] = res.spec

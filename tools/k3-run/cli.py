@@ -39,11 +39,13 @@ def _note_order(ctx, param, value):
 class _Printer:
     """Writes each token to stdout as it is produced: its text as it becomes final under
     the stop rule (``libk3.engine.stops``: a UTF-8 character is never split, a stop
-    string never shown), or ids when there is no tokenizer."""
+    string or the token that ends it by its id never shown), or ids when there is no
+    tokenizer."""
 
-    def __init__(self, tokenizer, stop_strings=()):
+    def __init__(self, tokenizer, stop_strings=(), end_ids=()):
         from libk3.engine.stops import StopText
-        self.text = StopText(tokenizer, stop_strings) if tokenizer is not None else None
+        self.text = StopText(tokenizer, stop_strings, end_ids) if tokenizer is not None \
+            else None
 
     def __call__(self, tok):
         if self.text is None:
@@ -501,7 +503,8 @@ def _batch_mode(a, opts, settings, started: float) -> None:
 def _one_prompt(run, prompt_ids, settings, a) -> dict:
     """Generate with the text shown as it comes; the logits saved when asked; the run
     report."""
-    printer = None if a.json_out else _Printer(run.session.tokenizer, a.stop_strings)
+    printer = None if a.json_out else _Printer(run.session.tokenizer, a.stop_strings,
+                                               run.end_ids(settings))
     res = run.generate(prompt_ids, settings, on_token=printer,
                        keep_logits=a.logits_out is not None, load_state=a.load_state,
                        save_state=a.save_state, save_prefix=a.save_prefix)
