@@ -184,20 +184,23 @@ class _FailingWorker:
         job._send(("error", RuntimeError("the engine broke")))
 
 
+def _stub_server(tiny_dir, worker, log=None):
+    """A Server over ``worker`` and a run that has only what the routes read."""
+    from libk3.serve.app import Server
+    run = SimpleNamespace(opts=SimpleNamespace(model=tiny_dir), cfg=load_config(tiny_dir),
+                          session=SimpleNamespace(tokenizer=None),
+                          until_end=lambda settings: settings,
+                          structured=lambda settings: settings)
+    return Server(run, worker, settings_from(2, 0.0, 1.0, 0), model_name="tiny", log=log)
+
+
 def _serve_in_process(tiny_dir, requests) -> tuple:
     """(answers, log lines) of ``requests`` [(method, path, JSON body or None)] sent to a
     Server over ``_FailingWorker`` and an extra route, /boom, that raises ValueError."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from libk3.serve.app import Server
-
-    run = SimpleNamespace(opts=SimpleNamespace(model=tiny_dir), cfg=load_config(tiny_dir),
-                          session=SimpleNamespace(tokenizer=None),
-                          until_end=lambda settings: settings,
-                          structured=lambda settings: settings)
     log = []
-    server = Server(run, _FailingWorker(), settings_from(2, 0.0, 1.0, 0), model_name="tiny",
-                    log=log.append)
+    server = _stub_server(tiny_dir, _FailingWorker(), log=log.append)
 
     async def boom(request):
         raise ValueError("a defect")
@@ -260,12 +263,7 @@ def test_serve_stream_sends_keepalive_comments_while_nothing_comes(tiny_dir):
     connections): SSE comments go out meanwhile, and the events around them are whole."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from libk3.serve.app import Server
-    run = SimpleNamespace(opts=SimpleNamespace(model=tiny_dir), cfg=load_config(tiny_dir),
-                          session=SimpleNamespace(tokenizer=None),
-                          until_end=lambda settings: settings,
-                          structured=lambda settings: settings)
-    server = Server(run, _SlowWorker(), settings_from(2, 0.0, 1.0, 0), model_name="tiny")
+    server = _stub_server(tiny_dir, _SlowWorker())
     server.keepalive_seconds = 0.1
 
     async def go():
@@ -282,18 +280,13 @@ def test_serve_stream_sends_keepalive_comments_while_nothing_comes(tiny_dir):
 def test_serve_a_body_that_never_finishes_arriving_is_408_and_spares_the_rest(tiny_dir):
     """Catches a slow client holding a handler for ever (a body sent a few bytes at a time,
     or never finished): after the server's body deadline it is a 408 OpenAI error, and
-    other requests are answered meanwhile. Control: a body that arrives in pieces within the deadline
-    is read and answered (here by the failing engine's 500). The responses are read as
+    other requests are answered meanwhile. Control: a body that arrives in pieces within
+    the deadline is read and answered (here by the failing engine's 500). The responses are read as
     they come, not to the end of the connection: a request whose body never came whole
     leaves aiohttp waiting for the rest of it, with the handler done."""
     from aiohttp.test_utils import TestServer
 
-    from libk3.serve.app import Server
-    run = SimpleNamespace(opts=SimpleNamespace(model=tiny_dir), cfg=load_config(tiny_dir),
-                          session=SimpleNamespace(tokenizer=None),
-                          until_end=lambda settings: settings,
-                          structured=lambda settings: settings)
-    server = Server(run, _FailingWorker(), settings_from(2, 0.0, 1.0, 0), model_name="tiny")
+    server = _stub_server(tiny_dir, _FailingWorker())
     server.body_seconds = 0.5
     body = b'{"prompt": [1, 2]}'
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: k3\r\nConnection: close\r\n"

@@ -286,7 +286,8 @@ class Server:
 
     async def tokenize(self, request):
         from aiohttp import web
-        ids = await self._off_loop(self._tokenizer_call, tokenize.tokenize, await self._body(request))
+        ids = await self._off_loop(self._tokenizer_call, tokenize.tokenize,
+                                   await self._body(request))
         return web.json_response({"count": len(ids), "max_model_len": self.context,
                                   "tokens": ids})
 
