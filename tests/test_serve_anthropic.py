@@ -254,7 +254,8 @@ def test_stop_sequences_and_max_tokens_give_their_stop_reason(server, tiny_dir):
 
 def test_thinking_maps_to_the_templates_switch_as_reasoning_effort_does(server):
     """Catches ``thinking`` ignored (the same prompt either way), mapped the wrong way
-    round, or a budget_tokens that would bind accepted (k3 does not enforce one)."""
+    round, a budget_tokens below max_tokens refused (Anthropic's clients always send one
+    below it), or one below 1 accepted."""
     def ids(**extra):
         m = _client(server).messages.create(model="tiny", max_tokens=1, messages=HELLO,
                                             **extra)
@@ -269,8 +270,11 @@ def test_thinking_maps_to_the_templates_switch_as_reasoning_effort_does(server):
     assert on == effort("high") and off == effort("none")
     status, _, body = _raw(server, {"model": "tiny", "max_tokens": 8, "messages": HELLO,
                                     "thinking": {"type": "enabled", "budget_tokens": 4}})
+    assert status == 200, body              # enforced (test_tool_choice), not refused
+    status, _, body = _raw(server, {"model": "tiny", "max_tokens": 8, "messages": HELLO,
+                                    "thinking": {"type": "enabled", "budget_tokens": 0}})
     err = json.loads(body)
-    assert status == 400 and err["type"] == "error" and "budget_tokens" in \
+    assert status == 422 and err["type"] == "error" and "budget_tokens" in \
         err["error"]["message"]
 
 

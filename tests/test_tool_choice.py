@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 pytest.importorskip("llguidance")
@@ -235,3 +236,61 @@ def test_refusals_name_tool_choice(server):
         {"model": "tiny", "prompt": "hi", "max_tokens": 1, "tool_choice": "required"}).encode())
     assert status == 400 and err["error"]["param"] == "tool_choice"
 
+
+
+def test_thinking_budget_cuts_the_think_channel_and_leaves_the_rest_free(tok):
+    """Catches a reasoning budget that is not enforced (a think channel longer than it
+    accepted), one that forbids what follows the channel or a reply without one (a
+    response, tools, plain text), and a budget applied where the prompt closed the
+    channel: after BUDGET tokens of reasoning the only token allowed is the channel's
+    closing tag. (A think channel after the reply's first one is left free: the template
+    writes one, first.)"""
+    from libk3.engine.grammar import compile_think_budget
+    budget = 8
+    g = compile_think_budget(tok, "optional", budget)
+    words = tok.encode(" one two three four five six")
+    assert len(words) > budget
+    m = g.matcher()
+    for t in _ids(tok, "<|open|>", "think", "<|sep|>") + words[:budget]:
+        m.advance(t)
+    allowed = np.flatnonzero(m.allowed(tok.vocab_size))
+    assert allowed.tolist() == [tok.id_of("<|close|>")]
+    short = ("<|open|>", "think", "<|sep|>", " one two", "<|close|>", "think", "<|sep|>")
+    assert len(tok.encode(" one two")) <= budget
+    reply = ("<|open|>", "response", "<|sep|>", "hi", "<|close|>", "response", "<|sep|>")
+    for ok in (short + reply, short + CALL, reply, CALL, ("plain text",), short + THINK,
+               short + ("<|close|>", "assistant", "<|sep|>")):
+        assert _accepts(g, _ids(tok, *ok)), ok
+    assert not _accepts(g, _ids(tok, "<|open|>", "think", "<|sep|>", " one two three four",
+                                "<|close|>", "think", "<|sep|>"))
+    assert not _accepts(g, _ids(tok, "<|open|>", "thinking", "<|sep|>", " one two three",
+                                " four", "<|close|>", "thinking", "<|sep|>"))   # not free
+    opened = compile_think_budget(tok, "open", budget)
+    assert _accepts(opened, _ids(tok, " one two", "<|close|>", "think", "<|sep|>", *reply))
+    assert not _accepts(opened, _ids(tok, " one two three four", "<|close|>", "think",
+                                     "<|sep|>"))
+    assert compile_think_budget(tok, "closed", budget) is None
+
+
+def test_thinking_budget_holds_in_generation(tiny_dir, tok):
+    """Catches a budget grammar the sampler does not apply (the tiny random model,
+    sampled, writes reasoning until the length limit): from a prompt that opened the
+    think channel, the reply's reasoning is BUDGET tokens and the channel's closing tag
+    follows; control: without the budget the same seed writes past it unclosed."""
+    from libk3.engine.generate import GenSettings, generate
+    from libk3.engine.grammar import compile_think_budget
+    from libk3.engine.session import open_session
+    s = open_session(tiny_dir)
+    prompt = _ids(tok, "<|open|>", "user", "<|sep|>", "Hi", "<|close|>", "user", "<|sep|>",
+                  "<|end_of_msg|>", "<|open|>", "assistant", "<|sep|>",
+                  "<|open|>", "think", "<|sep|>")
+    assert think_mode(tok, prompt) == "open"
+    budget, close = 5, tok.id_of("<|close|>")
+    base = GenSettings(gen=20, temperature=1.0, seed=7)
+    free = generate(s.forward, s.new_state(), prompt, base).generated_ids
+    assert close not in free[:budget + 1]                      # the control would run on
+    capped = GenSettings(gen=20, temperature=1.0, seed=7,
+                         grammar=compile_think_budget(tok, "open", budget))
+    got = generate(s.forward, s.new_state(), prompt, capped).generated_ids
+    first, tag = got.index(close), _ids(tok, "<|close|>", "think", "<|sep|>")
+    assert first <= budget and got[first:first + len(tag)] == tag, got

@@ -14,7 +14,10 @@ first, before the logit bias and the penalties, formats/numerics.md section 12),
 It also compiles the server's ``tool_choice`` constraint (``compile_tool_grammar``,
 docs/serve.md): a Lark grammar over the chat markup (formats/chat.md "Parsing the
 reply"): an optional think channel, then the channels the choice allows, each call's
-arguments a ``%json`` sub-grammar of its tool's schema; special tokens written by id.
+arguments a ``%json`` sub-grammar of its tool's schema; special tokens written by id. And
+a reasoning budget (Anthropic's ``budget_tokens``: ``compile_think_budget``, or inside
+the tool grammar): the think channel's text cut at N tokens by llguidance's
+``max_tokens`` on its rule, so its closing tag must come next.
 
 Why llguidance (the ``structured`` extra, never a core dependency): it builds its token
 trie from raw token bytes, as k3's tokenizer gives them (``token_bytes``: byte-level BPE,
@@ -405,13 +408,62 @@ def think_mode(tokenizer, prompt_ids) -> str:
     return "optional"
 
 
-def tool_lark(marks, schemas: dict, choice, parallel: bool, think: str) -> str:
+def think_lark(marks, vocab_size: int, think: str, budget: int) -> str:
+    """The Lark grammar of a chat reply whose think channel holds at most ``budget``
+    tokens and is otherwise free: the channel (opened by the reply when ``think`` is
+    "optional", already open when "open"), its text cut at ``budget`` tokens so its
+    closing tag must follow, then any tokens. A reply that does not open the channel
+    first (another channel, text) is free too, as long as its first tag is not the
+    think channel's. ``marks``: the ids of <|open|>, <|close|>, <|sep|>."""
+    o, c, s = (f"<[{int(i)}]>" for i in marks)
+    op = int(marks[0])
+    others = ",".join(r for r in (f"0-{op - 1}" if op > 0 else "",
+                                  f"{op + 1}-{vocab_size - 1}" if op + 1 < vocab_size else "")
+                      if r)
+    lines = ['TEXT: /(.|\n)+/',
+             f'think_text[max_tokens={int(budget)}]: TEXT',
+             f'think_rest: think_text? {c} "think" {s}',
+             'any: <[*]>*']
+    if think == "open":
+        return "\n".join(["start: think_rest any"] + lines) + "\n"
+    # not the think channel first: a first token other than <|open|>, or <|open|> and a
+    # tag that does not start with "think" (the reply's other channels)
+    lines += [f'think: {o} "think" {s} think_rest',
+              'OTHER_TAG: /([^t]|t[^h]|th[^i]|thi[^n]|thin[^k])[^\n]*/',
+              f'free: (<[{others}]> any) | ({o} OTHER_TAG any)']
+    return "\n".join(["start: think any | free?"] + lines) + "\n"
+
+
+def compile_think_budget(tokenizer, think: str, budget: int) -> "Grammar | None":
+    """The grammar capping a reply's reasoning at ``budget`` tokens (``think_lark``) for
+    ``tokenizer``, cached by its text; None when the prompt closed the think channel
+    (nothing to cap). UsageError for a vocabulary without the markup or llguidance
+    missing."""
+    if think not in THINK_MODES:
+        raise ValueError(f"think must be one of {THINK_MODES}")
+    if think == "closed":
+        return None
+    tok = tokenizer.get() if hasattr(tokenizer, "get") else tokenizer
+    marks = [tok.id_of(m) for m in _MARKS]
+    if None in marks:
+        raise UsageError("a thinking budget needs the chat markup (<|open|>, <|close|>, "
+                         "<|sep|>) in the vocabulary")
+    text = think_lark(marks, tok.vocab_size, think, budget)
+    gt = GrammarTokenizer.for_tokenizer(tok)
+    llg = llguidance()
+    return _kept(gt, "think:" + text, lambda key: Grammar(
+        gt, llg.LLMatcher.grammar_from_lark(text), key, what="thinking budget"))
+
+
+def tool_lark(marks, schemas: dict, choice, parallel: bool, think: str,
+              think_budget: int | None = None) -> str:
     """The Lark grammar of a reply under ``choice``: an optional think channel (any text;
     per ``think``), then for "none" an optional reply (a response channel or plain text),
     for "auto" (``parallel`` False) that and at most one call, for "required" or a named
     function a tools channel only (one call, or one or more when ``parallel``), each
     call ``call name="F"`` with an optional bounded id and arguments valid JSON for F's
-    schema; then optionally the closing assistant tag. ``marks``: the ids of <|open|>,
+    schema; then optionally the closing assistant tag; the think channel's text cut at
+    ``think_budget`` tokens when given (``think_lark``). ``marks``: the ids of <|open|>,
     <|close|>, <|sep|>."""
     o, c, s = (f"<[{int(i)}]>" for i in marks)
     name = tool_choice_name(choice)
@@ -419,7 +471,9 @@ def tool_lark(marks, schemas: dict, choice, parallel: bool, think: str) -> str:
              f'close: {c} "assistant" {s}',
              f'reply: {o} "response" {s} TEXT? {c} "response" {s} | TEXT']
     head = {"optional": "think? ", "closed": "", "open": "think_rest "}[think]
-    lines += [f'think: {o} "think" {s} think_rest', f'think_rest: TEXT? {c} "think" {s}']
+    cap = "" if think_budget is None else f"[max_tokens={int(think_budget)}]"
+    lines += [f'think: {o} "think" {s} think_rest', f'think_text{cap}: TEXT',
+              f'think_rest: think_text? {c} "think" {s}']
     if choice == "none":
         body = "reply?"
     else:
@@ -439,17 +493,21 @@ def tool_lark(marks, schemas: dict, choice, parallel: bool, think: str) -> str:
 
 
 def compile_tool_grammar(tokenizer, tools, choice, parallel: bool = True,
-                         think: str = "optional") -> "Grammar | None":
+                         think: str = "optional",
+                         think_budget: int | None = None) -> "Grammar | None":
     """The grammar enforcing ``tool_choice`` ``choice`` and ``parallel_tool_calls``
-    ``parallel`` on a chat reply (``tool_lark``) for ``tokenizer``, cached by its text;
-    None when nothing is enforced ("auto" with parallel calls, or no tools). UsageError
+    ``parallel`` on a chat reply (``tool_lark``) for ``tokenizer``, cached by its text,
+    the reasoning cut at ``think_budget`` tokens when given; for "auto" with parallel
+    calls (or no tools) only that cut (``compile_think_budget``), or None when nothing is
+    enforced. UsageError
     for what ``tool_choice_problem`` refuses, a schema llguidance refuses, a vocabulary
     without the markup, or llguidance missing."""
     why = tool_choice_problem(choice, tools, parallel)
     if why:
         raise UsageError(f"{why[0]}: {why[1]}")
     if choice == "auto" and (parallel or not tools):
-        return None
+        return None if think_budget is None else compile_think_budget(tokenizer, think,
+                                                                      think_budget)
     if think not in THINK_MODES:
         raise ValueError(f"think must be one of {THINK_MODES}")
     tok = tokenizer.get() if hasattr(tokenizer, "get") else tokenizer
@@ -458,7 +516,7 @@ def compile_tool_grammar(tokenizer, tools, choice, parallel: bool = True,
         raise UsageError("tool_choice needs the chat markup (<|open|>, <|close|>, <|sep|>) "
                          "in the vocabulary")
     schemas = {} if choice == "none" else tool_schemas(tools)
-    text = tool_lark(marks, schemas, choice, parallel, think)
+    text = tool_lark(marks, schemas, choice, parallel, think, think_budget)
     llg = llguidance()
     try:
         grammar = llg.LLMatcher.grammar_from_lark(text)

@@ -243,11 +243,12 @@ def _tools(tools) -> list | None:
     return out
 
 
-def _thinking(body: dict, max_tokens: int):
-    """The reasoning effort ``thinking`` asks for ("high", "none"), or None."""
+def _thinking(body: dict, max_tokens: int) -> tuple:
+    """(the reasoning effort ``thinking`` asks for ("high", "none") or None, its budget of
+    reasoning tokens or None when it does not cap below max_tokens)."""
     thinking = body.get("thinking")
     if thinking is None:
-        return None
+        return None, None
     if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled"):
         _refuse("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N} or "
                 "{\"type\": \"disabled\"}", "thinking", 422)
@@ -255,15 +256,13 @@ def _thinking(body: dict, max_tokens: int):
     if thinking["type"] == "disabled":
         if "budget_tokens" in thinking:
             _refuse("'thinking': budget_tokens goes with \"enabled\"", "thinking", 422)
-        return "none"
+        return "none", None
     budget = thinking.get("budget_tokens")
-    if budget is not None and not _is_int(budget):
-        _refuse("'thinking': budget_tokens must be an integer", "thinking", 422)
-    if budget is not None and budget < max_tokens:
-        _refuse(f"'thinking': budget_tokens {budget} below max_tokens {max_tokens} is not "
-                "implemented by k3 (it does not cap reasoning apart from the reply); give "
-                "budget_tokens >= max_tokens or leave it out", "thinking")
-    return "high"
+    if budget is not None and (not _is_int(budget) or budget < 1):
+        _refuse("'thinking': budget_tokens must be an integer >= 1", "thinking", 422)
+    # enforced on the think channel by a grammar (``grammar.think_lark``); at or over
+    # max_tokens the reply's own limit caps it already
+    return "high", (budget if budget is not None and budget < max_tokens else None)
 
 
 def _tool_choice(choice, req) -> None:
@@ -314,7 +313,7 @@ def check_request(body: dict) -> MessagesRequest:
     req.messages = _messages(body)
     req.tools = _tools(body.get("tools"))
     _tool_choice(body.get("tool_choice"), req)
-    req.reasoning_effort = _thinking(body, req.max_tokens)
+    req.reasoning_effort, req.think_budget = _thinking(body, req.max_tokens)
     req.temperature = _rule(body, "temperature", temperature_problem)
     req.top_p = _rule(body, "top_p", top_p_problem)
     top_k = _rule(body, "top_k", SAMPLING_RULES["top_k"])

@@ -390,15 +390,19 @@ class Server:
                            code="context_length_exceeded")
 
     def _tool_grammar(self, req, ids, settings):
-        """``settings`` with the grammar of the request's ``tool_choice`` and
-        ``parallel_tool_calls`` (docs/serve.md, tool_choice; compiled on this CPU thread,
-        cached by its text). Unchanged when nothing is enforced ("auto" with parallel
-        calls), or under a response_format's grammar (its JSON holds no call)."""
-        choice = getattr(req, "tool_choice", "auto")
-        parallel = getattr(req, "parallel_tool_calls", True)
-        if settings.grammar is not None or (choice == "auto" and (parallel or not req.tools)):
+        """``settings`` with the grammar of the request's ``tool_choice``,
+        ``parallel_tool_calls`` and thinking budget (docs/serve.md, tool_choice; compiled
+        on this CPU thread, cached by its text). Unchanged when nothing is enforced ("auto"
+        with parallel calls, no budget), or under a response_format's grammar (its JSON
+        holds no call)."""
+        choice, parallel, budget = req.tool_choice, req.parallel_tool_calls, req.think_budget
+        if settings.grammar is not None or (choice == "auto" and (parallel or not req.tools)
+                                            and budget is None):
             return settings
         if self.run.session.tokenizer is None or self.run.chat().template is None:
+            if budget is not None:
+                raise ApiError(422, "a thinking budget needs the model's chat template (its "
+                                    "think channel)", param="thinking", code="invalid_value")
             if choice in ("none", "auto"):       # without a template no call is parsed
                 return settings
             raise ApiError(422, "'tool_choice' needs the model's chat template (its calls are "
@@ -406,8 +410,9 @@ class Server:
                            code="invalid_value")
         from ..engine.grammar import compile_tool_grammar, think_mode
         tok = self.run.session.tokenizer
-        return dataclasses.replace(settings, grammar=compile_tool_grammar(
-            tok, req.tools, choice, parallel, think_mode(tok, ids)))
+        grammar = compile_tool_grammar(tok, req.tools, choice, parallel, think_mode(tok, ids),
+                                       budget)
+        return settings if grammar is None else dataclasses.replace(settings, grammar=grammar)
 
     def _preamble(self, req, ids) -> int:
         """The ids a later request can share (``ChatEncoder.preamble``), when prefixes are

@@ -68,6 +68,7 @@ class Request:
     tools: list | None = None
     template_kwargs: dict | None = None
     reasoning_effort: str | None = None   # mapped onto the template's switches
+    think_budget: int | None = None       # reasoning tokens at most (Anthropic's budget_tokens)
     prompt: str | None = None
     prompt_ids: list | None = None
     max_tokens: int | None = None
