@@ -246,3 +246,68 @@ def test_serve_template_failures_are_422_and_the_server_keeps_serving(server):
         assert "chat_template.jinja" in err["error"]["message"]
     assert chat("hello")[0] == 200 and _health(server)["status"] == "ok"       # control
     _no_traceback(server["log"].read_text())
+
+
+# ---- random template programs --------------------------------------------------------------
+
+def _programs():
+    """Template programs from a small grammar of Jinja: text, expressions (huge numbers,
+    repetition, powers, division by zero, undefined names, attributes of the
+    conversation, raise_exception, filters), loops (over ranges up to 10^6, strings, the
+    messages, recursive), conditionals, assignments and macros, nested."""
+    from hypothesis import strategies as st
+    exprs = st.sampled_from([
+        "1", "10 ** 6", "10 ** 100000", "'ab' * 10 ** 7", "'x' * 3", "1 // 0", "nothing",
+        "nothing.attr", "messages", "messages[0].content", "messages[5]", "(messages | length)",
+        "raise_exception('no')", "range(10 ** 6) | list | length", "'\\ud800'", "loop",
+        "[1, 2] + 3", "messages | tojson", "(messages[0].content * 10 ** 6) | length",
+        "none.x", "'%s' % 5", "x", "v ~ v"])
+    iters = st.sampled_from(["range(3)", "range(10 ** 6)", "messages", "'abc'", "x",
+                             "range(10 ** 6) | map('string')", "[]", "nothing"])
+    leaf = st.one_of(st.sampled_from(["text", " ", "\n", "<|open|>"]),
+                     exprs.map(lambda e: "{{ " + e + " }}"))
+
+    def grow(inner):
+        body = st.lists(inner, min_size=1, max_size=3).map("".join)
+        return st.one_of(
+            st.tuples(iters, body).map(lambda t: f"{{% for x in {t[0]} %}}{t[1]}{{% endfor %}}"),
+            st.tuples(exprs, body).map(lambda t: f"{{% if {t[0]} %}}{t[1]}{{% endif %}}"),
+            st.tuples(exprs, body).map(lambda t: f"{{% set v = {t[0]} %}}{t[1]}"),
+            body.map(lambda b: f"{{% macro f(n) %}}{b}{{% if n %}}{{{{ f(n - 1) }}}}"
+                               f"{{{{ f(n - 1) }}}}{{% endif %}}{{% endmacro %}}{{{{ f(30) }}}}"),
+            st.tuples(iters, body).map(
+                lambda t: f"{{% for x in {t[0]} recursive %}}{t[1]}{{% if loop.depth < 4 %}}"
+                          f"{{{{ loop({t[0]}) }}}}{{% endif %}}{{% endfor %}}"))
+    return st.recursive(leaf, grow, max_leaves=8)
+
+
+def test_template_random_programs_render_or_fail_cleanly_within_their_limits():
+    """Catches a construct nobody listed above escaping the sandbox's limits or its error
+    mapping: for Jinja programs drawn from a small grammar (``_programs``), a rendering
+    returns text within the size limit or raises TemplateFailure naming the template (or
+    the template is refused as it compiles, naming it), within the time limit plus a
+    margin, and the same program renders the same way twice."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=60, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(_programs())
+    def check(source):
+        outcomes = []
+        for _ in range(2):
+            started = time.monotonic()
+            try:
+                t = ChatTemplate({"default": source}, "model/chat_template.jinja", {}, LIMITS)
+                out = ("text", t.render(MSGS))
+                assert len(out[1].encode("utf-8", "surrogatepass")) <= LIMITS.max_bytes
+            except (TemplateFailure, CheckpointError) as e:
+                assert e.path == "model/chat_template.jinja", (source, e.one_line())
+                out = ("error", type(e).__name__)
+            except Exception as e:          # noqa: BLE001 (classified here)
+                fail("traceback", f"{source!r}: {type(e).__name__}: {e}")
+            took = time.monotonic() - started
+            if took > LIMITS.seconds + 2:
+                fail("unbounded", f"{source!r}: {took:.1f} s for {LIMITS.seconds} s")
+            outcomes.append(out)
+        assert outcomes[0] == outcomes[1], source
+    check()
