@@ -15,6 +15,9 @@ Prints, side by side in one run (arms interleaved round by round, medians of --r
    (``--batch-width 1``, by default): in lockstep the lines' prefills share passes, so
    summing the lines' prefill seconds would count a pass once per line in it. With fewer
    than 20 lines, the ratios are also projected to 20 lines from the measured parts.
+   ``--baseline-lines N``: (a) runs the first N lines only, its figures scaled to all
+   (each of its lines prefills the same length alone, so each costs the same); the other
+   arms run every line.
 2. ``k3-run --serve --prefix-cache DIR`` after a restart, same model and budget: a chat
    request (a SYSTEM-token system prompt + a user line, max_tokens 1) to a server started
    on an empty DIR (cold), then the server stopped (SIGINT) and started again on DIR, and
@@ -32,7 +35,8 @@ Prints, side by side in one run (arms interleaved round by round, medians of --r
    ASSUMED K3 prefill rate (bench/README.md has no measured K3 prefill figure: the rate is
    derived from its figures and printed with its derivation).
 
-    python bench/prefix_cache.py [--rounds 2] [--lines 20] [--sections 1,2,3] [--quick]
+    python bench/prefix_cache.py [--rounds 2] [--lines 20] [--baseline-lines N]
+                                 [--sections 1,2,3] [--quick]
 
 ``--quick``: a smoke version on ``small`` (4 lines, 192-token preamble, 300-token system
 prompt, 1 round, 256 MB disk probe). Generates scratch/medium (~5 GB) and its pack on
@@ -100,9 +104,11 @@ def load_seconds(cfg, directory: Path, reps: int = 3) -> tuple:
 
 def batch_section(ckpt, pack, budget, args, tmp: Path) -> bool:
     cfg = load_config(ckpt)
-    batch = tmp / "batch.jsonl"
-    batch.write_text("\n".join(batch_lines(args.lines, args.preamble, args.tail, args.gen,
-                                           cfg.vocab_size)) + "\n")
+    batch, batch_a = tmp / "batch.jsonl", tmp / "batch-a.jsonl"
+    lines = batch_lines(args.lines, args.preamble, args.tail, args.gen, cfg.vocab_size)
+    batch.write_text("\n".join(lines) + "\n")
+    n_a = min(args.baseline_lines or args.lines, args.lines)
+    batch_a.write_text("\n".join(lines[:n_a]) + "\n")   # (a)'s lines, scaled to all
     arms = [("a", "(a) --no-prefix-sharing"), ("b", "(b) sharing within the run"),
             ("c0", "(c0) sharing + --prefix-cache, empty DIR"),
             ("c", "(c) --prefix-cache DIR, warm")]
@@ -118,19 +124,25 @@ def batch_section(ckpt, pack, budget, args, tmp: Path) -> bool:
             extra = {"a": ["--no-prefix-sharing"], "b": [],
                      "c0": ["--prefix-cache", cache_dir], "c": ["--prefix-cache", cache_dir]}
             t0 = time.perf_counter()
-            p = run(["k3-run", ckpt, "--pack", pack, *budget, "--batch", batch, "--out", out,
+            p = run(["k3-run", ckpt, "--pack", pack, *budget, "--batch",
+                     batch_a if arm == "a" else batch, "--out", out,
                      "--batch-width", args.batch_width, "--json", "--quiet", *extra[arm]])
             wall = time.perf_counter() - t0
             s = json.loads(p.stdout)
-            assert s["done"] == args.lines, f"arm {arm}: {s['done']} of {args.lines} lines"
+            want = n_a if arm == "a" else args.lines
+            assert s["done"] == want, f"arm {arm}: {s['done']} of {want} lines"
+            # (a) prefills each line whole, alone: every line costs the same, so its first
+            # n_a lines scale to all of them
+            scale = args.lines / n_a if arm == "a" else 1.0
             pre = s["prefixes"]
             lines_prefill = sum(x["prefill_seconds"] for x in s["prompts"])
             fed = sum(x["prompt_tokens"] - x["reused_tokens"] for x in s["prompts"])
             hits = (pre.get("cache") or {}).get("hits", 0)
             loads, snap = (load_seconds(cfg, cache_dir) if arm == "c" else (0.0, 0))
-            row = {"lines": lines_prefill, "build": pre["build_seconds"],
+            row = {"lines": lines_prefill * scale, "build": pre["build_seconds"],
                    "loads": hits * loads, "load1": loads, "snap": snap, "hits": hits,
-                   "tokens": fed + pre["prefix_tokens_built"], "wall": wall,
+                   "tokens": round((fed + pre["prefix_tokens_built"]) * scale),
+                   "wall": wall * scale,
                    "reused": pre["tokens_reused"], "writes": (pre.get("cache") or {})
                    .get("writes", 0)}
             row["total"] = row["lines"] + row["build"] + row["loads"]
@@ -153,7 +165,9 @@ def batch_section(ckpt, pack, budget, args, tmp: Path) -> bool:
                      xs[0]["hits"], f"{med([x['wall'] for x in xs]):.0f}", f"{t / a:.3f}"])
     print(f"{args.lines} lines x ({args.preamble} shared + {args.tail} own) ids, gen "
           f"{args.gen}, --batch-width {args.batch_width}; prefill seconds, medians of "
-          f"{args.rounds} round(s):")
+          f"{args.rounds} round(s)" + (f"; (a) ran the first {n_a} lines, its figures "
+                                       f"scaled by {args.lines}/{n_a}" if n_a < args.lines
+                                       else "") + ":")
     print(table(rows, ["arm", "lines' prefill", "prefix build", "snapshot loads", "total",
                        "each round", "tokens prefilled", "cache hits", "run wall s",
                        "/ (a)"]))
@@ -174,8 +188,8 @@ def batch_section(ckpt, pack, budget, args, tmp: Path) -> bool:
               f"build {b_build:.1f} s once + {b_line:.1f} s a line; (c) {c_line:.1f} s a "
               f"line): (b)/(a) = {(b_build + n * b_line) / (n * per_a):.3f}, (c)/(a) = "
               f"{c_line / per_a:.3f}")
-    ref = outputs[("a", 0)]
-    same = all(o == ref for o in outputs.values())
+    ref = outputs[("b", 0)]
+    same = all(o == {i: ref[i] for i in o} for o in outputs.values())
     print(f"same outputs: {'yes' if same else 'no'} ({len(outputs)} runs x {len(ref)} ids)")
     return same
 
@@ -424,6 +438,9 @@ def main() -> None:
     ap.add_argument("--lines", type=int, help=f"batch lines (default {SPEC_LINES})")
     ap.add_argument("--preamble", type=int, help="shared ids (default 1000)")
     ap.add_argument("--tail", type=int, default=20, help="each line's own ids")
+    ap.add_argument("--baseline-lines", type=int,
+                    help="run arm (a) on the first N lines only and scale it to all "
+                         "(default: all lines)")
     ap.add_argument("--gen", type=int, default=4)
     ap.add_argument("--batch-width", default="1",
                     help="--batch-width of the batch runs (default 1: see the docstring)")
