@@ -137,7 +137,8 @@ class State:
         digest = hashlib.sha256()
         with replacing(path) as f:
             for part in [_PREFIX.pack(STATE_MAGIC, STATE_VERSION, len(head)) + head] + [
-                    np.ascontiguousarray(self._array(name), dtype="<f4").tobytes()
+                    # the array's own bytes, not a copy (a cache's first rows are contiguous)
+                    memoryview(np.ascontiguousarray(self._array(name), dtype="<f4")).cast("B")
                     for name, _ in layout]:
                 f.write(part)
                 digest.update(part)
@@ -146,25 +147,34 @@ class State:
     @classmethod
     def load(cls, cfg: K3Config, path, weights_identity: str) -> "State":
         """Read a state saved for ``cfg`` by weights whose identity is ``weights_identity``
-        (``libk3.io.identity.weights_identity``). Everything is checked before any array
-        is allocated: framing and checksum, then every header field against the config
-        and the identity; then each array is refused if it holds NaN or Inf
-        (formats/state.md, invariants); any failure is a FormatError naming the file."""
+        (``libk3.io.identity.weights_identity``). The framing, every header field against
+        the config and the identity, and the file's size against the header are checked
+        before any array is allocated; the arrays are then read in place and hashed as
+        they land (one pass over the file), the checksum compared, and each array refused
+        if it holds NaN or Inf (formats/state.md, invariants); any failure is a
+        FormatError naming the file."""
         path = Path(path)
         try:
             with open(path, "rb") as f:
-                head, meta, layout = _checked_header(f, cfg, path, weights_identity)
+                head, meta, layout = _checked_header(f, cfg, path, weights_identity,
+                                                     digest=False)
                 st = cls(cfg, capacity=max(64, meta["pos"]))
                 st.pos, st.ids = meta["pos"], meta["ids"]
                 st.logits = np.zeros(cfg.vocab_size, np.float32) if st.pos else None
-                f.seek(_PREFIX.size + len(head))
+                f.seek(0)
+                sha = hashlib.sha256(f.read(_PREFIX.size + len(head)))
                 for name, _ in layout:
-                    dest = st._array(name)
-                    if f.readinto(memoryview(dest).cast("B")) != dest.nbytes:
+                    dest = memoryview(st._array(name)).cast("B")
+                    if f.readinto(dest) != dest.nbytes:
                         raise FormatError("state file is truncated", path=path, tensor=name)
+                    sha.update(dest)
+                if f.read(_DIGEST_BYTES) != sha.digest():
+                    raise _checksum_error(path)
+                for name, _ in layout:
+                    arr = st._array(name)
                     if sys.byteorder == "big":
-                        dest.byteswap(inplace=True)
-                    if not _all_finite(dest):
+                        arr.byteswap(inplace=True)
+                    if not _all_finite(arr):
                         raise FormatError(f"state array {name} holds NaN or Inf", path=path,
                                           hint="it was saved from damaged weights or "
                                                "altered: re-create it")
@@ -288,10 +298,14 @@ def _read_header(f, size: int, path, digest: bool = True) -> bytes:
         sha.update(chunk)
         left -= len(chunk)
     if f.read(_DIGEST_BYTES) != sha.digest():
-        raise FormatError("state checksum mismatch (the file is damaged or incomplete)",
-                          path=path)
+        raise _checksum_error(path)
     f.seek(_PREFIX.size)
     return f.read(hlen)
+
+
+def _checksum_error(path) -> FormatError:
+    return FormatError("state checksum mismatch (the file is damaged or incomplete)",
+                       path=path)
 
 
 def _all_finite(a: np.ndarray) -> bool:
