@@ -122,7 +122,7 @@ def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, allow_nonfin
             "resumed": res.layers_resumed, "bytes_written": res.bytes_written,
             "seconds": round(res.seconds, 3), "mb_per_s": round(res.mb_per_s, 1),
             "source_seq_read_mb_per_s": round(src_bps / 1e6, 1) if src_bps else None,
-            "of_source_read": round(of_src, 3) if of_src else None,
+            "of_source_read": float(f"{of_src:.3g}") if of_src else None,  # 3 digits at any size
             "already_complete": res.already_complete, "nonfinite_tensors": res.nonfinite}
     if comp is not None:
         info["compress"] = comp
