@@ -288,12 +288,13 @@ def prefill_chunk(budget: Budget, sizes: ModelSizes, base: int,
         chunk = max(fits, default=base)
     else:
         chunk = requested
-    taken = min(extra(chunk), max(0, cache - floor))
-    if extra(chunk) == 0:
+    need = extra(chunk)
+    if need == 0:
         return chunk, cache, ""
-    reason = (f"prefill chunk {chunk}: its activations beyond {base} tokens' "
-              f"({size_text(extra(chunk))}) come out of the expert cache")
-    if taken < extra(chunk):
-        reason = (f"prefill chunk {chunk}: its activations beyond {base} tokens' raise the "
-                  f"peak by {size_text(extra(chunk) - taken)} (the expert cache is at its floor)")
-    return chunk, cache - taken, reason
+    taken = min(need, max(0, cache - floor))
+    if taken < need:
+        return chunk, cache - taken, (
+            f"prefill chunk {chunk}: its activations beyond {base} tokens' raise the peak by "
+            f"{size_text(need - taken)} (the expert cache is at its floor)")
+    return chunk, cache - taken, (f"prefill chunk {chunk}: its activations beyond {base} "
+                                  f"tokens' ({size_text(need)}) come out of the expert cache")

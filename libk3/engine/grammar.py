@@ -443,16 +443,23 @@ def compile_think_budget(tokenizer, think: str, budget: int) -> "Grammar | None"
         raise ValueError(f"think must be one of {THINK_MODES}")
     if think == "closed":
         return None
-    tok = tokenizer.get() if hasattr(tokenizer, "get") else tokenizer
-    marks = [tok.id_of(m) for m in _MARKS]
-    if None in marks:
-        raise UsageError("a thinking budget needs the chat markup (<|open|>, <|close|>, "
-                         "<|sep|>) in the vocabulary")
+    tok, marks = _markup(tokenizer, "a thinking budget")
     text = think_lark(marks, tok.vocab_size, think, budget)
     gt = GrammarTokenizer.for_tokenizer(tok)
     llg = llguidance()
     return _kept(gt, "think:" + text, lambda key: Grammar(
         gt, llg.LLMatcher.grammar_from_lark(text), key, what="thinking budget"))
+
+
+def _markup(tokenizer, what: str) -> tuple:
+    """(the tokenizer, the ids of <|open|>, <|close|>, <|sep|>): UsageError naming
+    ``what`` needs them when the vocabulary lacks one."""
+    tok = tokenizer.get() if hasattr(tokenizer, "get") else tokenizer
+    marks = [tok.id_of(m) for m in _MARKS]
+    if None in marks:
+        raise UsageError(f"{what} needs the chat markup (<|open|>, <|close|>, <|sep|>) in "
+                         "the vocabulary")
+    return tok, marks
 
 
 def tool_lark(marks, schemas: dict, choice, parallel: bool, think: str,
@@ -510,11 +517,7 @@ def compile_tool_grammar(tokenizer, tools, choice, parallel: bool = True,
                                                                       think_budget)
     if think not in THINK_MODES:
         raise ValueError(f"think must be one of {THINK_MODES}")
-    tok = tokenizer.get() if hasattr(tokenizer, "get") else tokenizer
-    marks = [tok.id_of(m) for m in _MARKS]
-    if None in marks:
-        raise UsageError("tool_choice needs the chat markup (<|open|>, <|close|>, <|sep|>) "
-                         "in the vocabulary")
+    tok, marks = _markup(tokenizer, "tool_choice")
     schemas = {} if choice == "none" else tool_schemas(tools)
     text = tool_lark(marks, schemas, choice, parallel, think, think_budget)
     llg = llguidance()

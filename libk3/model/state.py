@@ -222,17 +222,7 @@ def read_meta(path, check: bool = False) -> dict:
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if check:
-                head = _read_header(f, size, path)
-            else:
-                prefix = f.read(_PREFIX.size)
-                if len(prefix) < _PREFIX.size or prefix[:8] != STATE_MAGIC:
-                    raise FormatError("not a k3 state file (empty, or bad magic)", path=path)
-                _, version, hlen = _PREFIX.unpack(prefix)
-                if version != STATE_VERSION or hlen > min(MAX_HEADER_BYTES, size):
-                    raise FormatError(f"state format version {version} is not read by this "
-                                      "k3, or its header runs past the file", path=path)
-                head = f.read(hlen)
+            head = _read_header(f, size, path, digest=check)
             meta = _header_json(head, path)
             if check:
                 _check_arrays(f, meta, _PREFIX.size + len(head), size, path)

@@ -33,9 +33,7 @@ class ReplyReader:
         """A completion's text (no parsing: /v1/completions continues text), without the
         token that ended it by a stop id (a turn's end, a grammar's end): OpenAI's text
         holds no stop."""
-        if ids and ids[-1] in self.end_ids:
-            ids = ids[:-1]
-        return returned_text(self.tokenizer, ids, self.stops)
+        return returned_text(self.tokenizer, ids, self.stops, self.end_ids)
 
     def delta(self, ids, final: bool = False) -> dict:
         """What a stream sends now: new reasoning and content text (``reasoning_content``,
