@@ -1,15 +1,17 @@
 """Shared helpers of the benchmark scripts: where big synthetic models live, running the
-console scripts (of this tree, or of a BASE commit extracted beside it), printing aligned
-tables. Models are generated into ``scratch/`` (ignored
+console scripts (of this tree, or of a BASE commit extracted beside it), waiting for a
+server to answer, printing aligned tables. Models are generated into ``scratch/`` (ignored
 by git) or ``$K3_BENCH_DIR``, once, and reused."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +116,33 @@ def drop_page_cache(path: Path) -> None:
                 os.close(fd)
             except OSError:
                 pass
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_health(proc, url: str, log: Path | None = None, headers=None,
+                    timeout: float = 600.0) -> float:
+    """Seconds until the server ``proc`` started answers ``url``/health with 200;
+    SystemExit (with its log) when it exits first or ``timeout`` passes."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            said = log.read_text() if log is not None and log.exists() else ""
+            raise SystemExit(f"the server exited ({proc.returncode}):\n{said}")
+        try:
+            req = urllib.request.Request(url + "/health", headers=headers or {})
+            with urllib.request.urlopen(req, timeout=5) as r:
+                if r.status == 200:
+                    return time.perf_counter() - t0
+        except OSError:                 # not listening yet (URLError is an OSError)
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"the server at {url} did not answer /health in {timeout:.0f} s")
 
 
 def table(rows, headers) -> str:

@@ -25,7 +25,6 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, table  # noqa: E402
+from common import ROOT, free_port, table, wait_for_health  # noqa: E402
 
 TINY = ROOT / "fixtures" / "tiny"
 KEY = "bench-key"
@@ -127,19 +126,13 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--big-mb", type=int, default=30)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(["k3-run", str(TINY), "--serve", f"127.0.0.1:{port}", "--api-key",
                              KEY, "--quiet"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        for _ in range(600):
-            try:
-                health_ms(port)
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_for_health(proc, f"http://127.0.0.1:{port}",
+                        headers={"Authorization": f"Bearer {KEY}"})
         plain = json.dumps({"messages": [{"role": "user", "content": "hi"}],
                             "max_tokens": 2}).encode()
         assert send(port, "POST", CHAT, plain, {}) == 200

@@ -49,13 +49,11 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -63,7 +61,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch_throughput import floor_flags  # noqa: E402
-from common import checkpoint, drop_page_cache, packed, run, table  # noqa: E402
+from common import (checkpoint, drop_page_cache, free_port, packed, run, table,  # noqa: E402
+                    wait_for_health)
 
 from libk3.config import load_config  # noqa: E402
 from libk3.engine.defaults import PREFILL_CHUNK  # noqa: E402
@@ -195,12 +194,6 @@ def batch_section(ckpt, pack, budget, args, tmp: Path) -> bool:
 
 
 # ---------------------------------------------------------------------------- section 2
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(ckpt, pack, budget, cache_dir: Path, log: Path):
     port = free_port()
     err = open(log, "a")
@@ -208,17 +201,7 @@ def start_server(ckpt, pack, budget, cache_dir: Path, log: Path):
                              f"127.0.0.1:{port}", "--prefix-cache", str(cache_dir), "--gen",
                              "1", "--quiet"], stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
-    t0 = time.perf_counter()
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}):\n{log.read_text()}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, url, time.perf_counter() - t0
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass
-        time.sleep(0.25)
+    return proc, url, wait_for_health(proc, url, log, timeout=7200)
 
 
 def stop_server(proc) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,19 +31,14 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, ROOT, base_tree, checkpoint, table, tree_shim  # noqa: E402
+from common import (DATA, ROOT, base_tree, checkpoint, free_port, table,  # noqa: E402
+                    tree_shim, wait_for_health)
 
 LAUNCH = "import sys; from k3_run.cli import main; sys.argv[0] = 'k3-run'; main()"
 MESSAGES = [{"role": "system", "content": "You answer in one short sentence."},
             {"role": "user", "content": "What is the capital of France, and why?"}]
 PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
 KINDS = ("chat", "chat streamed", "completion")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(shim: Path, model: Path, log: Path):
@@ -55,16 +49,8 @@ def start(shim: Path, model: Path, log: Path):
                             env=dict(os.environ, PYTHONPATH=str(shim)), cwd=shim,
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     url = f"http://127.0.0.1:{port}"
-    for _ in range(3000):
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}):\n{log.read_text()}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"the server at {url} did not answer /health")
+    wait_for_health(proc, url, log)
+    return proc, url
 
 
 def request(url: str, kind: str, tokens: int) -> tuple:

@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, ROOT, base_tree, checkpoint, table, tool, tree_shim  # noqa: E402
+from common import (DATA, ROOT, base_tree, checkpoint, free_port, table, tool,  # noqa: E402
+                    tree_shim, wait_for_health)
 
 TINY = ROOT / "fixtures" / "tiny"
 K3_ENV = ("OMP_WAIT_POLICY", "NUMBA_NUM_THREADS", "NUMBA_THREADING_LAYER",
@@ -176,12 +176,6 @@ def two_section(trees, rounds, tmp):
                 ["model", "alone s/token", "each of two", "ratio"]))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def chat_latencies(port: int, n: int) -> list:
     body = json.dumps({"max_tokens": 8, "temperature": 0,
                        "messages": [{"role": "user", "content": PROMPT}]}).encode()
@@ -209,12 +203,7 @@ def serve_section(trees, tmp):
                               cwd=trees["head"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_for_health(server, f"http://127.0.0.1:{port}")
         chat_latencies(port, 2)                     # warm
         quiet = chat_latencies(port, 20)
         batch = batch_file(tmp / "serve-batch.jsonl", 200, 40)
