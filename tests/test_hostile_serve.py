@@ -184,6 +184,22 @@ class _FailingWorker:
         job._send(("error", RuntimeError("the engine broke")))
 
 
+class _ReaderHere:
+    """The reader process's reading done in this process (``Reader``), as the server
+    calls it."""
+
+    def __init__(self, tiny_dir):
+        from libk3.config import context_length
+        from libk3.serve.reader import Reader, ReaderSpec
+        from libk3.text.chat_template import DEFAULT_LIMITS
+        self.reader = Reader(ReaderSpec(str(tiny_dir), None, DEFAULT_LIMITS,
+                                        load_config(tiny_dir).vocab_size,
+                                        context_length(tiny_dir), "tiny", 0))
+
+    def call(self, route, chunks):
+        return getattr(self.reader, route)(b"".join(chunks)), []
+
+
 def _stub_server(tiny_dir, worker, log=None):
     """A Server over ``worker`` and a run that has only what the routes read."""
     from libk3.serve.app import Server
@@ -191,7 +207,8 @@ def _stub_server(tiny_dir, worker, log=None):
                           session=SimpleNamespace(tokenizer=None),
                           until_end=lambda settings: settings,
                           structured=lambda settings: settings)
-    return Server(run, worker, settings_from(2, 0.0, 1.0, 0), model_name="tiny", log=log)
+    return Server(run, worker, _ReaderHere(tiny_dir), settings_from(2, 0.0, 1.0, 0),
+                  model_name="tiny", log=log)
 
 
 def _serve_in_process(tiny_dir, requests) -> tuple:

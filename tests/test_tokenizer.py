@@ -527,6 +527,41 @@ def test_split_long_runs_cuts_only_runs_over_limit():
         1 + MAX_RUN_CHARS, MAX_RUN_CHARS, 3]
 
 
+def _cut_by_loop(text: str) -> list:
+    """The cuts as model.md section 8.2 words them, a character at a time (the oracle)."""
+    from libk3.io.tokenizer import MAX_ENCODE_CHARS
+    if len(text) <= MAX_RUN_CHARS:
+        return [text]
+    pieces = []
+    for c0 in range(0, len(text), MAX_ENCODE_CHARS):
+        chunk = text[c0:c0 + MAX_ENCODE_CHARS]
+        start, run, run_is_space = 0, 0, chunk[0].isspace()
+        for i, ch in enumerate(chunk):
+            if ch.isspace() != run_is_space:
+                run, run_is_space = 1, ch.isspace()
+            else:
+                run += 1
+                if run > MAX_RUN_CHARS:
+                    pieces.append(chunk[start:i])
+                    start, run = i, 1
+        pieces.append(chunk[start:])
+    return pieces
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "\u00e9", " ", "\n", "\u3000"]),
+                          st.sampled_from([1, 2, MAX_RUN_CHARS - 1, MAX_RUN_CHARS,
+                                           MAX_RUN_CHARS + 1, 2 * MAX_RUN_CHARS + 1,
+                                           7 * MAX_RUN_CHARS + 3])),
+                min_size=1, max_size=12))
+def test_split_long_runs_equals_the_character_loop(runs):
+    """Catches the regex that finds long runs disagreeing with the rule read a character
+    at a time: a cut off by one, a run carried over a chunk's edge, two characters of one
+    class (a and b, space and newline) taken as two runs, or a run not cut again."""
+    text = "".join(ch * n for ch, n in runs)
+    assert split_long_runs(text) == _cut_by_loop(text)
+
+
 def test_encode_long_run_is_cut_before_encoding(small):
     """Catches an encode that ignores the cut (ids differ at the cut point)."""
     tok, enc = small

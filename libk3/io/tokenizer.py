@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError, K3Error
+from ..text.encodable import first_surrogate
 from . import tokenizer_cache
 from .tokenizer_cache import DerivedTokenizer
 
@@ -440,25 +441,26 @@ def split_long_runs(text: str) -> list:
 
 def iter_long_runs(text: str):
     """``split_long_runs``'s pieces one chunk at a time, so an encoding that stops early
-    scans no further."""
+    scans no further. A run over the limit is found by a regex that tries only where a
+    run starts (so it reads each character once, at C speed: a loop over the characters
+    in Python would hold up a server's event loop); it is cut every MAX_RUN_CHARS."""
     if len(text) <= MAX_RUN_CHARS:
         yield text
         return
     for c0 in range(0, len(text), MAX_ENCODE_CHARS):
-        pieces = []
         chunk = text[c0:c0 + MAX_ENCODE_CHARS]
-        start, run, run_is_space = 0, 0, chunk[0].isspace()
-        for i, ch in enumerate(chunk):
-            is_space = ch.isspace()
-            if is_space != run_is_space:
-                run, run_is_space = 1, is_space
-            else:
-                run += 1
-                if run > MAX_RUN_CHARS:
-                    pieces.append(chunk[start:i])
-                    start, run = i, 1
-        pieces.append(chunk[start:])
-        yield from pieces
+        start = 0
+        for run in _LONG_RUN.finditer(chunk):
+            for cut in range(run.start() + MAX_RUN_CHARS, run.end(), MAX_RUN_CHARS):
+                yield chunk[start:cut]
+                start = cut
+        yield chunk[start:]
+
+
+# A run of more than MAX_RUN_CHARS characters of one class, from where it starts (re's \s
+# is str.isspace); the lookbehind fails at once inside a run, so no run is read twice.
+_LONG_RUN = re.compile(r"(?<!\S)\S{%d,}|(?<!\s)\s{%d,}" % (MAX_RUN_CHARS + 1,
+                                                             MAX_RUN_CHARS + 1))
 
 
 # ---- the tokenizer ------------------------------------------------------------------
@@ -576,17 +578,18 @@ class K3Tokenizer:
         ``limit``, encoding stops once more than ``limit`` ids are known: the ids then are
         the whole text's first ones (its pieces are encoded independently), enough to
         refuse a text over a context without tokenizing all of it."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
+        if first_surrogate(text) is not None:
             # lone surrogates: joined into pairs where possible, else U+FFFD, as tiktoken does
             text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
         tok = self._tokenizers()[0 if allow_special else 1]
         ids = []
         for piece in iter_long_runs(text):
             # encode_batch lets go of the GIL while it works (encode does not), so a
-            # server thread tokenizing a huge request leaves the event loop free
-            ids.extend(tok.encode_batch([piece], add_special_tokens=False)[0].ids)
+            # server thread tokenizing a huge request leaves the event loop free; the
+            # ids list and the encoding's freeing are two steps, each holding it briefly
+            encoding = tok.encode_batch([piece], add_special_tokens=False)[0]
+            ids.extend(encoding.ids)
+            del encoding
             if limit is not None and len(ids) > limit:
                 break
         return ids

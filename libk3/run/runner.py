@@ -23,6 +23,7 @@ from ..errors import BudgetError, FormatError, UsageError
 from ..model.state import State
 from ..policies.registry import DEFAULT_POLICY
 from ..text.chat_template import DEFAULT_LIMITS, RenderLimits
+from ..text.prompts import Prompts
 from ..trace.format import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
 from . import batch as batchfile
 from .batch_sink import ABANDONED, NO_TIME, BatchSink
@@ -166,7 +167,7 @@ class Run:
             ckpt.close()
             raise
         self.seq = 0                       # which prompt of a batch (trace records)
-        self._chat = None
+        self.prompts = Prompts(opts.model, self.session.tokenizer, opts.template_limits)
         try:    # the forward's kernels load while the session's first reads (lm_head, the
             # ring's layers) are under way
             self.compile_seconds += prepare(["draft" if opts.draft else "forward"],
@@ -223,9 +224,7 @@ class Run:
         self.trace.append_records(rec)
 
     def _tokenizer(self):
-        if self.session.tokenizer is None:
-            raise UsageError("this model has no tokenizer (tiktoken.model); use --ids")
-        return self.session.tokenizer
+        return self.prompts.tokenizer
 
     def check_stop_ids(self, stop_ids) -> None:
         """--stop-id values against the model's vocabulary (the option can't know it)."""
@@ -234,10 +233,7 @@ class Run:
             raise UsageError(f"--stop-id: {why}")
 
     def encode(self, text: str, limit=None) -> list:
-        ids = self._tokenizer().encode(text, limit=limit)
-        if not ids:
-            raise UsageError("the prompt encodes to no tokens")
-        return ids
+        return self.prompts.encode(text, limit)
 
     def encode_file(self, path) -> list:
         """Token ids of a prompt file's exact text (``prompt_file``); FormatError when
@@ -253,21 +249,11 @@ class Run:
         return ids
 
     def chat(self, warn=None):
-        """Conversations' prompt ids and turn ends for this model (``chat_request``)."""
-        if self._chat is None:
-            from ..text.chat_request import ChatEncoder
-            self._chat = ChatEncoder(self.opts.model, self._tokenizer(), warn,
-                                     self.opts.template_limits)
-        return self._chat
+        """Conversations' prompt ids and turn ends for this model (``Prompts.chat``)."""
+        return self.prompts.chat(warn)
 
     def encode_messages(self, request: dict, warn=None, limit=None) -> list:
-        """Prompt ids of a request's "messages" (with its "tools", "template_kwargs");
-        ``limit``: stop once more than that many are known (``K3Tokenizer.encode``)."""
-        ids = self.chat(warn).encode(request["messages"], request.get("tools"),
-                                     request.get("template_kwargs"), limit)
-        if not ids:
-            raise UsageError("the conversation encodes to no tokens")
-        return ids
+        return self.prompts.encode_messages(request, warn, limit)
 
     def chat_settings(self, settings: GenSettings, warn=None) -> GenSettings:
         """``settings`` that also stop at the assistant turn's end."""

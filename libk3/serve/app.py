@@ -3,12 +3,14 @@
 Owns: the address rule (loopback by default; any other address needs an API key,
 checked on every request but the liveness probe), the routes (POST /v1/chat/completions
 and /v1/completions, streamed as server-sent events or not; Anthropic's POST
-/v1/messages, its shapes ``anthropic``'s; GET /v1/models, /health and /livez), the CPU
-thread that parses, renders, tokenizes and detokenizes requests so the event loop keeps
-answering, turning every refusal into an OpenAI-style error body (Anthropic's on
-/v1/messages) while the server keeps serving, and cancelling a job whose client
-disconnects. Does not own: the wire format's checks (``protocol``, ``anthropic``), the
-queue and the engine thread (``worker``), templates or generation.
+/v1/messages, its shapes ``anthropic``'s; GET /v1/models, /health and /livez), reading a
+body as the chunks it arrives in and handing them to the request reader (``reader``: a
+process of its own parses, renders and tokenizes, so the event loop keeps answering),
+the CPU thread that waits for it and compiles a request's settings and grammars,
+turning every refusal into an OpenAI-style error body (Anthropic's on /v1/messages)
+while the server keeps serving, and cancelling a job whose client disconnects. Does not
+own: the wire format's checks (``protocol``, ``anthropic``), reading bodies
+(``reader``), the queue and the engine thread (``worker``), templates or generation.
 
 Every request gets an id (``x-request-id``), and every failure leaves the server as one
 OpenAI error body and, for a 5xx, one log line naming that id: no exception reaches
@@ -38,9 +40,10 @@ import uuid
 from ..run.batch import job_settings
 from ..errors import K3Error, UsageError
 from ..text.encodable import text_problem
-from .protocol import (ApiError, chat_logprobs, check_request, completion_logprobs,
-                       envelope, finish_reason, parse_body, sse, usage)
-from . import anthropic, tokenize
+from .protocol import (ApiError, chat_logprobs, check_model, completion_logprobs, envelope,
+                       error_parts, finish_reason, refusal_of, sse, usage)
+from . import anthropic
+from .reader import ReaderProcess, ReaderSpec
 from .replies import ReplyReader
 from .worker import Job, Worker
 
@@ -108,25 +111,20 @@ def _check_sizes(request) -> None:
 def _refusal(e: Exception, rid: str) -> tuple:
     """(status, OpenAI error body, what to log) of an exception a route raised."""
     from aiohttp import web
-    if isinstance(e, ApiError):
-        return e.status, e.body, e.body["error"]["message"]
-    if isinstance(e, web.HTTPRequestEntityTooLarge):
-        return _body(413, f"the request body is over {MAX_BODY_BYTES} bytes",
-                     code="request_too_large")
     if isinstance(e, web.HTTPException):
-        return _body(e.status, e.reason)
-    if isinstance(e, UsageError):            # the template refused the conversation, ...
-        return _body(422, e.one_line(), code="invalid_value")
-    if isinstance(e, K3Error):
-        return _body(500, e.one_line(), kind="server_error")
+        return error_parts(e.status, e.reason)
+    refused = refusal_of(e)
+    if refused is not None:
+        return refused
     # a defect in k3: the client learns the id, the log the exception
-    status, body, _ = _body(500, f"internal error; the server's log names request {rid}",
-                            kind="server_error")
+    status, body, _ = error_parts(500, f"internal error; the server's log names request {rid}",
+                                  kind="server_error")
     return status, body, " ".join(f"{type(e).__name__}: {e}".split())
 
 
-def _body(status: int, message: str, code=None, kind="invalid_request_error") -> tuple:
-    return status, ApiError(status, message, code=code, kind=kind).body, message
+def _too_large() -> ApiError:
+    return ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
+                    code="request_too_large")
 
 
 def _http_logger(log):
@@ -150,21 +148,18 @@ def _http_logger(log):
 class Server:
     """The routes over one ``Worker`` and the run it decodes with."""
 
-    def __init__(self, run, worker: Worker, base_settings, *, model_name: str,
-                 api_key=None, log=None):
-        self.run, self.worker, self.base = run, worker, base_settings
+    def __init__(self, run, worker: Worker, reader: ReaderProcess, base_settings, *,
+                 model_name: str, api_key=None, log=None):
+        self.run, self.worker, self.reader, self.base = run, worker, reader, base_settings
         self.model_name, self.api_key, self.log = model_name, api_key, log
         self.ids = itertools.count(1)
         self.cpu = None               # the CPU thread's executor, while the app runs
         self.keepalive_seconds = KEEPALIVE_SECONDS
         self.body_seconds = BODY_SECONDS
-        from ..config import context_length
-        self.context = context_length(run.opts.model)
 
     def app(self):
         from aiohttp import web
-        app = web.Application(client_max_size=MAX_BODY_BYTES,
-                              middlewares=[self._errors, self._auth])
+        app = web.Application(middlewares=[self._errors, self._auth])
         app.on_response_prepare.append(self._tag)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
@@ -182,8 +177,9 @@ class Server:
 
     async def _cpu_thread(self, app):
         """The one thread for a request's CPU work, from the app's start to its end. One:
-        the lazily built template encoder and HF tokenizers are then only ever built and
-        used by it (the engine thread only reads the tokenizer's id -> bytes table)."""
+        the request reader is asked one request at a time, and the lazily built template
+        encoder and HF tokenizers are only ever built and used by it (the engine thread
+        only reads the tokenizer's id -> bytes table)."""
         self.cpu = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="k3-serve-cpu")
         try:
             yield
@@ -275,39 +271,20 @@ class Server:
 
     async def model(self, request):
         from aiohttp import web
-        self._check_model(request.match_info["model"])
+        check_model(request.match_info["model"], self.model_name)
         return web.json_response(self._model_object())
 
-    def _check_model(self, name) -> None:
-        """404 ``model_not_found`` unless ``name`` (None: not given) is the served model."""
-        if name is not None and name != self.model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{self.model_name!r}", param="model", code="model_not_found")
-
     async def tokenize(self, request):
-        from aiohttp import web
-        ids = await self._off_loop(self._tokenizer_call, tokenize.tokenize,
-                                   await self._body(request))
-        return web.json_response({"count": len(ids), "max_model_len": self.context,
-                                  "tokens": ids})
+        return await self._json_answer("tokenize", request)
 
     async def detokenize(self, request):
-        from aiohttp import web
-        text = await self._off_loop(self._tokenizer_call, tokenize.detokenize,
-                                    await self._body(request))
-        return web.json_response({"prompt": text})
+        return await self._json_answer("detokenize", request)
 
-    def _tokenizer_call(self, fn, raw: bytes):
-        """``fn(run, body)`` for a /tokenize or /detokenize body (on the CPU thread)."""
-        body = parse_body(raw)
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise ApiError(422, "'model' must be a string", param="model", code="invalid_type")
-        self._check_model(model)
-        if self.run.session.tokenizer is None:
-            raise ApiError(422, "this model has no tokenizer (tiktoken.model)",
-                           code="no_tokenizer")
-        return fn(self.run, body)
+    async def _json_answer(self, route: str, request):
+        """A route whose JSON answer the reader process writes whole."""
+        from aiohttp import web
+        body = await self._off_loop(self._read, route, await self._body(request))
+        return web.Response(body=body, content_type="application/json")
 
     async def metrics(self, request):
         from aiohttp import web
@@ -323,10 +300,23 @@ class Server:
                                   "busy": self.worker.busy, **self.worker.counts,
                                   "engine": self.worker.figures(), "turn_reuse": turns})
 
-    async def _body(self, request) -> bytes:
-        """The request's body, whole within ``body_seconds`` (else ApiError 408)."""
+    async def _body(self, request) -> list:
+        """The request's body as the chunks it arrived in (never joined here: a long body
+        is the reader process's to handle), whole within ``body_seconds`` (else ApiError
+        408); 413 as soon as it is over MAX_BODY_BYTES, the rest unread."""
+        if (request.content_length or 0) > MAX_BODY_BYTES:
+            raise _too_large()
+
+        async def read():
+            chunks, size = [], 0
+            async for chunk in request.content.iter_any():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise _too_large()
+                chunks.append(chunk)
+            return chunks
         try:
-            return await asyncio.wait_for(request.read(), self.body_seconds)
+            return await asyncio.wait_for(read(), self.body_seconds)
         except asyncio.TimeoutError:
             raise ApiError(408, f"the request body did not arrive within "
                                 f"{self.body_seconds:g} s", code="request_timeout") from None
@@ -336,58 +326,44 @@ class Server:
         return web.json_response({"status": "ok"})
 
     async def chat(self, request):
-        read = await self._off_loop(self._read_chat, await self._body(request))
-        return await self._answer(request, *read)
+        return await self._answer(request, *await self._off_loop(
+            self._prepared, "chat", await self._body(request)))
 
     async def completions(self, request):
-        read = await self._off_loop(self._read_completion, await self._body(request))
-        return await self._answer(request, *read)
+        return await self._answer(request, *await self._off_loop(
+            self._prepared, "completion", await self._body(request)))
 
     async def messages(self, request):
         """Anthropic's Messages API over the same path (``anthropic``)."""
-        read = await self._off_loop(self._read_messages, await self._body(request))
-        return await self._answer(request, *read)
+        return await self._answer(request, *await self._off_loop(
+            self._prepared, "messages", await self._body(request)))
 
     async def count_tokens(self, request):
         """Anthropic's token count: the prompt ids a Messages body renders to."""
         from aiohttp import web
-        read = await self._off_loop(self._count_messages, await self._body(request))
-        return web.json_response({"input_tokens": len(read[1])})
+        n = await self._off_loop(self._read, "count_tokens", await self._body(request))
+        return web.json_response({"input_tokens": n})
 
-    def _count_messages(self, raw: bytes) -> tuple:
-        body = parse_body(raw)
-        if body.get("max_tokens") is None:       # not part of a count's body
-            body["max_tokens"] = 1
-        return self._rendered(anthropic.check_request(body))
+    def _read(self, route: str, chunks: list):
+        """What the reader process made of a body for ``route`` (on the CPU thread, which
+        waits for it without holding the interpreter lock); what the template said
+        meanwhile is logged."""
+        value, heard = self.reader.call(route, chunks)
+        for line in heard:
+            if self.log:
+                self.log(line)
+        return value
 
-    def _read_chat(self, raw: bytes) -> tuple:
-        """A chat body parsed, checked, rendered and tokenized (on the CPU thread):
-        (Request, prompt ids, settings, ReplyReader)."""
-        return self._rendered(check_request(parse_body(raw), True, self.run.cfg.vocab_size))
-
-    def _read_messages(self, raw: bytes) -> tuple:
-        """The same for a Messages body (converted to a chat Request)."""
-        return self._rendered(anthropic.check_request(parse_body(raw)))
-
-    def _rendered(self, req) -> tuple:
-        self._check_model(req.model)
-        if req.reasoning_effort is not None:
-            req.template_kwargs = self.run.chat(self.log).reasoning_kwargs(
-                req.reasoning_effort, req.tools, req.template_kwargs)
-        ids = self.run.encode_messages({"messages": req.messages, "tools": req.tools,
-                                        "template_kwargs": req.template_kwargs}, self.log,
-                                       limit=self.context)
-        self._check_context(req, ids)
-        settings = self.run.chat_settings(self._settings(req), self.log)
-        settings = self._tool_grammar(req, ids, settings)
-        return req, ids, settings, self._reader(req, settings), self._preamble(req, ids)
-
-    def _check_context(self, req, ids) -> None:
-        """413 for a prompt over the model's context (``ids`` may stop short past it)."""
-        if len(ids) > self.context:
-            raise ApiError(413, f"the prompt is over the model's context of {self.context} "
-                                "tokens", param="messages" if req.chat else "prompt",
-                           code="context_length_exceeded")
+    def _prepared(self, route: str, chunks: list) -> tuple:
+        """A body read (``_read``), then its settings, grammar and reply reader (on the
+        CPU thread): (Request, prompt ids, settings, ReplyReader, shareable preamble)."""
+        req, ids, preamble = self._read(route, chunks)
+        ids = ids.tolist()
+        settings = self._settings(req)
+        if req.chat:
+            settings = self.run.chat_settings(settings, self.log)
+            settings = self._tool_grammar(req, ids, settings)
+        return req, ids, settings, self._reader(req, settings), preamble
 
     def _tool_grammar(self, req, ids, settings):
         """``settings`` with the grammar of the request's ``tool_choice``,
@@ -413,28 +389,6 @@ class Server:
         grammar = compile_tool_grammar(tok, req.tools, choice, parallel, think_mode(tok, ids),
                                        budget)
         return settings if grammar is None else dataclasses.replace(settings, grammar=grammar)
-
-    def _preamble(self, req, ids) -> int:
-        """The ids a later request can share (``ChatEncoder.preamble``), when prefixes are
-        kept and it is at least a prefill chunk; else 0. A template that cannot render the
-        shorter conversation only costs the sharing."""
-        if self.worker.turns is None:
-            return 0
-        try:
-            n = self.run.chat().preamble(req.messages, ids, req.tools, req.template_kwargs)
-        except K3Error:
-            return 0
-        return n if n >= self.base.prefill_chunk else 0
-
-    def _read_completion(self, raw: bytes) -> tuple:
-        """The same for a completion body."""
-        req = check_request(parse_body(raw), False, self.run.cfg.vocab_size)
-        self._check_model(req.model)
-        ids = req.prompt_ids if req.prompt_ids is not None else \
-            self.run.encode(req.prompt, limit=self.context)
-        self._check_context(req, ids)
-        settings = self._settings(req)
-        return req, ids, settings, self._reader(req, settings), 0
 
     def _settings(self, req):
         fields = {"gen": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
@@ -730,10 +684,20 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
     from .turn_cache import TurnCache
     turns = TurnCache(run.cfg, reuse_ram_bytes, run.prefix_cache) \
         if reuse_ram_bytes or run.prefix_cache is not None else None
+    model_name = model_name or os.path.basename(os.path.normpath(str(run.opts.model)))
+    tok = run.session.tokenizer
+    reader = ReaderProcess(ReaderSpec(
+        str(run.opts.model), None if tok is None else (tok.model_dir, tok.vocab_size, tok.cache),
+        run.opts.template_limits, run.cfg.vocab_size, run.context, model_name,
+        base_settings.prefill_chunk if turns is not None else 0))
+    try:
+        reader.ready()
+    except BaseException:
+        reader.close()
+        raise
     worker = Worker(run, run.width, log, turns, chunk=base_settings.prefill_chunk)
-    server = Server(run, worker, base_settings, api_key=api_key, log=log,
-                    model_name=model_name or os.path.basename(os.path.normpath(
-                        str(run.opts.model))))
+    server = Server(run, worker, reader, base_settings, api_key=api_key, log=log,
+                    model_name=model_name)
 
     async def main():
         runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
@@ -764,5 +728,6 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
         asyncio.run(main())
     finally:
         worker.close()
+        reader.close()
         if turns is not None:
             turns.close()

@@ -57,6 +57,12 @@ class ApiError(Exception):
         self.body = {"error": {"message": message, "type": kind, "param": param,
                                "code": code}}
 
+    @classmethod
+    def of(cls, status: int, body: dict) -> "ApiError":
+        """The ApiError whose status and error body these are (sent between processes)."""
+        e = body["error"]
+        return cls(status, e["message"], param=e["param"], code=e["code"], kind=e["type"])
+
 
 @dataclasses.dataclass
 class Request:
@@ -85,6 +91,32 @@ class Request:
     response_format: dict | None = None   # structured output (OpenAI's shape), enforced
     tool_choice: object = "auto"          # "none", "auto", "required" or a named function
     parallel_tool_calls: bool = True      # False: at most one call (enforced with a grammar)
+
+
+def refusal_of(e: Exception):
+    """(status, OpenAI error body, what to log) of a refusal raised while a request was
+    read: an ApiError as it says, a UsageError 422 (the template refused the
+    conversation, ...), another K3Error 500; None for anything else (a defect in k3)."""
+    from ..errors import K3Error, UsageError
+    if isinstance(e, ApiError):
+        return e.status, e.body, e.body["error"]["message"]
+    if isinstance(e, UsageError):
+        return error_parts(422, e.one_line(), code="invalid_value")
+    if isinstance(e, K3Error):
+        return error_parts(500, e.one_line(), kind="server_error")
+    return None
+
+
+def check_model(name, served: str) -> None:
+    """404 ``model_not_found`` unless ``name`` (None: not given) is the ``served`` one."""
+    if name is not None and name != served:
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                            f"{served!r}", param="model", code="model_not_found")
+
+
+def error_parts(status: int, message: str, code=None, kind="invalid_request_error") -> tuple:
+    """(status, OpenAI error body, what to log) of a refusal with ``message``."""
+    return status, ApiError(status, message, code=code, kind=kind).body, message
 
 
 def parse_body(raw: bytes) -> dict:

@@ -3,8 +3,8 @@ serves it, without any HTTP.
 
 Owns: checking the two bodies and answering them: a prompt's ids (text, or a
 conversation rendered by the chat template exactly as a chat request is), and the text of
-ids. Does not own: the tokenizer or the template (``libk3.io.tokenizer``,
-``libk3.text``), routing (``app``).
+ids. Does not own: the tokenizer or the template (``libk3.text.prompts``), routing
+(``app``), the process they run in (``reader``).
 
 Why here and not in ``protocol``: these bodies are not OpenAI's and share none of a
 completion's fields; they follow the same rules (an unknown field is refused naming it,
@@ -29,7 +29,7 @@ def _unknown(body: dict, known: set) -> None:
                            code="unsupported_field")
 
 
-def tokenize(run, body: dict) -> list:
+def tokenize(prompts, body: dict) -> list:
     """The ids of ``body``'s "prompt" (text, special tokens' text recognised as in a
     completion) or "messages" (rendered with the generation prompt unless
     "add_generation_prompt" is false, as a chat request is)."""
@@ -44,12 +44,12 @@ def tokenize(run, body: dict) -> list:
         if not isinstance(gen_prompt, bool):
             raise ApiError(422, "'add_generation_prompt' must be a boolean",
                            param="add_generation_prompt", code="invalid_type")
-        chat = run.chat()
+        chat = prompts.chat()
         messages, tools = body["messages"], body.get("tools")
         kwargs = body.get("chat_template_kwargs")
         if gen_prompt or chat.template is None:
-            return run.encode_messages({"messages": messages, "tools": tools,
-                                        "template_kwargs": kwargs})
+            return prompts.encode_messages({"messages": messages, "tools": tools,
+                                            "template_kwargs": kwargs})
         return chat.template.encode(chat.tokenizer, messages, tools=tools,
                                     template_kwargs=kwargs, add_generation_prompt=False)
     _unknown(body, TOKENIZE_TEXT)
@@ -62,17 +62,17 @@ def tokenize(run, body: dict) -> list:
         raise ApiError(400, "'add_special_tokens' true is not implemented by k3 (its "
                             "tokenizer adds no special tokens)", param="add_special_tokens",
                        code="unsupported_field")
-    return run.encode(prompt) if prompt else []
+    return prompts.encode(prompt) if prompt else []
 
 
-def detokenize(run, body: dict) -> str:
+def detokenize(prompts, vocab_size: int, body: dict) -> str:
     """The text of ``body``'s "tokens" (bytes that are not UTF-8 become U+FFFD)."""
     _unknown(body, DETOKENIZE)
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise ApiError(422, "'tokens' must be a list of token ids", param="tokens",
                        code="invalid_type")
-    why = token_ids_problem(tokens, run.cfg.vocab_size) if tokens else None
+    why = token_ids_problem(tokens, vocab_size) if tokens else None
     if why:
         raise ApiError(422, f"'tokens': {why}", param="tokens", code="invalid_value")
-    return run.session.tokenizer.decode(tokens)
+    return prompts.tokenizer.decode(tokens)

@@ -83,13 +83,25 @@ def _holds_text(value) -> bool:
 def _lone(where: str, text: str) -> str | None:
     """Why ``text`` cannot be encoded (its first lone surrogate), or None. Any surrogate
     code point in a str is a lone one: decoders join the pairs they read."""
-    if text.isascii():                      # at C speed, as is the encoding below
+    at = first_surrogate(text)
+    if at is None:
         return None
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return (f"{where} holds a lone surrogate U+{ord(text[e.start]):04X} at character "
-                f"{e.start}: not Unicode text (UTF-8 cannot encode it)")
+    return (f"{where} holds a lone surrogate U+{ord(text[at]):04X} at character {at}: not "
+            "Unicode text (UTF-8 cannot encode it)")
+
+
+def first_surrogate(text: str, step: int = 1 << 20) -> int | None:
+    """The index of the first surrogate code point of ``text`` (which UTF-8 cannot
+    encode: decoders join the pairs they read, so any left is a lone one), or None;
+    ``step`` characters at a time, so a long text never holds the interpreter lock long
+    (a server's event loop waits for it)."""
+    if text.isascii():
+        return None
+    for at in range(0, len(text), step):
+        try:
+            text[at:at + step].encode("utf-8")
+        except UnicodeEncodeError as e:
+            return at + e.start
     return None
 
 
