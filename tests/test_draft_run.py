@@ -11,6 +11,7 @@ import pytest
 
 from libk3.budget import ModelSizes, minimum_budget
 from libk3.draft.checkpoint import load_draft
+from libk3.model.state import State
 from libk3.draft.forward import DraftForward
 from libk3.engine.generate import GenSettings, generate
 from libk3.engine.proposers import DSpark
@@ -35,12 +36,13 @@ def _session(tiny_dir, where):
                         cache_bytes=sizes.cache_all_bytes // 4)
 
 
-def with_draft(sess, tiny_dir, cap=7):
-    """A Drafting over the bundled tiny draft, the session's forward capturing its taps."""
+def with_draft(sess, tiny_dir, cap=7, identity=None):
+    """A Drafting over the bundled tiny draft, the session's forward capturing its taps;
+    ``identity``: the draft's weights identity it claims (default: its own)."""
     draft = load_draft(tiny_dir / "draft", sess.cfg)
     model = DraftForward(draft.cfg, draft.weights, sess.weights.embed,
                          sess.weights.model()["lm_head"])
-    proposer = DSpark(model)
+    proposer = DSpark(model, identity=identity or draft.identity)
     sess.forward.capture(proposer.taps)
     return Drafting(proposer, cap)
 
@@ -98,6 +100,46 @@ def test_draft_context_holds_exactly_the_committed_positions(tiny_dir):
     n = st.draft.length
     assert n == len(ids)
     assert np.array_equal(st.draft.rows().view(np.uint32), ref.rows().view(np.uint32))
+
+
+def test_a_saved_state_keeps_its_draft_context_for_that_draft_only(tiny_dir, tmp_path):
+    """Catches a state file that drops the draft's context (a resumed conversation or a
+    prefix-cache snapshot then drafts nothing), that restores other rows than it saved
+    (the continuation would propose differently from never stopping), or whose rows
+    another draft adopts: the continuation from the file drafts exactly as the
+    uninterrupted one, and tokens and logits equal plain decoding's either way."""
+    sess = open_session(tiny_dir)
+    st = sess.new_state()
+    generate(sess.forward, st, PROMPT, GenSettings(gen=12), drafting=with_draft(sess, tiny_dir))
+    path = tmp_path / "s.k3state"
+    st.save(path, sess.weights_identity)
+    runs = {}
+    for how in ("uninterrupted", "loaded", "other draft"):
+        drafting = with_draft(sess, tiny_dir, identity="0" * 64 if how == "other draft"
+                              else None)
+        notes = []
+        drafting.proposer.note = notes.append
+        state = st.copy() if how == "uninterrupted" else \
+            State.load(sess.cfg, path, sess.weights_identity)
+        got = generate(sess.forward, state, [3, 8], GenSettings(gen=16), keep_logits=True,
+                       drafting=drafting)
+        runs[how] = (got, (drafting.stats.drafted, drafting.stats.verifies), notes)
+    plain = generate(sess.forward, st.copy(), [3, 8], GenSettings(gen=16), keep_logits=True)
+    for got, _, _ in runs.values():
+        assert got.generated_ids == plain.generated_ids
+        assert np.array_equal(got.logits.view(np.uint32), plain.logits.view(np.uint32))
+    assert runs["loaded"][1][0] > 0 and runs["uninterrupted"][1][0] > 0
+    assert runs["other draft"][1][0] == 0 and any("no context" in n for n in runs[
+        "other draft"][2])
+    # the widths follow measured pass times; the proposals themselves must not differ
+    proposer = with_draft(sess, tiny_dir).proposer
+
+    def greedy(logits, *_):
+        return int(np.argmax(logits))
+    a = proposer.propose(st.copy(), 3, 7, greedy)
+    b = proposer.propose(State.load(sess.cfg, path, sess.weights_identity), 3, 7, greedy)
+    assert a.tokens == b.tokens and len(a.tokens) == 7
+    assert np.array_equal(a.confidence, b.confidence)
 
 
 def test_draft_turns_off_past_its_trained_context_and_on_a_cold_state(tiny_dir):

@@ -22,7 +22,7 @@ from libk3.trace import format as tr
 from libk3.config import load_config
 from libk3.run import batch as batchfile
 from libk3.io.checkpoint import Checkpoint
-from libk3.model.state import State
+from libk3.model.state import SavedDraft, State
 from libk3.trace.report import replay_report, trace_stats
 
 from .conftest import TINY
@@ -134,8 +134,13 @@ def test_config_unparseable_is_refused_naming_the_file(tiny_dir, tmp_path, text)
 WEIGHTS = "5e" * 32
 
 
-def _random_state(cfg) -> State:
-    """A state after 5 tokens, with every array non-zero."""
+# The draft these crafted states' draft context claims, and its rows' shapes.
+DRAFT = "d7" * 32
+
+
+def _random_state(cfg, draft: bool = True) -> State:
+    """A state after 5 tokens, with every array non-zero, and (``draft``) a draft
+    context of two layers covering the 5 positions."""
     st_ = State(cfg)
     rng = np.random.default_rng(0)
     for store in (st_.kda_S, st_.kda_conv, st_.mla_latent, st_.mla_rope):
@@ -143,6 +148,9 @@ def _random_state(cfg) -> State:
             a[...] = rng.standard_normal(a.shape)
     st_.pos, st_.ids = 5, [1, 2, 3, 4, 5]
     st_.logits = rng.standard_normal(cfg.vocab_size).astype(np.float32)
+    if draft:
+        st_.draft = SavedDraft(DRAFT, rng.standard_normal((2, 5, 8)).astype(np.float32),
+                               rng.standard_normal((2, 5, 4)).astype(np.float32))
     return st_
 
 
@@ -164,6 +172,24 @@ def test_state_control_loads_identically(saved_state):
     for L in st_.kda_S:
         assert np.array_equal(st_.kda_S[L], again.kda_S[L]) and st_.kda_S[L].any()
     assert np.array_equal(st_.logits, _random_state(cfg).logits)
+    saved = _random_state(cfg).draft
+    assert st_.draft.identity == DRAFT and np.array_equal(st_.draft.latent, saved.latent)
+    assert np.array_equal(st_.draft.k_pe, saved.k_pe)
+
+
+def test_state_v4_loads_without_a_draft_context(saved_state, tmp_path):
+    """Catches the format's version 5 refusing the version 4 files (every saved state and
+    prefix-cache snapshot before it), which hold the same but for a draft context."""
+    cfg, _, _ = saved_state
+    plain = tmp_path / "plain.k3state"
+    _random_state(cfg, draft=False).save(plain, WEIGHTS)
+    v4 = tmp_path / "v4.k3state"
+    v4.write_bytes(craft_state(plain.read_bytes(), edit=lambda h: h.pop("draft"), version=4))
+    got, want = State.load(cfg, v4, WEIGHTS), State.load(cfg, plain, WEIGHTS)
+    assert got.draft is None and got.ids == want.ids
+    assert np.array_equal(got.mla_latent[3][:5], want.mla_latent[3][:5])
+    v4.write_bytes(craft_state(v4.read_bytes(), edit=lambda h: h.update(draft=None)))
+    check_refused(call(State.load, cfg, v4, WEIGHTS), 3, str(v4))     # not a v4 key
 
 
 @settings(max_examples=60, **HYP)
@@ -207,6 +233,16 @@ def _header_edits(cfg):
         f"layer {m0} as KDA": lambda h: [a.__setitem__(0, f"kda_S.{m0}") for a in h["arrays"]
                                          if a[0] == f"mla_latent.{m0}"],
         "header array": lambda h: h.clear(),
+        "draft missing": lambda h: h.pop("draft"),
+        "draft not an object": lambda h: h.update(draft=[DRAFT]),
+        "draft identity short": lambda h: h["draft"].update(identity="d7"),
+        "draft identity not hex": lambda h: h["draft"].update(identity="zz" * 32),
+        "draft layers 0": lambda h: h["draft"].update(layers=0),
+        "draft layers huge": lambda h: h["draft"].update(layers=2 ** 40),
+        "draft latent float": lambda h: h["draft"].update(latent=8.0),
+        "draft unknown key": lambda h: h["draft"].update(colour="red"),
+        "draft rows not listed": lambda h: h.update(draft=None),
+        "draft shape disagrees": lambda h: h["draft"].update(rope=5),
     }
 
 
@@ -249,7 +285,8 @@ def test_state_named_damage_is_refused(saved_state, tmp_path, name, make):
 
 @pytest.mark.parametrize("array,value", [("kda_S.0", np.nan), ("kda_conv.1", -np.inf),
                                          ("mla_latent.3", np.inf), ("mla_rope.3", np.nan),
-                                         ("logits", np.inf)])
+                                         ("logits", np.inf), ("draft_latent", np.nan),
+                                         ("draft_rope", np.inf)])
 def test_state_holding_nan_or_inf_is_refused_naming_the_array(saved_state, tmp_path, array,
                                                               value):
     """Catches a loader that accepts NaN or Inf in a state's arrays (framing and checksum
@@ -260,6 +297,8 @@ def test_state_holding_nan_or_inf_is_refused_naming_the_array(saved_state, tmp_p
     st_ = _random_state(cfg)
     if array == "logits":
         st_.logits[3] = value
+    elif array.startswith("draft"):
+        (st_.draft.latent if array == "draft_latent" else st_.draft.k_pe).reshape(-1)[3] = value
     else:
         kind, L = array.rsplit(".", 1)
         getattr(st_, kind)[int(L)].reshape(-1)[3] = value

@@ -30,6 +30,8 @@ What ``DraftCheckpoint.weights`` holds, by bare name:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -39,6 +41,7 @@ import numpy as np
 from ..config import K3Config
 from ..errors import CheckpointError, K3IOError
 from ..io.checkpoint import INDEX_FILE, find_shards
+from ..io.identity import file_digest
 from ..io.dtypes import matrix_operand, widen
 from ..io.safetensors import pread_into, read_header
 from .config import DraftConfig, load_draft_config
@@ -70,6 +73,7 @@ class DraftCheckpoint(NamedTuple):
     nbytes: int
     streamed_nbytes: int
     streamed: bool = False
+    identity: str = ""          # ``draft_identity``: what a saved draft context records
 
 
 class StreamedWeights(dict):
@@ -124,7 +128,23 @@ def load_draft(path, target_cfg: K3Config, read: bool = True,
     if read:
         weights = StreamedWeights(_read(held), table) if stream else _read(table)
     return DraftCheckpoint(cfg, weights, str(d), _held_bytes(table),
-                           _held_bytes(held) + largest, stream)
+                           _held_bytes(held) + largest, stream,
+                           draft_identity(d, {e.path for e in table.values()}))
+
+
+def draft_identity(d: Path, files) -> str:
+    """The identity of a draft's weights as 64 hex digits (formats/state.md ``draft``):
+    the sha256 of its config.json's sha256 and each weights file's name, size and sampled
+    digest (``libk3.io.identity``: four 64 KiB blocks), as canonical JSON. What a saved
+    draft context is checked against: another draft's rows would only propose worse."""
+    config = hashlib.sha256((d / "config.json").read_bytes()).hexdigest()
+    shards = []
+    for f in sorted(files):
+        size, digest = file_digest(f)
+        shards.append({"name": Path(f).name, "size": size, "sampled_sha256": digest})
+    text = json.dumps({"config_sha256": config, "files": shards}, sort_keys=True,
+                      separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # ---- finding the tensors ----------------------------------------------------------------

@@ -48,11 +48,21 @@ class DraftCache:
     RMS-normed latent and the rotated shared key of one committed position (dspark.md §5.1).
     Rows at ``length`` and past it are scratch (a block pass writes its own rows there)."""
 
-    def __init__(self, cfg: DraftConfig, capacity: int = 64):
+    def __init__(self, cfg: DraftConfig, capacity: int = 64, identity: str | None = None):
         self.length = 0
+        self.identity = identity     # the draft's (``draft_identity``): saved with the rows
         layers = cfg.num_hidden_layers
         self.latent = np.zeros((layers, capacity, cfg.kv_lora_rank), np.float32)
         self.k_pe = np.zeros((layers, capacity, cfg.qk_rope_head_dim), np.float32)
+
+    @classmethod
+    def of_rows(cls, identity: str, latent: np.ndarray, k_pe: np.ndarray) -> "DraftCache":
+        """A cache holding committed rows read back from a state file: latent [layers, n,
+        kv_lora] and k_pe [layers, n, rope] (taken, not copied)."""
+        new = cls.__new__(cls)
+        new.length, new.identity = latent.shape[1], identity
+        new.latent, new.k_pe = latent, k_pe
+        return new
 
     def reserve(self, n_new: int) -> None:
         """Room for ``n_new`` rows past ``length`` (capacity doubles)."""
@@ -74,7 +84,7 @@ class DraftCache:
     def copy(self) -> "DraftCache":
         """An independent cache holding the same committed rows (no scratch)."""
         new = DraftCache.__new__(DraftCache)
-        new.length = self.length
+        new.length, new.identity = self.length, self.identity
         new.latent = self.latent[:, :self.length].copy()
         new.k_pe = self.k_pe[:, :self.length].copy()
         return new
@@ -112,8 +122,8 @@ class DraftForward:
         self.amplitude = cfg.rope_amplitude()
         self.scale = cfg.softmax_scale()
 
-    def new_cache(self) -> DraftCache:
-        return DraftCache(self.cfg)
+    def new_cache(self, identity: str | None = None) -> DraftCache:
+        return DraftCache(self.cfg, identity=identity)
 
     # ---- context (dspark.md §5.1) ------------------------------------------------------
     def ingest(self, cache: DraftCache, taps: np.ndarray) -> None:

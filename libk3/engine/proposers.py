@@ -7,16 +7,19 @@ positions' taps). Does not own: verification or commit (``speculative``), the dr
 math (``libk3.draft.forward``).
 
 A sequence's draft context lives on its State (``State.draft``), so it is copied, kept
-across chat turns and dropped with the State; a State that was fed without taps (loaded
-from a file, or made before the draft was there) has none, and the draft proposes nothing
-for it.
+across chat turns, saved and loaded with the State (formats/state.md) and dropped with it;
+a loaded context is adopted by the draft whose identity it records. A State fed without
+taps (made before the draft was there, or loaded without this draft's context) has none,
+and the draft proposes nothing for it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..draft.forward import DraftCache
 from ..model.forward import Taps
+from ..model.state import SavedDraft
 from .speculative import Proposal
 
 
@@ -55,8 +58,9 @@ class DSpark:
     """``--draft``: the DSpark draft (dspark.md §5), reading the taps of the target passes
     that fed the sequence. ``note(text)`` tells the user once why drafting stopped."""
 
-    def __init__(self, draft, note=None, dump: bool = False):
+    def __init__(self, draft, note=None, dump: bool = False, identity: str | None = None):
         self.draft = draft
+        self.identity = identity        # the draft's weights (``draft_identity``)
         self.cfg = draft.cfg
         self.taps = Taps(tuple(self.cfg.target_layer_ids), self.cfg.aux_hidden_stream)
         self.note = note
@@ -66,19 +70,34 @@ class DSpark:
     def observe(self, state, taps) -> None:
         if taps is None:
             return
-        cache = state.draft
+        cache = self._context(state)
         if cache is None:
             if state.pos != len(taps):       # fed before: no context to draft from
                 return
-            cache = state.draft = self.draft.new_cache()
+            cache = state.draft = self.draft.new_cache(self.identity)
         if cache.length + len(taps) == state.pos:
             self.draft.ingest(cache, taps)
 
-    def propose(self, state, anchor: int, n: int, pick) -> Proposal:
+    def _context(self, state):
+        """The state's draft context; one read from a file (``SavedDraft``) becomes this
+        draft's when it records this draft's identity and rows of its shapes, else it is
+        dropped (another draft's rows would only propose worse)."""
         cache = state.draft
+        if isinstance(cache, SavedDraft):
+            ok = (self.identity is not None and cache.identity == self.identity
+                  and cache.latent.shape[0] == self.cfg.num_hidden_layers
+                  and cache.latent.shape[2] == self.cfg.kv_lora_rank
+                  and cache.k_pe.shape[2] == self.cfg.qk_rope_head_dim)
+            cache = state.draft = (DraftCache.of_rows(cache.identity, cache.latent,
+                                                      cache.k_pe) if ok else None)
+        return cache
+
+    def propose(self, state, anchor: int, n: int, pick) -> Proposal:
+        cache = self._context(state)
         if cache is None or cache.length != state.pos:
-            self._tell("cold", "the draft has no context for this state (it was loaded or "
-                       "fed without the draft); drafting is off for it")
+            self._tell("cold", "the draft has no context for this state (it was fed "
+                       "without this draft, or saved without its context); drafting is "
+                       "off for it")
             return Proposal([])
         p = state.pos
         if p + self.cfg.block_size > self.cfg.trained_context:

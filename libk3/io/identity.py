@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 SAMPLE_BLOCK = 64 << 10          # bytes per sampled block of a shard (formats/pack.md)
 
@@ -34,12 +35,27 @@ def sample_blocks(size: int, data_start: int) -> list:
 
 def shard_digest(ckpt, path: str, size: int) -> str:
     """sha256 over each sampled block's offset (u64 LE) and bytes."""
+    return _sampled_digest(lambda off, n: ckpt.read_span(path, off, n), size)
+
+
+def file_digest(path) -> tuple:
+    """(size, ``shard_digest``) of a safetensors file read directly (a draft's files,
+    which no Checkpoint reads)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        return size, _sampled_digest(lambda off, n: os.pread(fd, n, off), size)
+    finally:
+        os.close(fd)
+
+
+def _sampled_digest(read, size: int) -> str:
     h = hashlib.sha256()
-    head = ckpt.read_span(path, 0, 8) if size >= 8 else b""
+    head = read(0, 8) if size >= 8 else b""
     data_start = 8 + int.from_bytes(bytes(head), "little") if size >= 8 else 0
     for off, n in sample_blocks(size, data_start):
         h.update(off.to_bytes(8, "little"))
-        h.update(ckpt.read_span(path, off, n))
+        h.update(read(off, n))
     return h.hexdigest()
 
 

@@ -4,11 +4,12 @@ Owns: per KDA layer the recurrent S [H, D, D] and the short-conv history (the la
 PRE-activation inputs of q, k, v, oldest first); per MLA layer the latent cache
 [positions, kv_lora] (normalised) and the shared key slice [positions, rope] (raw); the
 position counter, the token ids fed so far and the logits of the last position fed.
-Saving and loading (formats/state.md).
-Does not own: any math, the weights' identity a file records (computed by
-``libk3.io.identity``, handed in by the caller), or what ``draft`` holds (a draft model's
-context for the sequence, opaque here: copied with the State, never saved, so a loaded
-State has none).
+Saving and loading (formats/state.md), a draft model's context for the sequence with
+the rest when it covers every position (``draft``: opaque here but for its committed rows
+and its draft's identity; a loaded one is a ``SavedDraft`` until the draft adopts it).
+Does not own: any math, the weights' identities a file records (computed by
+``libk3.io.identity`` and ``libk3.draft.checkpoint``, handed in by the caller), or what
+the draft's rows mean.
 
 Why a state records its weights' identity: the config fingerprint alone would accept a
 state computed by another checkpoint of the same architecture, which generates garbage.
@@ -35,13 +36,17 @@ from ..errors import FormatError
 from ..io.atomic import replacing
 
 STATE_MAGIC = b"K3STATE\0"
-STATE_VERSION = 4
+STATE_VERSION = 5
+READ_VERSIONS = (4, 5)                      # v4: the same without a draft context
 # The trained context (model.md §2.1, max_position_embeddings): the most positions a state
 # holds and the most tokens a run generates.
 MAX_POSITIONS = K3_CONTEXT
 _PREFIX = struct.Struct("<8sII")            # magic, version, header bytes
 _DIGEST_BYTES = 32                          # sha256 of everything before it
-_HEADER_KEYS = ("arrays", "fingerprint", "ids", "pos", "weights")
+_HEADER_KEYS = {4: ("arrays", "fingerprint", "ids", "pos", "weights"),
+                5: ("arrays", "draft", "fingerprint", "ids", "pos", "weights")}
+_DRAFT_KEYS = ("identity", "latent", "layers", "rope")
+_DRAFT_DIM_MAX = 1 << 16                    # of a draft's layers and row widths, at most
 # ids of MAX_POSITIONS tokens as JSON (at most 7 digits and a separator each), with room
 MAX_HEADER_BYTES = 16 << 20
 _HASH_CHUNK = 16 << 20
@@ -49,8 +54,9 @@ _FINITE_CHUNK = 1 << 20                     # values checked at a time (bounded 
 LOGITS = "logits"                           # the array of the last position's logits
 
 
-def array_layout(cfg: K3Config, pos: int) -> list:
-    """[(name, shape)] of a state file's arrays in file order (formats/state.md)."""
+def array_layout(cfg: K3Config, pos: int, draft: dict | None = None) -> list:
+    """[(name, shape)] of a state file's arrays in file order (formats/state.md);
+    ``draft``: the header's ``draft`` object (None: no draft context)."""
     H, D, P, K = cfg.num_heads, cfg.head_dim, cfg.kda_dim, cfg.short_conv_kernel_size
     layers = range(cfg.num_hidden_layers)
     out = []
@@ -59,7 +65,27 @@ def array_layout(cfg: K3Config, pos: int) -> list:
     for L in (L for L in layers if cfg.is_mla(L)):
         out += [(f"mla_latent.{L}", (pos, cfg.kv_lora_rank)),
                 (f"mla_rope.{L}", (pos, cfg.qk_rope_head_dim))]
-    return out + [(LOGITS, (min(pos, 1), cfg.vocab_size))]
+    out.append((LOGITS, (min(pos, 1), cfg.vocab_size)))
+    if draft is not None:
+        out += [("draft_latent", (draft["layers"], pos, draft["latent"])),
+                ("draft_rope", (draft["layers"], pos, draft["rope"]))]
+    return out
+
+
+class SavedDraft:
+    """A draft context read from a state file: its draft's identity and the committed
+    rows, latent [layers, pos, kv_lora] and k_pe [layers, pos, rope] (formats/state.md),
+    for the draft that has that identity to adopt."""
+
+    def __init__(self, identity: str, latent: np.ndarray, k_pe: np.ndarray):
+        self.identity, self.latent, self.k_pe = identity, latent, k_pe
+        self.length = latent.shape[1]
+
+    def copy(self) -> "SavedDraft":
+        return SavedDraft(self.identity, self.latent.copy(), self.k_pe.copy())
+
+    def nbytes(self) -> int:
+        return self.latent.nbytes + self.k_pe.nbytes
 
 
 class State:
@@ -68,7 +94,7 @@ class State:
         self.pos = 0
         self.ids: list[int] = []
         self.logits = None       # float32 [vocab]: the last fed position's (None at pos 0)
-        self.draft = None        # a draft model's context for this sequence; never saved
+        self.draft = None        # a draft model's context for this sequence (module doc)
         H, D, P, K = cfg.num_heads, cfg.head_dim, cfg.kda_dim, cfg.short_conv_kernel_size
         self.kda_S = {}
         self.kda_conv = {}
@@ -109,11 +135,15 @@ class State:
     def nbytes(self) -> int:
         arrays = (self.kda_S, self.kda_conv, self.mla_latent, self.mla_rope)
         return sum(a.nbytes for d in arrays for a in d.values()) + \
-            (0 if self.logits is None else self.logits.nbytes)
+            (0 if self.logits is None else self.logits.nbytes) + \
+            (0 if self.draft is None else self.draft.nbytes())
 
     def _array(self, name: str) -> np.ndarray:
         """The live array a state-file array name refers to (MLA: the first pos rows;
         the logits as [1, vocab], or [0, vocab] at position 0)."""
+        if name in ("draft_latent", "draft_rope"):
+            rows = self.draft.latent if name == "draft_latent" else self.draft.k_pe
+            return rows[:, :self.pos]
         if name == LOGITS:
             if not self.pos:
                 return np.zeros((0, self.cfg.vocab_size), np.float32)
@@ -125,13 +155,26 @@ class State:
         return arr[:self.pos] if kind.startswith("mla") else arr
 
     # ---- persistence (formats/state.md) ----------------------------------------------
+    def _draft_header(self):
+        """The header's ``draft`` object: the draft context's identity and row shapes
+        when it covers every position fed, else None (a context that does not is of no
+        use: the draft stays off for the sequence)."""
+        d = self.draft
+        if d is None or not self.pos or getattr(d, "identity", None) is None \
+                or d.length != self.pos:
+            return None
+        return {"identity": d.identity, "layers": int(d.latent.shape[0]),
+                "latent": int(d.latent.shape[2]), "rope": int(d.k_pe.shape[2])}
+
     def save(self, path, weights_identity: str) -> None:
         """Write atomically: prefix, header JSON (fingerprint, ``weights_identity`` of the
-        weights that computed this state, pos, ids, arrays), the arrays as little-endian
-        float32, then the sha256 of all of it."""
-        layout = array_layout(self.cfg, self.pos)
+        weights that computed this state, pos, ids, the draft context's identity and
+        shapes or null, arrays), the arrays as little-endian float32, then the sha256 of
+        all of it."""
+        draft = self._draft_header()
+        layout = array_layout(self.cfg, self.pos, draft)
         meta = {"fingerprint": self.cfg.fingerprint(), "weights": weights_identity,
-                "pos": self.pos, "ids": self.ids,
+                "pos": self.pos, "ids": self.ids, "draft": draft,
                 "arrays": [[name, "F32", list(shape)] for name, shape in layout]}
         head = json.dumps(meta, sort_keys=True).encode()
         digest = hashlib.sha256()
@@ -161,6 +204,11 @@ class State:
                 st = cls(cfg, capacity=max(64, meta["pos"]))
                 st.pos, st.ids = meta["pos"], meta["ids"]
                 st.logits = np.zeros(cfg.vocab_size, np.float32) if st.pos else None
+                d = meta["draft"]
+                if d is not None:
+                    st.draft = SavedDraft(
+                        d["identity"], np.zeros((d["layers"], st.pos, d["latent"]), np.float32),
+                        np.zeros((d["layers"], st.pos, d["rope"]), np.float32))
                 f.seek(0)
                 sha = hashlib.sha256(f.read(_PREFIX.size + len(head)))
                 for name, _ in layout:
@@ -201,9 +249,9 @@ def _checked_header(f, cfg: K3Config, path, weights_identity: str, digest: bool 
     """(header bytes, header, array layout) of an open state file, every check that
     reads no array's values done."""
     size = os.fstat(f.fileno()).st_size
-    head = _read_header(f, size, path, digest)
-    meta = _check_meta(cfg, head, path, weights_identity)
-    layout = array_layout(cfg, meta["pos"])
+    version, head = _read_header(f, size, path, digest)
+    meta = _check_meta(cfg, head, version, path, weights_identity)
+    layout = array_layout(cfg, meta["pos"], meta["draft"])
     need = _PREFIX.size + len(head) + sum(
         4 * int(np.prod(shape, dtype=np.int64)) for _, shape in layout) + _DIGEST_BYTES
     if size != need:
@@ -222,8 +270,8 @@ def read_meta(path, check: bool = False) -> dict:
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            head = _read_header(f, size, path, digest=check)
-            meta = _header_json(head, path)
+            version, head = _read_header(f, size, path, digest=check)
+            meta = _header_json(head, version, path)
             if check:
                 _check_arrays(f, meta, _PREFIX.size + len(head), size, path)
     except OSError as e:
@@ -259,15 +307,15 @@ def _check_arrays(f, meta: dict, start: int, size: int, path) -> None:
             left -= n
 
 
-def _read_header(f, size: int, path, digest: bool = True) -> bytes:
-    """Check the prefix, the header length and (``digest``) the checksum; -> the header
-    bytes."""
+def _read_header(f, size: int, path, digest: bool = True) -> tuple:
+    """Check the prefix, the header length and (``digest``) the checksum; -> (version,
+    the header bytes)."""
     prefix = f.read(_PREFIX.size)
     if len(prefix) < _PREFIX.size or prefix[:8] != STATE_MAGIC:
         raise FormatError("not a k3 state file (empty, or bad magic)", path=path,
                           expected=repr(STATE_MAGIC), found=repr(prefix[:8]))
     _, version, hlen = _PREFIX.unpack(prefix)
-    if version != STATE_VERSION:
+    if version not in READ_VERSIONS:
         raise FormatError(f"state format version {version} is not read by this k3",
                           path=path, expected=STATE_VERSION, found=version,
                           hint="it was saved by an older k3: re-create it with this one "
@@ -278,7 +326,7 @@ def _read_header(f, size: int, path, digest: bool = True) -> bytes:
                           expected=f"<= {min(MAX_HEADER_BYTES, size - _PREFIX.size - 32)}",
                           found=hlen)
     if not digest:
-        return f.read(hlen)
+        return version, f.read(hlen)
     sha = hashlib.sha256(prefix)
     left = size - _PREFIX.size - _DIGEST_BYTES
     while left > 0:
@@ -290,7 +338,7 @@ def _read_header(f, size: int, path, digest: bool = True) -> bytes:
     if f.read(_DIGEST_BYTES) != sha.digest():
         raise _checksum_error(path)
     f.seek(_PREFIX.size)
-    return f.read(hlen)
+    return version, f.read(hlen)
 
 
 def _checksum_error(path) -> FormatError:
@@ -305,24 +353,27 @@ def _all_finite(a: np.ndarray) -> bool:
                for i in range(0, flat.size, _FINITE_CHUNK))
 
 
-def _header_json(head: bytes, path) -> dict:
-    """The header's JSON object, holding exactly the format's keys."""
+def _header_json(head: bytes, version: int, path) -> dict:
+    """The header's JSON object, holding exactly the keys of its format version (a v4
+    header gets ``draft`` null)."""
     try:
         meta = json.loads(head.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FormatError(f"state header is not valid JSON ({type(e).__name__})",
                           path=path) from None
-    if not isinstance(meta, dict) or sorted(meta) != list(_HEADER_KEYS):
-        raise FormatError("state header fields wrong", path=path, expected=", ".join(_HEADER_KEYS),
+    keys = _HEADER_KEYS[version]
+    if not isinstance(meta, dict) or sorted(meta) != list(keys):
+        raise FormatError("state header fields wrong", path=path, expected=", ".join(keys),
                           found=", ".join(sorted(meta)) if isinstance(meta, dict)
                           else type(meta).__name__)
+    meta.setdefault("draft", None)
     return meta
 
 
-def _check_meta(cfg: K3Config, head: bytes, path, weights_identity: str) -> dict:
+def _check_meta(cfg: K3Config, head: bytes, version: int, path, weights_identity: str) -> dict:
     """The header, every field checked against ``cfg`` and ``weights_identity``
     (formats/state.md, invariant 4)."""
-    meta = _header_json(head, path)
+    meta = _header_json(head, version, path)
     if meta["fingerprint"] != cfg.fingerprint():
         raise FormatError("state was saved for a different model configuration", path=path,
                           hint="load it with the model it was saved from")
@@ -342,7 +393,8 @@ def _check_meta(cfg: K3Config, head: bytes, path, weights_identity: str) -> dict
                           expected=f"{pos} ids in 0..{cfg.vocab_size - 1}",
                           found=f"{len(ids) if isinstance(ids, list) else type(ids).__name__}"
                                 " entries")
-    want = [[name, "F32", list(shape)] for name, shape in array_layout(cfg, pos)]
+    _check_draft(meta["draft"], path)
+    want = [[name, "F32", list(shape)] for name, shape in array_layout(cfg, pos, meta["draft"])]
     got = meta["arrays"]
     if got != want:
         i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None) \
@@ -355,3 +407,20 @@ def _check_meta(cfg: K3Config, head: bytes, path, weights_identity: str) -> dict
         raise FormatError("state array does not match the model", path=path,
                           tensor=want[i][0], expected=want[i], found=repr(got[i])[:80])
     return meta
+
+
+def _check_draft(draft, path) -> None:
+    """The header's ``draft``: null, or the draft's identity (64 hex digits) and its
+    row shapes, each an integer 1..65536 (the file's size then bounds the arrays)."""
+    if draft is None:
+        return
+    ok = isinstance(draft, dict) and sorted(draft) == list(_DRAFT_KEYS)
+    ok = ok and isinstance(draft["identity"], str) and len(draft["identity"]) == 64 and \
+        all(c in "0123456789abcdef" for c in draft["identity"])
+    ok = ok and all(type(draft[k]) is int and 1 <= draft[k] <= _DRAFT_DIM_MAX
+                    for k in ("layers", "latent", "rope"))
+    if not ok:
+        raise FormatError("state draft context header is malformed", path=path,
+                          expected="null, or identity (64 hex digits), layers, latent, "
+                                   f"rope (integers 1..{_DRAFT_DIM_MAX})",
+                          found=repr(draft)[:80])

@@ -394,7 +394,8 @@ def _drafting(opts: RunOptions, draft, session):
     from ..engine.proposers import DSpark
     weights = session.weights
     model = DraftForward(draft.cfg, draft.weights, weights.embed, weights.model()["lm_head"])
-    proposer = DSpark(model, note=opts.warn, dump=opts.draft_dump is not None)
+    proposer = DSpark(model, note=opts.warn, dump=opts.draft_dump is not None,
+                      identity=draft.identity)
     session.forward.capture(proposer.taps)
     dump = DraftDump(opts.draft_dump) if opts.draft_dump else None
     return Drafting(proposer, draft_cap(opts, draft.cfg), on_dump=dump)
