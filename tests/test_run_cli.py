@@ -283,7 +283,7 @@ def test_run_prefill_chunk_grows_with_the_cache_and_keeps_the_logits(small_dir, 
     trunk still read once per 64 prompt tokens), or one whose longer passes change the
     arithmetic: a 300-token prompt with the whole expert cache runs in 256-token passes
     and at the floor in 64-token ones, with the same tokens and logits bytes as each
-    other and as --prefill-chunk 7."""
+    other and as --prefill-chunk 97 (a chunk that divides neither)."""
     with Checkpoint.open(small_dir) as ckpt:
         sizes = ModelSizes.from_checkpoint(ckpt)
     floor = minimum_budget(sizes)
@@ -292,7 +292,7 @@ def test_run_prefill_chunk_grows_with_the_cache_and_keeps_the_logits(small_dir, 
     trunk = ("--trunk-gb", gb(floor.trunk_bytes + 1))
     runs = {"roomy": trunk + ("--cache-gb", "1"),
             "floor": trunk + ("--cache-gb", gb(floor.cache_bytes + 1)),
-            "seven": trunk + ("--cache-gb", "1", "--prefill-chunk", "7")}
+            "odd": trunk + ("--cache-gb", "1", "--prefill-chunk", "97")}
     got = {}
     for name, args in runs.items():
         out, rep = tmp_path / f"{name}.npy", tmp_path / f"{name}.json"
@@ -301,10 +301,10 @@ def test_run_prefill_chunk_grows_with_the_cache_and_keeps_the_logits(small_dir, 
         assert p.returncode == 0, p.stderr
         got[name] = (np.load(out).view(np.uint32), json.loads(rep.read_text()))
     chunks = {name: r["prefill_chunk"] for name, (_, r) in got.items()}
-    assert chunks == {"roomy": 256, "floor": 64, "seven": 7}
+    assert chunks == {"roomy": 256, "floor": 64, "odd": 97}
     assert any("prefill chunk 256" in x for x in got["roomy"][1]["budget"]["reasons"])
     passes = {name: r["trunk_bytes_read"] / sizes.trunk_bytes for name, (_, r) in got.items()}
     assert passes == {name: -(-300 // chunks[name]) + 3 for name in runs}   # + 3 decode
-    for name in ("floor", "seven"):
+    for name in ("floor", "odd"):
         assert got[name][1]["generated_ids"] == got["roomy"][1]["generated_ids"]
         assert np.array_equal(got[name][0], got["roomy"][0]), name
