@@ -88,6 +88,7 @@ def test_a_stalled_reader_is_a_clear_error_and_replaced(process, monkeypatch):
         with contextlib.suppress(ProcessLookupError):     # replaced: it was killed
             os.kill(stalled.pid, signal.SIGCONT)
     assert stalled.poll() is not None and process._proc is not stalled
+    monkeypatch.undo()                      # the replacement answers at its own pace
     assert len(process.call("completion", body)[0][1]) > 0
 
 

@@ -41,6 +41,7 @@ from .protocol import ApiError, check_model, check_request, parse_body, refusal_
 # by its own time limit, and tokenizing stops at the context): it is stopped and started
 # again, and that request is a 500.
 READ_SECONDS = 300.0
+START_SECONDS = 300.0     # for the process to read the tokenizer and template at its start
 TRIM_BYTES = 4 << 20      # after a body longer than this, freed memory goes back at once
 # The reader's address space, at most: reading the largest body a server takes (32 MiB)
 # and rendering a template's largest output (64 MiB) stay far below it, while a template
@@ -196,7 +197,7 @@ class ReaderProcess:
         it could not."""
         if not self._started:
             self._started = True
-            self._answer("start")
+            self._answer("start", START_SECONDS)
 
     def call(self, route: str, chunks: list):
         """(what ``Reader.<route>`` returned for the body ``chunks``, what the template
@@ -210,12 +211,12 @@ class ReaderProcess:
                 self._outbox.send_bytes(chunk)
         except OSError:
             return self._lost("stopped")
-        return self._answer(route)
+        return self._answer(route, READ_SECONDS)
 
-    def _answer(self, route: str):
+    def _answer(self, route: str, seconds: float):
         try:
-            if not self._inbox.poll(READ_SECONDS):
-                return self._lost(f"took over {READ_SECONDS:g} s", route)
+            if not self._inbox.poll(seconds):
+                return self._lost(f"took over {seconds:g} s", route)
             out = self._inbox.recv()
         except (EOFError, OSError):
             return self._lost("stopped", route)
