@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import json
 import socket
+import threading
 import time
 from types import SimpleNamespace
 
@@ -41,23 +42,32 @@ def _exchange(server, head: bytes, body: bytes = b"", timeout: float = 120) -> t
     """(status, headers {lower-case name: value}, body bytes) of one raw request: ``head``
     is its request line and headers (Host and Connection: close added), ``body`` sent
     after them with its Content-Length. A server that answers before reading all of a
-    large body may close the socket while it is still being sent: the answer is read
-    anyway."""
+    large body may close the socket while it is still being sent: the answer is read as
+    it arrives, beside the sending, so the reset that follows cannot drop it."""
     s = socket.create_connection(("127.0.0.1", server["port"]), timeout=timeout)
+    got = []
+
+    def receive():              # as the answer comes: a server that closes on bytes it
+        try:                    # did not read resets the connection, losing what is unread
+            while chunk := s.recv(65536):
+                got.append(chunk)
+        except ConnectionResetError:
+            pass
+    reader = threading.Thread(target=receive)
+    reader.start()
     try:
-        s.sendall(head + b"\r\nHost: x\r\nConnection: close\r\n"
-                  + f"Content-Length: {len(body)}\r\n\r\n".encode())
-        view = memoryview(body)
         try:
+            s.sendall(head + b"\r\nHost: x\r\nConnection: close\r\n"
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode())
+            view = memoryview(body)
             for i in range(0, len(body), 1 << 20):
                 s.sendall(view[i:i + (1 << 20)])
-        except OSError:                   # refused mid-body: the answer is already queued
+        except OSError:                   # refused mid-request: the answer is already read
             pass
-        got = b""
-        while chunk := s.recv(65536):
-            got += chunk
+        reader.join(timeout)
     finally:
         s.close()
+    got = b"".join(got)
     head_text, _, rest = got.partition(b"\r\n\r\n")
     lines = head_text.decode("latin-1").split("\r\n")
     headers = dict((k.strip().lower(), v.strip()) for k, _, v in
