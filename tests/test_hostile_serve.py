@@ -199,12 +199,12 @@ class _ReaderHere:
     calls it."""
 
     def __init__(self, tiny_dir):
-        from libk3.config import context_length
-        from libk3.serve.reader import Reader, ReaderSpec
-        from libk3.text.chat_template import DEFAULT_LIMITS
-        self.reader = Reader(ReaderSpec(str(tiny_dir), None, DEFAULT_LIMITS,
-                                        load_config(tiny_dir).vocab_size,
-                                        context_length(tiny_dir), "tiny", 0))
+        import dataclasses
+
+        from libk3.serve.reader import Reader
+        from .test_serve_reader import _spec
+        # as the stub run: no tokenizer, no preambles kept
+        self.reader = Reader(dataclasses.replace(_spec(tiny_dir, 0), tokenizer=None))
 
     def call(self, route, chunks):
         return getattr(self.reader, route)(b"".join(chunks)), []

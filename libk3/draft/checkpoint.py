@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -41,7 +40,7 @@ import numpy as np
 from ..config import K3Config
 from ..errors import CheckpointError, K3IOError
 from ..io.checkpoint import INDEX_FILE, find_shards
-from ..io.identity import file_digest
+from ..io.identity import digest_of, file_digest
 from ..io.dtypes import matrix_operand, widen
 from ..io.safetensors import pread_into, read_header
 from .config import DraftConfig, load_draft_config
@@ -142,9 +141,7 @@ def draft_identity(d: Path, files) -> str:
     for f in sorted(files):
         size, digest = file_digest(f)
         shards.append({"name": Path(f).name, "size": size, "sampled_sha256": digest})
-    text = json.dumps({"config_sha256": config, "files": shards}, sort_keys=True,
-                      separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
+    return digest_of({"config_sha256": config, "files": shards})
 
 
 # ---- finding the tensors ----------------------------------------------------------------

@@ -76,7 +76,12 @@ def weights_identity(ckpt, source: dict | None = None) -> str:
     differ in it (up to the sampling above). ``source``: that dict when already at hand
     and checked against ``ckpt`` (a pack's manifest after ``open_pack(pack, ckpt)``),
     which saves re-reading the sampled blocks; else they are read (four per shard)."""
-    if source is None:
-        source = source_identity(ckpt)
+    return digest_of(source_identity(ckpt) if source is None else source)
+
+
+def digest_of(source: dict) -> str:
+    """An identity's 64 hex digits: the sha256 of ``source`` as canonical JSON (keys
+    sorted, no spaces); a checkpoint's (above) and a draft's
+    (``libk3.draft.checkpoint.draft_identity``)."""
     text = json.dumps(source, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()

@@ -442,8 +442,8 @@ def split_long_runs(text: str) -> list:
 def iter_long_runs(text: str):
     """``split_long_runs``'s pieces one chunk at a time, so an encoding that stops early
     scans no further. A run over the limit is found by a regex that tries only where a
-    run starts (so it reads each character once, at C speed: a loop over the characters
-    in Python would hold up a server's event loop); it is cut every MAX_RUN_CHARS."""
+    run starts, so it reads each character once, at C speed (a loop in Python over the
+    characters is far slower on a long text); it is cut every MAX_RUN_CHARS."""
     if len(text) <= MAX_RUN_CHARS:
         yield text
         return
@@ -584,12 +584,9 @@ class K3Tokenizer:
         tok = self._tokenizers()[0 if allow_special else 1]
         ids = []
         for piece in iter_long_runs(text):
-            # encode_batch lets go of the GIL while it works (encode does not), so a
-            # server thread tokenizing a huge request leaves the event loop free; the
-            # ids list and the encoding's freeing are two steps, each holding it briefly
-            encoding = tok.encode_batch([piece], add_special_tokens=False)[0]
-            ids.extend(encoding.ids)
-            del encoding
+            # encode_batch lets go of the GIL while it works (encode does not): other
+            # threads of the process run on meanwhile
+            ids.extend(tok.encode_batch([piece], add_special_tokens=False)[0].ids)
             if limit is not None and len(ids) > limit:
                 break
         return ids

@@ -690,11 +690,6 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
         str(run.opts.model), None if tok is None else (tok.model_dir, tok.vocab_size, tok.cache),
         run.opts.template_limits, run.cfg.vocab_size, run.context, model_name,
         base_settings.prefill_chunk if turns is not None else 0))
-    try:
-        reader.ready()
-    except BaseException:
-        reader.close()
-        raise
     worker = Worker(run, run.width, log, turns, chunk=base_settings.prefill_chunk)
     server = Server(run, worker, reader, base_settings, api_key=api_key, log=log,
                     model_name=model_name)
@@ -725,6 +720,7 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
             await runner.cleanup()
 
     try:
+        reader.ready()              # its tokenizer and template read, before listening
         asyncio.run(main())
     finally:
         worker.close()

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import time
 
+from ..errors import K3Error, UsageError
 from ..text.chat_request import conversation_problem
 from ..text.encodable import field_problem
 from ..engine.grammar import response_format_problem, tool_choice_problem
@@ -97,7 +98,6 @@ def refusal_of(e: Exception):
     """(status, OpenAI error body, what to log) of a refusal raised while a request was
     read: an ApiError as it says, a UsageError 422 (the template refused the
     conversation, ...), another K3Error 500; None for anything else (a defect in k3)."""
-    from ..errors import K3Error, UsageError
     if isinstance(e, ApiError):
         return e.status, e.body, e.body["error"]["message"]
     if isinstance(e, UsageError):

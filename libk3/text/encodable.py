@@ -90,18 +90,15 @@ def _lone(where: str, text: str) -> str | None:
             "Unicode text (UTF-8 cannot encode it)")
 
 
-def first_surrogate(text: str, step: int = 1 << 20) -> int | None:
+def first_surrogate(text: str) -> int | None:
     """The index of the first surrogate code point of ``text`` (which UTF-8 cannot
-    encode: decoders join the pairs they read, so any left is a lone one), or None;
-    ``step`` characters at a time, so a long text never holds the interpreter lock long
-    (a server's event loop waits for it)."""
-    if text.isascii():
+    encode: decoders join the pairs they read, so any left is a lone one), or None."""
+    if text.isascii():                      # at C speed, as is the encoding below
         return None
-    for at in range(0, len(text), step):
-        try:
-            text[at:at + step].encode("utf-8")
-        except UnicodeEncodeError as e:
-            return at + e.start
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
     return None
 
 
