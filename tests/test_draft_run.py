@@ -142,6 +142,45 @@ def test_a_saved_state_keeps_its_draft_context_for_that_draft_only(tiny_dir, tmp
     assert np.array_equal(a.confidence, b.confidence)
 
 
+def test_a_drafting_run_passes_by_a_snapshot_without_its_context(tiny_dir, tmp_path):
+    """Catches a prefix-cache snapshot without the draft's context serving a drafting run
+    (drafting would stay off for the whole sequence, every later run alike), and one
+    with the context not replacing it: the drafting run misses, stores the prefix with its
+    context, then hits and drafts from it; runs without a draft read either kind."""
+    from libk3.engine.prefix_cache import PrefixCache
+    from libk3.model.state import read_meta
+    sess = open_session(tiny_dir)
+    identity = load_draft(tiny_dir / "draft", sess.cfg).identity
+
+    def cache(draft_identity):
+        return PrefixCache(tmp_path / "pc", 1 << 30, sess.cfg, sess.weights_identity,
+                           sess.pack_identity, draft_identity=draft_identity)
+    fed = {}
+    for how in ("plain", "draft"):
+        st = sess.new_state()
+        generate(sess.forward, st, PROMPT, GenSettings(gen=6),
+                 drafting=with_draft(sess, tiny_dir) if how == "draft" else None)
+        fed[how] = st
+    ids = fed["plain"].ids
+    assert fed["draft"].ids == ids
+    path = cache(None).store(fed["plain"])
+    assert read_meta(path)["draft"] is None
+    drafting_cache = cache(identity)
+    assert drafting_cache.lookup(ids + [3]) == (None, 0) and path.exists()
+    assert drafting_cache.stats["without_draft"] == 1
+    assert drafting_cache.store(fed["draft"]) == path
+    assert read_meta(path)["draft"]["identity"] == identity
+    assert cache(None).store(fed["plain"]) == path                 # a plain run keeps it
+    assert read_meta(path)["draft"]["identity"] == identity
+    state, n = drafting_cache.lookup(ids + [3])
+    assert n == len(ids)
+    drafting = with_draft(sess, tiny_dir)
+    generate(sess.forward, state, [3], GenSettings(gen=8), drafting=drafting)
+    assert drafting.stats.drafted > 0
+    assert cache(None).lookup(ids + [3])[1] == n
+    assert cache("0" * 64).lookup(ids + [3]) == (None, 0)
+
+
 def test_draft_turns_off_past_its_trained_context_and_on_a_cold_state(tiny_dir):
     """Catches drafting past the draft's trained context (it accepts nothing there) or
     from a state whose earlier positions it never saw, silently."""

@@ -96,10 +96,15 @@ class PrefixCache:
     (``pack_identity``; "shards" without one) in ``directory``, at most ``budget_bytes``
     in all (every model's snapshots in the folder count). ``min_tokens``: shorter
     prefixes are not worth a file. ``warn(line)`` hears a snapshot refused or a write that
-    failed (the run goes on without it). ``stats``: lookups, hits, tokens reused, writes."""
+    failed (the run goes on without it). ``draft_identity``: a drafting run's draft
+    (``libk3.draft.checkpoint.draft_identity``); a snapshot without that draft's context
+    is then a miss, and replaced when this run stores the same prefix with it (resuming
+    from it would leave drafting off for the whole sequence). ``stats``: lookups, hits,
+    tokens reused, writes."""
 
     def __init__(self, directory, budget_bytes: int, cfg, weights_identity: str,
-                 pack_identity: str, *, min_tokens: int = 1, warn=None):
+                 pack_identity: str, *, min_tokens: int = 1, warn=None,
+                 draft_identity: str | None = None):
         self.directory = Path(directory)
         self.budget_bytes = int(budget_bytes)
         self.cfg = cfg
@@ -107,9 +112,11 @@ class PrefixCache:
         self.context = context_key(weights_identity, pack_identity)
         self.min_tokens = max(1, int(min_tokens))
         self.warn = warn or (lambda line: None)
+        self.draft_identity = draft_identity
         self.writable = True
         self.stats = {"lookups": 0, "hits": 0, "reused_tokens": 0, "writes": 0,
-                      "refused": 0, "load_seconds": 0.0, "write_seconds": 0.0}
+                      "refused": 0, "without_draft": 0, "load_seconds": 0.0,
+                      "write_seconds": 0.0}
 
     def name(self, ids) -> str:
         return snapshot_name(self.context, ids)
@@ -142,7 +149,21 @@ class PrefixCache:
                 return state, n
         return None, 0
 
+    def _lacks_draft(self, path: Path) -> bool:
+        """Whether a drafting run must pass this snapshot by: its header records no
+        context of this run's draft. An unreadable header is left to ``State.load``."""
+        if self.draft_identity is None:
+            return False
+        try:
+            draft = read_meta(path).get("draft")
+        except (K3Error, AttributeError):
+            return False
+        return not (isinstance(draft, dict) and draft.get("identity") == self.draft_identity)
+
     def _load(self, path: Path, ids):
+        if self._lacks_draft(path):
+            self.stats["without_draft"] += 1
+            return None
         t0 = time.perf_counter()
         try:
             state = State.load(self.cfg, path, self.weights_identity)
@@ -169,13 +190,15 @@ class PrefixCache:
 
     def store(self, state) -> Path | None:
         """Keep a snapshot of ``state`` (keyed by its ids) unless it is too short, one is
-        already there (then it counts as used), it alone exceeds the budget, or writing
-        fails (one warning; later stores are skipped). Evicts least recently used
-        snapshots to fit the budget. Returns the snapshot's path, or None."""
+        already there (then it counts as used; one without this run's draft context is
+        replaced when ``state`` has it), it alone exceeds the budget, or writing fails
+        (one warning; later stores are skipped). Evicts least recently used snapshots to
+        fit the budget. Returns the snapshot's path, or None."""
         if not self.writable or state.pos < self.min_tokens:
             return None
         path = self.path(state.ids)
-        if path.exists():
+        if path.exists() and not (self.draft_identity is not None and self._lacks_draft(path)
+                                  and state.draft_identity() == self.draft_identity):
             _touch(path)
             return path
         if state_file_bytes(state) > self.budget_bytes:

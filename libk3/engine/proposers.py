@@ -46,6 +46,7 @@ class PromptLookup:
     longest matching suffix (prompt-lookup decoding); no confidence, no taps."""
 
     taps = None
+    identity = None         # no context of its own for a state to keep
 
     def propose(self, state, anchor: int, n: int, pick) -> Proposal:
         return Proposal(lookup_drafts(state.ids + [int(anchor)], n))

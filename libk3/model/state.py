@@ -155,14 +155,21 @@ class State:
         return arr[:self.pos] if kind.startswith("mla") else arr
 
     # ---- persistence (formats/state.md) ----------------------------------------------
-    def _draft_header(self):
-        """The header's ``draft`` object: the draft context's identity and row shapes
-        when it covers every position fed, else None (a context that does not is of no
-        use: the draft stays off for the sequence)."""
+    def draft_identity(self) -> str | None:
+        """The identity of the draft whose context a save would keep: the context's when it
+        covers every position fed, else None (a context that does not is of no use: the
+        draft stays off for the sequence)."""
         d = self.draft
-        if d is None or not self.pos or getattr(d, "identity", None) is None \
-                or d.length != self.pos:
+        if d is None or not self.pos or d.length != self.pos:
             return None
+        return getattr(d, "identity", None)
+
+    def _draft_header(self):
+        """The header's ``draft`` object: the draft context's identity and row shapes, or
+        None (``draft_identity``)."""
+        if self.draft_identity() is None:
+            return None
+        d = self.draft
         return {"identity": d.identity, "layers": int(d.latent.shape[0]),
                 "latent": int(d.latent.shape[2]), "rope": int(d.k_pe.shape[2])}
 

@@ -207,8 +207,9 @@ class Run:
         where = self.opts.prefix_cache
         directory = default_directory(self.opts.pack) if where == "auto" else where
         s = self.session
+        draft = None if self.drafting is None else self.drafting.proposer.identity
         return PrefixCache(directory, self.opts.prefix_cache_bytes, s.cfg, s.weights_identity,
-                           s.pack_identity, warn=self.opts.warn)
+                           s.pack_identity, warn=self.opts.warn, draft_identity=draft)
 
     def _record(self, L, positions, ids, phase, tag=None):
         """One MoE layer's routing for a block of tokens: per token, its experts in
