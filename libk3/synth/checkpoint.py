@@ -22,6 +22,7 @@ fixed-size row chunks, so the same seed gives the same bytes whatever the order 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -283,7 +284,7 @@ def _write_checkpoint(tmp: Path, cfg, flat, n_special, sparse, real_layout, pres
         write_shard(tmp / fname, tensors)
         for name, dtype, shape, _ in tensors:
             weight_map[name] = fname
-            total += int(np.prod(shape)) * ITEMSIZE[dtype]
+            total += math.prod(shape) * ITEMSIZE[dtype]
     write_json(tmp / "model.safetensors.index.json",
                {"metadata": {"total_size": total}, "weight_map": weight_map})
     write_json(tmp / "config.json", nested_config(dict(flat), n_ranks))
