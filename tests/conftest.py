@@ -51,8 +51,8 @@ def small_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def real_sparse_dir(tmp_path_factory) -> Path:
-    """real-sparse (Kimi K3's real inventory: 497,220 tensors in 96 sparse shards, ~30 s
-    to write) made once per run: test_synth checks it, test_doctor diagnoses it,
+    """real-sparse (Kimi K3's real inventory: 497,220 tensors in 96 sparse shards, the
+    slowest fixture to write) made once per run: test_synth checks it, test_doctor diagnoses it,
     test_tokenizer reads its real-size vocabulary, test_draft_checkpoint drafts for it. Under
     xdist the workers share one copy in the run's base temp directory, written under a
     lock by the first that asks. Read only: no test writes into it."""
