@@ -188,7 +188,7 @@ def test_plan_pass_shares_one_chunk_among_newcomers():
     """Catches a pass that exceeds the prefill chunk (activations beyond the reserve) or
     leaves a decoding sequence out while joining is on."""
     class L:
-        def __init__(self, n, fed, nxt=None, keep_at=0):
+        def __init__(self, n, fed, nxt=None, keep_at=()):
             self.prompt, self.fed, self.next = list(range(n)), fed, nxt
             self.job = types.SimpleNamespace(keep_at=keep_at)
 
@@ -201,10 +201,12 @@ def test_plan_pass_shares_one_chunk_among_newcomers():
                                                             (False, [0, 1], 2)]
     assert [(x, ids) for x, ids, _ in plan[2:]] == [(a, [9]), (d, [8])]
     assert [x for x, _, _ in plan_pass([a, b, c, d], 7, join_prefill=False)] == [b, c]
-    e = L(6, 1, keep_at=3)                         # a pass ends where a prefix is kept
+    e = L(6, 1, keep_at=(3, 5))                    # a pass ends where a prefix is kept
     assert [(ids, n) for _, ids, n in plan_pass([e, c], 7)] == [([1, 2], 2), ([0, 1, 2, 3, 4], 5)]
     e.fed = 3
-    assert plan_pass([e], 7)[0][1:] == ([3, 4, 5], 3)
+    assert plan_pass([e], 7)[0][1:] == ([3, 4], 2)
+    e.fed = 5
+    assert plan_pass([e], 7)[0][1:] == ([5], 1)
 
 
 class _Oracle:

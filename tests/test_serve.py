@@ -545,14 +545,15 @@ def test_serve_refuses_fields_it_would_ignore_and_models_it_does_not_serve(serve
 def test_serve_preamble_survives_a_restart_through_the_prefix_cache(tiny_dir, tmp_path):
     """Catches a server whose kept states die with it: after a restart on the same
     --prefix-cache, a new conversation with the same long system prompt resumes from the
-    snapshot of that preamble (on disk) and answers as a fresh run of its ids does."""
+    snapshot of that preamble (on disk) and answers as a fresh run of its ids does; the
+    first request asks for two choices (whose shared prefill must keep the preamble too)."""
     system = {"role": "system", "content": "You are the log keeper of a slow ship. " * 6}
     cache = tmp_path / "cache"
     first = _start(tiny_dir, tmp_path / "a.log", "--prefix-cache", cache, "--prefill-chunk", 8)
     try:
         r1 = _client(first).chat.completions.create(
-            model="tiny", max_tokens=2, messages=[system, {"role": "user", "content": "Hi"}])
-        assert r1.model_extra["k3"]["reused_tokens"] == 0
+            model="tiny", max_tokens=2, n=2, messages=[system, {"role": "user", "content": "Hi"}])
+        assert r1.model_extra["k3"]["reused_tokens"] == 0 and len(r1.choices) == 2
     finally:
         _stop(first)
     assert [p.suffix for p in cache.iterdir()] == [".k3state"]

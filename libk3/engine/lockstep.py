@@ -41,8 +41,9 @@ class Job:
     """One prompt of a batch. ``tag`` is the caller's handle, passed back with the result
     (and to trace records as the sequence's tag). ``state``: the State to continue (it
     already holds what came before ``prompt_ids``: an earlier turn), else a new one.
-    ``keep_at``: after this many of ``prompt_ids`` are fed, the Lockstep's ``on_keep``
-    hears the state (a prefix worth keeping, such as a conversation's preamble); 0: none.
+    ``keep_at``: counts of ``prompt_ids``, ascending; after each is fed, the Lockstep's
+    ``on_keep`` hears the state and the count (a prefix worth keeping, such as a
+    conversation's preamble, or where other sequences fork off).
     ``rows``: the Lockstep's ``on_row`` hears each generated token with the logits row it
     was chosen from; ``prompt_rows``: ``on_prompt_rows`` hears every prompt position's
     row (log-probabilities of the prompt, ``echo``)."""
@@ -51,7 +52,7 @@ class Job:
     prompt_ids: list
     settings: GenSettings
     state: object = None
-    keep_at: int = 0
+    keep_at: tuple = ()
     rows: bool = False
     prompt_rows: bool = False
 
@@ -167,8 +168,9 @@ def plan_pass(lanes: list, chunk: int, join_prefill: bool = True) -> list:
     for lane in lanes:
         if lane.prefilling and room > 0:
             n = min(room, len(lane.prompt) - lane.fed)
-            if lane.fed < lane.job.keep_at:         # the pass ends at the kept prefix
-                n = min(n, lane.job.keep_at - lane.fed)
+            kept = [k for k in lane.job.keep_at if k > lane.fed]
+            if kept:                                # the pass ends at the next kept prefix
+                n = min(n, kept[0] - lane.fed)
             plan.append((lane, lane.prompt[lane.fed:lane.fed + n], n))
             room -= n
     if join_prefill or not plan:
@@ -189,7 +191,8 @@ class Lockstep:
     the lanes in flight stay in ``lanes`` for the caller to count and drop.
     ``on_pass(prompt tokens, decoders, seconds)``, if given, hears each pass's size and
     duration on ``clock`` (a batch's pace, ``libk3.engine.pace``). ``on_keep(job,
-    state)`` hears a lane's state once its Job's ``keep_at`` prompt ids are in.
+    state, n)`` hears a lane's state once each of its Job's ``keep_at`` counts, n, of
+    prompt ids is in.
     ``on_row(job, token, row)`` and ``on_prompt_rows(job, start, rows)`` hear the logits
     rows of Jobs that ask for them (``Job.rows``, ``Job.prompt_rows``): rows[i] is prompt
     position start + i's, predicting the prompt id after it."""
@@ -255,8 +258,8 @@ class Lockstep:
             if n_prompt and lane.job.prompt_rows and self.on_prompt_rows is not None:
                 self.on_prompt_rows(lane.job, lane.fed, logits)
             lane.take(seg, logits, n_prompt, self.on_token, took, self.on_row)
-            if n_prompt and lane.fed == lane.job.keep_at and self.on_keep is not None:
-                self.on_keep(lane.job, lane.state)
+            if n_prompt and lane.fed in lane.job.keep_at and self.on_keep is not None:
+                self.on_keep(lane.job, lane.state, lane.fed)
             st.generated_tokens += len(lane.generated) - before
         if self.drafting is not None and all(n == 0 for _, _, n in plan):   # commits too
             self.drafting.width.record(sum(seg.ids.shape[0] for seg in segs),

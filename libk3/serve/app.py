@@ -411,7 +411,7 @@ class Server:
         # choice i draws with seed + i (mod 2^64); the others follow the first, which
         # prefills the prompt once (``Worker``)
         jobs = [Job(list(ids), dataclasses.replace(settings, seed=(settings.seed + i) % 2 ** 64),
-                    loop, preamble=preamble if req.n == 1 else 0, logprobs=req.logprobs,
+                    loop, preamble=preamble if i == 0 else 0, logprobs=req.logprobs,
                     echo=req.echo) for i in range(req.n)]
         jobs[0].followers = jobs[1:]
         readers = [reader] + [self._reader(req, settings) for _ in jobs[1:]]

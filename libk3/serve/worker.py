@@ -44,6 +44,10 @@ class Job:
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     reused: int = 0               # prompt tokens resumed from a kept state, not prefilled
     preamble: int = 0             # prompt tokens worth keeping on their own (0: none)
+    # where the lane hands its state on, counted in the ids it feeds (0: nowhere): the
+    # preamble to the turn cache, the fork point to the followers
+    preamble_at: int = 0
+    fork_at: int = 0
     logprobs: int | None = None   # alternatives per token to report (None: no logprobs)
     echo: bool = False            # also the prompt's logprobs (a completion's echo)
     # TokenLogprob of each generated token, appended on the engine thread before the
@@ -161,12 +165,13 @@ class Worker:
             state, reused = self.turns.take(job.prompt_ids) if resume else (None, 0)
         job.reused = reused
         tag = next(self._tags)
-        keep_at = job.preamble - reused if self.turns and job.preamble > reused else 0
-        if job.followers:              # the fork point instead: all but the last prompt id
-            keep_at = len(job.prompt_ids) - 1 - reused
-            if keep_at <= 0:
+        job.preamble_at = job.preamble - reused if self.turns and job.preamble > reused else 0
+        if job.followers:              # and the fork point: all but the last prompt id
+            job.fork_at = len(job.prompt_ids) - 1 - reused
+            if job.fork_at <= 0:
                 self._release(job, state if reused else None)
-                keep_at = 0
+                job.fork_at = 0
+        keep_at = tuple(sorted({job.preamble_at, job.fork_at} - {0}))
         try:
             self.lockstep.submit(lockstep.Job(
                 tag, job.prompt_ids[reused:], job.settings,
@@ -187,14 +192,14 @@ class Worker:
             for job in jobs:
                 self._failed(job, e)
 
-    def _keep(self, lj, state) -> None:
-        """A lane's prompt reached its Job's ``keep_at``: the followers' fork point, or
-        a preamble worth keeping."""
+    def _keep(self, lj, state, fed: int) -> None:
+        """A lane's prompt reached one of its Job's kept counts: the followers' fork
+        point, a preamble worth keeping, or both."""
         job = self.jobs[lj.tag]
-        if job.followers:
-            self._release(job, state)
-        elif self.turns is not None:
+        if fed == job.preamble_at:
             self.turns.keep(state)
+        if fed == job.fork_at:
+            self._release(job, state)
 
     def _release(self, job: Job, state) -> None:
         """Let ``job``'s followers start, each from its own copy of ``state``."""
