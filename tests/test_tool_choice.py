@@ -243,8 +243,8 @@ def test_thinking_budget_cuts_the_think_channel_and_leaves_the_rest_free(tok):
     accepted), one that forbids what follows the channel or a reply without one (a
     response, tools, plain text), and a budget applied where the prompt closed the
     channel: after BUDGET tokens of reasoning the only token allowed is the channel's
-    closing tag. (A think channel after the reply's first one is left free: the template
-    writes one, first.)"""
+    closing tag; and a second think channel, which would reason past the budget, is
+    refused."""
     from libk3.engine.grammar import compile_think_budget
     budget = 8
     g = compile_think_budget(tok, "optional", budget)
@@ -258,15 +258,18 @@ def test_thinking_budget_cuts_the_think_channel_and_leaves_the_rest_free(tok):
     short = ("<|open|>", "think", "<|sep|>", " one two", "<|close|>", "think", "<|sep|>")
     assert len(tok.encode(" one two")) <= budget
     reply = ("<|open|>", "response", "<|sep|>", "hi", "<|close|>", "response", "<|sep|>")
-    for ok in (short + reply, short + CALL, reply, CALL, ("plain text",), short + THINK,
+    for ok in (short + reply, short + CALL, reply, CALL, ("plain text",),
                short + ("<|close|>", "assistant", "<|sep|>")):
         assert _accepts(g, _ids(tok, *ok)), ok
+    for twice in (short + THINK, short + reply + THINK, reply + THINK):
+        assert not _accepts(g, _ids(tok, *twice)), twice
     assert not _accepts(g, _ids(tok, "<|open|>", "think", "<|sep|>", " one two three four",
                                 "<|close|>", "think", "<|sep|>"))
     assert not _accepts(g, _ids(tok, "<|open|>", "thinking", "<|sep|>", " one two three",
                                 " four", "<|close|>", "thinking", "<|sep|>"))   # not free
     opened = compile_think_budget(tok, "open", budget)
     assert _accepts(opened, _ids(tok, " one two", "<|close|>", "think", "<|sep|>", *reply))
+    assert not _accepts(opened, _ids(tok, " one two", "<|close|>", "think", "<|sep|>", *THINK))
     assert not _accepts(opened, _ids(tok, " one two three four", "<|close|>", "think",
                                      "<|sep|>"))
     assert compile_think_budget(tok, "closed", budget) is None

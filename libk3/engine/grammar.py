@@ -409,29 +409,29 @@ def think_mode(tokenizer, prompt_ids) -> str:
 
 
 def think_lark(marks, vocab_size: int, think: str, budget: int) -> str:
-    """The Lark grammar of a chat reply whose think channel holds at most ``budget``
-    tokens and is otherwise free: the channel (opened by the reply when ``think`` is
+    """The Lark grammar of a chat reply whose reasoning holds at most ``budget`` tokens
+    and is otherwise free: the think channel (opened by the reply when ``think`` is
     "optional", already open when "open"), its text cut at ``budget`` tokens so its
-    closing tag must follow, then any tokens. A reply that does not open the channel
-    first (another channel, text) is free too, as long as its first tag is not the
-    think channel's. ``marks``: the ids of <|open|>, <|close|>, <|sep|>."""
+    closing tag must follow, then any tokens but another think channel (which would
+    reason past the budget). A reply that does not open the channel first (another
+    channel, text) is free too, with no think channel later. ``marks``: the ids of
+    <|open|>, <|close|>, <|sep|>."""
     o, c, s = (f"<[{int(i)}]>" for i in marks)
     op = int(marks[0])
     others = ",".join(r for r in (f"0-{op - 1}" if op > 0 else "",
                                   f"{op + 1}-{vocab_size - 1}" if op + 1 < vocab_size else "")
                       if r)
+    # after the channel: tokens other than <|open|>, and <|open|> only before a tag that
+    # does not start with "think" (the reply's other channels)
     lines = ['TEXT: /(.|\n)+/',
              f'think_text[max_tokens={int(budget)}]: TEXT',
              f'think_rest: think_text? {c} "think" {s}',
-             'any: <[*]>*']
+             'OTHER_TAG: /([^t]|t[^h]|th[^i]|thi[^n]|thin[^k])[^\n]*/',
+             f'rest: (<[{others}]> | {o} OTHER_TAG)*']
     if think == "open":
-        return "\n".join(["start: think_rest any"] + lines) + "\n"
-    # not the think channel first: a first token other than <|open|>, or <|open|> and a
-    # tag that does not start with "think" (the reply's other channels)
-    lines += [f'think: {o} "think" {s} think_rest',
-              'OTHER_TAG: /([^t]|t[^h]|th[^i]|thi[^n]|thin[^k])[^\n]*/',
-              f'free: (<[{others}]> any) | ({o} OTHER_TAG any)']
-    return "\n".join(["start: think any | free?"] + lines) + "\n"
+        return "\n".join(["start: think_rest rest"] + lines) + "\n"
+    lines.append(f'think: {o} "think" {s} think_rest')
+    return "\n".join(["start: think rest | rest"] + lines) + "\n"
 
 
 def compile_think_budget(tokenizer, think: str, budget: int) -> "Grammar | None":
