@@ -17,7 +17,7 @@ from libk3.errors import BudgetError
 from libk3.budget import (BATCH_SNAPSHOTS, MAX_AUTO_WIDTH, Budget, ModelSizes, batch_width,
                           load_rules, peak_bytes, sequence_bytes)
 from libk3.doctor.report import reference_config
-from .scripts import k3
+from .scripts import k3, k3_here
 
 # what a result line keeps whatever the width (times, reads and the width differ)
 SAME = ("generated_ids", "prompt_ids", "stop_reason", "id", "line")
@@ -52,7 +52,7 @@ def batch(tmp_path_factory):
 @pytest.fixture(scope="module")
 def alone(batch, tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("alone") / "r.jsonl"
-    p = k3(tiny_dir, "--batch", batch, "--out", out, "--batch-width", 1)
+    p = k3_here(tiny_dir, "--batch", batch, "--out", out, "--batch-width", 1)
     assert p.returncode == 0, p.stderr
     return _rows(out)
 
@@ -62,7 +62,7 @@ def test_batch_cli_lines_equal_width_1(width, batch, alone, tiny_dir, tmp_path):
     """Catches a lockstep batch whose result lines differ from running each prompt alone
     (ids, stop reason), and a summary that misses the aggregate figures."""
     out = tmp_path / "r.jsonl"
-    p = k3(tiny_dir, "--batch", batch, "--out", out, "--batch-width", width, "--json")
+    p = k3_here(tiny_dir, "--batch", batch, "--out", out, "--batch-width", width, "--json")
     assert p.returncode == 0, p.stderr
     assert _rows(out) == alone
     s = json.loads(p.stdout)
@@ -84,14 +84,14 @@ def test_batch_cli_refuses_a_width_that_cannot_fit_before_work(batch, tiny_dir, 
     control width runs."""
     out = tmp_path / "r.jsonl"
     budgets = ("--trunk-gb", 1, "--cache-gb", 1)          # fixed: the width rule refuses
-    p = k3(tiny_dir, "--batch", batch, "--out", out, "--batch-width", 10 ** 8, *budgets)
+    p = k3_here(tiny_dir, "--batch", batch, "--out", out, "--batch-width", 10 ** 8, *budgets)
     assert p.returncode == 4, p.stderr
     assert "batch width 100000000 does not fit" in p.stderr and "expected width <= " in p.stderr
     assert "Traceback" not in p.stderr and out.read_bytes() == b""
-    p = k3(tiny_dir, "--batch", batch, "--out", out, "--batch-width", 10 ** 8)   # auto budget
+    p = k3_here(tiny_dir, "--batch", batch, "--out", out, "--batch-width", 10 ** 8)   # auto budget
     assert p.returncode == 4 and "beside batch width 100000000" in p.stderr, p.stderr
     assert out.read_bytes() == b""
-    assert k3(tiny_dir, "--batch", batch, "--out", out, "--batch-width", 2).returncode == 0
+    assert k3_here(tiny_dir, "--batch", batch, "--out", out, "--batch-width", 2).returncode == 0
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -101,9 +101,9 @@ def test_batch_cli_refuses_a_width_that_cannot_fit_before_work(batch, tiny_dir, 
 def test_batch_cli_usage_errors_exit_2(args, needle, batch, tiny_dir, tmp_path):
     """Catches --draft-max silently ignored without a draft and malformed widths or
     shards."""
-    p = k3(tiny_dir, "--batch", batch, "--out", tmp_path / "r.jsonl", *args)
+    p = k3_here(tiny_dir, "--batch", batch, "--out", tmp_path / "r.jsonl", *args)
     assert p.returncode == 2 and needle in p.stderr, p.stderr
-    p = k3(tiny_dir, "--ids", "1,2", "--gen", 1, "--batch-width", "2")
+    p = k3_here(tiny_dir, "--ids", "1,2", "--gen", 1, "--batch-width", "2")
     assert p.returncode == 2 and "go with --batch" in p.stderr
 
 
@@ -115,8 +115,8 @@ def test_batch_cli_drafting_in_lockstep_gives_the_same_lines(source, batch, alon
     out = tmp_path / "r.jsonl"
     flag, value = source
     value = str(tiny_dir / value) if flag == "--draft" else value
-    p = k3(tiny_dir, "--batch", batch, "--out", out, flag, value, "--batch-width", "2",
-           "--json")
+    p = k3_here(tiny_dir, "--batch", batch, "--out", out, flag, value, "--batch-width", "2",
+                "--json")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["width"] == 2 and _rows(out) == alone
 
@@ -127,7 +127,7 @@ def test_batch_cli_shards_partition_the_ids(batch, alone, tiny_dir, tmp_path):
     got = {}
     for k in (1, 2, 3):
         out = tmp_path / f"r{k}.jsonl"
-        p = k3(tiny_dir, "--batch", batch, "--out", out, "--shard", f"{k}/3", "--json")
+        p = k3_here(tiny_dir, "--batch", batch, "--out", out, "--shard", f"{k}/3", "--json")
         assert p.returncode == 0, p.stderr
         rows = _rows(out) if out.exists() else {}
         assert not set(rows) & set(got)
@@ -242,7 +242,7 @@ def test_batch_line_whose_gen_runs_past_the_context_is_skipped(tiny_dir, tmp_pat
     batch.write_text('{"id": "long", "ids": [1, 2, 3], "gen": 1048574}\n'
                      '{"id": "ok", "ids": [1, 2, 3], "gen": 2}\n')
     out = tmp_path / "r.jsonl"
-    p = k3(tiny_dir, "--batch", batch, "--out", out, "--json", "--quiet")
+    p = k3_here(tiny_dir, "--batch", batch, "--out", out, "--json", "--quiet")
     assert p.returncode == 0, p.stderr
     summary = json.loads(p.stdout)
     assert summary["done"] == 1 and summary["malformed"] == 1, summary

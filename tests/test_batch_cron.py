@@ -15,7 +15,7 @@ import pytest
 
 from libk3.run import runner
 from libk3.io.filelock import FileLock, holder_pid
-from .scripts import k3
+from .scripts import k3, k3_here
 
 
 def start_k3(*args):
@@ -89,7 +89,7 @@ def test_batch_second_run_on_same_results_exits_6_naming_holder(tiny_dir, tmp_pa
     holder = hold_lock(r, 120)
     try:
         t0 = time.monotonic()
-        p = k3(tiny_dir, "--batch", batch, "--out", r)
+        p = k3_here(tiny_dir, "--batch", batch, "--out", r)
         took = time.monotonic() - t0
     finally:
         holder.kill()
@@ -99,7 +99,7 @@ def test_batch_second_run_on_same_results_exits_6_naming_holder(tiny_dir, tmp_pa
     assert len(lines) == 1 and str(r) in lines[0] and f"pid {holder.pid}" in lines[0]
     assert "Traceback" not in p.stderr and r.read_text() == ""
     assert took < 30                    # refused before opening the model, not after
-    ok = k3(tiny_dir, "--batch", batch, "--out", r)     # control: free again
+    ok = k3_here(tiny_dir, "--batch", batch, "--out", r)     # control: free again
     assert ok.returncode == 0, ok.stderr
     assert result_ids(r) == ["p0", "p1", "p2"]
 
@@ -140,14 +140,14 @@ def test_batch_max_prompts_then_rerun_completes(tiny_dir, tmp_path):
     """Catches --max-prompts counting skipped ids as done, or a summary that hides what is
     left."""
     batch, r = write_batch(tmp_path / "b.jsonl", 5), tmp_path / "r.jsonl"
-    p = k3(tiny_dir, "--batch", batch, "--out", r, "--max-prompts", 2)
+    p = k3_here(tiny_dir, "--batch", batch, "--out", r, "--max-prompts", 2)
     assert p.returncode == 0, p.stderr
     assert "stopped at max-prompts, 3 left for the next run" in p.stderr
     assert result_ids(r) == ["p0", "p1"]
-    p = k3(tiny_dir, "--batch", batch, "--out", r, "--max-prompts", 2, "--json")
+    p = k3_here(tiny_dir, "--batch", batch, "--out", r, "--max-prompts", 2, "--json")
     s = json.loads(p.stdout)
     assert (s["done"], s["skipped"], s["remaining"], s["stopped"]) == (2, 2, 1, "max-prompts")
-    p = k3(tiny_dir, "--batch", batch, "--out", r, "--json")
+    p = k3_here(tiny_dir, "--batch", batch, "--out", r, "--json")
     s = json.loads(p.stdout)
     assert (s["done"], s["skipped"], s["remaining"], s["stopped"]) == (1, 4, 0, None)
     assert result_ids(r) == [f"p{i}" for i in range(5)]
@@ -156,7 +156,7 @@ def test_batch_max_prompts_then_rerun_completes(tiny_dir, tmp_path):
 def test_batch_deadline_passed_at_start_runs_nothing(tiny_dir, tmp_path):
     """Catches a deadline that is only checked after the first prompt."""
     batch, r = write_batch(tmp_path / "b.jsonl", 3), tmp_path / "r.jsonl"
-    p = k3(tiny_dir, "--batch", batch, "--out", r, "--deadline", "0.00001", "--json")
+    p = k3_here(tiny_dir, "--batch", batch, "--out", r, "--deadline", "0.00001", "--json")
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
     assert (s["done"], s["remaining"], s["stopped"]) == (0, 3, "deadline")

@@ -18,7 +18,7 @@ from libk3.engine.proposers import DSpark
 from libk3.engine.session import open_session
 from libk3.engine.speculative import Drafting
 from libk3.io.checkpoint import Checkpoint
-from .scripts import k3
+from .scripts import k3, k3_here
 
 PROMPT = [5, 9, 2, 77, 31, 4, 18, 250, 6, 40, 5, 9, 2]
 
@@ -203,7 +203,7 @@ def test_k3_run_draft_cli_paths(tiny_dir, tmp_path):
     """Catches --draft changing a k3-run result, a dump without its arrays, a report
     without the drafting figures, and bad combinations that are not usage errors."""
     args = ("--ids", "5,9,2,77,31", "--gen", 20, "--temperature", 0.7, "--seed", 4, "--json")
-    base = k3(tiny_dir, *args, "--logits-out", tmp_path / "a.npy")
+    base = k3_here(tiny_dir, *args, "--logits-out", tmp_path / "a.npy")
     dump = tmp_path / "d.npz"
     run = k3(tiny_dir, *args, "--draft", tiny_dir / "draft", "--draft-max", 3,
              "--draft-dump", dump, "--logits-out", tmp_path / "b.npy", "--threads", 1)
@@ -224,7 +224,7 @@ def test_k3_run_draft_cli_paths(tiny_dir, tmp_path):
         assert z["draft_logits.0"].shape[0] == z["proposed.0"].size >= L >= 1
     for bad, needle in ((("--spec", 2, "--draft", tiny_dir / "draft"), "give one"),
                         (("--draft-dump", tmp_path / "x.npz"), "go with --draft")):
-        p = k3(tiny_dir, "--ids", "1,2", *bad)
+        p = k3_here(tiny_dir, "--ids", "1,2", *bad)
         assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr
 
 
@@ -237,7 +237,7 @@ def test_k3_run_refuses_a_damaged_or_unaffordable_draft(tiny_dir, tmp_path):
     doc = json.loads((bad / "config.json").read_text())
     doc["hidden_size"] += 1
     (bad / "config.json").write_text(json.dumps(doc))
-    p = k3(tiny_dir, "--ids", "1,2", "--draft", bad)
+    p = k3_here(tiny_dir, "--ids", "1,2", "--draft", bad)
     assert p.returncode == 3 and "config.json" in p.stderr and "hidden_size" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     from libk3.budget import load_rules, peak_bytes, with_draft

@@ -18,7 +18,7 @@ import libk3.pack.writer as pack_mod
 from libk3.pack.writer import (ALIGN, JOURNAL_FILE, MANIFEST_FILE, PARTIAL_FILE, TRUNK_FILE,
                                load_expert_index, load_manifest, pack, verify)
 
-from .scripts import k3pack
+from .scripts import k3pack, k3pack_here
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_pack_rerun_never_rewrites_a_finished_pack(tiny_dir, tmp_path):
     p = k3pack(tiny_dir, out, "--quiet")
     assert p.returncode == 0, p.stderr
     before = {f: (out / f).stat().st_mtime_ns for f in os.listdir(out)}
-    p = k3pack(tiny_dir, out, "--json")
+    p = k3pack_here(tiny_dir, out, "--json")
     assert p.returncode == 0 and json.loads(p.stdout)["already_complete"] is True
     assert before == {f: (out / f).stat().st_mtime_ns for f in os.listdir(out)}
 
@@ -107,7 +107,7 @@ def test_pack_sigkill_midway_then_rerun_resumes(small_dir, small_packed, tmp_pat
     assert not (out / MANIFEST_FILE).exists() and not (out / TRUNK_FILE).exists()
     done_before = len(journal.read_text().splitlines()) - 1
     assert 3 <= done_before < 13
-    p = k3pack(small_dir, out, "--json", "--quiet")
+    p = k3pack_here(small_dir, out, "--json", "--quiet")
     assert p.returncode == 0, p.stderr
     info = json.loads(p.stdout)
     assert info["resumed"] >= done_before - 1 and info["packed"] <= 13 - done_before + 1
@@ -120,8 +120,8 @@ def test_pack_sigkill_midway_then_rerun_resumes(small_dir, small_packed, tmp_pat
 def test_pack_verify_catches_a_flipped_byte(tiny_dir, tmp_path):
     """Catches a verify that checks sizes only; control: the intact pack verifies."""
     out = tmp_path / "p"
-    assert k3pack(tiny_dir, out, "--quiet").returncode == 0
-    ok = k3pack("verify", out, "--against", tiny_dir, "--quiet")
+    assert k3pack_here(tiny_dir, out, "--quiet").returncode == 0
+    ok = k3pack_here("verify", out, "--against", tiny_dir, "--quiet")
     assert ok.returncode == 0, ok.stderr
     man = json.loads((out / MANIFEST_FILE).read_text())
     lay = man["layers"][5]
@@ -130,7 +130,7 @@ def test_pack_verify_catches_a_flipped_byte(tiny_dir, tmp_path):
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0x10]))
-    bad = k3pack("verify", out, "--quiet")
+    bad = k3pack_here("verify", out, "--quiet")
     assert bad.returncode == 3 and "layer 5" in bad.stderr and "checksum" in bad.stderr
 
 
@@ -142,7 +142,8 @@ def _copy(src, dst):
 def test_pack_bad_inputs_each_refused_without_complete_looking_output(tiny_dir, tmp_path):
     """Catches each bad input producing a traceback, exit 0, or a trunk.json."""
     # control
-    assert k3pack(_copy(tiny_dir, tmp_path / "ok"), tmp_path / "ok.pack", "--quiet").returncode == 0
+    ok = k3pack_here(_copy(tiny_dir, tmp_path / "ok"), tmp_path / "ok.pack", "--quiet")
+    assert ok.returncode == 0
     shards = sorted(p.name for p in tiny_dir.glob("*.safetensors"))
     cases = {}
     d = _copy(tiny_dir, tmp_path / "missing")
@@ -161,7 +162,7 @@ def test_pack_bad_inputs_each_refused_without_complete_looking_output(tiny_dir, 
     cases["lacks"] = (d, "dt_bias")
     for key, (src, needle) in cases.items():
         out = tmp_path / f"{key}.pack"
-        p = k3pack(src, out, "--quiet")
+        p = k3pack_here(src, out, "--quiet")
         assert p.returncode == 3, (key, p.stderr)
         assert needle in p.stderr, (key, p.stderr)
         assert "Traceback" not in p.stderr
@@ -210,7 +211,7 @@ def test_pack_refuses_up_front_when_disk_is_too_small(tiny_dir, tmp_path, monkey
 
 def test_pack_dry_run_writes_nothing(tiny_dir, tmp_path):
     """Catches a dry run that creates files."""
-    p = k3pack(tiny_dir, tmp_path / "p", "--dry-run", "--json")
+    p = k3pack_here(tiny_dir, tmp_path / "p", "--dry-run", "--json")
     assert p.returncode == 0, p.stderr
     info = json.loads(p.stdout)
     assert info["layers"] == 13 and info["trunk_bytes"] % ALIGN == 0 and info["state"] == "missing"
@@ -236,7 +237,7 @@ def test_pack_reports_mb_per_s_against_the_source_disk_read(small_dir, tmp_path)
     from libk3.machine.storage import o_direct_check
     shard = sorted(small_dir.glob("*.safetensors"))[-1]
     direct = o_direct_check(shard)[0]
-    p = k3pack(small_dir, tmp_path / "a", "--source-probe", "--json", "--quiet")
+    p = k3pack_here(small_dir, tmp_path / "a", "--source-probe", "--json", "--quiet")
     assert p.returncode == 0, p.stderr
     info = json.loads(p.stdout)
     if direct:
@@ -247,6 +248,6 @@ def test_pack_reports_mb_per_s_against_the_source_disk_read(small_dir, tmp_path)
         assert info["source_seq_read_mb_per_s"] is None
     for flag in ("--no-source-probe", None):          # refused, or too small to be worth it
         out = tmp_path / f"b{flag}"
-        p = k3pack(small_dir, out, *([flag] if flag else []), "--json", "--quiet")
+        p = k3pack_here(small_dir, out, *([flag] if flag else []), "--json", "--quiet")
         assert p.returncode == 0, p.stderr
         assert json.loads(p.stdout)["source_seq_read_mb_per_s"] is None

@@ -13,12 +13,12 @@ from libk3.config import K3_CONTEXT, context_length
 from libk3.run import batch as batchfile
 from libk3.run.prompt_file import prompt_byte_bound
 from libk3.io.tokenizer import K3Tokenizer
-from .scripts import k3
+from .scripts import k3_here
 
 
 def _prompt_ids(model, prompt_file, tmp_path):
     rep = tmp_path / "r.json"
-    p = k3(model, "--prompt-file", prompt_file, "--gen", 0, "--report-json", rep)
+    p = k3_here(model, "--prompt-file", prompt_file, "--gen", 0, "--report-json", rep)
     assert p.returncode == 0, p.stderr
     return json.loads(rep.read_text())["prompt_ids"]
 
@@ -44,7 +44,7 @@ def test_prompt_file_refuses_invalid_utf8_with_the_byte_offset(tiny_dir, tmp_pat
     stderr line naming the file and the offset of the first bad byte."""
     f = tmp_path / "bad.txt"
     f.write_bytes("héllo ".encode("utf-8") + b"\xff\xfe world")
-    p = k3(tiny_dir, "--prompt-file", f, "--gen", 0)
+    p = k3_here(tiny_dir, "--prompt-file", f, "--gen", 0)
     assert p.returncode == 3, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and str(f) in lines[0] and "byte offset 7" in lines[0]
@@ -78,7 +78,7 @@ def test_prompt_file_over_the_context_is_refused(tiny_dir, tok, tmp_path):
     ok.write_text(fits)
     bad.write_text(over)
     assert len(_prompt_ids(model, ok, tmp_path)) == 8
-    p = k3(model, "--prompt-file", bad, "--gen", 0)
+    p = k3_here(model, "--prompt-file", bad, "--gen", 0)
     assert p.returncode == 3 and str(bad) in p.stderr and "context" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
 
@@ -93,7 +93,7 @@ def test_prompt_file_larger_than_any_fitting_prompt_is_refused_unread(tiny_dir, 
     f = tmp_path / "huge.txt"
     with open(f, "wb") as fh:
         fh.truncate(bound + 1)
-    p = k3(tiny_dir, "--prompt-file", f, "--gen", 0)
+    p = k3_here(tiny_dir, "--prompt-file", f, "--gen", 0)
     assert p.returncode == 3 and "larger than the model's context" in p.stderr, p.stderr
     assert f"{bound + 1} bytes" in p.stderr
 
@@ -108,7 +108,7 @@ def test_batch_lines_split_on_newline_only_and_bad_utf8_is_that_lines_error(tiny
     lines = [ok, b'{"id": "b", "prompt": "caf\xe9"}', b'{"id": "c", "ids": [1, 2]}\r']
     batch, out = tmp_path / "b.jsonl", tmp_path / "out.jsonl"
     batch.write_bytes(b"\n".join(lines) + b"\n")
-    p = k3(tiny_dir, "--batch", batch, "--out", out, "--gen", 1, "--json")
+    p = k3_here(tiny_dir, "--batch", batch, "--out", out, "--gen", 1, "--json")
     assert p.returncode == 0, p.stderr
     summary = json.loads(p.stdout)
     assert summary["done"] == 2 and summary["malformed"] == 1

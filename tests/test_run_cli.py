@@ -85,7 +85,7 @@ def test_run_minimum_budget_streams_everything(small_dir, tmp_path):
     evicted."""
     b = _budgets(small_dir)[1]
     rep = tmp_path / "r.json"
-    p = k3(small_dir, "--ids", PROMPT, "--gen", 3, *b, "--report-json", rep)
+    p = k3_here(small_dir, "--ids", PROMPT, "--gen", 3, *b, "--report-json", rep)
     assert p.returncode == 0, p.stderr
     r = json.loads(rep.read_text())
     assert r["pinned_layers"] == [] and r["ring_slots"] == 1
@@ -105,7 +105,7 @@ def test_run_feeds_the_last_token_only_when_the_state_is_kept(tiny_dir, tmp_path
     reps = {}
     for name, extra in (("once", ()), ("saved", ("--save-state", tmp_path / "s.k3state"))):
         rep = tmp_path / f"{name}.json"
-        p = k3(tiny_dir, "--ids", PROMPT, "--gen", 4, *b, *extra, "--report-json", rep)
+        p = k3_here(tiny_dir, "--ids", PROMPT, "--gen", 4, *b, *extra, "--report-json", rep)
         assert p.returncode == 0, p.stderr
         reps[name] = json.loads(rep.read_text())
     assert reps["once"]["generated_ids"] == reps["saved"]["generated_ids"]
@@ -118,7 +118,7 @@ def test_run_feeds_the_last_token_only_when_the_state_is_kept(tiny_dir, tmp_path
 
 def test_run_budget_below_minimum_refused_before_work(small_dir):
     """Catches a run that starts and then fails (or thrashes) below the working floor."""
-    p = k3(small_dir, "--ids", "1,2", "--trunk-gb", "0.001", "--cache-gb", "0.001")
+    p = k3_here(small_dir, "--ids", "1,2", "--trunk-gb", "0.001", "--cache-gb", "0.001")
     assert p.returncode == 4
     assert "below the smallest that can work" in p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
@@ -127,12 +127,12 @@ def test_run_budget_below_minimum_refused_before_work(small_dir):
 def test_run_later_flag_overrides_preset(small_dir, tmp_path):
     """Catches flags applied in a fixed order instead of argv order."""
     rep = tmp_path / "r.json"
-    p = k3(small_dir, "--ids", "1,2", "--gen", 1, "--preset", "max", "--cache-gb", "0.01",
-           "--report-json", rep)
+    p = k3_here(small_dir, "--ids", "1,2", "--gen", 1, "--preset", "max", "--cache-gb", "0.01",
+                "--report-json", rep)
     assert p.returncode == 0, p.stderr
     assert json.loads(rep.read_text())["budget"]["cache_bytes"] == 10_000_000
-    p = k3(small_dir, "--ids", "1,2", "--gen", 1, "--cache-gb", "0.01", "--preset", "max",
-           "--report-json", rep)
+    p = k3_here(small_dir, "--ids", "1,2", "--gen", 1, "--cache-gb", "0.01", "--preset", "max",
+                "--report-json", rep)
     assert p.returncode == 0, p.stderr
     assert json.loads(rep.read_text())["budget"]["cache_bytes"] > 10_000_000
 
@@ -140,22 +140,22 @@ def test_run_later_flag_overrides_preset(small_dir, tmp_path):
 def test_run_refuses_a_directory_that_is_not_a_checkpoint(tmp_path):
     """Catches a guess or a traceback on a non-K3 directory."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    p = k3(tmp_path, "--ids", "1")
+    p = k3_here(tmp_path, "--ids", "1")
     assert p.returncode == 3 and "missing required key" in p.stderr
     assert "Traceback" not in p.stderr
 
 
 def test_run_refuses_a_pack_of_another_checkpoint(tiny_dir, small_pack):
     """Catches streaming a trunk file that belongs to another model."""
-    p = k3(tiny_dir, "--ids", "1", "--pack", small_pack, "--preset", "max")
+    p = k3_here(tiny_dir, "--ids", "1", "--pack", small_pack, "--preset", "max")
     assert p.returncode == 3 and "different checkpoint" in p.stderr
 
 
 def test_run_usage_errors_exit_2(tiny_dir):
     """Catches ambiguous prompt options being accepted."""
-    p = k3(tiny_dir, "--ids", "1", "--prompt", "x")
+    p = k3_here(tiny_dir, "--ids", "1", "--prompt", "x")
     assert p.returncode == 2 and "exactly one of" in p.stderr
-    p = k3(tiny_dir, "--ids", "1,x")
+    p = k3_here(tiny_dir, "--ids", "1,x")
     assert p.returncode == 2
 
 
@@ -249,8 +249,8 @@ def test_run_single_shard_without_index_and_flat_config(tiny_dir, tmp_path):
     for f in ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py"):
         shutil.copy(tiny_dir / f, d / f)
     a, b = tmp_path / "a.npy", tmp_path / "b.npy"
-    assert k3(tiny_dir, "--ids", "3,1,4,1,5", "--gen", 4, "--logits-out", a).returncode == 0
-    p = k3(d, "--ids", "3,1,4,1,5", "--gen", 4, "--logits-out", b)
+    assert k3_here(tiny_dir, "--ids", "3,1,4,1,5", "--gen", 4, "--logits-out", a).returncode == 0
+    p = k3_here(d, "--ids", "3,1,4,1,5", "--gen", 4, "--logits-out", b)
     assert p.returncode == 0, p.stderr
     assert np.array_equal(np.load(a).view(np.uint32), np.load(b).view(np.uint32))
 
@@ -259,9 +259,9 @@ def test_run_stop_string_without_tokenizer_is_a_usage_error(tiny_dir, tmp_path):
     """Catches --stop being silently ignored when no tokenizer can see the text."""
     d = shutil.copytree(tiny_dir, tmp_path / "t")
     (d / "tiktoken.model").unlink()
-    p = k3(d, "--ids", "1,2", "--gen", 2, "--stop", "x")
+    p = k3_here(d, "--ids", "1,2", "--gen", 2, "--stop", "x")
     assert p.returncode == 2 and "--stop needs" in p.stderr
-    assert k3(d, "--ids", "1,2", "--gen", 2, "--stop-id", 5).returncode == 0   # control
+    assert k3_here(d, "--ids", "1,2", "--gen", 2, "--stop-id", 5).returncode == 0   # control
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="needs /proc")

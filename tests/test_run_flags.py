@@ -17,7 +17,7 @@ from libk3.engine.generate import GenSettings, generate
 from libk3.engine.session import open_session
 
 from .hostile import check_refused, invoke
-from .scripts import k3
+from .scripts import k3, k3_here
 
 SAMPLING = ["--temperature", "0.9", "--seed", "11", "--top-k", "7", "--min-p", "0.02",
             "--repeat-penalty", "1.3", "--presence-penalty", "0.6",
@@ -49,7 +49,7 @@ def test_run_short_flags_equal_the_long_ones(tiny_dir, tmp_path):
     long_ = _ids(k3(tiny_dir, "--prompt", "Hello there", "--gen", 5, "--threads", 1, "--json"))
     assert len(long_) == 5
     assert _ids(k3("-m", tiny_dir, "-p", "Hello there", "-n", 5, "-t", 1, "--json")) == long_
-    assert _ids(k3(tiny_dir, "-f", prompt, "-n", 5, "--json")) == long_
+    assert _ids(k3_here(tiny_dir, "-f", prompt, "-n", 5, "--json")) == long_
 
 
 @pytest.mark.parametrize("argv,says", [
@@ -83,11 +83,11 @@ def test_run_gen_minus_one_runs_to_the_context_or_a_stop(tiny_dir, tmp_path):
     with a 10-position context and 3 prompt ids it generates 7 tokens; with a stop id it
     ends there (the turn's end)."""
     d = _short_context(tiny_dir, tmp_path, 10)
-    p = k3(d, "--ids", "1,2,3", "-n", -1, "--json")
-    assert _ids(p) == _ids(k3(tiny_dir, "--ids", "1,2,3", "-n", 7, "--json"))
+    p = k3_here(d, "--ids", "1,2,3", "-n", -1, "--json")
+    assert _ids(p) == _ids(k3_here(tiny_dir, "--ids", "1,2,3", "-n", 7, "--json"))
     assert json.loads(p.stdout)["stop_reason"] == "length"
-    ids = _ids(k3(tiny_dir, "--ids", "1,2,3", "-n", 6, "--json"))
-    q = k3(tiny_dir, "--ids", "1,2,3", "-n", -1, "--stop-id", ids[4], "--json")
+    ids = _ids(k3_here(tiny_dir, "--ids", "1,2,3", "-n", 6, "--json"))
+    q = k3_here(tiny_dir, "--ids", "1,2,3", "-n", -1, "--stop-id", ids[4], "--json")
     assert _ids(q) == ids[:ids.index(ids[4]) + 1]
     assert json.loads(q.stdout)["stop_reason"] == "stop_id"
 
@@ -98,12 +98,12 @@ def test_run_load_state_alone_continues_the_saved_run(tiny_dir, tmp_path):
     saved, then 4 more from the state alone, equal one run of 8; sampled, so the
     position-keyed noise must line up too."""
     st = tmp_path / "s.k3state"
-    first = _ids(k3(tiny_dir, "--ids", "1,2,3", "-n", 4, "--temperature", 0.8, "--seed", 3,
-                    "--save-state", st, "--json"))
-    more = _ids(k3(tiny_dir, "--load-state", st, "-n", 4, "--temperature", 0.8, "--seed", 3,
-                   "--json"))
-    whole = _ids(k3(tiny_dir, "--ids", "1,2,3", "-n", 8, "--temperature", 0.8, "--seed", 3,
-                    "--json"))
+    first = _ids(k3_here(tiny_dir, "--ids", "1,2,3", "-n", 4, "--temperature", 0.8, "--seed", 3,
+                         "--save-state", st, "--json"))
+    more = _ids(k3_here(tiny_dir, "--load-state", st, "-n", 4, "--temperature", 0.8, "--seed", 3,
+                        "--json"))
+    whole = _ids(k3_here(tiny_dir, "--ids", "1,2,3", "-n", 8, "--temperature", 0.8, "--seed", 3,
+                         "--json"))
     assert first + more == whole
 
 
@@ -112,7 +112,7 @@ def test_run_sampling_flags_reach_the_engine(tiny_dir):
     field): the CLI's ids equal the engine's with the same settings; control: they differ
     from the run without the new flags."""
     ids = [5, 17, 300, 42, 7, 5, 17, 300]
-    got = _ids(k3(tiny_dir, "--ids", ",".join(map(str, ids)), "-n", 10, *SAMPLING, "--json"))
+    got = _ids(k3_here(tiny_dir, "--ids", ",".join(map(str, ids)), "-n", 10, *SAMPLING, "--json"))
     s = open_session(tiny_dir)
     want = generate(s.forward, s.new_state(), ids, GenSettings(gen=10, **SAMPLING_FIELDS))
     plain = generate(s.forward, s.new_state(), ids, GenSettings(gen=10, temperature=0.9,
@@ -138,7 +138,7 @@ def test_batch_lines_take_the_sampling_fields(tiny_dir, tmp_path):
     batch = tmp_path / "b.jsonl"
     batch.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "r.jsonl"
-    p = k3(tiny_dir, "--batch", batch, "--out", out, "--json")
+    p = k3_here(tiny_dir, "--batch", batch, "--out", out, "--json")
     assert p.returncode == 0, p.stderr
     summary = json.loads(p.stdout)
     bad = {e["line"]: e["error"] for e in summary["errors"]}
@@ -161,7 +161,6 @@ def test_run_logit_bias_bans_and_forces_tokens_as_the_engine_does(tiny_dir):
     id and bias swapped: the CLI's ids equal the engine's with the same bias and
     penalty, never hold the banned id (plain greedy's first token), and differ from the
     plain run; a +100 bias makes every token its id."""
-    from .scripts import k3_here
 
     ids = [5, 17, 300, 42]
     s = open_session(tiny_dir)
@@ -199,7 +198,6 @@ def test_batch_lines_take_logit_bias_as_the_flag_does(tiny_dir, tmp_path):
     or a bad one accepted or stopping the batch: the line's ids equal k3-run's with the
     same --logit-bias flags, a line without the field takes the flag's, {} runs plain,
     and each bad line is skipped with its number, naming the field."""
-    from .scripts import k3_here
 
     ids = [5, 17, 300, 42]
     s = open_session(tiny_dir)

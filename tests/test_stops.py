@@ -15,7 +15,7 @@ from libk3.engine.generate import GenSettings, generate
 from libk3.engine.session import open_session
 from libk3.engine.stops import StopText, returned_pieces, returned_text
 
-from .scripts import k3
+from .scripts import k3_here
 
 # greedy on tiny: "The capital of France is" -> ... "ain", <|reserved_token_484|>, ...
 SPECIAL_PROMPT = "The capital of France is"
@@ -143,8 +143,8 @@ def test_server_replies_use_the_shared_rule(tok):
 def test_run_stop_string_cut_from_text_kept_in_ids(tiny_dir, tmp_path):
     """Catches k3-run printing and reporting the stop string (the server leaves it out),
     or matching it inside a special token's text; control: the ids keep every token."""
-    p = k3(tiny_dir, "--prompt", PLAIN_PROMPT, "--gen", 16, "--stop", "0D", "--report-json",
-           tmp_path / "r.json")
+    p = k3_here(tiny_dir, "--prompt", PLAIN_PROMPT, "--gen", 16, "--stop", "0D", "--report-json",
+                tmp_path / "r.json")
     assert p.returncode == 0, p.stderr
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["stop_reason"] == "stop_string" and len(rep["generated_ids"]) == 5
@@ -153,7 +153,7 @@ def test_run_stop_string_cut_from_text_kept_in_ids(tiny_dir, tmp_path):
     want = tok.decode(rep["generated_ids"][:3]) + "0"
     assert rep["generated_text"] == want
     assert p.stdout == want + "\n"
-    q = k3(tiny_dir, "--prompt", SPECIAL_PROMPT, "--gen", 16, "--stop", "served", "--json")
+    q = k3_here(tiny_dir, "--prompt", SPECIAL_PROMPT, "--gen", 16, "--stop", "served", "--json")
     assert q.returncode == 0, q.stderr
     rep = json.loads(q.stdout)
     assert rep["stop_reason"] == "length" and len(rep["generated_ids"]) == 16
@@ -166,10 +166,10 @@ def test_run_token_ending_by_its_id_is_left_out_of_the_text(tiny_dir, tmp_path):
     control: the ids keep it, and the same run without the stop id shows its text."""
     from libk3.io.tokenizer import K3Tokenizer
     tok = K3Tokenizer.from_dir(tiny_dir)
-    free = json.loads(k3(tiny_dir, "--prompt", PLAIN_PROMPT, "--gen", 6, "--json").stdout)
+    free = json.loads(k3_here(tiny_dir, "--prompt", PLAIN_PROMPT, "--gen", 6, "--json").stdout)
     stop = free["generated_ids"][3]
-    p = k3(tiny_dir, "--prompt", PLAIN_PROMPT, "--gen", 6, "--stop-id", stop,
-           "--report-json", tmp_path / "r.json")
+    p = k3_here(tiny_dir, "--prompt", PLAIN_PROMPT, "--gen", 6, "--stop-id", stop,
+                "--report-json", tmp_path / "r.json")
     assert p.returncode == 0, p.stderr
     rep = json.loads((tmp_path / "r.json").read_text())
     first = free["generated_ids"].index(stop)
@@ -179,7 +179,7 @@ def test_run_token_ending_by_its_id_is_left_out_of_the_text(tiny_dir, tmp_path):
     assert free["generated_text"].startswith(tok.decode(free["generated_ids"][:first + 1]))
     batch = tmp_path / "b.jsonl"
     batch.write_text(json.dumps({"id": 1, "prompt": PLAIN_PROMPT, "gen": 6}) + "\n")
-    q = k3(tiny_dir, "--batch", batch, "--out", tmp_path / "o.jsonl", "--stop-id", stop)
+    q = k3_here(tiny_dir, "--batch", batch, "--out", tmp_path / "o.jsonl", "--stop-id", stop)
     assert q.returncode == 0, q.stderr
     assert json.loads((tmp_path / "o.jsonl").read_text())["generated_text"] == want
 
@@ -196,7 +196,7 @@ def test_batch_results_cut_stop_strings_as_the_cli_does(tiny_dir, tmp_path):
               "stop": ["r", "e"]}]
     batch.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "r.jsonl"
-    p = k3(tiny_dir, "--batch", batch, "--out", out, "--batch-width", 2)
+    p = k3_here(tiny_dir, "--batch", batch, "--out", out, "--batch-width", 2)
     assert p.returncode == 0, p.stderr
     rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert rows["p"]["generated_text"] == tok.decode(rows["p"]["generated_ids"][:3]) + "0"

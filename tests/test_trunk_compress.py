@@ -352,7 +352,7 @@ def test_corrupt_block_named_by_verify_and_refused_by_run(small_dir, small_kz, t
     where = _damage_block(bad)
     v = k3pack("verify", bad, "--quiet")
     assert v.returncode == 3 and where in v.stderr and "checksum" in v.stderr, v.stderr
-    r = k3(small_dir, "--ids", "1,2", "--gen", 1, *_budgets(small_dir)[1], "--pack", bad)
+    r = k3_here(small_dir, "--ids", "1,2", "--gen", 1, *_budgets(small_dir)[1], "--pack", bad)
     assert r.returncode == 3 and where in r.stderr, r.stderr
     assert len([ln for ln in r.stderr.strip().splitlines()      # a cold numba cache adds
                 if not ln.startswith("compiling k3 kernels")]) == 1  # its notice first
@@ -408,7 +408,7 @@ def test_nan_in_a_decoded_block_named_by_verify_and_refused_by_run(
     assert where in v.stderr and "NaN or Inf" in v.stderr, v.stderr
     w = k3pack("verify", bad, "--quiet", "--allow-nonfinite")
     assert w.returncode == 0 and "warning: 1 trunk tensor(s)" in w.stderr, w.stderr
-    r = k3(small_dir, "--ids", "1,2", "--gen", 1, *_budgets(small_dir)[budget], "--pack", bad)
+    r = k3_here(small_dir, "--ids", "1,2", "--gen", 1, *_budgets(small_dir)[budget], "--pack", bad)
     lines = [ln for ln in r.stderr.strip().splitlines()      # a cold numba cache adds
              if not ln.startswith("compiling k3 kernels")]   # its notice first
     assert r.returncode == 3 and len(lines) == 1 and r.stdout.strip() == "", r.stderr
