@@ -24,7 +24,7 @@ from libk3.budget import ModelSizes, minimum_budget, peak_bytes  # noqa: E402
 from libk3.text.chat_template import load_chat_template  # noqa: E402
 from libk3.io.checkpoint import Checkpoint  # noqa: E402
 from libk3.io.tokenizer import K3Tokenizer  # noqa: E402
-from .scripts import k3  # noqa: E402
+from .scripts import k3, k3_here  # noqa: E402
 
 KEY = "test-key-k3"
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
@@ -95,8 +95,8 @@ def test_serve_chat_matches_the_template_and_a_plain_run(server, tiny_dir):
     assert k3x["prompt_ids"] == _rendered(tiny_dir, MSGS)
     tok = K3Tokenizer.from_dir(tiny_dir)
     stops = [str(tok.id_of("[EOS]")), str(tok.id_of("<|end_of_msg|>"))]
-    alone = k3(tiny_dir, "--ids", ",".join(map(str, k3x["prompt_ids"])), "--gen", 3, "--json",
-               "--stop-id", stops[0], "--stop-id", stops[1])
+    alone = k3_here(tiny_dir, "--ids", ",".join(map(str, k3x["prompt_ids"])), "--gen", 3,
+                    "--json", "--stop-id", stops[0], "--stop-id", stops[1])
     assert json.loads(alone.stdout)["generated_ids"] == k3x["generated_ids"]
     assert r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(k3x["prompt_ids"])
@@ -117,8 +117,8 @@ def test_serve_turn_two_resumes_turn_one_with_fresh_results(server, tiny_dir):
     assert r1.model_extra["k3"]["reused_tokens"] == 0 and r2["reused_tokens"] >= len(p1)
     assert r2["prompt_ids"][:len(p1)] == p1 and r2["prompt_ids"] == _rendered(tiny_dir, turn2)
     tok = K3Tokenizer.from_dir(tiny_dir)
-    fresh = k3(tiny_dir, "--ids", ",".join(map(str, r2["prompt_ids"])), "--gen", 3, "--json",
-               "--stop-id", tok.id_of("[EOS]"), "--stop-id", tok.id_of("<|end_of_msg|>"))
+    fresh = k3_here(tiny_dir, "--ids", ",".join(map(str, r2["prompt_ids"])), "--gen", 3, "--json",
+                    "--stop-id", tok.id_of("[EOS]"), "--stop-id", tok.id_of("<|end_of_msg|>"))
     assert json.loads(fresh.stdout)["generated_ids"] == r2["generated_ids"]
     assert _health(server)["turn_reuse"]["hits"] >= 1
 
@@ -341,9 +341,9 @@ def test_serve_refuses_a_public_address_without_api_key(tiny_dir):
     """Catches a server that would listen beyond loopback with nobody's key checked."""
     p = k3(tiny_dir, "--serve", "0.0.0.0:0")
     assert p.returncode == 2 and "--api-key" in p.stderr
-    p = k3(tiny_dir, "--serve", "localhost:99999")
+    p = k3_here(tiny_dir, "--serve", "localhost:99999")
     assert p.returncode == 2 and "PORT 0..65535" in p.stderr
-    p = k3(tiny_dir, "--ids", "1", "--api-key", "k")
+    p = k3_here(tiny_dir, "--ids", "1", "--api-key", "k")
     assert p.returncode == 2 and "--api-key goes with --serve" in p.stderr
 
 
@@ -407,7 +407,7 @@ def test_serve_refuses_an_infeasible_budget_before_listening(tiny_dir):
         assert p.returncode == 4, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
         assert "serving" not in p.stderr
-    p = k3(tiny_dir, "--ids", "1", "--batch-width", 2)           # control: not a serve
+    p = k3_here(tiny_dir, "--ids", "1", "--batch-width", 2)           # control: not a serve
     assert p.returncode == 2 and "--batch-width also with --serve" in p.stderr
 
 
@@ -570,8 +570,8 @@ def test_serve_preamble_survives_a_restart_through_the_prefix_cache(tiny_dir, tm
     assert r2["reused_tokens"] == len(preamble) and reuse["disk_hits"] == 1
     assert r2["prompt_ids"] == _rendered(tiny_dir, msgs)
     tok = K3Tokenizer.from_dir(tiny_dir)
-    fresh = k3(tiny_dir, "--ids", ",".join(map(str, r2["prompt_ids"])), "--gen", 3, "--json",
-               "--stop-id", tok.id_of("[EOS]"), "--stop-id", tok.id_of("<|end_of_msg|>"))
+    fresh = k3_here(tiny_dir, "--ids", ",".join(map(str, r2["prompt_ids"])), "--gen", 3, "--json",
+                    "--stop-id", tok.id_of("[EOS]"), "--stop-id", tok.id_of("<|end_of_msg|>"))
     assert json.loads(fresh.stdout)["generated_ids"] == r2["generated_ids"]
 
 
@@ -614,8 +614,8 @@ def _rows(tiny_dir, tmp_path, ids):
     ``ids`` (the prompt and the reply): row i predicts token i + 1."""
     import numpy as np
     out = tmp_path / "logits.npy"
-    run = k3(tiny_dir, "--ids", ",".join(map(str, ids)), "--gen", 1, "--json", "--logits-out",
-             out)
+    run = k3_here(tiny_dir, "--ids", ",".join(map(str, ids)), "--gen", 1, "--json",
+                  "--logits-out", out)
     assert run.returncode == 0, run.stderr
     x = np.load(out).astype(np.float64)
     m = x.max(axis=1, keepdims=True)
