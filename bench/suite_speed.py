@@ -41,6 +41,15 @@ def setup(tree: Path, ref: str) -> Path:
     return py
 
 
+def tree_env(py: Path) -> dict:
+    """The environment a tree's suite runs in: its own venv's console scripts first on
+    PATH (the end-to-end tests call k3-run by name; an activated venv of the checkout
+    would otherwise run this checkout's code for both trees)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = str(py.parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
 def times(xml: Path) -> dict:
     """test id -> seconds, for the tests that ran (not skipped)."""
     out = {}
@@ -72,7 +81,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     p = subprocess.run([py, "-m", "pytest", "-p", "no:cacheprovider",
                                         f"--junitxml={xml}"], cwd=tree, capture_output=True,
-                                       text=True)
+                                       text=True, env=tree_env(py))
                     last = (p.stdout.strip().splitlines() or ["?"])[-1]
                     print(f"{name} round {r + 1}: {time.perf_counter() - t0:.0f} s; {last}",
                           flush=True)

@@ -204,7 +204,7 @@ class _ReaderHere:
         from libk3.serve.reader import Reader
         from .test_serve_reader import _spec
         # as the stub run: no tokenizer, no preambles kept
-        self.reader = Reader(dataclasses.replace(_spec(tiny_dir, 0), tokenizer=None))
+        self.reader = Reader(dataclasses.replace(_spec(tiny_dir, 0), tokenizer=False))
 
     def call(self, route, chunks):
         return getattr(self.reader, route)(b"".join(chunks)), []

@@ -25,7 +25,7 @@ MSGS = [{"role": "system", "content": "Be brief. " * 40}, {"role": "user", "cont
 
 def _spec(model_dir, min_preamble=16) -> ReaderSpec:
     vocab = load_config(model_dir).vocab_size
-    return ReaderSpec(str(model_dir), (str(model_dir), vocab, None), DEFAULT_LIMITS, vocab,
+    return ReaderSpec(str(model_dir), True, None, DEFAULT_LIMITS, vocab,
                       context_length(model_dir), "tiny", min_preamble)
 
 
@@ -116,7 +116,7 @@ def test_a_reader_that_cannot_start_says_why(tiny_dir, tmp_path):
     finally:
         proc.close()
     assert proc._proc.poll() is not None
-    bad = dataclasses.replace(_spec(tiny_dir), tokenizer=(1, 2, 3, 4))     # not a tokenizer's
+    bad = dataclasses.replace(_spec(tiny_dir), tokenizer_cache=[1])        # not a path
     proc = ReaderProcess(bad)
     try:
         with pytest.raises(K3Error, match="request reader could not start: TypeError"):

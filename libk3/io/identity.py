@@ -15,9 +15,11 @@ sampled block (only ``k3-pack verify --against`` compares every trunk byte).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
+import weakref
 
 SAMPLE_BLOCK = 64 << 10          # bytes per sampled block of a shard (formats/pack.md)
 
@@ -59,13 +61,21 @@ def _sampled_digest(read, size: int) -> str:
     return h.hexdigest()
 
 
+_SOURCES = weakref.WeakKeyDictionary()    # an open Checkpoint -> its source_identity
+
+
 def source_identity(ckpt) -> dict:
-    """trunk.json's ``source``: what a pack records to recognise its checkpoint."""
-    ident = ckpt.identity()
-    return {"config_fingerprint": ident["config_fingerprint"],
-            "shards": [{"name": name, "size": size,
-                        "sampled_sha256": shard_digest(ckpt, path, size)}
-                       for path, (name, size) in zip(ckpt.shards, ident["shards"])]}
+    """trunk.json's ``source``: what a pack records to recognise its checkpoint. Read once
+    per open checkpoint (a run checks a state file against it before its session asks
+    again); a copy each call."""
+    if ckpt not in _SOURCES:
+        ident = ckpt.identity()
+        _SOURCES[ckpt] = {"config_fingerprint": ident["config_fingerprint"],
+                          "shards": [{"name": name, "size": size,
+                                      "sampled_sha256": shard_digest(ckpt, path, size)}
+                                     for path, (name, size) in zip(ckpt.shards,
+                                                                   ident["shards"])]}
+    return copy.deepcopy(_SOURCES[ckpt])
 
 
 def weights_identity(ckpt, source: dict | None = None) -> str:

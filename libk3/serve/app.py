@@ -687,8 +687,9 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
     model_name = model_name or os.path.basename(os.path.normpath(str(run.opts.model)))
     tok = run.session.tokenizer
     reader = ReaderProcess(ReaderSpec(
-        str(run.opts.model), None if tok is None else (tok.model_dir, tok.vocab_size, tok.cache),
-        run.opts.template_limits, run.cfg.vocab_size, run.context, model_name,
+        str(run.opts.model), tok is not None,
+        None if tok is None or tok.cache is None else str(tok.cache), run.opts.template_limits,
+        run.cfg.vocab_size, run.context, model_name,
         base_settings.prefill_chunk if turns is not None else 0))
     worker = Worker(run, run.width, log, turns, chunk=base_settings.prefill_chunk)
     server = Server(run, worker, reader, base_settings, api_key=api_key, log=log,

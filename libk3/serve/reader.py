@@ -55,7 +55,8 @@ ROUTES = ("chat", "messages", "count_tokens", "completion", "tokenize", "detoken
 class ReaderSpec:
     """What the reader process needs to know of the server's model."""
     model_dir: str
-    tokenizer: tuple | None      # a LazyTokenizer's (model_dir, vocab_size, cache); None: none
+    tokenizer: bool              # the model directory has a tokenizer
+    tokenizer_cache: str | None  # where its derived form is kept (``LazyTokenizer``)
     limits: RenderLimits         # of each chat-template rendering
     vocab_size: int
     context: int                 # the model's context in tokens
@@ -70,12 +71,13 @@ class Reader:
     def __init__(self, spec: ReaderSpec, warn=None):
         from ..io.tokenizer import LazyTokenizer
         self.spec, self.warn = spec, warn
-        tok = None if spec.tokenizer is None else LazyTokenizer(*spec.tokenizer)
+        tok = LazyTokenizer(spec.model_dir, spec.vocab_size, spec.tokenizer_cache) \
+            if spec.tokenizer else None
         self.prompts = Prompts(spec.model_dir, tok, spec.limits)
 
     def start(self) -> None:
         """Read the tokenizer and the template now, before the first request waits."""
-        if self.spec.tokenizer is not None:
+        if self.spec.tokenizer:
             self.prompts.tokenizer.get()
             _ = self.prompts.chat(self.warn).template
 
@@ -159,7 +161,7 @@ class Reader:
         if model is not None and not isinstance(model, str):
             raise ApiError(422, "'model' must be a string", param="model", code="invalid_type")
         check_model(model, self.spec.model_name)
-        if self.spec.tokenizer is None:
+        if not self.spec.tokenizer:
             raise ApiError(422, "this model has no tokenizer (tiktoken.model)",
                            code="no_tokenizer")
         return body
