@@ -142,3 +142,40 @@ def test_prefill_chunk_rule_takes_its_activations_from_the_cache_never_below_its
     assert prefill_chunk(Budget(0, int(10e9), None, ()), sizes, 64)[0] == 512
     chunk, cache, why = prefill_chunk(floor, sizes, 64, requested=256)
     assert (chunk, cache) == (256, floor.cache_bytes) and "raise the peak" in why
+
+
+def test_a_server_s_memory_beside_the_model_is_counted_in_admission_and_auto(tiny_dir,
+                                                                             tiny_sizes):
+    """Catches a server whose kept turns (--reuse-gb) and request reader come on top of a
+    budget admitted without them (its planned peak then exceeds the memory it was checked
+    against): an explicit budget that fits only without them is refused naming them, and
+    ``auto`` leaves exactly that much more room."""
+    from libk3.budget import load_rules, peak_bytes, with_beside
+    from libk3.run.runner import RunOptions, resolve_run_budget
+    from libk3.serve.app import READER_RESERVE_BYTES, beside_bytes
+    headroom = load_rules().headroom_fraction
+    beside = beside_bytes(10 ** 6)
+    assert beside == 10 ** 6 + READER_RESERVE_BYTES
+    whole = Budget(tiny_sizes.trunk_bytes, tiny_sizes.cache_all_bytes, "whole", ())
+    memory = int(peak_bytes(whole, tiny_sizes) / headroom) + 4096   # fits without the server
+
+    def run(held, **budget):
+        opts = RunOptions(model=str(tiny_dir), memory_override=memory, serve=True,
+                          beside_bytes=held, **budget)
+        with Checkpoint.open(tiny_dir) as ckpt:
+            return resolve_run_budget(opts, ckpt)[0]
+    explicit = dict(trunk_gb=whole.trunk_bytes / 1e9, cache_gb=whole.cache_bytes / 1e9,
+                    budget_order=["trunk_gb", "cache_gb"])
+    assert run(0, **explicit) is not None                                       # control
+    with pytest.raises(BudgetError, match="--reuse-gb and its request reader"):
+        run(beside, **explicit)
+    tight = (peak_bytes(minimum_budget(tiny_sizes), with_beside(tiny_sizes, beside))
+             + tiny_sizes.cache_all_bytes // 2)                 # the whole model does not fit
+    memory = int(tight / headroom)
+    served = run(beside)
+    assert served.cache_bytes < tiny_sizes.cache_all_bytes
+    assert peak_bytes(served, with_beside(tiny_sizes, beside)) <= headroom * memory
+    memory = int((tight - beside) / headroom)           # the same room, nothing beside
+    alone = run(0)
+    assert alone.trunk_bytes == served.trunk_bytes                  # (bytes lost rounding)
+    assert abs(alone.cache_bytes - served.cache_bytes) <= 2

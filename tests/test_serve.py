@@ -400,13 +400,16 @@ def test_serve_floor_budget_answers_as_resident_within_its_memory(tiny_dir, tmp_
 
 def test_serve_refuses_an_infeasible_budget_before_listening(tiny_dir):
     """Catches a server that listens (or dies with a traceback) when its budget cannot
-    work: below the floor, or a width whose states do not fit; exit 4, one line."""
+    work: below the floor, a width whose states do not fit, or kept turns (--reuse-gb)
+    that leave no room for the model; exit 4, one line."""
     for args in (("--trunk-gb", "0.000001", "--cache-gb", "0.000001"),
-                 ("--trunk-gb", "0.01", "--cache-gb", "0.01", "--batch-width", 10 ** 6)):
-        p = k3(tiny_dir, "--serve", "127.0.0.1:0", *args)
+                 ("--trunk-gb", "0.01", "--cache-gb", "0.01", "--batch-width", 10 ** 6),
+                 ("--reuse-gb", 10 ** 6)):
+        p = k3(tiny_dir, "--serve", "127.0.0.1:0", *args, timeout=120)
         assert p.returncode == 4, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
         assert "serving" not in p.stderr
+        assert ("--reuse-gb" in p.stderr) == ("--reuse-gb" in args)
     p = k3_here(tiny_dir, "--ids", "1", "--batch-width", 2)           # control: not a serve
     assert p.returncode == 2 and "--batch-width also with --serve" in p.stderr
 

@@ -44,7 +44,8 @@ from .plan import (Budget, TrunkPlan, cache_floor, expert_slots, floor_problems,
                    minimum_budget, overlap_floor, plan_trunk, trunk_floor)
 from .presets import (FLAG_KEYS, GB, NAMED, PRESET_NAMES, PRESETS_FILE, Preset,
                       Rules, load_presets, load_rules)
-from .sizes import ModelSizes, activation_peak, sequence_bytes, verify_tape_bytes, with_draft
+from .sizes import (ModelSizes, activation_peak, sequence_bytes, verify_tape_bytes, with_beside,
+                    with_draft)
 
 __all__ = ["BATCH_SNAPSHOTS", "MAX_AUTO_WIDTH", "PREFILL_CHUNKS", "admission_problems",
            "auto_budget", "batch_width", "minimum_memory", "overhead_bytes", "peak_bytes",
@@ -53,4 +54,4 @@ __all__ = ["BATCH_SNAPSHOTS", "MAX_AUTO_WIDTH", "PREFILL_CHUNKS", "admission_pro
            "expert_slots", "floor_problems", "minimum_budget", "overlap_floor", "plan_trunk",
            "trunk_floor", "FLAG_KEYS", "GB", "NAMED", "PRESET_NAMES", "PRESETS_FILE", "Preset",
            "Rules", "load_presets", "load_rules", "ModelSizes", "activation_peak", "sequence_bytes",
-           "verify_tape_bytes", "with_draft"]
+           "verify_tape_bytes", "with_beside", "with_draft"]

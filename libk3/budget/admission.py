@@ -17,10 +17,11 @@ from .sizes import ModelSizes, sequence_bytes
 def overhead_bytes(sizes: ModelSizes, rules: Rules | None = None, width: int = 1) -> int:
     """Bytes a run needs besides its two budgets: resident model-level tensors, the
     state of ``width`` sequences (a batch decoded in lockstep holds one per slot) with
-    MLA caches for the preset file's context positions, and the runtime reserve."""
+    MLA caches for the preset file's context positions, the runtime reserve, and what
+    its front end holds beside the model (``sizes.beside_bytes``: a server's)."""
     rules = rules or load_rules()
     return (sizes.resident_bytes + width * sequence_bytes(sizes, rules.context_positions)
-            + rules.runtime_reserve_bytes)
+            + rules.runtime_reserve_bytes + sizes.beside_bytes)
 
 
 def minimum_memory(sizes: ModelSizes, rules: Rules | None = None) -> int:
@@ -206,7 +207,8 @@ MAX_AUTO_WIDTH = 64
 
 
 # States a batch run holds besides its lanes: the snapshot of the prefix its lines share
-# (``libk3.run.prefixes``); the server holds none (its kept turns have --reuse-gb).
+# (``libk3.run.prefixes``); the server holds none (its kept turns are in its
+# ``beside_bytes``).
 BATCH_SNAPSHOTS = 1
 
 

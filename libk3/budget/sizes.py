@@ -36,6 +36,7 @@ class ModelSizes:
     exact: bool
     draft_bytes: int = 0           # a draft model's weights and verify tape (``with_draft``)
     activation_token_bytes: int = 0   # a forward pass's activations per token (its peak)
+    beside_bytes: int = 0          # what the front end holds beside the model (``with_beside``)
 
     @property
     def trunk_bytes(self) -> int:
@@ -231,6 +232,13 @@ def with_draft(sizes: ModelSizes, cfg: K3Config, weight_bytes: int, kv_per_posit
     return dataclasses.replace(
         sizes, draft_bytes=weight_bytes + (cap + 1) * verify_tape_bytes(cfg),
         kv_bytes_per_position=sizes.kv_bytes_per_position + kv_per_position)
+
+
+def with_beside(sizes: ModelSizes, nbytes: int) -> ModelSizes:
+    """``sizes`` with ``nbytes`` more held beside the model by the run's front end (a
+    server's kept turns and its request reader): counted in the overhead like the
+    resident tensors, so admission, ``auto`` and the batch width leave room for it."""
+    return dataclasses.replace(sizes, beside_bytes=sizes.beside_bytes + int(nbytes))
 
 
 def sequence_bytes(sizes: ModelSizes, positions: int) -> int:

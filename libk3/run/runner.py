@@ -45,6 +45,7 @@ class RunOptions:
     direct_io: bool = True
     trace_path: str | None = None
     memory_override: int | None = None
+    beside_bytes: int = 0                  # held beside the model by the front end (a server's)
     verify_reads: str = "first"
     batch_width: int | str | None = None   # lockstep width (batch, serve): N, "auto"; None: 1
     progress: bool = True                  # progress on stderr (progress.bar); --quiet: none
@@ -76,7 +77,8 @@ def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
 
 def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None = None):
     """Budget from presets/flags (argv order; ``auto`` sets aside a fixed --batch-width's
-    state), refused before loading when it cannot work; then the batch width
+    state and ``opts.beside_bytes``), refused before loading when it cannot work; then the
+    batch width
     (``budget.batch_width``). A ``draft`` (its checked checkpoint) is counted beside the
     model: held whole, or with ``stream`` only what it holds when its matrices are read at
     each use; None: held whole when that fits, else streamed. Returns (budget or None
@@ -85,30 +87,54 @@ def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None =
     is ``opts.prefill_chunk``, else ``budget.prefill_chunk``'s rule."""
     from ..machine.memory import probe_memory
     from ..budget import (BATCH_SNAPSHOTS, Budget, ModelSizes, admission_problems, batch_width,
-                          prefill_chunk, resolve_budget, with_draft)
+                          prefill_chunk, resolve_budget, with_beside, with_draft)
 
     if draft is not None and stream is None:
         try:
             return resolve_run_budget(opts, ckpt, draft, False)
         except BudgetError:
             return resolve_run_budget(opts, ckpt, draft, True)
-    sizes = ModelSizes.from_checkpoint(ckpt)
+    alone = ModelSizes.from_checkpoint(ckpt)     # without what the front end holds beside
     held_draft = 0
     if draft is not None:
         held_draft = draft.streamed_nbytes if stream else draft.nbytes
-        sizes = with_draft(sizes, ckpt.config, held_draft, draft.cfg.num_hidden_layers
+        alone = with_draft(alone, ckpt.config, held_draft, draft.cfg.num_hidden_layers
                            * draft.cfg.cache_width * 4, draft_cap(opts, draft.cfg))
+    sizes = with_beside(alone, opts.beside_bytes)
     mem = probe_memory(opts.memory_override)
     fixed = opts.batch_width if isinstance(opts.batch_width, int) else 1
+
+    def plan(s):
+        """(budget, admission problems) for sizes ``s``; BudgetError when none works."""
+        b = resolve_budget(opts.preset, opts.trunk_gb, opts.cache_gb,
+                           order=opts.budget_order or None, mem=mem, model_sizes=s, width=fixed)
+        return b, admission_problems(b, s, mem)
+
+    def tipped_by_beside() -> bool:
+        """Whether the same run without the front end's memory would be admitted (the
+        refusal then names it)."""
+        if not opts.beside_bytes:
+            return False
+        try:
+            return not plan(alone)[1]
+        except BudgetError:
+            return False
+    beside = (f"the server holds {opts.beside_bytes / 1e9:.2f} GB beside the model "
+              "(--reuse-gb and its request reader)")
     budget = None
     if not opts.resident:
-        budget = resolve_budget(opts.preset, opts.trunk_gb, opts.cache_gb,
-                                order=opts.budget_order or None, mem=mem, model_sizes=sizes,
-                                width=fixed)
-        problems = admission_problems(budget, sizes, mem)
+        try:
+            budget, problems = plan(sizes)
+        except BudgetError as e:
+            if not tipped_by_beside():
+                raise
+            raise BudgetError(e.message, path=e.path, expected=e.expected, found=e.found,
+                              hint=f"{beside}; {e.hint}" if e.hint else beside) from None
         if draft is not None and problems:
             problems.append(f"the draft holds {held_draft / 1e9:.2f} GB"
                             + (" even streamed" if stream else ""))
+        if problems and tipped_by_beside():
+            problems.append(beside)
         if problems:
             raise BudgetError("; ".join(problems), hint="choose a smaller --preset or budgets")
     chunk = (opts.prefill_chunk or PREFILL_CHUNK, None, "") if budget is None else \

@@ -48,6 +48,10 @@ from .replies import ReplyReader
 from .worker import Job, Worker
 
 MAX_BODY_BYTES = 32 * 2 ** 20        # a larger request body is refused with 413
+# The request reader at its peak: the interpreter, the tokenizer and the template (about
+# 70 MB with Kimi K3's) and about ten times the body it reads (docs/serve.md "Reading
+# requests"; bench/README.md "The server under hostile requests").
+READER_RESERVE_BYTES = 100 * 10 ** 6 + 10 * MAX_BODY_BYTES
 # A body still arriving after this long is refused with 408: a client that sends a byte
 # now and then would otherwise hold its connection and handler for ever.
 BODY_SECONDS = 60.0
@@ -664,6 +668,13 @@ class Server:
                 *self._stream_failure(request, e))))
         await resp.write_eof()
         return resp
+
+
+def beside_bytes(reuse_ram_bytes: int) -> int:
+    """What a server holds beside the model, counted in its budget's admission
+    (``RunOptions.beside_bytes``): the states it keeps for reuse (``--reuse-gb``) and its
+    request reader at its peak."""
+    return int(reuse_ram_bytes) + READER_RESERVE_BYTES
 
 
 def serve(run, address: str, base_settings, *, api_key=None, log=print,

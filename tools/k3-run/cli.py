@@ -406,6 +406,10 @@ def _run_options(ctx, a):
     from libk3.run import runner
     width = None if not (a.batch or a.serve_address) else \
         ("auto" if a.batch_width is None else a.batch_width)
+    beside = 0
+    if a.serve_address:
+        from libk3.serve.app import beside_bytes
+        beside = beside_bytes(int(a.reuse_gb * 1e9))
     return runner.RunOptions(
         model=a.model, pack=a.pack, preset=a.preset, trunk_gb=a.trunk_gb, cache_gb=a.cache_gb,
         budget_order=ctx.meta.get("k3_budget_order", []), resident=a.resident,
@@ -416,7 +420,7 @@ def _run_options(ctx, a):
         template_limits=RenderLimits(a.template_timeout, a.template_max_bytes),
         prefix_cache=a.prefix_cache, prefix_cache_bytes=int(a.prefix_cache_gb * 1e9),
         share_prefixes=not a.no_prefix_sharing, serve=bool(a.serve_address),
-        load_state=a.load_state, prefill_chunk=a.prefill_chunk)
+        load_state=a.load_state, prefill_chunk=a.prefill_chunk, beside_bytes=beside)
 
 
 def _settings(a):
