@@ -179,3 +179,23 @@ def test_a_server_s_memory_beside_the_model_is_counted_in_admission_and_auto(tin
     alone = run(0)
     assert alone.trunk_bytes == served.trunk_bytes                  # (bytes lost rounding)
     assert abs(alone.cache_bytes - served.cache_bytes) <= 2
+
+
+def test_a_server_with_a_prefix_cache_counts_its_snapshot_writer_s_states(tiny_dir):
+    """Catches the states a server's snapshot writer holds (queued, and the one being
+    written) left out of its width: with --prefix-cache the width that fits is smaller by
+    exactly those, and the reasons name them; the turn cache queues no more than that."""
+    from libk3.budget import SERVER_SNAPSHOTS
+    from libk3.run.runner import RunOptions, resolve_run_budget
+    from libk3.serve.turn_cache import WRITES_QUEUED
+    assert WRITES_QUEUED + 1 == SERVER_SNAPSHOTS
+
+    def fit(**extra):
+        opts = RunOptions(model=str(tiny_dir), memory_override=2 * 10 ** 9, serve=True,
+                          batch_width="auto", **extra)
+        with Checkpoint.open(tiny_dir) as ckpt:
+            reasons = resolve_run_budget(opts, ckpt)[2]
+        return int(reasons[0].rsplit(": ", 1)[1].split()[0]), reasons[0]
+    plain, _ = fit()
+    cached, why = fit(prefix_cache="auto")
+    assert plain - cached == SERVER_SNAPSHOTS and f"and {SERVER_SNAPSHOTS} snapshots" in why

@@ -37,9 +37,10 @@ Why the memory model is what it is (numbers are Kimi K3's, model.md §3.5, §6):
 
 from __future__ import annotations
 
-from .admission import (BATCH_SNAPSHOTS, MAX_AUTO_WIDTH, PREFILL_CHUNKS, admission_problems,
-                        auto_budget, batch_width, minimum_memory, overhead_bytes, peak_bytes,
-                        prefill_chunk, resolve_budget, split_problems, usable_memory)
+from .admission import (BATCH_SNAPSHOTS, MAX_AUTO_WIDTH, PREFILL_CHUNKS, SERVER_SNAPSHOTS,
+                        admission_problems, auto_budget, batch_width, minimum_memory,
+                        overhead_bytes, peak_bytes, prefill_chunk, resolve_budget,
+                        split_problems, usable_memory)
 from .plan import (Budget, TrunkPlan, cache_floor, expert_slots, floor_problems,
                    minimum_budget, overlap_floor, plan_trunk, trunk_floor)
 from .presets import (FLAG_KEYS, GB, NAMED, PRESET_NAMES, PRESETS_FILE, Preset,
@@ -47,7 +48,8 @@ from .presets import (FLAG_KEYS, GB, NAMED, PRESET_NAMES, PRESETS_FILE, Preset,
 from .sizes import (ModelSizes, activation_peak, sequence_bytes, verify_tape_bytes, with_beside,
                     with_draft)
 
-__all__ = ["BATCH_SNAPSHOTS", "MAX_AUTO_WIDTH", "PREFILL_CHUNKS", "admission_problems",
+__all__ = ["BATCH_SNAPSHOTS", "MAX_AUTO_WIDTH", "PREFILL_CHUNKS", "SERVER_SNAPSHOTS",
+           "admission_problems",
            "auto_budget", "batch_width", "minimum_memory", "overhead_bytes", "peak_bytes",
            "prefill_chunk", "resolve_budget",
            "split_problems", "usable_memory", "Budget", "TrunkPlan", "cache_floor",

@@ -207,9 +207,12 @@ MAX_AUTO_WIDTH = 64
 
 
 # States a batch run holds besides its lanes: the snapshot of the prefix its lines share
-# (``libk3.run.prefixes``); the server holds none (its kept turns are in its
-# ``beside_bytes``).
+# (``libk3.run.prefixes``).
 BATCH_SNAPSHOTS = 1
+# A server's with a prefix cache: the states its snapshot writer holds, those queued and
+# the one being written (``libk3.serve.turn_cache``; its kept turns are in its
+# ``beside_bytes``).
+SERVER_SNAPSHOTS = 3
 
 
 def batch_width(budget: Budget, sizes: ModelSizes, mem, requested, *, jobs: int | None = None,
@@ -233,7 +236,8 @@ def batch_width(budget: Budget, sizes: ModelSizes, mem, requested, *, jobs: int 
     t = size_texts(trunk, cache, fixed - trunk - cache, max(0, allowed - fixed), allowed,
                    usable_memory(mem), per)
     figures = (f"trunk {t[0]} + cache {t[1]} + resident and reserve"
-               + (f" and {held} snapshot" if held else "") + f" {t[2]} leave {t[3]} of "
+               + (f" and {held} snapshot{'s' if held > 1 else ''}" if held else "")
+               + f" {t[2]} leave {t[3]} of "
                f"{t[4]} ({rules.headroom_fraction:.0%} of {t[5]}) "
                f"for sequences of {t[6]} each ({rules.context_positions} positions)")
     want = fit if requested == "auto" else int(requested)

@@ -86,8 +86,9 @@ def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None =
     cache bytes beside its activations or None when resident, why the chunk)): the chunk
     is ``opts.prefill_chunk``, else ``budget.prefill_chunk``'s rule."""
     from ..machine.memory import probe_memory
-    from ..budget import (BATCH_SNAPSHOTS, Budget, ModelSizes, admission_problems, batch_width,
-                          prefill_chunk, resolve_budget, with_beside, with_draft)
+    from ..budget import (BATCH_SNAPSHOTS, SERVER_SNAPSHOTS, Budget, ModelSizes,
+                          admission_problems, batch_width, prefill_chunk, resolve_budget,
+                          with_beside, with_draft)
 
     if draft is not None and stream is None:
         try:
@@ -142,7 +143,10 @@ def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None =
     if opts.batch_width is None:
         return budget, 1, (), bool(stream), chunk
     held = budget or Budget(sizes.trunk_bytes, sizes.cache_all_bytes, "resident", ())
-    snapshots = BATCH_SNAPSHOTS if opts.share_prefixes and not opts.serve else 0
+    if opts.serve:
+        snapshots = SERVER_SNAPSHOTS if opts.prefix_cache else 0
+    else:
+        snapshots = BATCH_SNAPSHOTS if opts.share_prefixes else 0
     return (budget,) + batch_width(held, sizes, mem, opts.batch_width, held=snapshots) + \
         (bool(stream), chunk)
 

@@ -24,7 +24,9 @@ import collections
 import queue
 import threading
 
-WRITES_QUEUED = 2
+from ..budget import SERVER_SNAPSHOTS
+
+WRITES_QUEUED = SERVER_SNAPSHOTS - 1     # and the one being written: what admission counts
 
 
 class TurnCache:
