@@ -18,7 +18,7 @@ import pytest
 from libk3 import names
 from libk3.errors import CheckpointError, ConfigError
 from libk3.io import inventory
-from libk3.io.checkpoint import Checkpoint, check_shard_sizes
+from libk3.io.checkpoint import Checkpoint, survey_shards
 from libk3.io.dtypes import widen
 
 from .ckpt_helpers import shard_of_layer, toy_config, toy_plan, write_toy
@@ -168,19 +168,43 @@ def test_identity_names_fingerprint_and_shard_sizes(toy):
         assert ck.identity()["config_fingerprint"] != ident["config_fingerprint"]
 
 
-def test_check_shard_sizes_reports_truncation_per_shard(toy):
+def test_survey_reports_truncation_per_shard(toy):
     """Catches: a doctor check that stops at the first bad shard or reports healthy
     shards (control: no problems before the cut)."""
-    assert check_shard_sizes(toy) == []
+    assert survey_shards(toy).problems == []
     shards = sorted(toy.glob("*.safetensors"))
     for p in shards[1:3]:
         os.truncate(p, p.stat().st_size - 3)
     with open(shards[0], "ab") as f:
         f.write(b"xx")
-    problems = check_shard_sizes(toy)
+    survey = survey_shards(toy)
+    problems = survey.problems
     assert sorted(os.path.basename(e.path) for e in problems) == \
         sorted(p.name for p in shards[:3])
     assert sum("truncated" in str(e) for e in problems) == 2
+    assert list(survey.headers) == [str(p) for p in shards[3:]]    # only the sound ones
+    with pytest.raises(ValueError):
+        Checkpoint.open(toy, survey=survey)
+
+
+def test_open_from_a_survey_reads_no_header_again_and_indexes_the_same(toy, monkeypatch):
+    """Catches the doctor parsing every shard's header twice (once to measure, once to
+    open; ~78 MB of JSON at real scale), or a survey whose rows differ from the ones an
+    open reads: the table from the survey equals a plain open's with header reads
+    disabled."""
+    from libk3.io import checkpoint as ckpt_mod
+    with Checkpoint.open(toy) as plain:
+        want = dict(plain._table)
+    survey = survey_shards(toy)
+
+    def no_read(path):
+        raise AssertionError(f"{path} read again")
+    monkeypatch.setattr(ckpt_mod, "read_header", no_read)
+    monkeypatch.setattr(ckpt_mod, "find_shards", no_read)
+    with Checkpoint.open(toy, survey=survey) as again:
+        assert again._table == want and len(want) > 0
+    with pytest.raises(AssertionError, match="read again"):          # control
+        Checkpoint.open(toy)
 
 
 # ---- one defect each --------------------------------------------------------------------
@@ -215,7 +239,7 @@ def test_checkpoint_refuses_missing_shard_named_by_index(tmp_path, plan):
     with pytest.raises(CheckpointError, match="missing") as info:
         Checkpoint.open(d)
     assert gone in str(info.value)
-    assert any(gone in str(e) for e in check_shard_sizes(d))
+    assert any(gone in str(e) for e in survey_shards(d).missing)
 
 
 def test_checkpoint_refuses_tensor_missing_against_config(tmp_path, plan):

@@ -77,7 +77,7 @@ def default_pack_dir(model_dir) -> Path:
 def inspect_model(model_dir, pack_dir) -> tuple:
     """(section, sizes or None, problems, warnings) for one model directory. Problems
     are one line each and name the file (and tensor) at fault."""
-    from ..io.checkpoint import Checkpoint, check_shard_sizes, find_shards
+    from ..io.checkpoint import Checkpoint, survey_shards
     from ..pack.writer import PARTIAL_FILE, disk_needed, pack_state, plan_pack
 
     d = Path(model_dir)
@@ -94,9 +94,8 @@ def inspect_model(model_dir, pack_dir) -> tuple:
                      "top_k": cfg.num_experts_per_token, "fingerprint": cfg.fingerprint()}
     sizes = ModelSizes.from_config(cfg)
     try:
-        missing = []
-        present, weight_map = find_shards(d, missing=missing)
-        shard_problems = check_shard_sizes(d)
+        survey = survey_shards(d)
+        present, shard_problems = survey.shards, survey.problems
     except CheckpointError as e:
         problems.append(f"checkpoint: {e.one_line()}")
         sec["shards"] = {"ok": False, "problems": [e.one_line()]}
@@ -104,8 +103,9 @@ def inspect_model(model_dir, pack_dir) -> tuple:
         return sec, sizes, problems, warnings
     apparent = sum(os.stat(p).st_size for p in present)
     allocated = sum(os.stat(p).st_blocks * 512 for p in present)
-    sec["shards"] = {"ok": not shard_problems, "expected": len(present) + len(missing),
-                     "present": len(present), "indexed": weight_map is not None,
+    sec["shards"] = {"ok": not shard_problems,
+                     "expected": len(present) + len(survey.missing),
+                     "present": len(present), "indexed": survey.weight_map is not None,
                      "apparent_bytes": apparent, "allocated_bytes": allocated,
                      "problems": [e.one_line() for e in shard_problems]}
     if apparent and allocated < storage.DATA_FRACTION * apparent:
@@ -121,7 +121,7 @@ def inspect_model(model_dir, pack_dir) -> tuple:
         return sec, sizes, problems, warnings
     pack = Path(pack_dir)
     try:
-        with Checkpoint.open(d, cfg) as ckpt:
+        with Checkpoint.open(d, cfg, survey=survey) as ckpt:
             sizes = ModelSizes.from_checkpoint(ckpt)
             needed = disk_needed(plan_pack(ckpt))
             state = pack_state(pack, ckpt)

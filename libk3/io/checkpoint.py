@@ -1,6 +1,6 @@
 """The checkpoint index: every language-model tensor of a model directory, by name.
 
-Owns: finding the shards (model.md §3.1), one table name -> TensorEntry over all
+Owns: finding the shards (model.md §3.1) and surveying their sizes (k3-doctor), one table name -> TensorEntry over all
 of them, validating it against the inventory a config implies (model.md §3.4, §4.1), positioned
 reads of tensors and byte spans, the contiguous byte runs of routed experts (model.md §4.1) and
 of a layer's trunk tensors (model.md §3.3), and the checkpoint's identity for packs and traces.
@@ -39,7 +39,7 @@ from ..config import K3Config, load_config
 from ..errors import CheckpointError, K3IOError
 from . import inventory
 from .dtypes import matrix_operand, widen
-from .safetensors import TensorEntry, pread_into, read_header, shard_extent
+from .safetensors import TensorEntry, pread_into, read_header, scan_header
 
 INDEX_FILE = "model.safetensors.index.json"
 LM_PREFIX = "language_model."
@@ -175,14 +175,19 @@ class Checkpoint:
 
     # ---- opening ------------------------------------------------------------------------
     @classmethod
-    def open(cls, model_dir, config: K3Config | None = None, validate: bool = True):
+    def open(cls, model_dir, config: K3Config | None = None, validate: bool = True,
+             survey: ShardSurvey | None = None):
         """Index every shard of ``model_dir``; with ``validate``, require exactly the
-        tensors ``config`` implies (shapes, dtypes, A_log padding, contiguous experts)."""
+        tensors ``config`` implies (shapes, dtypes, A_log padding, contiguous experts).
+        ``survey``: ``survey_shards(model_dir)`` without problems, whose headers are used
+        instead of reading them again."""
         model_dir = Path(model_dir)
         if config is None:
             config = load_config(model_dir)
+        if survey is not None and survey.problems:
+            raise ValueError("a survey with problems cannot open a checkpoint")
         with _gc_paused():
-            ckpt = cls._index(model_dir, config)
+            ckpt = cls._index(model_dir, config, survey)
         if validate:
             try:
                 ckpt.validate()
@@ -192,14 +197,18 @@ class Checkpoint:
         return ckpt
 
     @classmethod
-    def _index(cls, model_dir: Path, config: K3Config):
-        shards, weight_map = find_shards(model_dir)
+    def _index(cls, model_dir: Path, config: K3Config, survey):
+        if survey is None:
+            shards, weight_map = find_shards(model_dir)
+            header = read_header
+        else:
+            shards, weight_map, header = survey.shards, survey.weight_map, survey.headers.get
         table, others, sizes = {}, {}, {}
         trunk_names = {}
         for path in shards:
             sizes[path] = os.stat(path).st_size
             others[path] = set()
-            for ent in read_header(path):
+            for ent in header(path):
                 name = ent.name
                 if not name.startswith(LM_PREFIX):
                     others[path].add(name)
@@ -594,25 +603,41 @@ def _take(out, nbytes: int) -> np.ndarray:
     return out.reshape(-1)[:nbytes]
 
 
-def check_shard_sizes(model_dir) -> list:
-    """Per-shard size problems for k3-doctor, as CheckpointError objects (not raised):
-    a shard the index names but the directory lacks, a header that does not parse, a
-    file shorter (truncated) or longer (trailing bytes) than its header implies."""
-    problems = []
-    shards, _ = find_shards(model_dir, missing=problems)
-    for path in shards:
-        try:
-            want = shard_extent(path)
-        except CheckpointError as e:
-            problems.append(e)
-            continue
-        size = os.stat(path).st_size
-        if size < want:
-            problems.append(CheckpointError("shard is truncated", path=path,
-                                            expected=f"{want} bytes", found=f"{size} bytes",
-                                            hint="download this shard again"))
-        elif size > want:
-            problems.append(CheckpointError("shard has trailing bytes after its last tensor",
-                                            path=path, expected=f"{want} bytes",
-                                            found=f"{size} bytes"))
-    return problems
+class ShardSurvey(NamedTuple):
+    """Every shard of a model directory read once, for k3-doctor (``survey_shards``)."""
+
+    shards: list                 # the shard paths present, in name order
+    weight_map: dict | None      # the index's, or None without one
+    missing: list                # CheckpointError per shard the index names but lacks
+    problems: list               # every problem (missing ones too), as CheckpointError
+    headers: dict                # path -> TensorEntry rows, for each shard of its size
+
+
+def survey_shards(model_dir) -> ShardSurvey:
+    """The shards of ``model_dir`` with their size problems, not raised: a shard the index
+    names but the directory lacks, a header that does not parse, a file shorter
+    (truncated) or longer (trailing bytes) than its header implies. A survey without
+    problems opens the checkpoint without reading a header again (``Checkpoint.open``)."""
+    missing, problems, headers = [], [], {}
+    shards, weight_map = find_shards(model_dir, missing=missing)
+    problems += missing
+    with _gc_paused():
+        for path in shards:
+            try:
+                entries, want = scan_header(path)
+            except CheckpointError as e:
+                problems.append(e)
+                continue
+            size = os.stat(path).st_size
+            if size < want:
+                problems.append(CheckpointError("shard is truncated", path=path,
+                                                expected=f"{want} bytes",
+                                                found=f"{size} bytes",
+                                                hint="download this shard again"))
+            elif size > want:
+                problems.append(CheckpointError("shard has trailing bytes after its last "
+                                                "tensor", path=path, expected=f"{want} bytes",
+                                                found=f"{size} bytes"))
+            else:
+                headers[path] = entries
+    return ShardSurvey(shards, weight_map, missing, problems, headers)

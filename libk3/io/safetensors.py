@@ -82,13 +82,19 @@ def read_header(path) -> list:
 
 
 def shard_extent(path) -> int:
-    """The file size the header implies: 8 + N + the largest data end. Parses the header
-    with invariant 1 and the entry rules but WITHOUT the end <= data size bound, so a
-    truncated shard can be measured (k3-doctor) instead of refused."""
+    """The file size the header implies: 8 + N + the largest data end (``scan_header``)."""
+    return scan_header(path)[1]
+
+
+def scan_header(path) -> tuple:
+    """(entries as ``read_header`` gives them, the file size the header implies: 8 + N +
+    the largest data end). Parses the header with invariant 1 and the entry rules but
+    WITHOUT the end <= data size bound, so a truncated shard can be measured (k3-doctor)
+    instead of refused; the entries are ``read_header``'s when the size matches."""
     path = os.fspath(path)
     blob, _ = _header_bytes(path)
-    _, data_end = parse_header(blob, path, data_size=None)
-    return 8 + len(blob) + data_end
+    entries, data_end = parse_header(blob, path, data_size=None)
+    return entries, 8 + len(blob) + data_end
 
 
 def _header_bytes(path: str):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import heapq
+import itertools
 import json
 import unicodedata
 from collections import Counter
@@ -303,29 +304,37 @@ def _script_of(token: bytes):
 
 def _extend_by_concatenation(n_ranks: int, pre, ranks: list, rank_of: dict, accept) -> None:
     """Phase 3: concatenations of two existing tokens chosen by splitmix64."""
-    stream = _splitmix64(SPLITMIX_SEED)
     needed = n_ranks - len(ranks)
     budget = 200 * needed + 100_000        # far above the measured ~8 draws per token
     scripts: dict = {}          # rank -> _script_of(its token): ranks never change
-    for _ in range(budget):
-        if len(ranks) >= n_ranks:
+
+    def script(r: int):
+        s = scripts.get(r, False)
+        if s is False:
+            s = scripts[r] = _script_of(ranks[r])
+        return s
+
+    split = pre.pre_tokenize_str
+    n = len(ranks)              # what the draw depends on changes only when a rank is added
+    left_pool, right_pool, longest = min(n, LEFT_POOL), min(n, RIGHT_POOL), _max_len(n)
+    for z in itertools.islice(_splitmix64(SPLITMIX_SEED), budget):
+        if n >= n_ranks:
             return
-        z = next(stream)
-        left = (z & 0xFFFF_FFFF) % min(len(ranks), LEFT_POOL)
-        right = (z >> 48) % min(len(ranks), RIGHT_POOL)
+        left = (z & 0xFFFF_FFFF) % left_pool
+        right = (z >> 48) % right_pool
         token = ranks[left] + ranks[right]
-        if len(token) > _max_len(len(ranks)) or token in rank_of:
+        if len(token) > longest or token in rank_of:
             continue
         # both parts whole UTF-8 (characters come only from the corpus and ASCII) and
         # one script between them
-        a = scripts[left] if left in scripts else scripts.setdefault(left, _script_of(ranks[left]))
-        b = scripts[right] if right in scripts else scripts.setdefault(right,
-                                                                      _script_of(ranks[right]))
+        a, b = script(left), script(right)
         if a is None or b is None or (a and b and a != b):
             continue
-        if len(pre.pre_tokenize_str(token.decode("utf-8"))) != 1:
+        if len(split(token.decode("utf-8"))) != 1:
             continue
-        accept(left, right)
+        if accept(left, right):
+            n = len(ranks)
+            left_pool, right_pool, longest = min(n, LEFT_POOL), min(n, RIGHT_POOL), _max_len(n)
     if len(ranks) < n_ranks:
         raise K3Error("BPE extension ran out of candidates", expected=f"{n_ranks} ranks",
                       found=len(ranks))
