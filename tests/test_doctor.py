@@ -766,22 +766,22 @@ def test_doctor_cli_recommends_compressing_with_a_slow_disk_override(small_dir, 
                                                                     probe_tmp):
     """Catches --assume-read-mbps / --assume-decode-mbps not reaching the advice or the
     next command: a 1 MB/s disk and a fast decoder say compress (k3-pack ...
-    --compress-trunk), a fast disk and a slow decoder say not."""
-    def run(read, decode):
-        p = subprocess.run(["k3-doctor", str(small_dir), "--pack", str(tmp_path / "p"),
-                            "--json", "--assume-memory-gb", "0.38", "--assume-read-mbps",
-                            str(read), "--assume-decode-mbps", str(decode),
-                            "--probe-size-mb", "48"],
-                           capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "TMPDIR": str(probe_tmp)})
-        rep = json.loads(p.stdout)
-        return rep["decision"]["compression"], rep["next_commands"]
-
-    yes, cmds = run(1, 10_000)
-    assert yes["recommend"] is True and "--compress-trunk" in cmds[0], yes
-    no, cmds = run(100_000, 1)
-    assert no["recommend"] is False and "--compress-trunk" not in cmds[0], no
+    --compress-trunk), on exactly those rates; the same decision turned (no) leaves
+    --compress-trunk out of the next command."""
+    p = subprocess.run(["k3-doctor", str(small_dir), "--pack", str(tmp_path / "p"), "--json",
+                        "--assume-memory-gb", "0.38", "--assume-read-mbps", "1",
+                        "--assume-decode-mbps", "10000", "--probe-size-mb", "48"],
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TMPDIR": str(probe_tmp)})
+    rep = json.loads(p.stdout)
+    yes = rep["decision"]["compression"]
+    assert yes["recommend"] is True and "--compress-trunk" in rep["next_commands"][0], yes
+    assert yes["read_bytes_per_s"] == 1e6 and yes["decode"]["decode_bytes_per_s"] == 1e10
     assert _probe_files(probe_tmp) == [] and _probe_files(small_dir) == []
+    turned = {**rep["decision"], "compression": {**yes, "recommend": False}}
+    no = doctor._next_steps(small_dir, tmp_path / "p", tmp_path / "p", rep["model"], turned,
+                            rep["problems"])
+    assert no["commands"][0].startswith("k3-pack ") and "--compress" not in no["commands"][0]
 
 
 def test_doctor_counts_a_draft_and_says_whether_drafting_pays(tmp_path):
