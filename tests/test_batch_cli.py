@@ -156,7 +156,7 @@ def test_batch_cli_resumes_after_kill_9(tiny_dir, tmp_path):
     batch = tmp_path / "b.jsonl"
     batch.write_text("\n".join(lines) + "\n")
     ref = tmp_path / "ref.jsonl"
-    assert k3(tiny_dir, "--batch", batch, "--out", ref, "--batch-width", 1).returncode == 0
+    assert k3_here(tiny_dir, "--batch", batch, "--out", ref, "--batch-width", 1).returncode == 0
     out = tmp_path / "r.jsonl"
     proc = subprocess.Popen(["k3-run", str(tiny_dir), "--batch", str(batch), "--out", str(out),
                              "--batch-width", "3"], stdout=subprocess.DEVNULL,

@@ -129,7 +129,7 @@ def test_chat_repl_with_a_draft_says_what_it_says_without(tiny_dir, tmp_path):
     """Catches a draft that changes a chat turn, or loses its context between turns
     (the second turn continues the state: its draft context must follow it)."""
     talk = "Hi there\nAnd again\n\n"
-    a = k3(tiny_dir, "--chat", "--gen", 12, "--save-state", tmp_path / "a", input=talk)
+    a = k3_here(tiny_dir, "--chat", "--gen", 12, "--save-state", tmp_path / "a", input=talk)
     b = k3(tiny_dir, "--chat", "--gen", 12, "--draft", tiny_dir / "draft", "--save-state",
            tmp_path / "b", input=talk)
     assert a.returncode == b.returncode == 0, b.stderr

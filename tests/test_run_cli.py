@@ -167,7 +167,7 @@ def test_run_batch_skips_malformed_lines_and_resumes(tiny_dir, tmp_path):
     batch = tmp_path / "b.jsonl"
     batch.write_text("\n".join(lines[:3]) + "\n")
     out = tmp_path / "r.jsonl"
-    p = k3(tiny_dir, "--batch", batch, "--out", out)
+    p = k3_here(tiny_dir, "--batch", batch, "--out", out)
     assert p.returncode == 0, p.stderr
     assert f"{batch}:2: skipped" in p.stderr
     first = [json.loads(x) for x in out.read_text().splitlines()]
@@ -175,7 +175,7 @@ def test_run_batch_skips_malformed_lines_and_resumes(tiny_dir, tmp_path):
     with open(out, "a") as f:                # a crash mid-write leaves a torn line
         f.write('{"id": "x", "gener')
     batch.write_text("\n".join(lines) + "\n")
-    p = k3(tiny_dir, "--batch", batch, "--out", out)
+    p = k3_here(tiny_dir, "--batch", batch, "--out", out)
     assert p.returncode == 0, p.stderr
     assert f"{batch}:4: skipped" in p.stderr
     rows = [json.loads(x) for x in out.read_text().splitlines()]
@@ -189,21 +189,21 @@ def test_run_batch_result_equals_single_run(tiny_dir, tmp_path):
     batch = tmp_path / "b.jsonl"
     batch.write_text('{"id": 1, "ids": [9, 8, 7], "gen": 5}\n{"id": 2, "ids": [1, 2, 3], "gen": 5}\n')
     out = tmp_path / "r.jsonl"
-    assert k3(tiny_dir, "--batch", batch, "--out", out).returncode == 0
+    assert k3_here(tiny_dir, "--batch", batch, "--out", out).returncode == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    single = json.loads(k3(tiny_dir, "--ids", "1,2,3", "--gen", 5, "--json").stdout)
+    single = json.loads(k3_here(tiny_dir, "--ids", "1,2,3", "--gen", 5, "--json").stdout)
     assert rows[1]["generated_ids"] == single["generated_ids"]
 
 
 def test_run_chat_two_turns_with_saved_state_equals_one_session(tiny_dir, tmp_path):
     """Catches a chat that re-prefills earlier turns differently or a state file that loses
     the first turn: turn 2 after save/load prints exactly what one session prints."""
-    both = k3(tiny_dir, "--chat", "--gen", 6, input="hello there\nand again\n\n")
+    both = k3_here(tiny_dir, "--chat", "--gen", 6, input="hello there\nand again\n\n")
     assert both.returncode == 0, both.stderr
     st = tmp_path / "chat.k3state"
-    one = k3(tiny_dir, "--chat", "--gen", 6, "--save-state", st, input="hello there\n\n")
+    one = k3_here(tiny_dir, "--chat", "--gen", 6, "--save-state", st, input="hello there\n\n")
     assert one.returncode == 0 and st.exists(), one.stderr
-    two = k3(tiny_dir, "--chat", "--gen", 6, "--load-state", st, input="and again\n\n")
+    two = k3_here(tiny_dir, "--chat", "--gen", 6, "--load-state", st, input="and again\n\n")
     assert two.returncode == 0, two.stderr
     replies = [line for line in both.stdout.splitlines() if line.strip()]
     assert len(replies) >= 1
@@ -217,7 +217,7 @@ def test_run_prompt_text_streams_and_reports(tiny_dir, tmp_path):
     from libk3.io.tokenizer import K3Tokenizer
     prompt = "The capital of France is"
     rep = tmp_path / "r.json"
-    p = k3(tiny_dir, "--prompt", prompt, "--gen", 4, "--report-json", rep)
+    p = k3_here(tiny_dir, "--prompt", prompt, "--gen", 4, "--report-json", rep)
     assert p.returncode == 0, p.stderr
     r = json.loads(rep.read_text())
     for key in ("prompt_ids", "generated_ids", "prefill_seconds", "decode_seconds",

@@ -21,7 +21,7 @@ from libk3.pack.schema import (BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, MANIFEST
                                TRUNK_FILE, open_pack)
 from libk3.pack.codec import CODED, RAW, Codec, plan_blocks
 
-from .scripts import k3, k3_here, k3pack
+from .scripts import k3, k3_here, k3pack, k3pack_here
 from .test_run_cli import PROMPT, _budgets, _pack, _reference
 
 
@@ -266,7 +266,7 @@ def test_compress_pack_layout_and_verify(small_raw, small_kz, small_dir):
     p = k3pack("verify", small_kz, "--against", small_dir, "--quiet", "--json")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["compressed"] is True
-    again = k3pack("compress", small_kz, "--json", "--quiet")
+    again = k3pack_here("compress", small_kz, "--json", "--quiet")
     assert again.returncode == 0 and json.loads(again.stdout)["already_compressed"]
 
 
@@ -306,11 +306,11 @@ def test_compress_that_saves_nothing_says_so_and_leaves_the_pack_as_it_was(tiny_
     compresses, test_compress_pack_layout_and_verify)."""
     d = _pack(tiny_dir, tmp_path / "tiny.pack")
     before = {p.name: p.read_bytes() for p in d.iterdir()}
-    p = k3pack("compress", d, "--quiet")
+    p = k3pack_here("compress", d, "--quiet")
     assert p.returncode == 0, p.stderr
     assert "saves nothing" in p.stdout and "left as it was" in p.stdout, p.stdout
     assert {q.name: q.read_bytes() for q in d.iterdir()} == before
-    p = k3pack("compress", d, "--quiet", "--json")
+    p = k3pack_here("compress", d, "--quiet", "--json")
     assert p.returncode == 0 and json.loads(p.stdout)["saves_nothing"] is True
     assert {q.name: q.read_bytes() for q in d.iterdir()} == before
 
@@ -350,7 +350,7 @@ def test_corrupt_block_named_by_verify_and_refused_by_run(small_dir, small_kz, t
     bad = tmp_path / "bad.pack"
     shutil.copytree(small_kz, bad)
     where = _damage_block(bad)
-    v = k3pack("verify", bad, "--quiet")
+    v = k3pack_here("verify", bad, "--quiet")
     assert v.returncode == 3 and where in v.stderr and "checksum" in v.stderr, v.stderr
     r = k3_here(small_dir, "--ids", "1,2", "--gen", 1, *_budgets(small_dir)[1], "--pack", bad)
     assert r.returncode == 3 and where in r.stderr, r.stderr
@@ -403,10 +403,10 @@ def test_nan_in_a_decoded_block_named_by_verify_and_refused_by_run(
     bad, plan, b = _nan_kz(small_raw, tmp_path / "nan.pack", L, sfx, element)
     where = plan.where(L, b)
     assert plan.kind[b] == (CODED if budget == 1 else RAW)
-    v = k3pack("verify", bad, "--quiet")
+    v = k3pack_here("verify", bad, "--quiet")
     assert v.returncode == 3 and len(v.stderr.strip().splitlines()) == 1, v.stderr
     assert where in v.stderr and "NaN or Inf" in v.stderr, v.stderr
-    w = k3pack("verify", bad, "--quiet", "--allow-nonfinite")
+    w = k3pack_here("verify", bad, "--quiet", "--allow-nonfinite")
     assert w.returncode == 0 and "warning: 1 trunk tensor(s)" in w.stderr, w.stderr
     r = k3_here(small_dir, "--ids", "1,2", "--gen", 1, *_budgets(small_dir)[budget], "--pack", bad)
     lines = [ln for ln in r.stderr.strip().splitlines()      # a cold numba cache adds
