@@ -189,9 +189,8 @@ def test_survey_reports_truncation_per_shard(toy):
 
 def test_open_from_a_survey_reads_no_header_again_and_indexes_the_same(toy, monkeypatch):
     """Catches the doctor parsing every shard's header twice (once to measure, once to
-    open; ~78 MB of JSON at real scale), or a survey whose rows differ from the ones an
-    open reads: the table from the survey equals a plain open's with header reads
-    disabled."""
+    open), or a survey whose rows differ from the ones an open reads: the table from the
+    survey equals a plain open's with header reads disabled."""
     from libk3.io import checkpoint as ckpt_mod
     with Checkpoint.open(toy) as plain:
         want = dict(plain._table)

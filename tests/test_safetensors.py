@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from libk3.errors import CheckpointError
 from libk3.io import safetensors as stmod
 from libk3.io.dtypes import widen
-from libk3.io.safetensors import (MAX_HEADER_BYTES, pread_into, read_header, shard_extent,
+from libk3.io.safetensors import (MAX_HEADER_BYTES, pread_into, read_header, scan_header,
                                   write_shard)
 
 from .conformance import ROOT
@@ -132,12 +132,13 @@ def test_read_header_st_special_values_decode_as_documented():
     assert _read(ents['weird\\name."with"quotes']).tolist() == [1.0, 2.0, 3.0]
 
 
-def test_shard_extent_st_equals_file_size():
+def test_scan_header_extent_st_equals_file_size():
     """Catches: an extent that forgets the 8-byte length or the header (k3-doctor would
     then report every healthy shard as truncated)."""
     _need_st()
     for path in (SHARD1, SHARD2):
-        assert shard_extent(path) == path.stat().st_size
+        entries, extent = scan_header(path)
+        assert extent == path.stat().st_size and entries == read_header(path)
 
 
 # ---- writer -----------------------------------------------------------------------------
@@ -190,7 +191,7 @@ def test_write_shard_holes_are_sparse_and_read_as_zeros(tmp_path):
     write_shard(p, [("head", "U8", (4,), b"\x01\x02\x03\x04"),
                     ("hole", "U8", (big,), None)])
     st_ = p.stat()
-    assert st_.st_size == shard_extent(p)
+    assert st_.st_size == scan_header(p)[1]
     assert st_.st_blocks * 512 < big // 4
     ents = {e.name: e for e in read_header(p)}
     fd = os.open(p, os.O_RDONLY)

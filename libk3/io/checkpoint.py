@@ -1,9 +1,10 @@
 """The checkpoint index: every language-model tensor of a model directory, by name.
 
-Owns: finding the shards (model.md §3.1) and surveying their sizes (k3-doctor), one table name -> TensorEntry over all
-of them, validating it against the inventory a config implies (model.md §3.4, §4.1), positioned
-reads of tensors and byte spans, the contiguous byte runs of routed experts (model.md §4.1) and
-of a layer's trunk tensors (model.md §3.3), and the checkpoint's identity for packs and traces.
+Owns: finding the shards (model.md §3.1) and surveying their sizes (k3-doctor), one
+table name -> TensorEntry over all of them, validating it against the inventory a config
+implies (model.md §3.4, §4.1), positioned reads of tensors and byte spans, the contiguous
+byte runs of routed experts (model.md §4.1) and of a layer's trunk tensors
+(model.md §3.3), and the checkpoint's identity for packs and traces.
 Does not own: the container format of one shard (``libk3.io.safetensors``), expected
 shapes (``libk3.io.inventory``), widening (``libk3.io.dtypes``), MXFP4 decoding, caching
 or streaming policy (``libk3.stream``).

@@ -81,11 +81,6 @@ def read_header(path) -> list:
     return entries
 
 
-def shard_extent(path) -> int:
-    """The file size the header implies: 8 + N + the largest data end (``scan_header``)."""
-    return scan_header(path)[1]
-
-
 def scan_header(path) -> tuple:
     """(entries as ``read_header`` gives them, the file size the header implies: 8 + N +
     the largest data end). Parses the header with invariant 1 and the entry rules but

@@ -314,9 +314,14 @@ def _extend_by_concatenation(n_ranks: int, pre, ranks: list, rank_of: dict, acce
             s = scripts[r] = _script_of(ranks[r])
         return s
 
+    def limits(n: int) -> tuple:
+        """(left pool, right pool, longest token) at n ranks: they change only when a
+        rank is added, not per draw."""
+        return min(n, LEFT_POOL), min(n, RIGHT_POOL), _max_len(n)
+
     split = pre.pre_tokenize_str
-    n = len(ranks)              # what the draw depends on changes only when a rank is added
-    left_pool, right_pool, longest = min(n, LEFT_POOL), min(n, RIGHT_POOL), _max_len(n)
+    n = len(ranks)
+    left_pool, right_pool, longest = limits(n)
     for z in itertools.islice(_splitmix64(SPLITMIX_SEED), budget):
         if n >= n_ranks:
             return
@@ -334,7 +339,7 @@ def _extend_by_concatenation(n_ranks: int, pre, ranks: list, rank_of: dict, acce
             continue
         if accept(left, right):
             n = len(ranks)
-            left_pool, right_pool, longest = min(n, LEFT_POOL), min(n, RIGHT_POOL), _max_len(n)
+            left_pool, right_pool, longest = limits(n)
     if len(ranks) < n_ranks:
         raise K3Error("BPE extension ran out of candidates", expected=f"{n_ranks} ranks",
                       found=len(ranks))
