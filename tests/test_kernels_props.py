@@ -240,6 +240,39 @@ def test_kernels_mxfp4_matmul_equals_matvec_per_token(seed, R, G, T):
 
 
 
+@PROPS
+@given(seeds, st.integers(1, 20), st.integers(1, 3), st.integers(1, 19))
+def test_kernels_mxfp4_tiles_equal_one_token_one_row_at_extremes(seed, R, G, T):
+    """Catches a tile (8 rows x 1 token, 4x2, 2x4, 2x8 rows x tokens) whose lanes leave
+    the order of section 3: a transposed reduction pairing the wrong lanes, a lane stored
+    to the wrong (token, row), a 255 group that contributes, a scale built from the wrong
+    exponent; every row count and token count up to 20 puts rows and tokens in every tile
+    and in the one-row fallback, with scale bytes 0..255 and activations from subnormals to
+    near f32 max."""
+    rng = np.random.default_rng(seed)
+    packed = rng.integers(0, 256, size=(R, 16 * G), dtype=np.uint8)
+    scales = rng.integers(0, 256, size=(R, G), dtype=np.uint8)
+    with np.errstate(over="ignore"):
+        X = (rng.standard_normal((T, 32 * G))
+             * 10.0 ** rng.integers(-45, 39, (T, 32 * G))).astype(np.float32)
+    X[rng.random(X.shape) < 0.05] = 0.0
+    Y = np.empty((T, R), np.float32)
+    with np.errstate(all="ignore"):
+        mxfp4.matmul(packed, scales, X, Y)
+        want = np.empty((R, T))
+        _pairs_per_token(mxfp4._row_dot2, packed, scales, X.astype(np.float64), want)
+        want32 = want.T.astype(np.float32)
+    assert np.array_equal(_bits(Y), _bits(want32))
+
+
+@numba.njit
+def _pairs_per_token(row_fn, packed, scales, X, out):
+    R = packed.shape[0]
+    for t in range(X.shape[0]):
+        for a in range(0, R, 2):
+            b = min(a + 1, R - 1)
+            out[a, t], out[b, t] = row_fn(packed[a], scales[a], packed[b], scales[b], X[t])
+
 @numba.njit
 def _pairs_f64(row_fn, packed, scales, x, out):
     for a in range(0, packed.shape[0] - 1, 2):
