@@ -14,7 +14,7 @@ cache and is not counted), one thread, every weight read into RAM when the sessi
 Medians of --rounds, with each round's ratio. The kernels alone at the real dimensions,
 against this CPU's peak: ``bench/roofline.py``.
 
-    python bench/arithmetic.py [--base 49d9015] [--rounds 3]
+    python bench/arithmetic.py [--base 49d9015] [--head REV] [--rounds 3]
 
 Generates scratch/real-dims (~8 GB) on first use.
 """
@@ -82,11 +82,11 @@ print(json.dumps(out))
 """
 
 
-def extract(base: str) -> Path:
-    """``base`` extracted once into scratch/arith-base (its numba cache kept beside it)."""
-    commit = subprocess.run(["git", "rev-parse", base], cwd=ROOT, check=True,
+def extract(rev: str, name: str) -> Path:
+    """``rev`` extracted once into scratch/NAME (its numba cache kept beside it)."""
+    commit = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout.strip()
-    out = DATA / "arith-base"
+    out = DATA / name
     stamp = out / "COMMIT"
     if not stamp.exists() or stamp.read_text() != commit:
         subprocess.run(["rm", "-rf", str(out)], check=True)
@@ -110,10 +110,13 @@ def one(tree: Path, ckpt: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="49d9015")
+    ap.add_argument("--head", default=None,
+                    help="a commit to measure instead of the working tree (extracted like BASE)")
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     ckpt = checkpoint("real-dims")
-    trees = {"base": extract(a.base), "head": ROOT}
+    trees = {"base": extract(a.base, "arith-base"),
+             "head": extract(a.head, "arith-head") if a.head else ROOT}
     res = {"base": [], "head": []}
     for r in range(a.rounds + 1):
         order = ("base", "head") if r % 2 else ("head", "base")
