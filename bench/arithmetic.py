@@ -14,7 +14,20 @@ cache and is not counted), one thread, every weight read into RAM when the sessi
 Medians of --rounds, with each round's ratio. The kernels alone at the real dimensions,
 against this CPU's peak: ``bench/roofline.py``.
 
+With --model, instead: Kimi K3 modelled from kernel rates measured here (BASE's kernels
+and this tree's, one thread, in one run): CPU seconds per prompt token at the laptop
+preset's prefill chunk (the trunk's dense matrices at the chunk's width, each routed
+expert at the tokens a chunk gives it under uniform routing, MLA attention over the
+prompt's mean position), and time to first token for 100, 1,000 and 10,000-token
+prompts at the laptop preset on this machine (its cores, its drive: --drive-gbps, else
+measured by reading a real-dims shard with O_DIRECT) and on an 8-core machine with a
+7 GB/s drive (this core's rates on each core). A pass reads the trunk it does not hold
+and the union of its experts (no cache hits: an upper bound) while it computes; the
+pass takes the longer of the two. Kernel time only: the measured passes spend under 1 %
+outside kernels (``bench/roofline.py --stages``).
+
     python bench/arithmetic.py [--base 49d9015] [--head REV] [--rounds 3]
+    python bench/arithmetic.py --model [--base 49d9015] [--drive-gbps G]
 
 Generates scratch/real-dims (~8 GB) on first use.
 """
@@ -29,7 +42,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, ROOT, checkpoint  # noqa: E402
+from common import DATA, ROOT, checkpoint, table  # noqa: E402
 
 _RUN = r"""
 import json, sys, time
@@ -107,13 +120,158 @@ def one(tree: Path, ckpt: Path) -> dict:
     return json.loads(p.stdout.splitlines()[-1])
 
 
+_RATES = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import numba
+numba.set_num_threads(1)
+import numpy as np
+from libk3.io import mxfp4 as io_mxfp4
+from libk3.kernels import bf16, mla, mxfp4
+rng = np.random.default_rng(0)
+def best(fn, n=3):
+    fn()
+    t = []
+    for _ in range(n):
+        t0 = time.perf_counter(); fn(); t.append(time.perf_counter() - t0)
+    return min(t)
+out = {"bf16": {}, "mxfp4": {}}
+O, I = 12288, 7168
+W = (rng.standard_normal((O, I), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+for T in (1, 2, 8, 64, 256):
+    X = rng.standard_normal((T, I), dtype=np.float32); Y = np.empty((T, O), np.float32)
+    out["bf16"][T] = 2 * O * I * T / best(lambda: bf16.matmul(W, X, Y))
+R, C = 3072, 3584
+P, S = io_mxfp4.encode(rng.standard_normal((R, C)).astype(np.float32) * 0.02)
+for T in (1, 2, 3, 4, 6, 8, 12, 16, 32):
+    X = rng.standard_normal((T, C), dtype=np.float32); Y = np.empty((T, R), np.float32)
+    out["mxfp4"][T] = 2 * R * C * T / best(lambda: mxfp4.matmul(P, S, X, Y))
+H, nope, rope, vd, r, Tc, T = 96, 128, 64, 128, 512, 4096, 8
+latent = rng.standard_normal((Tc, r), dtype=np.float32)
+k_rope = rng.standard_normal((Tc, rope), dtype=np.float32)
+kv_b = ((rng.standard_normal((H * (nope + vd), r), dtype=np.float32) * 0.05)
+        .view(np.uint32) >> 16).astype(np.uint16)
+qn = rng.standard_normal((T, H, nope), dtype=np.float32)
+qr = rng.standard_normal((T, H, rope), dtype=np.float32)
+pos = np.arange(Tc - T, Tc, dtype=np.int64)
+oa = np.empty((T, H, vd), np.float32)
+# attention only: the per-token kv_b work is priced with the dense matrices
+out["mla_per_position"] = 2 * H * (2 * r + rope) * Tc * T / best(
+    lambda: mla.mla_attention(qn, qr, pos, latent, k_rope, kv_b, (nope + rope) ** -0.5, oa))
+print(json.dumps(out))
+"""
+
+
+def rates(tree: Path) -> dict:
+    """FLOP/s of the kernels of ``tree`` at the widths the model prices (one thread)."""
+    p = subprocess.run([sys.executable, "-c", _RATES, str(tree)], capture_output=True,
+                       text=True)
+    if p.returncode != 0:
+        sys.stderr.write(p.stderr)
+        raise SystemExit(f"the rate run of {tree} failed")
+    got = json.loads(p.stdout.splitlines()[-1])
+    return {"bf16": {int(k): v for k, v in got["bf16"].items()},
+            "mxfp4": {int(k): v for k, v in got["mxfp4"].items()},
+            "mla_per_position": got["mla_per_position"]}
+
+
+def at(table_: dict, T: float) -> float:
+    """The rate measured at the nearest width at or below T (the smallest above 0)."""
+    keys = sorted(table_)
+    below = [k for k in keys if k <= T]
+    return table_[below[-1] if below else keys[0]]
+
+
+def drive_rate(ckpt: Path) -> float:
+    """Bytes/s of one sequential O_DIRECT pass over up to 2 GB of a real-dims shard."""
+    import mmap
+    import os
+    import time
+    shard = max(ckpt.glob("*.safetensors"), key=lambda f: f.stat().st_size)
+    fd = os.open(shard, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, 8 << 20)
+    total, t0 = 0, time.perf_counter()
+    try:
+        while total < (2 << 30):
+            n = os.preadv(fd, [buf], total)
+            if n <= 0:
+                break
+            total += n
+    finally:
+        os.close(fd)
+    return total / (time.perf_counter() - t0)
+
+
+def model_section(a) -> None:
+    import math
+    import os
+    from libk3.budget import ModelSizes, prefill_chunk, resolve_budget
+    from libk3.k3_dims import real_config
+    cfg = real_config()
+    sizes = ModelSizes.from_config(cfg)
+    laptop = resolve_budget("laptop", model_sizes=sizes, mem=1 << 50)
+    K = prefill_chunk(laptop, sizes, 64)[0]
+    n_exp, k = cfg.num_experts, cfg.num_experts_per_token
+    moe = len(cfg.moe_layers)
+    mla_layers = sum(1 for L in range(cfg.num_hidden_layers) if cfg.is_mla(L))
+    union = n_exp * (1 - (1 - k / n_exp) ** K)           # distinct experts per layer per pass
+    per_expert = K * k / union                             # tokens each of them gets
+    dense_flops = sizes.bf16_trunk_bytes                  # 2 flops per BF16 weight (2 bytes)
+    expert_flops = moe * k * 3 * 2 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size
+    mla_flops = mla_layers * 2 * cfg.num_attention_heads * (2 * cfg.kv_lora_rank
+                                                            + cfg.qk_rope_head_dim)
+    trees = {"base": extract(a.base, "arith-base"),
+             "head": extract(a.head, "arith-head") if a.head else ROOT}
+    measured = {name: rates(tree) for name, tree in trees.items()}
+    ckpt = checkpoint("real-dims")
+    here_bps = a.drive_gbps * 1e9 if a.drive_gbps else drive_rate(ckpt)
+    streamed = max(0, sizes.trunk_bytes - laptop.trunk_bytes) + union * moe * cfg.expert_bytes
+    print(f"Kimi K3 at the laptop preset: prefill chunk {K}, {union:.0f} distinct experts per "
+          f"MoE layer per pass ({per_expert:.2f} tokens each, uniform routing), "
+          f"{streamed / 1e9:.1f} GB read per pass; dense {dense_flops / 1e9:.1f} GFLOP, "
+          f"experts {expert_flops / 1e9:.1f} GFLOP per token, MLA "
+          f"{mla_flops / 1e6:.1f} MFLOP per token per earlier position")
+    cpu = {}
+    for name, r in measured.items():
+        def per_token(n_prompt, r=r):
+            mean_pos = n_prompt / 2
+            return (dense_flops / at(r["bf16"], K) + expert_flops / at(r["mxfp4"], per_expert)
+                    + mla_flops * mean_pos / r["mla_per_position"])
+        cpu[name] = per_token
+        print(f"{name}: BF16 {at(r['bf16'], K) / 1e9:.1f} GFLOP/s at {K} tokens, MXFP4 "
+              f"{at(r['mxfp4'], per_expert) / 1e9:.1f} GFLOP/s at {per_expert:.2f} tokens, MLA "
+              f"{r['mla_per_position'] / 1e9:.1f} GFLOP/s")
+    rows = []
+    machines = (("this machine", os.cpu_count() or 1, here_bps), ("8 cores, 7 GB/s", 8, 7e9))
+    for n_prompt in (100, 1000, 10000):
+        row = [n_prompt]
+        for name in ("base", "head"):
+            row.append(f"{cpu[name](n_prompt):.2f}")
+        for _, cores, bps in machines:
+            for name in ("base", "head"):
+                passes = math.ceil(n_prompt / K)
+                per_pass = max(min(K, n_prompt) * cpu[name](n_prompt) / cores, streamed / bps)
+                row.append(f"{passes * per_pass / 60:.1f}")
+        rows.append(row)
+    heads = ["prompt tokens", "CPU s/token base", "CPU s/token this tree"]
+    for label, cores, bps in machines:
+        heads += [f"TTFT min base ({label})", f"TTFT min this tree ({label})"]
+    print(table(rows, heads))
+    print(f"(this machine: {machines[0][1]} cores, drive {here_bps / 1e9:.2f} GB/s)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="49d9015")
     ap.add_argument("--head", default=None,
                     help="a commit to measure instead of the working tree (extracted like BASE)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model", action="store_true", help="Kimi K3 modelled (see above)")
+    ap.add_argument("--drive-gbps", type=float, default=None)
     a = ap.parse_args()
+    if a.model:
+        model_section(a)
+        return
     ckpt = checkpoint("real-dims")
     trees = {"base": extract(a.base, "arith-base"),
              "head": extract(a.head, "arith-head") if a.head else ROOT}

@@ -14,9 +14,9 @@ Prints, from one run:
    at the roof).
 3. With --stages: a stage breakdown of one `real-dims` prefill pass (64 tokens) and one
    width-8 lockstep decode pass, resident, at one thread and at --threads: CPU seconds per
-   kernel of ``libk3.model.ops`` and the time outside them (Python, numpy glue, the
-   sampler), each as a share of the pass; the speed-up at more threads per stage shows
-   what stays serial.
+   kernel of ``libk3.model.ops`` and the time outside them (Python, numpy glue), each as
+   a share of the pass; the wall-time speed-up of each stage at --threads shows what
+   stays serial.
 
     python bench/roofline.py [--repeat 5] [--stages] [--threads 2]
 
@@ -207,15 +207,17 @@ from libk3.model import ops
 from libk3.model.state import State
 from libk3.model.forward import Segment
 spent = collections.Counter()
+wall = collections.Counter()
 for name in [n for n in dir(ops) if callable(getattr(ops, n)) and not n.startswith("_")
              and getattr(getattr(ops, n), "__module__", "") == ops.__name__]:
     fn = getattr(ops, name)
     def timed(*a, _fn=fn, _name=name, **kw):
-        c0 = time.process_time()
+        c0, w0 = time.process_time(), time.perf_counter()
         try:
             return _fn(*a, **kw)
         finally:
             spent[_name] += time.process_time() - c0
+            wall[_name] += time.perf_counter() - w0
     setattr(ops, name, timed)
 s = open_session(sys.argv[1])
 out = {}
@@ -223,10 +225,11 @@ prompt = [(37 * i) % 150000 + 11 for i in range(64)]
 for rep in range(2):                        # the first pass fills caches and compiles
     st = s.new_state()
     spent.clear()
-    c0 = time.process_time()
+    wall.clear()
+    c0, w0 = time.process_time(), time.perf_counter()
     s.forward.run([Segment(prompt, st, all_logits=False)])
-    total = time.process_time() - c0
-out["prefill"] = dict(spent, total=total)
+    total, wtotal = time.process_time() - c0, time.perf_counter() - w0
+out["prefill"] = {"cpu": dict(spent, total=total), "wall": dict(wall, total=wtotal)}
 states = []
 for i in range(8):
     st = s.new_state()
@@ -234,9 +237,11 @@ for i in range(8):
                            all_logits=False)])
     states.append(st)
 spent.clear()
-c0 = time.process_time()
+wall.clear()
+c0, w0 = time.process_time(), time.perf_counter()
 s.forward.run([Segment([7 + i], states[i], all_logits=False, phase="decode") for i in range(8)])
-out["lockstep8"] = dict(spent, total=time.process_time() - c0)
+out["lockstep8"] = {"cpu": dict(spent, total=time.process_time() - c0),
+                    "wall": dict(wall, total=time.perf_counter() - w0)}
 print(json.dumps(out))
 """
 
@@ -254,25 +259,31 @@ def stages_section(threads):
             raise SystemExit("the stage run failed")
         res[n] = json.loads(p.stdout.splitlines()[-1])
     for what in ("prefill", "lockstep8"):
-        one = res[1][what]
+        one = res[1][what]["cpu"]
         names = sorted((k for k in one if k != "total"), key=lambda k: -one[k])
-        outside = one["total"] - sum(one[k] for k in names)
+
+        def wall_of(n, k):
+            w = res[n][what]["wall"]
+            return w["total"] - sum(w.get(x, 0.0) for x in names) if k is None else w.get(k, 0.0)
         rows = []
-        for k in names + ["(outside kernels)"]:
-            v = outside if k.startswith("(") else one[k]
-            row = [k, f"{v:.3f}", f"{100 * v / one['total']:.1f} %"]
+        for k in names + [None]:
+            v = one["total"] - sum(one[x] for x in names) if k is None else one[k]
+            row = [k or "(outside kernels)", f"{v:.3f}", f"{100 * v / one['total']:.1f} %"]
             if threads != 1:
-                many = res[threads][what]
-                vm = (many["total"] - sum(many[x] for x in names)) if k.startswith("(") else many.get(k, 0.0)
-                row.append(f"{v / vm:.2f}x" if vm > 0 else "-")
+                w1, wn = wall_of(1, k), wall_of(threads, k)
+                row.append(f"{w1 / wn:.2f}x" if wn > 0 else "-")
             rows.append(row)
         label = ("real-dims prefill pass, 64 tokens" if what == "prefill"
                  else "real-dims lockstep pass, width 8 (decode)")
         heads = [label, "CPU s (1 thread)", "share"]
         if threads != 1:
-            heads.append(f"speed-up at {threads} threads (CPU s, all threads)")
+            heads.append(f"wall speed-up at {threads} threads")
         print(table(rows, heads))
-        print(f"pass total: {one['total']:.3f} CPU s at 1 thread\n")
+        tail = ""
+        if threads != 1:
+            tail = (f"; wall {res[1][what]['wall']['total']:.3f} s at 1 thread, "
+                    f"{res[threads][what]['wall']['total']:.3f} s at {threads}")
+        print(f"pass total: {one['total']:.3f} CPU s at 1 thread{tail}\n")
 
 
 def main() -> None:

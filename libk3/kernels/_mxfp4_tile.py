@@ -2,9 +2,9 @@
 
 Owns: the vector decode of one 32-weight group (16 packed bytes -> four f64x8 vectors of
 doubled E2M1 values, through the SSSE3 byte shuffle), ``group_sum_x2`` (one row, one
-token: the decode's one-token use) and the tile steps ``tile_8x1``, ``tile_4x2``,
-``tile_2x4`` and ``tile_1x8``: RT rows x TT tokens (RT * TT = 8) of one group, each
-decoded row applied to every token of the tile. Does not own: the order itself
+token: the decode's one-token use) and the tile steps ``tile_8x1`` (eight lanes),
+``tile_2x8``, ``tile_4x4`` and ``tile_8x2`` (sixteen: two vectors of eight): RT rows x TT
+tokens of one group, each decoded row applied to every token of the tile. Does not own: the order itself
 (formats/numerics.md section 3), which tiles a kernel uses (``mxfp4.py``).
 
 WHY tiles of eight (row, token) lanes. The order of section 3 ends each group with a
@@ -200,10 +200,9 @@ def _make_tile(rt: int, tt: int):
 
 
 tile_8x1 = _make_tile(8, 1)
-tile_4x2 = _make_tile(4, 2)
-tile_2x4 = _make_tile(2, 4)
-tile_1x8 = _make_tile(1, 8)
 tile_2x8 = _make_tile(2, 8)
+tile_4x4 = _make_tile(4, 4)
+tile_8x2 = _make_tile(8, 2)
 
 
 @intrinsic

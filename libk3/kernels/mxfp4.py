@@ -37,7 +37,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import team
-from ._mxfp4_tile import HAVE_PSHUFB, group_sum_x2, tile_1x8, tile_2x4, tile_2x8, tile_4x2, tile_8x1
+from ._mxfp4_tile import HAVE_PSHUFB, group_sum_x2, tile_2x8, tile_4x4, tile_8x1, tile_8x2
 from ._simd import vlane, vzero
 from ..config import MXFP4_GROUP
 from ..io.mxfp4 import E2M1, SCALE_NAN
@@ -158,9 +158,9 @@ def _store(acc, Y, t0, r0, tt):
 @njit(cache=True, inline="always")
 def _block_rows(P, S, X, Y, r0, half, G, C):
     """Rows r0 .. r0 + 7 for every token of X (float64, flat [T * C]) into Y [T, R]:
-    eight tokens at a time one row per tile, then the last T mod 8 tokens in tiles of
-    2x4, 4x2 and 8x1 (every (row, token) sum in the order of section 3 whichever tile
-    holds it)."""
+    eight tokens at a time two rows per tile, then the last T mod 8 tokens in tiles of
+    4x4, 8x2 and 8x1 rows x tokens (every (row, token) sum in the order of section 3
+    whichever tile holds it)."""
     T = Y.shape[0]
     t = 0
     while t + 8 <= T:
@@ -174,22 +174,22 @@ def _block_rows(P, S, X, Y, r0, half, G, C):
             _store(acc[1], Y, t, r + 1, 8)
         t += 8
     if T - t >= 4:
-        for ri in range(0, 8, 2):
-            r = r0 + ri
-            acc = vzero()
-            for g in range(G):
-                acc = tile_2x4(acc, P, r * half + 16 * g, half, S, r * G + g, G,
-                               X, t * C + 32 * g, C)
-            _store(acc, Y, t, r, 4)
-        t += 4
-    if T - t >= 2:
         for ri in range(0, 8, 4):
             r = r0 + ri
-            acc = vzero()
+            acc = (vzero(), vzero())
             for g in range(G):
-                acc = tile_4x2(acc, P, r * half + 16 * g, half, S, r * G + g, G,
+                acc = tile_4x4(acc, P, r * half + 16 * g, half, S, r * G + g, G,
                                X, t * C + 32 * g, C)
-            _store(acc, Y, t, r, 2)
+            _store(acc[0], Y, t, r, 4)
+            _store(acc[1], Y, t, r + 2, 4)
+        t += 4
+    if T - t >= 2:
+        acc = (vzero(), vzero())
+        for g in range(G):
+            acc = tile_8x2(acc, P, r0 * half + 16 * g, half, S, r0 * G + g, G,
+                           X, t * C + 32 * g, C)
+        _store(acc[0], Y, t, r0, 2)
+        _store(acc[1], Y, t, r0 + 4, 2)
         t += 2
     if T - t >= 1:
         acc = vzero()
