@@ -26,7 +26,6 @@ One thread unless --threads; the machine is shared: compare within one run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
