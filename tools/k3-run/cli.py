@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import click
@@ -18,15 +16,14 @@ from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_SIZE
 from libk3.engine.defaults import IO_THREADS, PREFILL_CHUNK, PREFIX_CACHE_BYTES
 from libk3.engine.settings import (frequency_penalty_problem, gen_or_until_end_problem,
-                                   logit_bias_pairs, logit_bias_problem,
                                    min_p_problem, presence_penalty_problem,
                                    repetition_penalty_problem, seed_problem,
-                                   stop_strings_problem, temperature_problem, top_k_problem,
-                                   top_p_problem)
+                                   temperature_problem, top_k_problem, top_p_problem)
 from libk3.io import atomic
 from libk3.text.chat_template import DEFAULT_LIMITS, RenderLimits
-from libk3.text.encodable import text_problem
 from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
+
+from . import params
 
 
 def _note_order(ctx, param, value):
@@ -60,108 +57,6 @@ class _Printer:
             sys.stdout.write(self.text.finish())
         sys.stdout.write("\n")
         sys.stdout.flush()
-
-
-def _system_text(ctx, param, value):
-    """--system TEXT, or @FILE: the file's text (UTF-8, final newlines dropped); a leading
-    @@ stands for a literal @. Empty: no system message."""
-    if value is not None and value.startswith("@") and not value.startswith("@@"):
-        try:
-            with open(value[1:], encoding="utf-8") as f:
-                value = f.read().rstrip("\r\n")
-        except (OSError, UnicodeDecodeError) as e:
-            raise click.BadParameter(f"{value[1:]}: {getattr(e, 'strerror', None) or e}")
-    elif value is not None and value.startswith("@@"):
-        value = value[1:]
-    return value or None
-
-
-def _encodable(ctx, param, value):
-    """An option's text (each of a repeated option's), refused when UTF-8 cannot encode
-    it: bytes the shell passed that are not UTF-8 arrive as lone surrogates."""
-    for item in value if isinstance(value, tuple) else (value,):
-        why = text_problem(item, "the value")
-        if why:
-            raise click.BadParameter(why)
-    return value
-
-
-def _stop_strings(ctx, param, value):
-    """--stop values: encodable (``_encodable``) and not empty (one would match at once)."""
-    why = stop_strings_problem(_encodable(ctx, param, value))
-    if why:
-        raise click.BadParameter(why)
-    return value
-
-
-def _logit_bias(ctx, param, value):
-    """--logit-bias ID=BIAS values as (id, bias) pairs sorted by id: an id twice, a bias
-    outside [-100, 100] or over 300 ids refused here; the ids are checked against the
-    model's vocabulary once its config is read (``_check_logit_bias``)."""
-    pairs = []
-    for item in value:
-        tid, sep, bias = item.partition("=")
-        try:
-            if not sep or not (tid.strip().isascii() and tid.strip().isdigit()):
-                raise ValueError
-            pairs.append((int(tid), float(bias)))
-        except ValueError:
-            raise click.BadParameter(f"expected ID=BIAS, a token id and a number (e.g. "
-                                     f"1234=-100), got {item[:40]!r}") from None
-    why = logit_bias_problem(pairs, MAX_SIZE)
-    if why:
-        raise click.BadParameter(why)
-    return logit_bias_pairs(pairs)
-
-
-def _check_logit_bias(model, pairs) -> None:
-    """--logit-bias ids against the model's vocabulary (its config.json), before any work
-    (UsageError, exit 2, naming the id)."""
-    if pairs:
-        from libk3.config import load_config
-        from libk3.errors import UsageError
-        why = logit_bias_problem(pairs, load_config(model).vocab_size)
-        if why:
-            raise UsageError(f"--logit-bias: {why}")
-
-
-def _response_format(ctx, param, value):
-    """--response-format json_object, or @SCHEMA.json (a JSON schema file): OpenAI's
-    response_format object; the file's JSON is read here (a bad one names the file), the
-    schema is checked by the library before any work (``_check_response_format``)."""
-    if value is None:
-        return None
-    if value == "json_object":
-        return {"type": "json_object"}
-    if not value.startswith("@") or len(value) < 2:
-        raise click.BadParameter("expected json_object or @SCHEMA.json (a JSON schema file)")
-    path = value[1:]
-    try:
-        with open(path, "rb") as f:
-            schema = json.loads(f.read().decode("utf-8"))
-    except OSError as e:
-        raise click.BadParameter(f"{path}: {e.strerror or e}") from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise click.BadParameter(f"{path}: not a JSON file ({str(e)[:80]})") from None
-    if not isinstance(schema, dict):
-        raise click.BadParameter(f"{path}: a JSON schema must be an object")
-    return {"type": "json_schema",
-            "json_schema": {"name": Path(path).stem, "schema": schema, "strict": True},
-            "file": path}
-
-
-def _check_response_format(fmt) -> None:
-    """--response-format's schema against the library, before any work (UsageError, exit
-    2, naming the file; also when the ``structured`` extra is missing)."""
-    if fmt is not None:
-        from libk3.engine.grammar import response_format_problem
-        from libk3.errors import UsageError
-        fmt = dict(fmt)
-        where = fmt.pop("file", None)
-        why = response_format_problem(fmt)
-        if why:
-            raise UsageError(f"--response-format {where or fmt['type']}: {why}")
-    return fmt
 
 
 # Which options go together (k3cli.constraints), checked in this order before any work.
@@ -215,7 +110,7 @@ RULES = (
               help="The model directory, as the MODEL argument (give one of them).")
 @click.option("--pack", type=click.Path(exists=True, file_okay=False),
               help="Pack directory made by k3-pack (else the trunk is read from the shards).")
-@click.option("-p", "--prompt", callback=_encodable,
+@click.option("-p", "--prompt", callback=params.encodable,
               help="Prompt text (needs the model's tokenizer).")
 @click.option("-f", "--prompt-file", type=click.Path(exists=True, dir_okay=False),
               help="Read the prompt from a file, byte for byte (CRLF kept; must be UTF-8 "
@@ -244,7 +139,7 @@ RULES = (
 @click.option("--chat", is_flag=True, help="Interactive multi-turn chat on stdin, in the "
                                            "model's chat template (/help lists its "
                                            "commands; docs/serve.md).")
-@click.option("--template-kwargs", type=JsonObject(), metavar="JSON", callback=_encodable,
+@click.option("--template-kwargs", type=JsonObject(), metavar="JSON", callback=params.encodable,
               help="With --chat: extra chat-template variables, e.g. '{\"thinking\": false}'.")
 @click.option("--template-timeout", type=Finite(0, 10 ** 6, min_open=True), metavar="SECONDS",
               default=DEFAULT_LIMITS.seconds, show_default=True,
@@ -254,7 +149,7 @@ RULES = (
               default=DEFAULT_LIMITS.max_bytes, show_default=True,
               help="With --chat, --batch or --serve: a chat-template rendering that writes "
                    "more is that conversation's error.")
-@click.option("--system", callback=_system_text, metavar="TEXT|@FILE",
+@click.option("--system", callback=params.system_text, metavar="TEXT|@FILE",
               help="With --chat: the system message opening the conversation (@FILE: the "
                    "file's text; @@ for a literal @).")
 @click.option("--history", type=click.Path(dir_okay=False), envvar="K3_CHAT_HISTORY",
@@ -314,18 +209,18 @@ RULES = (
               show_default=True, help="Subtract this times its count so far from each "
                                       "generated token's logit, in [-2, 2] (docs/run.md "
                                       "\"Sampling\").")
-@click.option("--logit-bias", "logit_bias", multiple=True, callback=_logit_bias,
+@click.option("--logit-bias", "logit_bias", multiple=True, callback=params.logit_bias,
               metavar="ID=BIAS",
               help="Add BIAS, in [-100, 100], to token ID's logit before the penalties "
                    "(-100: all but banned, 100: all but forced); repeatable, an id once, "
                    "at most 300 (docs/run.md \"Sampling\").")
-@click.option("--response-format", callback=_response_format, metavar="json_object|@SCHEMA",
+@click.option("--response-format", callback=params.response_format, metavar="json_object|@SCHEMA",
               help="Structured output: the text is a JSON object (json_object), or JSON "
                    "valid against the JSON schema in the file SCHEMA; needs the structured "
                    "extra (docs/run.md \"Structured output\").")
 @click.option("--seed", type=Rule(click.INT, seed_problem, "integer"), default=0,
               show_default=True, help="0 .. 2^64 - 1.")
-@click.option("--stop", "stop_strings", multiple=True, callback=_stop_strings,
+@click.option("--stop", "stop_strings", multiple=True, callback=params.stop_strings,
               help="Stop when this text appears in the generated text (left out of the "
                    "text shown and reported; docs/run.md \"Stop strings\").")
 @click.option("--stop-id", "stop_ids", type=click.IntRange(0, MAX_SIZE - 1), multiple=True,
@@ -383,9 +278,9 @@ def main(ctx, **options):
     if a.serve_address:
         from libk3.serve.app import check_address
         check_address(a.serve_address, a.api_key)        # before the model is opened
-    a.response_format = _check_response_format(a.response_format)
+    a.response_format = params.check_response_format(a.response_format)
     opts, settings = _run_options(ctx, a), _settings(a)
-    _check_logit_bias(a.model, settings.logit_bias)
+    params.check_logit_bias(a.model, settings.logit_bias)
     if a.batch:
         _batch_mode(a, opts, settings, started)
         return
