@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 import os
 import stat
 from pathlib import Path
@@ -61,7 +62,10 @@ class BatchLineError(ValueError):
 def read_lines(path):
     """(line number from 1, raw bytes) of every line of a batch file, split on b"\n" only.
     A path that is not a regular file (``/dev/zero``, a FIFO) is refused at once
-    (FormatError): it could grow without end or block."""
+    (FormatError): it could grow without end or block. ``-`` is standard input, read to
+    its end (the user chose to pipe it)."""
+    if path == "-":
+        return enumerate(sys.stdin.buffer.read().split(b"\n"), start=1)
     p = Path(path)
     _check_regular(p, "the batch file", "the batch file")
     return enumerate(p.read_bytes().split(b"\n"), start=1)

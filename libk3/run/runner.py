@@ -61,6 +61,7 @@ class RunOptions:
     serve: bool = False                    # the run serves requests (--serve)
     load_state: str | None = None          # a state to resume (--load-state): checked first
     prefill_chunk: int | None = None       # prompt tokens per prefill pass (None: the rule's)
+    context_limit: int | None = None       # --ctx-size: prompt + generated tokens, at most
 
 
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
@@ -214,14 +215,32 @@ class Run:
                       "cache_policy": opts.cache_policy}))
 
     def chunked(self, settings: GenSettings) -> GenSettings:
-        """``settings`` with this run's prefill chunk (``resolve_run_budget``)."""
-        return dataclasses.replace(settings, prefill_chunk=self.prefill_chunk)
+        """``settings`` with this run's prefill chunk (``resolve_run_budget``) and
+        context (``context``)."""
+        return dataclasses.replace(settings, prefill_chunk=self.prefill_chunk,
+                                   context=self.context)
 
     @functools.cached_property
     def context(self) -> int:
-        """The model's context in tokens (``config.context_length``), read once."""
+        """The run's context in tokens: the model's (``config.context_length``), read
+        once, or ``opts.context_limit`` (--ctx-size) when that is smaller."""
         from ..config import context_length
-        return context_length(self.opts.model)
+        model = context_length(self.opts.model)
+        limit = self.opts.context_limit
+        return model if limit is None else min(model, limit)
+
+    def check_fits(self, n_prompt: int, gen: int) -> None:
+        """UsageError when --ctx-size is given and a prompt of ``n_prompt`` tokens and
+        ``gen`` tokens after it (-1: until the end, nothing to add) do not fit in it."""
+        limit = self.opts.context_limit
+        if limit is None:
+            return
+        if n_prompt > self.context:
+            raise UsageError(f"--ctx-size {limit}: the prompt is {n_prompt:,} tokens, over "
+                             f"the context of {self.context:,}")
+        if gen >= 0 and n_prompt + gen > self.context:
+            raise UsageError(f"--ctx-size {limit}: the prompt's {n_prompt:,} tokens and "
+                             f"--gen {gen:,} run past the context of {self.context:,}")
 
     @property
     def cfg(self):
@@ -274,6 +293,7 @@ class Run:
         context = self.context
         bound = prompt_byte_bound(context, self._tokenizer().longest_rank_bytes)
         ids = self.encode(read_prompt_file(path, bound))
+        self.check_fits(len(ids), 0)
         if len(ids) > context:
             raise FormatError("prompt is longer than the model's context", path=path,
                               expected=f"<= {context} tokens", found=f"{len(ids)} tokens")

@@ -14,6 +14,7 @@ from k3cli.group import (Command, Finite, JsonObject, Rule, Shard, Width, gigaby
                          quiet_option, threads_option)
 from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_SIZE
+from libk3.engine.settings import MAX_POSITIONS
 from libk3.engine.defaults import IO_THREADS, PREFILL_CHUNK, PREFIX_CACHE_BYTES
 from libk3.engine.settings import (frequency_penalty_problem, gen_or_until_end_problem,
                                    min_p_problem, presence_penalty_problem,
@@ -24,6 +25,7 @@ from libk3.text.chat_template import DEFAULT_LIMITS, RenderLimits
 from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
 
 from . import params
+from .llama import refused_options, serve_address
 
 
 def _note_order(ctx, param, value):
@@ -64,8 +66,12 @@ _BUDGET_WIDTH = "--batch-width and --shard go with --batch (--batch-width also w
 RULES = (
     constraints.OneOf(("model", "model_option"),
                       text="give the model directory once: MODEL or -m/--model"),
-    constraints.OneOf(("prompt", "prompt_file", "ids", "batch", "chat", "serve_address"),
-                      or_none_with=("load_state",)),
+    constraints.OneOf(("prompt_arg", "prompt", "prompt_file", "ids", "batch", "chat",
+                       "serve_address"), or_none_with=("load_state",)),
+    constraints.GoesWith(("host", "port"), ("serve_address",),
+                         "--host and --port go with --serve"),
+    constraints.Excludes("verbose", ("quiet",), "--verbose and --quiet (--log-disable) are "
+                                               "opposites: give one"),
     constraints.GoesWith(("batch",), ("out_path",), "--batch needs --out RESULTS.jsonl"),
     constraints.GoesWith(("out_path",), ("batch",), "--out goes with --batch"),
     constraints.GoesWith(("wait", "max_prompts", "deadline"), ("batch",),
@@ -88,7 +94,7 @@ RULES = (
                          "--draft-max and --draft-dump go with --draft"),
     constraints.GoesWith(("prefix_cache_gb", "save_prefix"), ("prefix_cache",),
                          "--prefix-cache-gb and --save-prefix go with --prefix-cache"),
-    constraints.GoesWith(("save_prefix",), ("prompt", "prompt_file", "ids"),
+    constraints.GoesWith(("save_prefix",), ("prompt_arg", "prompt", "prompt_file", "ids"),
                          "--save-prefix goes with a prompt (-p, -f or --ids)"),
     constraints.Excludes("prefix_cache", ("load_state", "chat"),
                          "--prefix-cache excludes --load-state and --chat (a chat resumes "
@@ -97,14 +103,16 @@ RULES = (
                          "--no-prefix-sharing goes with --batch"),
     constraints.GoesWith(("shard",), ("batch",), _BUDGET_WIDTH),
     constraints.GoesWith(("batch_width",), ("batch", "serve_address"), _BUDGET_WIDTH),
-    constraints.GoesWith(("response_format",), ("prompt", "prompt_file", "ids", "batch"),
+    constraints.GoesWith(("response_format",),
+                         ("prompt_arg", "prompt", "prompt_file", "ids", "batch"),
                          "--response-format goes with a prompt (-p, -f or --ids) or --batch"),
 )
 
 
 @click.command(cls=Command, help="Run Kimi K3 (or a synthetic K3 checkpoint) on a prompt, a batch file "
                     "or a chat. Logits are identical at every budget.")
-@click.argument("model", required=False, type=click.Path(exists=True, file_okay=False))
+@click.argument("model", required=False)
+@click.argument("prompt_arg", required=False, metavar="[PROMPT]", callback=params.encodable)
 @click.option("-m", "--model", "model_option", metavar="MODEL",
               type=click.Path(exists=True, file_okay=False),
               help="The model directory, as the MODEL argument (give one of them).")
@@ -112,13 +120,14 @@ RULES = (
               help="Pack directory made by k3-pack (else the trunk is read from the shards).")
 @click.option("-p", "--prompt", callback=params.encodable,
               help="Prompt text (needs the model's tokenizer).")
-@click.option("-f", "--prompt-file", type=click.Path(exists=True, dir_okay=False),
+@click.option("-f", "--prompt-file", type=click.Path(exists=True, dir_okay=False,
+                                                     allow_dash=True),
               help="Read the prompt from a file, byte for byte (CRLF kept; must be UTF-8 "
-                   "and fit the model's context).")
+                   "and fit the model's context); -: standard input.")
 @click.option("--ids", help="Prompt as comma-separated token ids.")
-@click.option("--batch", type=click.Path(exists=True, dir_okay=False),
+@click.option("--batch", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
               help="JSONL prompts (id, prompt|ids|messages, optional gen, sampling fields, "
-                   "stop; formats/batch.md).")
+                   "stop; formats/batch.md); -: standard input.")
 @click.option("--out", "out_path", type=click.Path(),
               help="With --batch: results JSONL, appended; ids already there are skipped.")
 @click.option("--wait", is_flag=True,
@@ -130,13 +139,15 @@ RULES = (
               metavar="MINUTES",
               help="With --batch: stop cleanly this many minutes after start, having "
                    "started only prompts this run's pace says finish by then (docs/batch.md).")
-@click.option("--batch-width", default=None, type=Width(), metavar="N|auto",
+@click.option("--batch-width", "--parallel", "-np", "batch_width", default=None,
+              type=Width(), metavar="N|auto",
               help="With --batch or --serve: prompts (requests) decoded in lockstep, "
                    "sharing each weight read (default auto: the most whose state fits "
                    "beside the budgets).")
 @click.option("--shard", type=Shard(), metavar="K/N",
               help="With --batch: run only the ids of shard K of N (docs/batch.md).")
-@click.option("--chat", is_flag=True, help="Interactive multi-turn chat on stdin, in the "
+@click.option("--chat", "-i", "-cnv", "--conversation", "chat", is_flag=True,
+              help="Interactive multi-turn chat on stdin, in the "
                                            "model's chat template (/help lists its "
                                            "commands; docs/serve.md).")
 @click.option("--template-kwargs", type=JsonObject(), metavar="JSON", callback=params.encodable,
@@ -155,9 +166,14 @@ RULES = (
 @click.option("--history", type=click.Path(dir_okay=False), envvar="K3_CHAT_HISTORY",
               show_envvar=True, help="With --chat: the line-editing history file (default "
                                      "$XDG_STATE_HOME/k3/chat_history).")
-@click.option("--serve", "serve_address", metavar="[HOST:]PORT",
+@click.option("--serve", "serve_address", metavar="[[HOST:]PORT]", is_flag=False,
+              flag_value="",
               help="Serve an OpenAI-compatible API (needs the serve extra); HOST defaults "
-                   "to 127.0.0.1, any other address needs --api-key.")
+                   "to 127.0.0.1, any other address needs --api-key; PORT to 8080 (or "
+                   "--host and --port).")
+@click.option("--host", help="With --serve and no address: the host (default 127.0.0.1).")
+@click.option("--port", type=click.IntRange(0, 65535),
+              help="With --serve and no address: the port (default 8080).")
 @click.option("--api-key", envvar="K3_API_KEY", show_envvar=True,
               help="With --serve: the key every request must send (Authorization: Bearer).")
 @click.option("--served-model-name", metavar="NAME",
@@ -185,7 +201,8 @@ RULES = (
                    "max_tokens, else until the turn ends), at most 1,048,576 (the trained "
                    "context); -1: until the model ends its turn, a stop, or the context is "
                    "full.")
-@click.option("--temperature", type=Rule(click.FLOAT, temperature_problem, "float"),
+@click.option("--temperature", "--temp", "temperature",
+              type=Rule(click.FLOAT, temperature_problem, "float"),
               default=0.0, show_default=True,
               help="0 = greedy; else at least 2^-126 (the smallest normal float32).")
 @click.option("--top-p", type=Rule(click.FLOAT, top_p_problem, "float"), default=1.0,
@@ -218,7 +235,7 @@ RULES = (
               help="Structured output: the text is a JSON object (json_object), or JSON "
                    "valid against the JSON schema in the file SCHEMA; needs the structured "
                    "extra (docs/run.md \"Structured output\").")
-@click.option("--seed", type=Rule(click.INT, seed_problem, "integer"), default=0,
+@click.option("-s", "--seed", "seed", type=Rule(click.INT, seed_problem, "integer"), default=0,
               show_default=True, help="0 .. 2^64 - 1.")
 @click.option("--stop", "stop_strings", multiple=True, callback=params.stop_strings,
               help="Stop when this text appears in the generated text (left out of the "
@@ -255,7 +272,13 @@ RULES = (
               help="With --draft: write every verify pass's taps, block, draft logits, "
                    "confidence and target logits to this .npz.")
 @threads_option
-@quiet_option
+@click.option("-c", "--ctx-size", type=click.IntRange(1, MAX_POSITIONS), metavar="N",
+              help="Context limit: the prompt and the tokens generated after it fit in N "
+                   "tokens, else the run is refused (default: the model's context).")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Also print the whole run report (as --json gives it) on stderr.")
+@refused_options
+@lambda fn: quiet_option(fn, "--log-disable")
 @click.option("--save-state", type=click.Path(dir_okay=False), help="Save the state at the end.")
 @click.option("--load-state", type=click.Path(exists=True, dir_okay=False),
               help="Continue from a saved state (the prompt continues it; with no prompt, "
@@ -273,8 +296,11 @@ def main(ctx, **options):
     """Each mode is one function below; ``a`` holds every option by its parameter name."""
     started = time.monotonic()
     a = SimpleNamespace(**options)
+    _positionals(ctx, a)
     constraints.check(ctx, RULES)
     a.model = a.model or a.model_option
+    a.prompt = a.prompt if a.prompt_arg is None else a.prompt_arg
+    a.serve_address = serve_address(a.serve_address, a.host, a.port)
     if a.serve_address:
         from libk3.serve.app import check_address
         check_address(a.serve_address, a.api_key)        # before the model is opened
@@ -296,6 +322,23 @@ def main(ctx, **options):
             _prompt_mode(a, run, settings)
 
 
+def _positionals(ctx, a) -> None:
+    """MODEL [PROMPT], or with -m/--model: [PROMPT] alone (llama.cpp's positional
+    prompt; a directory there is the model given twice); the model directory checked as
+    the MODEL argument's type would."""
+    import os
+    from click.core import ParameterSource
+    if a.model_option is not None and a.model is not None and a.prompt_arg is None \
+            and not os.path.isdir(a.model):
+        a.model, a.prompt_arg = None, a.model
+        ctx.set_parameter_source("model", ParameterSource.DEFAULT)
+        ctx.set_parameter_source("prompt_arg", ParameterSource.COMMANDLINE)
+        params.encodable(ctx, None, a.prompt_arg)
+    if a.model is not None:
+        param = next(p for p in ctx.command.params if p.name == "model")
+        a.model = click.Path(exists=True, file_okay=False).convert(a.model, param, ctx)
+
+
 def _run_options(ctx, a):
     """What opens the model: budget, pack, streaming, drafting, tracing."""
     from libk3.run import runner
@@ -315,7 +358,8 @@ def _run_options(ctx, a):
         template_limits=RenderLimits(a.template_timeout, a.template_max_bytes),
         prefix_cache=a.prefix_cache, prefix_cache_bytes=int(a.prefix_cache_gb * 1e9),
         share_prefixes=not a.no_prefix_sharing, serve=bool(a.serve_address),
-        load_state=a.load_state, prefill_chunk=a.prefill_chunk, beside_bytes=beside)
+        load_state=a.load_state, prefill_chunk=a.prefill_chunk, beside_bytes=beside,
+        context_limit=a.ctx_size)
 
 
 def _settings(a):
@@ -370,6 +414,7 @@ def _prompt_mode(a, run, settings) -> None:
         prompt_ids = run.encode(a.prompt)
     else:
         prompt_ids = []
+    run.check_fits(len(prompt_ids), settings.gen)
     rep = _one_prompt(run, prompt_ids, settings, a)
     if a.report_json:
         atomic.write_json(a.report_json, rep)
@@ -378,6 +423,7 @@ def _prompt_mode(a, run, settings) -> None:
     else:
         from libk3.run.report import short_text
         click.echo(short_text(rep), err=True)
+    _verbose(a, rep)
 
 
 def _batch_mode(a, opts, settings, started: float) -> None:
@@ -389,6 +435,7 @@ def _batch_mode(a, opts, settings, started: float) -> None:
     summary = runner.run_batch(opts, a.batch, a.out_path, settings,
                                warn=lambda m: click.echo(m, err=True), limits=limits,
                                shard=a.shard)
+    _verbose(a, summary)
     if a.json_out:
         print_json(summary)
         return
@@ -397,6 +444,13 @@ def _batch_mode(a, opts, settings, started: float) -> None:
     click.echo(summary_text(summary, a.out_path), err=True)
     if "width" in summary:
         click.echo(batch_text(summary), err=True)
+
+
+def _verbose(a, doc) -> None:
+    """--verbose: the whole report on stderr, as --json prints it on stdout."""
+    if a.verbose:
+        import json
+        click.echo(json.dumps(doc, indent=2, sort_keys=True, default=str), err=True)
 
 
 def _one_prompt(run, prompt_ids, settings, a) -> dict:
