@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from types import SimpleNamespace
 
@@ -26,6 +25,7 @@ from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
 
 from . import params
 from .llama import refused_options, serve_address
+from .printer import Printer
 
 
 def _note_order(ctx, param, value):
@@ -35,39 +35,18 @@ def _note_order(ctx, param, value):
     return value
 
 
-class _Printer:
-    """Writes each token to stdout as it is produced: its text as it becomes final under
-    the stop rule (``libk3.engine.stops``: a UTF-8 character is never split, a stop
-    string or the token that ends it by its id never shown), or ids when there is no
-    tokenizer."""
-
-    def __init__(self, tokenizer, stop_strings=(), end_ids=()):
-        from libk3.engine.stops import StopText
-        self.text = StopText(tokenizer, stop_strings, end_ids) if tokenizer is not None \
-            else None
-
-    def __call__(self, tok):
-        if self.text is None:
-            sys.stdout.write(f"{tok} ")
-        elif not self.text.stopped:
-            self.text.feed(tok)
-            sys.stdout.write(self.text.take())
-        sys.stdout.flush()
-
-    def finish(self):
-        if self.text is not None:
-            sys.stdout.write(self.text.finish())
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-
-
 # Which options go together (k3cli.constraints), checked in this order before any work.
 _BUDGET_WIDTH = "--batch-width and --shard go with --batch (--batch-width also with --serve)"
 RULES = (
     constraints.OneOf(("model", "model_option"),
                       text="give the model directory once: MODEL or -m/--model"),
     constraints.OneOf(("prompt_arg", "prompt", "prompt_file", "ids", "batch", "chat",
-                       "serve_address"), or_none_with=("load_state",)),
+                       "serve_address", "perplexity"), or_none_with=("load_state",)),
+    constraints.GoesWith(("save_logits", "kl_divergence"), ("perplexity",),
+                         "--save-logits and --kl-divergence go with --perplexity"),
+    constraints.Excludes("perplexity", ("load_state", "save_state", "prefix_cache"),
+                         "--perplexity scores each window from an empty state: it excludes "
+                         "--load-state, --save-state and --prefix-cache"),
     constraints.GoesWith(("host", "port"), ("serve_address",),
                          "--host and --port go with --serve"),
     constraints.Excludes("verbose", ("quiet",), "--verbose and --quiet (--log-disable) are "
@@ -128,6 +107,16 @@ RULES = (
 @click.option("--batch", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
               help="JSONL prompts (id, prompt|ids|messages, optional gen, sampling fields, "
                    "stop; formats/batch.md); -: standard input.")
+@click.option("--perplexity", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
+              metavar="TEXT", help="Perplexity of a UTF-8 text file, llama-perplexity's way: "
+                                   "windows of --ctx-size tokens (default 512), the second "
+                                   "half of each scored (docs/run.md \"Perplexity\").")
+@click.option("--save-logits", type=click.Path(dir_okay=False), metavar="FILE",
+              help="With --perplexity: keep the scored positions' logits for a later "
+                   "--kl-divergence (formats/logits.md).")
+@click.option("--kl-divergence", type=click.Path(exists=True, dir_okay=False), metavar="BASE",
+              help="With --perplexity: the KL divergence of this run's token distributions "
+                   "from those saved in BASE (--save-logits), and the same-top-token share.")
 @click.option("--out", "out_path", type=click.Path(),
               help="With --batch: results JSONL, appended; ids already there are skipped.")
 @click.option("--wait", is_flag=True,
@@ -314,7 +303,9 @@ def main(ctx, **options):
     with runner.open_run(opts) as run:
         run.check_stop_ids(a.stop_ids)
         settings = run.chunked(settings)
-        if a.serve_address:
+        if a.perplexity:
+            _perplexity_mode(a, run)
+        elif a.serve_address:
             _serve_mode(a, run, settings)
         elif a.chat:
             _chat_mode(a, run, settings)
@@ -397,7 +388,7 @@ def _chat_mode(a, run, settings) -> None:
     tok = run.session.tokenizer
     with repl.Console(history=a.history) as console:
         runner.run_chat(run, settings, load_state=a.load_state, save_state=a.save_state,
-                        emit_factory=lambda: _Printer(tok, settings.stop_strings),
+                        emit_factory=lambda: Printer(tok, settings.stop_strings),
                         console=console, warn=lambda m: click.echo(m, err=True),
                         template_kwargs=a.template_kwargs, system=a.system)
 
@@ -446,6 +437,29 @@ def _batch_mode(a, opts, settings, started: float) -> None:
         click.echo(batch_text(summary), err=True)
 
 
+def _perplexity_mode(a, run) -> None:
+    """--perplexity: the running figure after each window on stdout (llama-perplexity's
+    ``[1]12.3,[2]11.9,``), then the final estimate; --json: the result document only."""
+    from libk3.run import perplexity
+    started = time.monotonic()
+    ids = run.encode(perplexity.read_text(a.perplexity))
+    ctx = run.context if a.ctx_size else min(perplexity.DEFAULT_CTX, run.context)
+    p = perplexity.plan(ids, ctx, a.perplexity)
+
+    def shown(i, doc):
+        click.echo(f"[{i + 1}]{doc['ppl']:.4f},", nl=False)
+    doc = perplexity.evaluate(perplexity.engine_window_logits(run.session, run.prefill_chunk),
+                              ids, p, run.cfg.vocab_size, save=a.save_logits,
+                              base=a.kl_divergence, on_window=None if a.json_out else shown)
+    if a.json_out:
+        print_json(doc)
+    else:
+        click.echo("\n" + perplexity.text_line(doc))
+    click.echo(f"perplexity: {p.windows} windows of {p.ctx} tokens, {doc['scored']} scored, "
+               f"{time.monotonic() - started:.1f} s", err=True)
+    _verbose(a, doc)
+
+
 def _verbose(a, doc) -> None:
     """--verbose: the whole report on stderr, as --json prints it on stdout."""
     if a.verbose:
@@ -456,7 +470,7 @@ def _verbose(a, doc) -> None:
 def _one_prompt(run, prompt_ids, settings, a) -> dict:
     """Generate with the text shown as it comes; the logits saved when asked; the run
     report."""
-    printer = None if a.json_out else _Printer(run.session.tokenizer, a.stop_strings,
+    printer = None if a.json_out else Printer(run.session.tokenizer, a.stop_strings,
                                                run.end_ids(settings))
     res = run.generate(prompt_ids, settings, on_token=printer,
                        keep_logits=a.logits_out is not None, load_state=a.load_state,
