@@ -658,6 +658,7 @@ class Chat:
         self.warn = warn
         self.template = run.chat(warn).template
         self.last = None                        # the last reply's GenResult
+        self.loaded = None                      # the state file this conversation continues
         if load_state:
             self.load(load_state)
             if system and warn is not None:
@@ -674,11 +675,14 @@ class Chat:
         """A new conversation in a new state."""
         self.state = self.run.session.new_state()
         self.convo = self._conversation(self.system)
+        self.last = self.loaded = None
 
     def load(self, path) -> None:
-        """Continue from the state saved at ``path`` (FormatError: the chat as it was)."""
+        """Continue from the state saved at ``path`` (FormatError: the chat as it was);
+        the last reply and the turns counted are this conversation's from then on."""
         self.state = _load_state(self.run, path)
         self.convo = self._conversation(None)
+        self.last, self.loaded = None, str(path)
 
     def save(self, path) -> None:
         self.state.save(path, self.run.session.weights_identity)
@@ -711,10 +715,11 @@ class Chat:
         return res
 
     def stats(self) -> dict:
-        """Tokens in the state, the model's context, user turns, the last GenResult."""
+        """Tokens in the state, the model's context, user turns since the conversation
+        began (or its state was loaded), the last GenResult, the state file it continues."""
         return {"tokens": self.state.pos, "context": self.run.context,
                 "turns": sum(m["role"] == "user" for m in self.convo.messages),
-                "last": self.last}
+                "last": self.last, "loaded": self.loaded}
 
 
 def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_factory,
@@ -727,6 +732,7 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
 
     chat = Chat(run, settings, load_state=load_state, system=system,
                 template_kwargs=template_kwargs, warn=warn)
+    console.say(repl.banner(run.opts.model, load_state, chat.state.pos))
     while True:
         entry = console.read()
         if entry is None:
@@ -743,3 +749,5 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
             console.say(f"(reply stopped after {len(res.generated_ids)} tokens)")
     if save_state:
         chat.save(save_state)
+        console.say(f"state saved to {save_state} ({chat.state.pos:,} tokens): --load-state "
+                    f"{save_state} continues it")
