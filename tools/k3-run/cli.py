@@ -61,6 +61,7 @@ RULES = (
     constraints.GoesWith(("system", "history"), ("chat",),
                          "--system and --history go with --chat"),
     constraints.GoesWith(("api_key",), ("serve_address",), "--api-key goes with --serve"),
+    constraints.GoesWith(("log_format",), ("serve_address",), "--log-format goes with --serve"),
     constraints.GoesWith(("served_model_name",), ("serve_address",),
                          "--served-model-name goes with --serve"),
     constraints.GoesWith(("template_timeout", "template_max_bytes"),
@@ -163,6 +164,9 @@ RULES = (
 @click.option("--host", help="With --serve and no address: the host (default 127.0.0.1).")
 @click.option("--port", type=click.IntRange(0, 65535),
               help="With --serve and no address: the port (default 8080).")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
+              show_default=True, help="With --serve: the access log on stderr, a text line "
+                                      "or a JSON object per request (docs/serve.md).")
 @click.option("--api-key", envvar="K3_API_KEY", show_envvar=True,
               help="With --serve: the key every request must send (Authorization: Bearer).")
 @click.option("--served-model-name", metavar="NAME",
@@ -379,7 +383,7 @@ def _serve_mode(a, run, settings) -> None:
     serve(run, a.serve_address, settings, api_key=a.api_key,
           log=lambda m: click.echo(m, err=True),
           reuse_ram_bytes=int(a.reuse_gb * 1e9),
-          model_name=a.served_model_name)
+          model_name=a.served_model_name, log_json=a.log_format == "json")
 
 
 def _chat_mode(a, run, settings) -> None:
