@@ -163,6 +163,7 @@ class Run:
         self.trace = None
         ckpt = Checkpoint.open(opts.model)       # indexed once, for the budget and the run
         self.drafting = None
+        count = None                       # the compile progress of both prepare calls
         try:
             if opts.load_state:     # a state of another model is refused before any compile
                 from ..io.identity import weights_identity
@@ -183,9 +184,14 @@ class Run:
                 if stream and opts.warn is not None:
                     opts.warn(f"the draft's {draft.nbytes / 1e9:.2f} GB do not fit beside "
                               "this budget: its matrices are read from disk at each draft pass")
-            from ..engine.precompile import prepare     # the expert cache builds its policy
+            from ..engine.precompile import Count, prepare
+            groups = ([] if opts.resident else ["expert-cache"]) + \
+                ["draft" if opts.draft else "forward"]
+            count = Count(groups, show=opts.progress)   # one counter over both calls
+            # the expert cache builds its policy
             self.compile_seconds = (0.0 if opts.resident else
-                                    prepare(["expert-cache"], show=opts.progress))
+                                    prepare(["expert-cache"], show=opts.progress,
+                                            count=count))
             on_route = self._record if opts.trace_path else None
             self.session = open_session(
                 opts.model, ckpt=ckpt, pack=opts.pack,
@@ -195,6 +201,8 @@ class Run:
                 direct_io=opts.direct_io, on_route=on_route, verify_reads=opts.verify_reads)
             self.drafting = _drafting(opts, draft, self.session)
         except BaseException:
+            if count is not None:
+                count.close()
             ckpt.close()
             raise
         self.seq = 0                       # which prompt of a batch (trace records)
@@ -202,10 +210,12 @@ class Run:
         try:    # the forward's kernels load while the session's first reads (lm_head, the
             # ring's layers) are under way
             self.compile_seconds += prepare(["draft" if opts.draft else "forward"],
-                                            show=opts.progress)
+                                            show=opts.progress, count=count)
         except BaseException:
             self.close(failed=True)
             raise
+        finally:
+            count.close()
         if opts.trace_path:
             from .. import __version__
             from ..trace.format import TraceWriter, header_for_config
@@ -553,7 +563,11 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     summary["width_reasons"] = list(run.width_reasons) + (
         [f"capped at {width} (the batch's lines)"] if width < run.width else [])
     left_for_time = False               # a prompt not started: it would not finish in time
-    sink = BatchSink(run, out_path, width, base.prefill_chunk, limits)
+    planned = sum(1 for _, job, _ in accepted
+                  if shard is None or batchfile.in_shard(job["id"], *shard))
+    if limits.max_prompts is not None:
+        planned = min(planned, limits.max_prompts)
+    sink = BatchSink(run, out_path, width, base.prefill_chunk, limits, total=planned)
     # prefixes are shared across every shard, at a grain that no budget changes: each
     # shard then builds (or finds on disk) the same snapshots
     shared = shared_lengths([ids for _, _, ids in accepted],
