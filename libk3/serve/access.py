@@ -27,6 +27,7 @@ TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 STATUS_CLASSES = ("2xx", "3xx", "4xx", "5xx")
 ROUTE_CHARS = 120            # a longer path is cut in the log (one line stays short)
+USAGE = "k3_usage"           # where a generating route leaves its Usage in the request
 
 
 class Histogram:

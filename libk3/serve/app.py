@@ -44,7 +44,7 @@ from ..text.encodable import text_problem
 from .protocol import (ApiError, chat_logprobs, check_model, completion_logprobs, envelope,
                        error_parts, finish_reason, refusal_of, sse, usage)
 from . import anthropic
-from .access import Access, Usage, access_middleware
+from .access import USAGE, Access, Usage, access_middleware
 from .reader import ReaderProcess, ReaderSpec
 from .replies import ReplyReader
 from .worker import Job, Worker
@@ -69,7 +69,6 @@ MAX_HEADER_BYTES = 8190
 # (aiohttp's count limit) hold at most MAX_BODY_BYTES.
 PARSER_LINE_BYTES = 2 ** 18
 REQUEST_ID = "k3_request_id"         # the request's id, in the request's mapping
-USAGE = "k3_usage"                   # a generating request's access.Usage, likewise
 DEFAULT_HOST = "127.0.0.1"
 LIVENESS = "/livez"                  # answered without the API key; says only "ok"
 
@@ -180,6 +179,8 @@ class Server:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get(LIVENESS, self.livez)
+        from .compat_routes import add_routes      # llama-server's and Ollama's
+        add_routes(app, self)
         app.cleanup_ctx.append(self._cpu_thread)
         return app
 
