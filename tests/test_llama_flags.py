@@ -186,3 +186,15 @@ def test_verbose_prints_the_report_and_log_disable_is_quiet(tiny_dir):
     assert k3_here(tiny_dir, "--ids", "1,2", "-n", 2, "--log-disable").returncode == 0
     check_refused(invoke(run_main, [tiny_dir, "--ids", "1", "--verbose", "--log-disable"]),
                   2, "--verbose")
+
+
+def test_ctx_size_refuses_a_chat_turn_that_does_not_fit_and_the_chat_goes_on(tiny_dir):
+    """Catches a chat turn run past --ctx-size, or a refusal that ends the chat or keeps
+    the refused message: the turn over the limit is one error line, the next /stats
+    counts only the turn that fitted; control: the same chat without -c runs both."""
+    talk = "Hi\n" + "word " * 40 + "\n/stats\n\n"
+    p = k3_here(tiny_dir, "--chat", "-n", 2, "-c", 40, input=talk)
+    assert p.returncode == 0, p.stderr
+    assert "error: --ctx-size 40:" in p.stderr and "turns: 1" in p.stderr
+    q = k3_here(tiny_dir, "--chat", "-n", 2, input=talk)
+    assert q.returncode == 0 and "error" not in q.stderr and "turns: 2" in q.stderr

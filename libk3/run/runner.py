@@ -716,8 +716,15 @@ class Chat:
 
     def turn(self, text: str, on_token=None, interrupted=None):
         """One user message and the model's reply (``generate``: ``interrupted`` cuts it
-        short at a token, the state as if the reply had ended there)."""
+        short at a token, the state as if the reply had ended there). UsageError, the
+        conversation as it was, when the turn and its reply do not fit --ctx-size."""
+        before = (list(self.convo.messages), self.convo.fed)
         ids, fresh = self.convo.add_user(text)
+        try:
+            self.run.check_fits((0 if fresh else self.state.pos) + len(ids), self.settings.gen)
+        except UsageError:
+            self.convo.messages, self.convo.fed = before
+            raise
         if fresh:
             self.state = self.run.session.new_state()
         res = generate(self.run.session.forward, self.state, ids,
@@ -756,8 +763,12 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
                 break
             continue
         printer = emit_factory()
-        with console.reply() as interrupted:
-            res = chat.turn(entry, printer, interrupted)
+        try:
+            with console.reply() as interrupted:
+                res = chat.turn(entry, printer, interrupted)
+        except UsageError as e:             # the turn does not fit: say so, chat on
+            console.say(f"error: {e.one_line()}")
+            continue
         printer.finish()
         if res.stop_reason == "interrupted":
             console.say(f"(reply stopped after {len(res.generated_ids)} tokens)")
