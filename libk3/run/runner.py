@@ -653,6 +653,10 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
     return out
 
 
+class TurnTooLong(UsageError):
+    """A chat turn that, with its reply, does not fit --ctx-size (the chat goes on)."""
+
+
 class Chat:
     """One chat's engine side: the state, the conversation it holds
     (``chat.Conversation``), the settings of the next turn and the last reply. What the
@@ -722,9 +726,9 @@ class Chat:
         ids, fresh = self.convo.add_user(text)
         try:
             self.run.check_fits((0 if fresh else self.state.pos) + len(ids), self.settings.gen)
-        except UsageError:
+        except UsageError as e:
             self.convo.messages, self.convo.fed = before
-            raise
+            raise TurnTooLong(e.message) from None
         if fresh:
             self.state = self.run.session.new_state()
         res = generate(self.run.session.forward, self.state, ids,
@@ -766,7 +770,7 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
         try:
             with console.reply() as interrupted:
                 res = chat.turn(entry, printer, interrupted)
-        except UsageError as e:             # the turn does not fit: say so, chat on
+        except TurnTooLong as e:            # the turn does not fit: say so, chat on
             console.say(f"error: {e.one_line()}")
             continue
         printer.finish()
