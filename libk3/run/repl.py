@@ -3,7 +3,7 @@
 Owns: turning input into entries (a message, a command, nothing), the multi-line
 conventions, the commands and what they print, the history file, and what Ctrl-C means
 (at the prompt: drop the line; during a reply: stop it at the next token). Does not own:
-generation, the state or the conversation (``runner.Chat``), printing a reply's tokens
+generation, the state or the conversation (``chat_session.Chat``), printing a reply's tokens
 (the front end's printer), or option parsing.
 
 Why the stdlib ``readline`` and not ``prompt_toolkit``: readline gives what users bring
@@ -356,7 +356,7 @@ COMMANDS = {
 
 
 def perform(command: Command, chat, console) -> bool:
-    """Do ``command`` on ``chat`` (``runner.Chat``); False when it ends the chat. A
+    """Do ``command`` on ``chat`` (``chat_session.Chat``); False when it ends the chat. A
     command that fails says why in one line and leaves the chat as it was."""
     if command.name == "exit":
         return False

@@ -388,10 +388,10 @@ def _serve_mode(a, run, settings) -> None:
 
 def _chat_mode(a, run, settings) -> None:
     """--chat: turns and commands from the terminal or stdin until /exit or end of input."""
-    from libk3.run import repl, runner
+    from libk3.run import chat_session, repl
     tok = run.session.tokenizer
     with repl.Console(history=a.history) as console:
-        runner.run_chat(run, settings, load_state=a.load_state, save_state=a.save_state,
+        chat_session.run_chat(run, settings, load_state=a.load_state, save_state=a.save_state,
                         emit_factory=lambda: Printer(tok, settings.stop_strings),
                         console=console, warn=lambda m: click.echo(m, err=True),
                         template_kwargs=a.template_kwargs, system=a.system)
