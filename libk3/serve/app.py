@@ -737,7 +737,7 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
         shown = f"[{host}]" if ":" in host else host
         log(f"k3 serving {server.model_name} on http://{shown}:{bound}/v1 "
             f"(chat/completions, completions, messages, models; /health; {LIVENESS} without the "
-            f"key), "
+            f"key; llama-server's /completion and Ollama's /api), "
             f"up to {run.width} requests decoded together; Ctrl-C stops")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
