@@ -208,3 +208,14 @@ def test_perplexity_cli_prints_llama_perplexity_lines_and_refuses_mismatches(tin
     assert ok.returncode == 0 and "KL divergence: mean 0.000000" in ok.stdout
     check_refused(invoke(run_main, [tiny_dir, "--ids", "1", "--save-logits", saved]), 2,
                   "--perplexity")
+
+
+@pytest.mark.parametrize("extra", [["--temperature", "0.8"], ["-n", "4"], ["--spec", "2"],
+                                   ["--stop", "x"]])
+def test_perplexity_refuses_generation_options(tiny_dir, extra):
+    """Catches a sampling, --gen, --stop or drafting option taken with --perplexity and
+    silently ignored (the figure never samples or generates): exit 2 naming it; control:
+    the run without it is scored."""
+    base = [tiny_dir, "--perplexity", TEXT, "-c", 64, "--json"]
+    check_refused(invoke(run_main, base + extra), 2, "--perplexity", "generation options")
+    assert invoke(run_main, base).code == 0

@@ -36,6 +36,9 @@ def _note_order(ctx, param, value):
 
 
 # Which options go together (k3cli.constraints), checked in this order before any work.
+_GENERATING = ("gen", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+               "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop_strings",
+               "stop_ids", "draft", "spec", "logits_out", "response_format")
 _BUDGET_WIDTH = "--batch-width and --shard go with --batch (--batch-width also with --serve)"
 RULES = (
     constraints.OneOf(("model", "model_option"),
@@ -47,6 +50,10 @@ RULES = (
     constraints.Excludes("perplexity", ("load_state", "save_state", "prefix_cache"),
                          "--perplexity scores each window from an empty state: it excludes "
                          "--load-state, --save-state and --prefix-cache"),
+    constraints.Excludes("perplexity", _GENERATING,
+                         "--perplexity scores the text as it is: it takes no generation "
+                         "options (--gen, sampling, --stop, --draft, --spec, --logits-out, "
+                         "--response-format)"),
     constraints.GoesWith(("host", "port"), ("serve_address",),
                          "--host and --port go with --serve"),
     constraints.Excludes("verbose", ("quiet",), "--verbose and --quiet (--log-disable) are "
