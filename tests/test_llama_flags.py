@@ -35,6 +35,27 @@ def test_run_llama_aliases_give_the_k3_flags_tokens(tiny_dir):
                         "--json")) == want
     assert _ids(k3_here("-m", tiny_dir, "Hello there", "--temp", "0.9", "-s", 5, "-n", 6,
                         "--json")) == want
+    assert _ids(k3_here(tiny_dir, "-p", "Hello there", "--temp", "0.9", "-s", 5,
+                        "--n-predict", 6, "--json")) == want
+    assert _ids(k3_here(tiny_dir, "-p", "Hello there", "--temp", "0.9", "-s", 5,
+                        "--predict", 6, "--json")) == want
+
+
+def test_system_prompt_and_file_aliases(tiny_dir, tmp_path):
+    """Catches -sys/--system-prompt (llama-cli's) not being the chat's --system, and
+    --file not being --prompt-file: the same transcript and tokens; control: another
+    system message changes the reply."""
+    talk = "Hi there\n\n"
+    want = k3_here(tiny_dir, "--chat", "-n", 4, "--system", "Be brief.", input=talk).stdout
+    other = k3_here(tiny_dir, "--chat", "-n", 4, "--system", "Be long and verbose.",
+                    input=talk).stdout
+    assert want and other != want
+    for flag in ("-sys", "--system-prompt"):
+        assert k3_here(tiny_dir, "--chat", "-n", 4, flag, "Be brief.", input=talk).stdout == want
+    f = tmp_path / "p.txt"
+    f.write_text("Hello there")
+    assert _ids(k3_here(tiny_dir, "--file", f, "-n", 3, "--json")) == \
+        _ids(k3_here(tiny_dir, "-f", f, "-n", 3, "--json"))
 
 
 def test_run_llama_names_from_the_console_script(tiny_dir):
@@ -161,15 +182,19 @@ def test_serve_address_from_host_and_port():
 
 def test_serve_without_a_port_serves_on_8080(tiny_dir, monkeypatch):
     """Catches ``--serve`` with no value refused or taking the next option as its
-    address: the server is started on 127.0.0.1:8080; ``--serve PORT`` as before;
-    --host/--port without --serve refused."""
+    address: the server is started on 127.0.0.1:8080; ``--serve PORT`` as before; -a
+    (llama-server's alias) is the served model's name; --host/--port without --serve
+    refused."""
     import libk3.serve.app as app
     seen = []
-    monkeypatch.setattr(app, "serve", lambda run, address, *a, **k: seen.append(address))
+    names = []
+    monkeypatch.setattr(app, "serve", lambda run, address, *a, **k: (
+        seen.append(address), names.append(k["model_name"])))
     for argv in (["--serve"], ["--serve", "--gen", "2"], ["--serve", "9000"],
-                 ["--serve", "--port", "9002"]):
+                 ["--serve", "--port", "9002", "-a", "k3"]):
         assert k3_here(tiny_dir, *argv).returncode == 0
     assert seen == ["127.0.0.1:8080", "127.0.0.1:8080", "9000", "127.0.0.1:9002"]
+    assert names == [None, None, None, "k3"]        # -a/--alias: llama-server's model name
     check_refused(invoke(run_main, [tiny_dir, "--serve", "--host", "0.0.0.0"]), 2,
                   "--api-key")
     check_refused(invoke(run_main, [tiny_dir, "--ids", "1", "--port", "9000"]), 2,

@@ -107,7 +107,7 @@ RULES = (
               help="Pack directory made by k3-pack (else the trunk is read from the shards).")
 @click.option("-p", "--prompt", callback=params.encodable,
               help="Prompt text (needs the model's tokenizer).")
-@click.option("-f", "--prompt-file", type=click.Path(exists=True, dir_okay=False,
+@click.option("-f", "--prompt-file", "--file", "prompt_file", type=click.Path(exists=True, dir_okay=False,
                                                      allow_dash=True),
               help="Read the prompt from a file, byte for byte (CRLF kept; must be UTF-8 "
                    "and fit the model's context); -: standard input.")
@@ -157,7 +157,7 @@ RULES = (
               default=DEFAULT_LIMITS.max_bytes, show_default=True,
               help="With --chat, --batch or --serve: a chat-template rendering that writes "
                    "more is that conversation's error.")
-@click.option("--system", callback=params.system_text, metavar="TEXT|@FILE",
+@click.option("--system", "-sys", "--system-prompt", "system", callback=params.system_text, metavar="TEXT|@FILE",
               help="With --chat: the system message opening the conversation (@FILE: the "
                    "file's text; @@ for a literal @).")
 @click.option("--history", type=click.Path(dir_okay=False), envvar="K3_CHAT_HISTORY",
@@ -176,7 +176,7 @@ RULES = (
                                       "or a JSON object per request (docs/serve.md).")
 @click.option("--api-key", envvar="K3_API_KEY", show_envvar=True,
               help="With --serve: the key every request must send (Authorization: Bearer).")
-@click.option("--served-model-name", metavar="NAME",
+@click.option("--served-model-name", "-a", "--alias", "served_model_name", metavar="NAME",
               help="With --serve: the model's name in the API (default: the checkpoint "
                    "directory's name); a request naming another model is 404.")
 @click.option("--reuse-gb", type=gigabytes(), default=1.0, show_default=True,
@@ -195,7 +195,7 @@ RULES = (
 @click.option("--save-prefix", is_flag=True,
               help="With --prefix-cache and a prompt: keep the state after the prompt as a "
                    "snapshot, for later prompts that start with it.")
-@click.option("-n", "--gen", type=Rule(click.INT, gen_or_until_end_problem, "integer"),
+@click.option("-n", "--gen", "--predict", "--n-predict", "gen", type=Rule(click.INT, gen_or_until_end_problem, "integer"),
               default=16, show_default=True,
               help="Tokens to generate (per turn in --chat; with --serve the default "
                    "max_tokens, else until the turn ends), at most 1,048,576 (the trained "
