@@ -134,3 +134,14 @@ def test_compat_fields_k3_does_not_implement_are_refused(server, path, doc, fiel
           "/api/generate": {"model": "tiny", "prompt": "x", "stream": False,
                             "options": {"num_thread": 2, "num_predict": 1}}}[path]
     assert _raw(server, "POST", path, ok)[0] == 200
+
+
+def test_ollama_empty_prompt_or_messages_load_the_model(server):  # noqa: F811
+    """Catches a client's load request (an empty prompt, no messages) generating from an
+    empty turn: it is done at once with done_reason "load"; control: another model's
+    name is still 404."""
+    gen = json.loads(_ok(server, "POST", "/api/generate", {"model": "tiny:latest"})[1])
+    assert gen["done"] is True and gen["done_reason"] == "load" and gen["response"] == ""
+    chat = json.loads(_ok(server, "POST", "/api/chat", {"model": "tiny", "messages": []})[1])
+    assert chat["done_reason"] == "load" and chat["message"]["content"] == ""
+    assert _raw(server, "POST", "/api/generate", {"model": "llama3"})[0] == 404

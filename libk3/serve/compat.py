@@ -192,6 +192,18 @@ def ollama_answer(model: str, res, *, chat: bool, message=None, text: str = "",
     return doc
 
 
+def ollama_loaded(model: str, chat: bool) -> dict:
+    """Ollama's answer to a request with nothing to generate (an empty prompt or no
+    messages: a client loading the model): done at once; k3's model is always loaded."""
+    doc = {"model": model, "created_at": _now()}
+    if chat:
+        doc["message"] = {"role": "assistant", "content": ""}
+    else:
+        doc["response"] = ""
+    doc.update(done=True, done_reason="load")
+    return doc
+
+
 def ollama_message(message: dict) -> dict:
     """An OpenAI assistant message in Ollama's words (reasoning is ``thinking``)."""
     out = {"role": "assistant", "content": message.get("content") or ""}

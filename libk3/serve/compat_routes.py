@@ -89,12 +89,23 @@ class Routes:
         return await self._run(request, "completion", doc, "llama")
 
     async def ollama_generate(self, request):
-        route, doc = compat.ollama_generate(await self._doc(request), self.s.model_name)
+        raw = await self._doc(request)
+        route, doc = compat.ollama_generate(raw, self.s.model_name)
+        if not raw.get("prompt") and not raw.get("system"):
+            return self._loaded(doc, chat=False)
         return await self._run(request, route, doc, "generate")
 
     async def ollama_chat(self, request):
         doc = compat.ollama_chat(await self._doc(request), self.s.model_name)
+        if doc.get("messages") == []:
+            return self._loaded(doc, chat=True)
         return await self._run(request, "chat", doc, "chat")
+
+    def _loaded(self, doc: dict, chat: bool):
+        """A load request (nothing to generate): the model named must be this one."""
+        from aiohttp import web
+        check_model(doc.get("model"), self.s.model_name)
+        return web.json_response(compat.ollama_loaded(self.s.model_name, chat))
 
     async def _run(self, request, route: str, doc: dict, shape: str):
         """``doc`` (an OpenAI body) as one job; the answer in ``shape``'s words: "llama"
