@@ -223,3 +223,18 @@ def test_ctx_size_refuses_a_chat_turn_that_does_not_fit_and_the_chat_goes_on(tin
     assert "error: --ctx-size 40:" in p.stderr and "turns: 1" in p.stderr
     q = k3_here(tiny_dir, "--chat", "-n", 2, input=talk)
     assert q.returncode == 0 and "error" not in q.stderr and "turns: 2" in q.stderr
+
+
+def test_ctx_size_skips_the_batch_lines_that_do_not_fit(tiny_dir, tmp_path):
+    """Catches --ctx-size ignored by --batch: a line whose prompt and gen run past it is
+    skipped with its reason naming --ctx-size, the line that fits runs; control: without
+    -c both run."""
+    f = tmp_path / "b.jsonl"
+    f.write_text(json.dumps({"id": "fits", "ids": [1, 2], "gen": 3}) + "\n" +
+                 json.dumps({"id": "long", "ids": [1, 2, 3, 4], "gen": 3}) + "\n")
+    p = k3_here(tiny_dir, "--batch", f, "--out", tmp_path / "r.jsonl", "-c", 6, "--json")
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    assert s["done"] == 1 and s["malformed"] == 1 and "--ctx-size's context of 6" in p.stderr
+    q = k3_here(tiny_dir, "--batch", f, "--out", tmp_path / "r2.jsonl", "--json")
+    assert json.loads(q.stdout)["done"] == 2

@@ -623,6 +623,8 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
     """(line number, job, prompt ids) of each line to run: malformed lines are reported
     and counted, ids already in the results counted as skipped."""
     context = run.context
+    name = "the model's context" if run.opts.context_limit is None else \
+        "--ctx-size's context"
     seen = set()
     out = []
     for lineno, line in lines:
@@ -636,7 +638,8 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
             seen.add(key)
             prompt_ids = job["ids"] if "ids" in job else \
                 run.encode_messages(job, warn) if "messages" in job else run.encode(job["prompt"])
-            why = batchfile.context_problem(len(prompt_ids), job.get("gen", base.gen), context)
+            why = batchfile.context_problem(len(prompt_ids), job.get("gen", base.gen), context,
+                                            name)
             if why:
                 raise batchfile.BatchLineError(why)
             if job.get("response_format") is not None:
