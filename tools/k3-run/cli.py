@@ -13,10 +13,10 @@ from k3cli.group import (Command, Finite, JsonObject, Rule, Shard, Width, gigaby
                          quiet_option, threads_option)
 from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_SIZE
-from libk3.engine.settings import MAX_POSITIONS
 from libk3.engine.defaults import IO_THREADS, PREFILL_CHUNK, PREFIX_CACHE_BYTES
-from libk3.engine.settings import (frequency_penalty_problem, gen_or_until_end_problem,
-                                   min_p_problem, presence_penalty_problem,
+from libk3.engine.settings import (MAX_POSITIONS, frequency_penalty_problem,
+                                   gen_or_until_end_problem, min_p_problem,
+                                   presence_penalty_problem,
                                    repetition_penalty_problem, seed_problem,
                                    temperature_problem, top_k_problem, top_p_problem)
 from libk3.io import atomic
@@ -26,13 +26,6 @@ from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
 from . import params
 from .llama import refused_options, serve_address
 from .printer import Printer
-
-
-def _note_order(ctx, param, value):
-    """Record budget flags in argv order: a later flag overrides an earlier one."""
-    if value is not None:
-        ctx.meta.setdefault("k3_budget_order", []).append(param.name)
-    return value
 
 
 # Which options go together (k3cli.constraints), checked in this order before any work.
@@ -97,7 +90,8 @@ RULES = (
 
 
 @click.command(cls=Command, help="Run Kimi K3 (or a synthetic K3 checkpoint) on a prompt, a batch file "
-                    "or a chat. Logits are identical at every budget.")
+                    "or a chat, serve it, or score a text's perplexity. Logits are identical "
+                    "at every budget.")
 @click.argument("model", required=False)
 @click.argument("prompt_arg", required=False, metavar="[PROMPT]", callback=params.encodable)
 @click.option("-m", "--model", "model_option", metavar="MODEL",
@@ -107,8 +101,8 @@ RULES = (
               help="Pack directory made by k3-pack (else the trunk is read from the shards).")
 @click.option("-p", "--prompt", callback=params.encodable,
               help="Prompt text (needs the model's tokenizer).")
-@click.option("-f", "--prompt-file", "--file", "prompt_file", type=click.Path(exists=True, dir_okay=False,
-                                                     allow_dash=True),
+@click.option("-f", "--prompt-file", "--file", "prompt_file",
+              type=click.Path(exists=True, dir_okay=False, allow_dash=True),
               help="Read the prompt from a file, byte for byte (CRLF kept; must be UTF-8 "
                    "and fit the model's context); -: standard input.")
 @click.option("--ids", help="Prompt as comma-separated token ids.")
@@ -144,10 +138,10 @@ RULES = (
 @click.option("--shard", type=Shard(), metavar="K/N",
               help="With --batch: run only the ids of shard K of N (docs/batch.md).")
 @click.option("--chat", "-i", "-cnv", "--conversation", "chat", is_flag=True,
-              help="Interactive multi-turn chat on stdin, in the "
-                                           "model's chat template (/help lists its "
-                                           "commands; docs/serve.md).")
-@click.option("--template-kwargs", type=JsonObject(), metavar="JSON", callback=params.encodable,
+              help="Interactive multi-turn chat on stdin, in the model's chat template "
+                   "(/help lists its commands; docs/serve.md).")
+@click.option("--template-kwargs", type=JsonObject(), metavar="JSON",
+              callback=params.encodable,
               help="With --chat: extra chat-template variables, e.g. '{\"thinking\": false}'.")
 @click.option("--template-timeout", type=Finite(0, 10 ** 6, min_open=True), metavar="SECONDS",
               default=DEFAULT_LIMITS.seconds, show_default=True,
@@ -157,7 +151,8 @@ RULES = (
               default=DEFAULT_LIMITS.max_bytes, show_default=True,
               help="With --chat, --batch or --serve: a chat-template rendering that writes "
                    "more is that conversation's error.")
-@click.option("--system", "-sys", "--system-prompt", "system", callback=params.system_text, metavar="TEXT|@FILE",
+@click.option("--system", "-sys", "--system-prompt", "system", callback=params.system_text,
+              metavar="TEXT|@FILE",
               help="With --chat: the system message opening the conversation (@FILE: the "
                    "file's text; @@ for a literal @).")
 @click.option("--history", type=click.Path(dir_okay=False), envvar="K3_CHAT_HISTORY",
@@ -195,7 +190,8 @@ RULES = (
 @click.option("--save-prefix", is_flag=True,
               help="With --prefix-cache and a prompt: keep the state after the prompt as a "
                    "snapshot, for later prompts that start with it.")
-@click.option("-n", "--gen", "--predict", "--n-predict", "gen", type=Rule(click.INT, gen_or_until_end_problem, "integer"),
+@click.option("-n", "--gen", "--predict", "--n-predict", "gen",
+              type=Rule(click.INT, gen_or_until_end_problem, "integer"),
               default=16, show_default=True,
               help="Tokens to generate (per turn in --chat; with --serve the default "
                    "max_tokens, else until the turn ends), at most 1,048,576 (the trained "
@@ -231,7 +227,8 @@ RULES = (
               help="Add BIAS, in [-100, 100], to token ID's logit before the penalties "
                    "(-100: all but banned, 100: all but forced); repeatable, an id once, "
                    "at most 300 (docs/run.md \"Sampling\").")
-@click.option("--response-format", callback=params.response_format, metavar="json_object|@SCHEMA",
+@click.option("--response-format", callback=params.response_format,
+              metavar="json_object|@SCHEMA",
               help="Structured output: the text is a JSON object (json_object), or JSON "
                    "valid against the JSON schema in the file SCHEMA; needs the structured "
                    "extra (docs/run.md \"Structured output\").")
@@ -242,11 +239,11 @@ RULES = (
                    "text shown and reported; docs/run.md \"Stop strings\").")
 @click.option("--stop-id", "stop_ids", type=click.IntRange(0, MAX_SIZE - 1), multiple=True,
               help="Stop at this token id (checked against the vocabulary).")
-@click.option("--preset", callback=_note_order, expose_value=True,
+@click.option("--preset", callback=params.note_order, expose_value=True,
               help="Memory preset: laptop, desktop, workstation, server, max, auto.")
-@click.option("--trunk-gb", type=gigabytes(), callback=_note_order,
+@click.option("--trunk-gb", type=gigabytes(), callback=params.note_order,
               help="Trunk budget in GB (1e9).")
-@click.option("--cache-gb", type=gigabytes(), callback=_note_order,
+@click.option("--cache-gb", type=gigabytes(), callback=params.note_order,
               help="Expert cache budget in GB.")
 @click.option("--resident", is_flag=True, help="Load every weight into RAM (small models).")
 @click.option("--cache-policy", type=click.Choice(ONLINE_OBJECT_POLICIES), default=DEFAULT_POLICY,
@@ -398,10 +395,11 @@ def _chat_mode(a, run, settings) -> None:
     from libk3.run import chat_session, repl
     tok = run.session.tokenizer
     with repl.Console(history=a.history) as console:
-        chat_session.run_chat(run, settings, load_state=a.load_state, save_state=a.save_state,
-                        emit_factory=lambda: Printer(tok, settings.stop_strings),
-                        console=console, warn=lambda m: click.echo(m, err=True),
-                        template_kwargs=a.template_kwargs, system=a.system)
+        chat_session.run_chat(run, settings, load_state=a.load_state,
+                              save_state=a.save_state,
+                              emit_factory=lambda: Printer(tok, settings.stop_strings),
+                              console=console, warn=lambda m: click.echo(m, err=True),
+                              template_kwargs=a.template_kwargs, system=a.system)
 
 
 def _prompt_mode(a, run, settings) -> None:

@@ -1,7 +1,7 @@
 """k3-run's option callbacks: each turns one option's text into its value, or a one-line
 usage error naming the option.
 
-Owns: --system's @FILE, the UTF-8 check of text options, --stop, --logit-bias and
+Owns: the order budget flags were given in, --system's @FILE, the UTF-8 check of text options, --stop, --logit-bias and
 --response-format parsing, and the checks of the last two against the model and the
 library before any work. Does not own: the rules themselves (``libk3.engine.settings``,
 ``libk3.engine.grammar``) or which options go together (``cli.RULES``).
@@ -119,3 +119,10 @@ def check_response_format(fmt) -> None:
         if why:
             raise UsageError(f"--response-format {where or fmt['type']}: {why}")
     return fmt
+
+
+def note_order(ctx, param, value):
+    """Record budget flags in argv order: a later flag overrides an earlier one."""
+    if value is not None:
+        ctx.meta.setdefault("k3_budget_order", []).append(param.name)
+    return value
