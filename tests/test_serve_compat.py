@@ -145,3 +145,32 @@ def test_ollama_empty_prompt_or_messages_load_the_model(server):  # noqa: F811
     chat = json.loads(_ok(server, "POST", "/api/chat", {"model": "tiny", "messages": []})[1])
     assert chat["done_reason"] == "load" and chat["message"]["content"] == ""
     assert _raw(server, "POST", "/api/generate", {"model": "llama3"})[0] == 404
+
+
+@pytest.mark.parametrize("path,doc,status", [
+    ("/api/generate", {"model": "tiny", "messages": []}, 400),
+    ("/api/generate", {"model": "tiny", "prompt": 5}, 422),
+    ("/api/generate", {"model": "tiny", "prompt": "a", "think": "yes"}, 422),
+    ("/api/chat", {"model": "tiny", "messages": "hi"}, 422),
+    ("/api/chat", {"model": "tiny", "messages": [], "options": "fast"}, 422),
+    ("/completion", {"prompt": "a", "n_predict": "many"}, 422),
+    ("/completion", b"not json", 400),
+])
+def test_compat_malformed_bodies_are_refused_not_run(server, path, doc, status):  # noqa: F811
+    """Catches a malformed llama-server or Ollama body run anyway (a number as the prompt
+    rendered into a turn, a think flag that is not a boolean handed to the template) or
+    a 500: the documented 4xx; control: the well-formed request runs."""
+    if isinstance(doc, bytes):
+        req = urllib.request.Request(server["url"] + path, data=doc, method="POST",
+                                     headers={"Authorization": f"Bearer {KEY}"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == status
+    else:
+        assert _raw(server, "POST", path, doc)[0] == status
+    ok = {"/api/generate": {"model": "tiny", "prompt": "a", "think": False, "stream": False,
+                            "options": {"num_predict": 1}},
+          "/api/chat": {"model": "tiny", "stream": False, "options": {"num_predict": 1},
+                        "messages": [{"role": "user", "content": "hi"}]},
+          "/completion": {"prompt": "a", "n_predict": 1}}[path]
+    assert _raw(server, "POST", path, ok)[0] == 200

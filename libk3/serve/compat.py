@@ -119,6 +119,8 @@ def _ollama_common(doc: dict, served: str) -> dict:
     if doc.get("tools"):
         out["tools"] = doc["tools"]
     if doc.get("think") is not None:         # the template's own switch (formats/chat.md)
+        if not isinstance(doc["think"], bool):
+            raise ApiError(422, "'think' must be true or false", param="think")
         out["chat_template_kwargs"] = {"thinking": doc["think"]}
     return out
 
@@ -127,10 +129,14 @@ def ollama_generate(doc: dict, served: str) -> tuple:
     """("chat" or "completion", OpenAI body) of an Ollama ``/api/generate`` body: the
     prompt in the model's chat template as a user turn (after ``system``), or as plain
     text with ``raw``."""
-    if doc.get("tools"):
-        _refuse("tools", "go with /api/chat")
+    for field in ("tools", "messages"):
+        if field in doc:
+            _refuse(field, "go with /api/chat")
     out = _ollama_common(doc, served)
     prompt = doc.get("prompt", "")
+    for field in ("prompt", "system"):
+        if not isinstance(doc.get(field, ""), str):
+            raise ApiError(422, f"'{field}' must be a string", param=field)
     if doc.get("raw"):
         if doc.get("system"):
             _refuse("system", "does not go with raw (raw text has no template)")
