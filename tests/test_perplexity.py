@@ -219,3 +219,21 @@ def test_perplexity_refuses_generation_options(tiny_dir, extra):
     base = [tiny_dir, "--perplexity", TEXT, "-c", 64, "--json"]
     check_refused(invoke(run_main, base + extra), 2, "--perplexity", "generation options")
     assert invoke(run_main, base).code == 0
+
+
+def test_perplexity_with_a_damaged_base_fails_and_saves_nothing(tiny_dir, tmp_path):
+    """Catches a KL figure printed from a base whose bytes changed (its CRC), or the
+    run's own --save-logits published anyway: exit 3 naming the base, no final estimate,
+    no file saved; control: the undamaged base compares."""
+    base, again = tmp_path / "b.logits", tmp_path / "again.logits"
+    args = [tiny_dir, "--perplexity", TEXT, "-c", 64]
+    assert k3_here(*args, "--save-logits", base).returncode == 0
+    data = bytearray(base.read_bytes())
+    ok = k3_here(*args, "--kl-divergence", base, "--save-logits", again)
+    assert ok.returncode == 0 and again.is_file()
+    again.unlink()
+    data[len(data) // 2] ^= 0x40
+    base.write_bytes(bytes(data))
+    out = invoke(run_main, args + ["--kl-divergence", base, "--save-logits", again])
+    assert out.code == 3 and str(base) in out.stderr and "CRC" in out.stderr
+    assert "Final estimate" not in out.stdout and not again.exists()

@@ -19,6 +19,7 @@ thread count (the logits are).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -138,40 +139,33 @@ def evaluate(window_logits, ids, p: Plan, vocab: int, *, save=None, base=None,
     nll, kl, same = Mean(), Mean(), Mean()
     header = LogitsHeader(vocab, p.ctx, p.per_window, p.windows)
     k = p.per_window
-    with _maybe_writing(save, header, targets) as out:
-        for i in range(p.windows):
-            rows = window_logits(p.window(ids, i), p.first)
-            logp = log_softmax(rows)
-            tgt = targets[i * k:(i + 1) * k]
-            nll.add(-logp[np.arange(k), tgt])
-            if out is not None:
-                out.add(rows)
+    writer = contextlib.nullcontext() if save is None else writing(save, header, targets)
+    try:
+        with writer as out:
+            for i in range(p.windows):
+                rows = window_logits(p.window(ids, i), p.first)
+                logp = log_softmax(rows)
+                tgt = targets[i * k:(i + 1) * k]
+                nll.add(-logp[np.arange(k), tgt])
+                if out is not None:
+                    out.add(rows)
+                if reader is not None:
+                    base_logp = log_softmax(reader.window(i))
+                    kl.add((np.exp(base_logp) * (base_logp - logp)).sum(axis=1))
+                    same.add(base_logp.argmax(axis=1) == logp.argmax(axis=1))
+                if on_window is not None:
+                    on_window(i, _doc(p, nll, kl if reader else None, same))
             if reader is not None:
-                base_logp = log_softmax(reader.window(i))
-                kl.add((np.exp(base_logp) * (base_logp - logp)).sum(axis=1))
-                same.add(base_logp.argmax(axis=1) == logp.argmax(axis=1))
-            if on_window is not None:
-                on_window(i, _doc(p, nll, kl if reader else None, same))
-    if reader is not None:
-        reader.finish()
+                reader.finish()          # a damaged base: no result, nothing saved
+    finally:
+        if reader is not None:
+            reader.close()
     doc = _doc(p, nll, kl if reader else None, same)
     if base is not None:
         doc["kl_divergence"]["base"] = str(base)
     if save is not None:
         doc["saved_logits"] = str(save)
     return doc
-
-
-class _NoWriter:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _maybe_writing(save, header, targets):
-    return _NoWriter() if save is None else writing(save, header, targets)
 
 
 def _doc(p: Plan, nll: Mean, kl, same) -> dict:
