@@ -25,6 +25,7 @@ from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
 
 from . import params
 from .llama import refused_options, serve_address
+from . import scoring
 from .printer import Printer
 
 
@@ -312,7 +313,7 @@ def main(ctx, **options):
         run.check_stop_ids(a.stop_ids)
         settings = run.chunked(settings)
         if a.perplexity:
-            _perplexity_mode(a, run)
+            _verbose(a, scoring.perplexity_mode(a, run))
         elif a.serve_address:
             _serve_mode(a, run, settings)
         elif a.chat:
@@ -444,29 +445,6 @@ def _batch_mode(a, opts, settings, started: float) -> None:
     click.echo(summary_text(summary, a.out_path), err=True)
     if "width" in summary:
         click.echo(batch_text(summary), err=True)
-
-
-def _perplexity_mode(a, run) -> None:
-    """--perplexity: the running figure after each window on stdout (llama-perplexity's
-    ``[1]12.3,[2]11.9,``), then the final estimate; --json: the result document only."""
-    from libk3.run import perplexity
-    started = time.monotonic()
-    ids = run.encode(perplexity.read_text(a.perplexity))
-    ctx = run.context if a.ctx_size else min(perplexity.DEFAULT_CTX, run.context)
-    p = perplexity.plan(ids, ctx, a.perplexity)
-
-    def shown(i, doc):
-        click.echo(f"[{i + 1}]{doc['ppl']:.4f},", nl=False)
-    doc = perplexity.evaluate(perplexity.engine_window_logits(run.session, run.prefill_chunk),
-                              ids, p, run.cfg.vocab_size, save=a.save_logits,
-                              base=a.kl_divergence, on_window=None if a.json_out else shown)
-    if a.json_out:
-        print_json(doc)
-    else:
-        click.echo("\n" + perplexity.text_line(doc))
-    click.echo(f"perplexity: {p.windows} windows of {p.ctx} tokens, {doc['scored']} scored, "
-               f"{time.monotonic() - started:.1f} s", err=True)
-    _verbose(a, doc)
 
 
 def _verbose(a, doc) -> None:
