@@ -174,3 +174,17 @@ def test_compat_malformed_bodies_are_refused_not_run(server, path, doc, status):
                         "messages": [{"role": "user", "content": "hi"}]},
           "/completion": {"prompt": "a", "n_predict": 1}}[path]
     assert _raw(server, "POST", path, ok)[0] == 200
+
+
+def test_ollama_message_gives_tool_arguments_as_an_object():
+    """Catches an Ollama reply whose tool call arguments are OpenAI's JSON text (Ollama's
+    clients read an object) or whose reasoning is lost; control: arguments that are
+    not JSON stay as given."""
+    from libk3.serve.compat import ollama_message
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    got = ollama_message({"content": "x", "reasoning_content": "r", "tool_calls": [call]})
+    assert got == {"role": "assistant", "content": "x", "thinking": "r",
+                   "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}
+    odd = dict(call, function={"name": "f", "arguments": "not json"})
+    assert ollama_message({"tool_calls": [odd]})["tool_calls"][0]["function"]["arguments"] \
+        == "not json"

@@ -12,6 +12,7 @@ documents. Does not own: HTTP, generation, or the checks themselves (``protocol`
 from __future__ import annotations
 
 import datetime
+import json
 
 from .. import __version__
 from .protocol import ApiError
@@ -217,9 +218,20 @@ def ollama_message(message: dict) -> dict:
         out["thinking"] = message["reasoning_content"]
     if message.get("tool_calls"):
         out["tool_calls"] = [{"function": {"name": c["function"]["name"],
-                                           "arguments": c["function"]["arguments"]}}
+                                           "arguments": _arguments(c["function"])}}
                              for c in message["tool_calls"]]
     return out
+
+
+def _arguments(function: dict):
+    """A call's arguments as Ollama gives them, an object (OpenAI's: its JSON text)."""
+    args = function.get("arguments")
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args
 
 
 def ollama_chunk(model: str, *, chat: bool, delta: dict) -> dict:
