@@ -260,14 +260,15 @@ def test_kernels_mxfp4_matmul_equals_matvec_per_token(seed, R, G, T):
 
 
 @PROPS
-@given(seeds, st.integers(1, 20), st.integers(1, 3), st.integers(1, 19))
+@given(seeds, st.integers(1, 20), st.integers(1, 9), st.integers(1, 19))
 def test_kernels_mxfp4_tiles_equal_one_token_one_row_at_extremes(seed, R, G, T):
-    """Catches a tile (8 rows x 1 token, 4x2, 2x4, 2x8 rows x tokens) whose lanes leave
-    the order of section 3: a transposed reduction pairing the wrong lanes, a lane stored
-    to the wrong (token, row), a 255 group that contributes, a scale built from the wrong
-    exponent; every row count and token count up to 20 puts rows and tokens in every tile
-    and in the one-row fallback, with scale bytes 0..255 and activations from subnormals to
-    near f32 max."""
+    """Catches a tile (8x1, 8x2, 4x4 rows x tokens, or two rows with eight tokens in the
+    lanes) whose lanes leave the order of section 3: a reduction pairing the wrong lanes,
+    a lane stored to the wrong (token, row), a 255 group that contributes, a scale built
+    from the wrong exponent, row sums lost between chunks of decoded groups; row counts
+    up to 20, groups up to 9 (several chunks) and tokens up to 19 put rows and tokens in
+    every path and in the one-row fallback, with scale bytes 0..255 and activations from
+    subnormals to near f32 max."""
     rng = np.random.default_rng(seed)
     packed = rng.integers(0, 256, size=(R, 16 * G), dtype=np.uint8)
     scales = rng.integers(0, 256, size=(R, G), dtype=np.uint8)

@@ -1,10 +1,12 @@
-"""The MXFP4 group decode and the 8-lane tile step that every MXFP4 kernel is built from.
+"""The MXFP4 group decode and the tile steps every MXFP4 kernel is built from.
 
 Owns: the vector decode of one 32-weight group (16 packed bytes -> four f64x8 vectors of
 doubled E2M1 values, through the SSSE3 byte shuffle), ``group_sum_x2`` (one row, one
-token: the decode's one-token use) and the tile steps ``tile_8x1`` (eight lanes),
-``tile_2x8``, ``tile_4x4`` and ``tile_8x2`` (sixteen: two vectors of eight): RT rows x TT
-tokens of one group, each decoded row applied to every token of the tile. Does not own: the order itself
+token: the decode's one-token use); the tile steps ``tile_8x1`` (eight lanes), ``tile_4x4``
+and ``tile_8x2`` (sixteen: two vectors of eight): RT rows x TT tokens of one group, each
+decoded row applied to every token of the tile; and for eight tokens at a time
+``decode_to`` (a group decoded once into memory) with ``lanes_pair`` (two rows, the eight
+tokens in the lanes: the tree is then seven vector adds, no shuffles). Does not own: the order itself
 (formats/numerics.md section 3), which tiles a kernel uses (``mxfp4.py``).
 
 WHY tiles of eight (row, token) lanes. The order of section 3 ends each group with a
@@ -200,7 +202,6 @@ def _make_tile(rt: int, tt: int):
 
 
 tile_8x1 = _make_tile(8, 1)
-tile_2x8 = _make_tile(2, 8)
 tile_4x4 = _make_tile(4, 4)
 tile_8x2 = _make_tile(8, 2)
 
@@ -232,5 +233,82 @@ def group_sum_x2(typingctx, packed, q, x, j):
                          builder.shuffle_vector(t, t, _mask((1, 3))))
         return builder.fadd(builder.extract_element(u, ir.Constant(ir.IntType(32), 0)),
                             builder.extract_element(u, ir.Constant(ir.IntType(32), 1)))
+
+    return sig, codegen
+
+
+
+@intrinsic
+def decode_to(typingctx, P, po, W, wo):
+    """W[wo : wo + 32] = the doubled E2M1 values of the group packed at P[po :][:16]
+    (float64, low nibble = even element): a group decoded once for many tokens."""
+    if not (isinstance(P, types.Array) and P.dtype == types.uint8 and P.ndim == 1
+            and isinstance(W, types.Array) and W.dtype == types.float64 and W.ndim == 1
+            and isinstance(po, types.Integer) and isinstance(wo, types.Integer)):
+        return None
+    sig = types.void(P, po, W, wo)
+
+    def codegen(context, builder, signature, args):
+        vP, vpo, vW, vwo = args
+        t = signature.args
+        w = _decode(builder, builder.gep(_data(context, builder, t[0], vP),
+                                         [_index(context, builder, vpo, t[1])]))
+        base = builder.gep(_data(context, builder, t[2], vW), [_index(context, builder, vwo, t[3])])
+        for c in range(4):
+            dst = builder.gep(base, [ir.Constant(_I64, 8 * c)])
+            builder.store(w[c], builder.bitcast(dst, _F64x8.as_pointer()), align=8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def lanes_pair(typingctx, acc, W, wa, wb, S, sa, sb, XT, xo):
+    """Tokens in the lanes: acc (two f64x8, lane t = token t of eight) + the scaled group
+    sums of two rows whose group is decoded at W[wa :][:32] and W[wb :][:32] (float64,
+    ``decode_to``), scale bytes S[sa] and S[sb], over activations laid out token-minor,
+    XT[xo + 8 * j + t] = x[t, 32 g + j] (float64).
+
+    s_l is one vector over the eight tokens: element j adds w_j (broadcast) * XT_j to
+    s_(j mod 8), j increasing; the tree of section 3 is then seven vector adds, and every
+    lane sees exactly the additions its (row, token) sum makes in any other tile."""
+    if not (acc == types.UniTuple(f64x8, 2)
+            and all(isinstance(i, types.Integer) for i in (wa, wb, sa, sb, xo))
+            and isinstance(W, types.Array) and W.dtype == types.float64 and W.ndim == 1
+            and isinstance(S, types.Array) and S.dtype == types.uint8 and S.ndim == 1
+            and isinstance(XT, types.Array) and XT.dtype == types.float64 and XT.ndim == 1):
+        return None
+    sig = acc(acc, W, wa, wb, S, sa, sb, XT, xo)
+
+    def codegen(context, builder, signature, args):
+        vacc, vW, vwa, vwb, vS, vsa, vsb, vX, vxo = args
+        t = signature.args
+        wdata = _data(context, builder, t[1], vW)
+        sdata = _data(context, builder, t[4], vS)
+        xdata = _data(context, builder, t[7], vX)
+        rows = [_index(context, builder, vwa, t[2]), _index(context, builder, vwb, t[3])]
+        sbytes = [builder.load(builder.gep(sdata, [_index(context, builder, v, ty)]))
+                  for v, ty in ((vsa, t[5]), (vsb, t[6]))]
+        xo_ = _index(context, builder, vxo, t[8])
+        fma = _fma(builder)
+        i32 = ir.IntType(32)
+        zeros8 = ir.Constant(ir.VectorType(i32, 8), [0] * 8)
+        sums = [[_ZERO8] * 8 for _ in range(2)]
+        for j in range(32):
+            xp = builder.gep(xdata, [builder.add(xo_, ir.Constant(xo_.type, 8 * j))])
+            xv = builder.load(builder.bitcast(xp, _F64x8.as_pointer()), align=8)
+            for r in range(2):
+                wj = builder.load(builder.gep(wdata, [builder.add(rows[r], ir.Constant(rows[r].type, j))]))
+                splat = builder.shuffle_vector(
+                    builder.insert_element(ir.Constant(_F64x8, ir.Undefined), wj, ir.Constant(i32, 0)),
+                    ir.Constant(_F64x8, ir.Undefined), zeros8)
+                sums[r][j % 8] = builder.call(fma, [splat, xv, sums[r][j % 8]])
+        outs = []
+        for r in range(2):
+            s_ = sums[r]
+            g = builder.fadd(builder.fadd(builder.fadd(s_[0], s_[4]), builder.fadd(s_[1], s_[5])),
+                             builder.fadd(builder.fadd(s_[2], s_[6]), builder.fadd(s_[3], s_[7])))
+            outs.append(_scaled_add(builder, builder.extract_value(vacc, r), g, [sbytes[r]], 8))
+        return context.make_tuple(builder, signature.return_type, outs)
 
     return sig, codegen

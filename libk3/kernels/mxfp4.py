@@ -37,8 +37,9 @@ import numpy as np
 from numba import njit, prange
 
 from . import team
-from ._mxfp4_tile import HAVE_PSHUFB, group_sum_x2, tile_2x8, tile_4x4, tile_8x1, tile_8x2
-from ._simd import vlane, vzero
+from ._mxfp4_tile import (HAVE_PSHUFB, decode_to, group_sum_x2, lanes_pair, tile_4x4, tile_8x1,
+                          tile_8x2)
+from ._simd import vlane, vload, vstore, vzero
 from ..config import MXFP4_GROUP
 from ..io.mxfp4 import E2M1, SCALE_NAN
 
@@ -54,6 +55,10 @@ def _scale_table() -> np.ndarray:
     s = np.arange(256)
     return np.where(s == SCALE_NAN, 0.0, np.ldexp(1.0, s - 127))
 
+
+# Groups of a block's eight rows decoded at once for all its token blocks (8 x 4 x 32
+# float64: 8 KB of L1 beside one token block's activations; bench/README.md "Arithmetic").
+CHUNK = 4
 
 # Frozen into the compiled code as constants (numba reads module arrays at compile time).
 E2M1_PAIRS = _pair_table()
@@ -156,23 +161,44 @@ def _store(acc, Y, t0, r0, tt):
 
 
 @njit(cache=True, inline="always")
-def _block_rows(P, S, X, Y, r0, half, G, C):
-    """Rows r0 .. r0 + 7 for every token of X (float64, flat [T * C]) into Y [T, R]:
-    eight tokens at a time two rows per tile, then the last T mod 8 tokens in tiles of
-    4x4, 8x2 and 8x1 rows x tokens (every (row, token) sum in the order of section 3
-    whichever tile holds it)."""
+def _block_lanes(P, S, XT, Y, r0, C, Wd, acc):
+    """Rows r0 .. r0 + 7 for the first 8 * nb tokens (nb blocks of eight, XT token-minor:
+    ``_token_minor``) into Y [T, R]: CHUNK groups of the eight rows decoded once into Wd,
+    then applied to every token block, two rows at a time with the tokens in the lanes;
+    the row sums wait in acc (8 rows x nb blocks x 8 lanes) between chunks."""
+    G = C // MXFP4_GROUP
+    half = C // 2
+    nb = acc.shape[0] // 64
+    acc[:] = 0.0
+    for g0 in range(0, G, CHUNK):
+        ng = min(CHUNK, G - g0)
+        for r in range(8):
+            for k in range(ng):
+                decode_to(P, (r0 + r) * half + 16 * (g0 + k), Wd, (r * CHUNK + k) * 32)
+        for b in range(nb):
+            for ra in range(0, 8, 2):
+                ia, ib = (ra * nb + b) * 8, ((ra + 1) * nb + b) * 8
+                a = (vload(acc, ia), vload(acc, ib))
+                for k in range(ng):
+                    g = g0 + k
+                    a = lanes_pair(a, Wd, (ra * CHUNK + k) * 32, ((ra + 1) * CHUNK + k) * 32,
+                                   S, (r0 + ra) * G + g, (r0 + ra + 1) * G + g,
+                                   XT, (b * C + 32 * g) * 8)
+                vstore(acc, ia, a[0])
+                vstore(acc, ib, a[1])
+    for r in range(8):
+        for b in range(nb):
+            for lane in range(8):
+                Y[8 * b + lane, r0 + r] = np.float32(acc[(r * nb + b) * 8 + lane])
+
+
+@njit(cache=True, inline="always")
+def _block_tiles(P, S, X, Y, r0, C, t):
+    """Rows r0 .. r0 + 7 for tokens t .. T - 1 (fewer than eight) in tiles of 4x4, 8x2
+    and 8x1 rows x tokens, X float64 flat [T * C]."""
     T = Y.shape[0]
-    t = 0
-    while t + 8 <= T:
-        for ri in range(0, 8, 2):
-            r = r0 + ri
-            acc = (vzero(), vzero())
-            for g in range(G):
-                acc = tile_2x8(acc, P, r * half + 16 * g, half, S, r * G + g, G,
-                               X, t * C + 32 * g, C)
-            _store(acc[0], Y, t, r, 8)
-            _store(acc[1], Y, t, r + 1, 8)
-        t += 8
+    G = C // MXFP4_GROUP
+    half = C // 2
     if T - t >= 4:
         for ri in range(0, 8, 4):
             r = r0 + ri
@@ -199,6 +225,19 @@ def _block_rows(P, S, X, Y, r0, half, G, C):
         _store(acc, Y, t, r0, 1)
 
 
+@njit(cache=True)
+def _token_minor(X64, nb):
+    """The first 8 * nb tokens of X64 [T, C] as nb blocks of [C, 8]: element (t, j) of
+    block b at (b * C + j) * 8 + t, so one load gives column j of eight tokens."""
+    C = X64.shape[1]
+    XT = np.empty(nb * C * 8)
+    for b in range(nb):
+        for j in range(C):
+            for k in range(8):
+                XT[(b * C + j) * 8 + k] = X64[8 * b + k, j]
+    return XT
+
+
 @njit(cache=True, inline="always")
 def _rows_one_by_one(packed, scales, X64, Y, r_lo, R):
     """Rows r_lo .. R - 1 (the rows no tile covers, or every row without SSSE3), two at a
@@ -213,8 +252,8 @@ def _rows_one_by_one(packed, scales, X64, Y, r_lo, R):
 
 @njit(cache=True, parallel=True)
 def _matmul_into(packed, scales, X64, Y):
-    """Y [T, R] from X64 [T, C] (float64): blocks of eight rows across threads, each
-    block decoding a group once per tile for all the tokens it holds."""
+    """Y [T, R] from X64 [T, C] (float64): blocks of eight rows across threads; in each,
+    the tokens eight at a time in the lanes (``_block_lanes``), the rest in tiles."""
     R = packed.shape[0]
     T, C = X64.shape
     G = C // MXFP4_GROUP
@@ -223,10 +262,14 @@ def _matmul_into(packed, scales, X64, Y):
     P = packed.reshape(-1)
     S = scales.reshape(-1)
     X = X64.reshape(-1)
+    nb = T // 8 if blocks else 0
+    XT = _token_minor(X64, nb)
     nt = team.narrow(packed.nbytes * 2 * T)
     for b in prange(blocks + 1):
         if b < blocks:
-            _block_rows(P, S, X, Y, 8 * b, half, G, C)
+            if nb:
+                _block_lanes(P, S, XT, Y, 8 * b, C, np.empty(8 * CHUNK * 32), np.empty(64 * nb))
+            _block_tiles(P, S, X, Y, 8 * b, C, 8 * nb)
         else:
             _rows_one_by_one(packed, scales, X64, Y, 8 * blocks, R)
     team.widen(nt)
