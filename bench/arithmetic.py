@@ -42,7 +42,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, ROOT, checkpoint, table  # noqa: E402
+from common import ROOT, base_tree, checkpoint, table  # noqa: E402
 
 _RUN = r"""
 import json, sys, time
@@ -96,19 +96,8 @@ print(json.dumps(out))
 
 
 def extract(rev: str, name: str) -> Path:
-    """``rev`` extracted once into scratch/NAME (its numba cache kept beside it)."""
-    commit = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout.strip()
-    out = DATA / name
-    stamp = out / "COMMIT"
-    if not stamp.exists() or stamp.read_text() != commit:
-        subprocess.run(["rm", "-rf", str(out)], check=True)
-        out.mkdir(parents=True)
-        arch = subprocess.run(["git", "archive", commit], cwd=ROOT, check=True,
-                              capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(out)], input=arch, check=True)
-        stamp.write_text(commit)
-    return out
+    """``rev``'s source tree, extracted once into scratch/NAME (its numba cache kept)."""
+    return base_tree(rev, name).parent / "src"
 
 
 def one(tree: Path, ckpt: Path) -> dict:

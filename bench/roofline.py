@@ -40,9 +40,10 @@ from numba.extending import intrinsic
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import checkpoint, table  # noqa: E402
 from kernels import bandwidth, timeit  # noqa: E402
+from kernels import cases as kernels_cases  # noqa: E402
 
 from libk3.io import mxfp4 as io_mxfp4  # noqa: E402
-from libk3.kernels import activations, bf16, kda, mla, mxfp4, norms, router  # noqa: E402
+from libk3.kernels import activations, bf16, mxfp4, norms, router  # noqa: E402
 
 CHAINS = 12      # independent FMA chains: more than latency x issue width on current cores
 
@@ -137,27 +138,9 @@ def cases(rng):
         Y = np.empty((T, R), np.float32)
         out.append((f"MXFP4 matmul {R}x{C}, {T} token(s)", 2 * R * C * T,
                     P.nbytes + S.nbytes + X.nbytes, lambda X=X, Y=Y: mxfp4.matmul(P, S, X, Y)))
-    H, D = 96, 128
-    q, k, v = (rng.standard_normal((1, H, D), dtype=np.float32) for _ in range(3))
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    alpha = rng.uniform(0.9, 1.0, (1, H, D)).astype(np.float32)
-    beta = rng.uniform(0, 1, (1, H)).astype(np.float32)
-    Sk = np.zeros((H, D, D), np.float32)
-    ok = np.empty((1, H, D), np.float32)
-    out.append(("KDA step 96x128x128", 8 * H * D * D, 2 * Sk.nbytes,
-                lambda: kda.kda_recurrence(q, k, v, alpha, beta, D ** -0.5, Sk, ok)))
-    nope, rope, vd, r, Tc = 128, 64, 128, 512, 4096
-    latent = rng.standard_normal((Tc, r), dtype=np.float32)
-    k_rope = rng.standard_normal((Tc, rope), dtype=np.float32)
-    kv_b = bf16_bits(rng.standard_normal((H * (nope + vd), r), dtype=np.float32) * 0.05)
-    qn = rng.standard_normal((1, H, nope), dtype=np.float32)
-    qr = rng.standard_normal((1, H, rope), dtype=np.float32)
-    pos = np.array([Tc - 1], np.int64)
-    oa = np.empty((1, H, vd), np.float32)
-    out.append(("MLA, 4096 positions", 2 * H * (nope * r + Tc * (r + rope) + Tc * r + vd * r),
-                kv_b.nbytes + latent.nbytes + k_rope.nbytes,
-                lambda: mla.mla_attention(qn, qr, pos, latent, k_rope, kv_b,
-                                          (nope + rope) ** -0.5, oa)))
+    for name, flops, nbytes, call, _ in kernels_cases(rng):       # bench/kernels.py's
+        if name.startswith(("KDA", "MLA")):
+            out.append((name, flops, nbytes, call))
     N, E, K = 896, 7168, 16
     Wr = bf16_bits(rng.standard_normal((N, E), dtype=np.float32))
     xr = rng.standard_normal((1, E), dtype=np.float32)
