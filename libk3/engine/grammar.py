@@ -49,15 +49,16 @@ import time
 import numpy as np
 
 from ..errors import UsageError
+from .schema_check import _first_line, schema_problem
 
 EXTRA = "structured"
 MISSING = ("structured output needs the llguidance library: install k3's "
            f"'{EXTRA}' extra (pip install 'k3[{EXTRA}]')")
 GRAMMARS_KEPT = 64          # compiled formats kept per tokenizer (least recently used out)
 MASKS_KEPT = 8              # a matcher's recent masks (a draft and its verify share them)
-# compact JSON (", " and ": " between items, no other whitespace): free whitespace lets a
-# weak model fill its output with newlines up to the length limit; a schema's own
-# "x-guidance" may still ask for it
+# compact JSON ("," and ":" between items, no other whitespace): free whitespace lets a
+# weak model fill its output with newlines up to the length limit; a client's schema may
+# not change it (its "x-guidance" is refused: schema_check)
 JSON_OPTIONS = {"whitespace_flexible": False}
 _LOCK = threading.Lock()
 
@@ -103,21 +104,19 @@ def _schema(fmt):
 
 def _grammar_text(schema) -> str:
     """llguidance's grammar of ``schema`` (compact JSON: no free whitespace, which a weak
-    model could fill to the length limit); ValueError when it refuses the schema."""
+    model could fill to the length limit), the schema checked first; ValueError when k3
+    cannot enforce it (``schema_check.schema_problem``)."""
     llg = llguidance()
-    try:
-        text = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"schema refused: {e}") from None
-    why = llg.LLMatcher.validate_grammar(text)
-    if why and not why.startswith("WARNING"):
-        raise ValueError(f"schema refused: {why.splitlines()[0]}")
-    return text
+    why = schema_problem(schema, JSON_OPTIONS)
+    if why:
+        raise ValueError(why)
+    return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
 
 
 def response_format_problem(fmt) -> str | None:
-    """Why ``fmt`` cannot be enforced (a malformed format or a schema the library refuses),
-    or None. UsageError naming the extra when llguidance is missing and ``fmt`` constrains."""
+    """Why ``fmt`` cannot be enforced (a malformed format, or a schema k3 cannot enforce:
+    ``schema_check``), or None. UsageError naming the extra when llguidance is missing and
+    ``fmt`` constrains."""
     try:
         schema = _schema(fmt)
         if schema is not None:
@@ -184,13 +183,20 @@ def compile_grammar(tokenizer, fmt) -> "Grammar | None":
     """``fmt`` compiled for ``tokenizer`` (cached by ``format_key``); None for
     ``{"type": "text"}``. UsageError for a format ``response_format_problem`` refuses or
     when llguidance is missing."""
-    why = response_format_problem(fmt)
-    if why:
-        raise UsageError(f"response format: {why}")
-    if _schema(fmt) is None:
+    try:
+        schema = _schema(fmt)
+    except ValueError as e:
+        raise UsageError(f"response format: {e}") from None
+    if schema is None:
         return None
     gt = GrammarTokenizer.for_tokenizer(tokenizer)
-    return _kept(gt, format_key(fmt), lambda key: Grammar(gt, _grammar_text(_schema(fmt)), key))
+
+    def build(key):
+        try:
+            return Grammar(gt, _grammar_text(schema), key)
+        except ValueError as e:
+            raise UsageError(f"response format: {e}") from None
+    return _kept(gt, format_key(fmt), build)
 
 
 def _kept(gt: GrammarTokenizer, key: str, build) -> "Grammar":
@@ -215,11 +221,10 @@ class Grammar:
     def __init__(self, gt: GrammarTokenizer, text: str, key: str,
                  what: str = "response format"):
         llg = llguidance()
-        self.tokenizer, self.key = gt, key
+        self.tokenizer, self.key, self.what = gt, key, what
         self._proto = llg.LLMatcher(gt.lltok, text, log_level=0)
         if self._proto.is_error():
-            raise UsageError(f"{what}: schema refused: "
-                             f"{self._proto.get_error().splitlines()[0]}")
+            raise UsageError(f"{what}: schema refused: {_first_line(self._proto.get_error())}")
 
     def matcher(self, stop_ids=()) -> "Matcher":
         """A new sequence's matcher; its end tokens are the turn ends and ``stop_ids``."""
@@ -257,9 +262,10 @@ class Matcher:
         tok = int(tok)
         if tok in self.end_ids:
             raise ValueError(f"token {tok} ends the sequence; nothing follows it")
-        if not self._m.consume_token(tok):
-            raise ValueError(f"token {tok} is not allowed here by the grammar: "
-                             f"{self._m.get_error()}")
+        if not self._m.validate_tokens([tok]):
+            raise ValueError(f"token {tok} is not allowed here by the grammar")
+        if not self._m.consume_token(tok):     # allowed, and the library gave up on it
+            raise self._failed(f"token {len(self.ids) + 1}")
         self.ids.append(tok)
 
     def sync(self, made) -> None:
@@ -276,6 +282,12 @@ class Matcher:
             del self.ids[k:]
         for t in made[k:]:
             self.advance(t)
+
+    def _failed(self, where: str) -> UsageError:
+        """The error ending this sequence alone: the grammar cannot go on at ``where``
+        (llguidance gave up, or allows nothing: a schema k3 cannot enforce)."""
+        why = _first_line(self._m.get_error()) if self._m.is_error() else "no token allowed"
+        return UsageError(f"{self.grammar.what}: the grammar failed at {where}: {why}")
 
     def is_complete(self) -> bool:
         """The output so far is a whole value of the grammar (an end token may follow)."""
@@ -300,7 +312,7 @@ class Matcher:
         ends = self._ends[self._ends < n]
         ok[ends] = self._m.is_accepting()
         if not ok.any():
-            raise RuntimeError(f"the grammar allows no token here: {self._m.get_error()}")
+            raise self._failed(f"the mask after {len(self.ids)} tokens")
         self.seconds += time.perf_counter() - t0
         self.masks += 1
         self._kept[key] = ok
@@ -375,7 +387,9 @@ def tool_choice_name(choice):
 
 def tool_choice_problem(choice, tools, parallel=True) -> tuple | None:
     """(field, why) when ``choice`` (with ``parallel_tool_calls``) cannot be enforced for
-    ``tools``, or None. Does not compile the schemas (``compile_tool_grammar`` does)."""
+    ``tools``, or None; each schema a call may be held to is checked as a response
+    format's is (``schema_check``) when llguidance is there (else ``compile_tool_grammar``
+    says it is missing)."""
     try:
         name = tool_choice_name(choice)
     except ValueError as e:
@@ -390,6 +404,12 @@ def tool_choice_problem(choice, tools, parallel=True) -> tuple | None:
         return "tools", str(e)
     if name is not None and name not in schemas:
         return "tool_choice", f"names the function {name!r}, which is not in 'tools'"
+    if choice == "none" or not available():
+        return None
+    for k, (fn, schema) in enumerate(schemas.items()):
+        why = None if name not in (None, fn) else schema_problem(schema, JSON_OPTIONS)
+        if why:
+            return "tools", f"tools[{k}] ({fn}): \"parameters\": {why}"
     return None
 
 
@@ -487,8 +507,7 @@ def tool_lark(marks, schemas: dict, choice, parallel: bool, think: str,
         names = [name] if name is not None else list(schemas)
         calls = []
         for k, fn in enumerate(names):
-            schema = dict(schemas[fn])
-            schema.setdefault("x-guidance", JSON_OPTIONS)
+            schema = dict(schemas[fn], **{"x-guidance": JSON_OPTIONS})   # k3's, never a client's
             calls.append(f"call_{k}")
             lines.append(f'call_{k}: {o} {json.dumps(f"call name={json.dumps(fn)}")} call_id? '
                          f'{s} %json {json.dumps(schema, ensure_ascii=False)} {c} "call" {s}')
@@ -524,9 +543,9 @@ def compile_tool_grammar(tokenizer, tools, choice, parallel: bool = True,
     try:
         grammar = llg.LLMatcher.grammar_from_lark(text)
     except (ValueError, TypeError) as e:
-        raise UsageError(f"tools: schema refused: {str(e).splitlines()[0]}") from None
+        raise UsageError(f"tools: schema refused: {_first_line(e)}") from None
     why = llg.LLMatcher.validate_grammar(grammar)
     if why and not why.startswith("WARNING"):
-        raise UsageError(f"tools: schema refused: {why.splitlines()[0]}")
+        raise UsageError(f"tools: schema refused: {_first_line(why)}")
     gt = GrammarTokenizer.for_tokenizer(tok)
     return _kept(gt, "tools:" + text, lambda key: Grammar(gt, grammar, key, what="tools"))

@@ -47,6 +47,7 @@ from ..text.chat_request import conversation_problem
 from ..text.encodable import TextError, decode_text, field_problem
 from ..engine.generate import GenSettings
 from ..engine.grammar import response_format_problem
+from ..engine.schema_check import request_vendor_key
 from ..engine.settings import (SAMPLING_RULES, gen_or_until_end_problem, logit_bias_pairs,
                                logit_bias_problem, stop_strings_problem, token_ids_problem)
 
@@ -116,6 +117,9 @@ def parse_line(line: bytes, vocab_size: int) -> dict:
         if obj.get("response_format") is not None else None
     if why:
         raise BatchLineError(f"\"response_format\": {why}")
+    vendor = request_vendor_key(None, obj.get("tools"))
+    if vendor:
+        raise BatchLineError(f"\"{vendor[0]}\": {vendor[1]}")
     return obj
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 
+from ..errors import K3Error, UsageError
 from ..model.state import State
 from . import batch as batchfile
 from ..engine.generate import Abandoned
@@ -48,6 +49,7 @@ class BatchSink:
         fwd = run.session.forward
         self.union0, self.passes0 = list(fwd.expert_union), fwd.passes
         self.generated = 0
+        self.failed: list = []              # (line, reason) of prompts that failed alone
         self.bar = _bar(run.opts.progress)
         self.ids = {}                       # line -> the line's id
         self.chats = set()                  # lines given as "messages"
@@ -61,7 +63,8 @@ class BatchSink:
                                      tokenizer=run.session.tokenizer, on_token=self._token,
                                      should_stop=self.should_stop,
                                      on_pass=self.pace.record if self.pace else None,
-                                     clock=self.clock, drafting=run.drafting)
+                                     clock=self.clock, drafting=run.drafting,
+                                     on_failed=self._failed)
 
     def submit(self, lineno: int, job_id, prompt_ids, settings, chat: bool = False,
                starts=None) -> str:
@@ -78,8 +81,13 @@ class BatchSink:
                 self.run.seq = lineno
                 state, n = starts() if starts is not None else (None, 0)
                 self.reused[lineno] = n
-                self._done(job, self.run.generate(prompt_ids[n:], settings, state=state,
-                                                  should_stop=self.should_stop))
+                try:
+                    res = self.run.generate(prompt_ids[n:], settings, state=state,
+                                            should_stop=self.should_stop)
+                except UsageError as e:     # its grammar gave up: this line alone fails
+                    self._failed(job, e)
+                    return STARTED
+                self._done(job, res)
                 return STARTED
             self.run.check_stop_strings(settings)
             self.lockstep.make_room()
@@ -167,6 +175,16 @@ class BatchSink:
                              "decode_seconds": round(res.decode_seconds, 6)})
         self.bar.set_postfix(tokens=self.generated, refresh=False)
         self.bar.update(1)
+
+    def _failed(self, job, e: Exception) -> None:
+        """A prompt that failed on its own (its grammar gave up): no result line; its
+        line and reason are reported as a malformed line's are."""
+        lineno = job.tag
+        self.ids.pop(lineno, None)
+        self.prompt_ids.pop(lineno, None)
+        self.reused.pop(lineno, None)
+        self.chats.discard(lineno)
+        self.failed.append((lineno, e.one_line() if isinstance(e, K3Error) else repr(e)))
 
     def close(self) -> dict:
         """Finish every prompt in flight; the batch's aggregate figures."""

@@ -569,6 +569,10 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
         if outcome == ABANDONED:
             summary["stopped"] = "deadline"
     summary.update(sink.close())
+    for lineno, why in sink.failed:
+        warn(f"{batch_path}:{lineno}: skipped: {why}")
+        summary["malformed"] += 1
+        summary["errors"].append({"line": lineno, "error": why})
     summary["prefixes"] = starts.summary()
     if left_for_time:
         summary["stopped"] = summary["stopped"] or "deadline"

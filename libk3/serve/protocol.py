@@ -24,6 +24,7 @@ from ..errors import K3Error, UsageError
 from ..text.chat_request import conversation_problem
 from ..text.encodable import field_problem
 from ..engine.grammar import response_format_problem, tool_choice_problem
+from ..engine.schema_check import request_vendor_key
 from ..engine.logprobs import MAX_TOP
 from ..engine.settings import (SAMPLING_RULES, gen_problem, logit_bias_problem, seed_problem,
                                temperature_problem, token_ids_problem, top_p_problem)
@@ -259,6 +260,10 @@ def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
     req.stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
     _logprobs(body, chat, req)
     fmt = body.get("response_format")
+    vendor = request_vendor_key(fmt, req.tools)
+    if vendor:
+        raise ApiError(400, f"'{vendor[0]}': {vendor[1]}", param=vendor[0],
+                       code="unsupported_field")
     if fmt is not None:
         why = response_format_problem(fmt)
         if why:

@@ -1,0 +1,106 @@
+"""k3-run --serve: a request whose schema k3 cannot enforce gets its own 422 (a vendor
+key 400) before it takes a lane, on every endpoint, and the requests decoding beside it
+get the tokens they get alone. Live server on the tiny model; skipped without the serve
+extra, the openai client or llguidance."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import pytest
+
+pytest.importorskip("aiohttp")
+pytest.importorskip("openai")
+pytest.importorskip("llguidance")
+
+from tests.test_serve import KEY, _post, _start, _stop  # noqa: E402
+
+ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+MSGS = [{"role": "user", "content": "Hi there"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    srv = _start(tiny_dir, tmp_path_factory.mktemp("serve_schemas") / "stderr.log")
+    yield srv
+    _stop(srv)
+
+
+def _fmt(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+
+
+def _tool(schema) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": schema}}
+
+
+POISON = [
+    ("/v1/chat/completions", {"messages": MSGS, "response_format": _fmt({"$ref": "#"})},
+     "response_format"),
+    ("/v1/chat/completions", {"messages": MSGS, "response_format": _fmt(ENDLESS), "n": 2},
+     "response_format"),
+    ("/v1/completions", {"prompt": "x", "response_format": _fmt(ENDLESS)}, "response_format"),
+    ("/v1/chat/completions", {"messages": MSGS, "tools": [_tool(ENDLESS)],
+                              "tool_choice": "required"}, "tools"),
+    ("/v1/messages", {"messages": MSGS, "tools": [{"name": "f", "input_schema": ENDLESS}],
+                      "tool_choice": {"type": "any"}}, "tools"),
+]
+
+
+def _innocent(server, i: int) -> list:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": f"question {i}"}],
+            "max_tokens": 12, "temperature": 0.9, "seed": i}
+    status, reply = _post(server, "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 200, reply
+    return reply["k3"]["generated_ids"]
+
+
+def test_serve_endless_schema_is_its_own_422_and_spares_the_neighbours(server):
+    """Catches a schema no finite value satisfies admitted into the shared pass (there it
+    failed every lane: three innocent requests got 500): on each endpoint it is refused
+    422 naming its field, before any work, while three innocent requests decoding at the
+    same time get exactly the tokens they get alone (control: the same requests alone)."""
+    alone = [_innocent(server, i) for i in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        innocents = [pool.submit(_innocent, server, i) for i in range(3)]
+        poisons = [pool.submit(_post, server, path, json.dumps(
+            {"model": "tiny", "max_tokens": 16, **body}).encode()) for path, body, _ in POISON]
+        got = [f.result() for f in innocents]
+        refused = [f.result() for f in poisons]
+    assert got == alone
+    for (path, _, param), (status, err) in zip(POISON, refused):
+        assert status == 422, (path, err)
+        if path == "/v1/messages":
+            assert param in err["error"]["message"], err
+        else:
+            assert err["error"]["param"] == param, err
+
+
+def test_serve_vendor_key_in_a_schema_is_400_naming_it(server):
+    """Catches a client's x-guidance reaching the grammar library (item_separator made
+    '[-3600XX12XX0]' finish "stop"; lenient dropped keywords): 400 naming the key, for a
+    response_format and a tool's parameters; the schema without it is served (control)."""
+    xg = {"type": "array", "items": {"type": "integer"}, "x-guidance": {"item_separator": "XX"}}
+    for body in ({"messages": MSGS, "response_format": _fmt(xg)},
+                 {"messages": MSGS, "tools": [_tool(xg)], "tool_choice": "required"}):
+        status, err = _post(server, "/v1/chat/completions", json.dumps(
+            {"model": "tiny", "max_tokens": 4, **body}).encode())
+        assert status == 400 and "x-guidance" in err["error"]["message"], err
+    status, err = _post(server, "/v1/messages", json.dumps(
+        {"model": "tiny", "max_tokens": 4, "messages": MSGS,
+         "tools": [{"name": "f", "input_schema": xg}]}).encode())
+    assert status == 400 and "x-guidance" in err["error"]["message"], err
+    plain = {k: v for k, v in xg.items() if k != "x-guidance"}
+    status, reply = _post(server, "/v1/chat/completions", json.dumps(
+        {"model": "tiny", "max_tokens": 4, "messages": MSGS,
+         "response_format": _fmt(plain)}).encode())
+    assert status == 200, reply
+
+
+def test_serve_bad_regex_message_is_whole(server):
+    """Catches a bad pattern's message cut after its first line ("regex parse error:")."""
+    status, err = _post(server, "/v1/chat/completions", json.dumps(
+        {"model": "tiny", "max_tokens": 4, "messages": MSGS,
+         "response_format": _fmt({"type": "string", "pattern": "("})}).encode())
+    assert status == 422 and "unclosed group" in err["error"]["message"], err
