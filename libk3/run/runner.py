@@ -368,6 +368,9 @@ class Run:
         if state is None:
             state = _load_state(self, load_state)
         tail = list(prompt_ids)[reused:]
+        why = room_problem(state.pos - reused, len(prompt_ids), settings.gen, self.context)
+        if why:
+            raise UsageError(why)
         progress = _prefill_bar(len(tail), self.opts.progress)
         if should_stop is not None:
             progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
@@ -393,6 +396,25 @@ class Run:
         finally:
             self.session.weights.close()
             self.session.ckpt.close()
+
+
+def room_problem(held: int, n_prompt: int, gen: int, context: int) -> str | None:
+    """Why a prompt of ``n_prompt`` tokens after a state holding ``held`` and ``gen`` more
+    (-1: until the end; 0: the prompt alone) do not fit the model's ``context``, with the
+    sizes, or None."""
+    after = f" after the {held:,} the state holds" if held else ""
+    if not n_prompt and held >= context and gen:
+        return f"the state's {held:,} tokens fill the model's context of {context:,}"
+    if held + n_prompt > context:
+        return (f"the prompt is {n_prompt:,} tokens{after}, over the model's context of "
+                f"{context:,}")
+    if held + n_prompt >= context and gen:
+        return (f"the prompt's {n_prompt:,} tokens{after} fill the model's context of "
+                f"{context:,}: nothing can be generated")
+    if gen >= 0 and held + n_prompt + gen > context:
+        return (f"the prompt's {n_prompt:,} tokens{after} and --gen {gen:,} run past the "
+                f"model's context of {context:,} (--gen {context - held - n_prompt:,} fits)")
+    return None
 
 
 @contextlib.contextmanager
@@ -623,6 +645,11 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
     return out
 
 
+class TurnRefused(UsageError):
+    """A chat line or command refused on its own (it does not fit the context): said, and
+    the chat goes on as it was."""
+
+
 class Chat:
     """One chat's engine side: the state, the conversation it holds
     (``chat.Conversation``), the settings of the next turn and the last reply. What the
@@ -669,7 +696,13 @@ class Chat:
 
     def set_system(self, text) -> bool:
         """``text`` opens the next fresh conversation, and this one when nothing is in its
-        state yet (then True)."""
+        state yet (then True). TurnRefused, the chat unchanged, for a text too long for
+        the context (by its size, before it is tokenized)."""
+        context = self.run.context
+        size = len((text or "").encode("utf-8", "surrogatepass"))
+        if size > (context - 1) * self.tokenizer.longest_rank_bytes:
+            raise TurnRefused(f"the system message is {size:,} bytes, more than the model's "
+                              f"context of {context:,} tokens can hold")
         self.system = text
         if self.state.pos == 0 and not self.convo.fed:
             self.convo = self._conversation(text)
@@ -683,7 +716,19 @@ class Chat:
     def turn(self, text: str, on_token=None, interrupted=None):
         """One user message and the model's reply (``generate``: ``interrupted`` cuts it
         short at a token, the state as if the reply had ended there)."""
-        ids, fresh = self.convo.add_user(text)
+        context = self.run.context
+        room = context - self.state.pos - 1            # a reply of one token at least
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > room * self.tokenizer.longest_rank_bytes:     # before tokenizing it
+            raise TurnRefused(f"the message is {size:,} bytes, more than the {room:,} tokens "
+                              f"left in the context of {context:,} can hold")
+        kept = list(self.convo.messages), self.convo.fed
+        ids, fresh = self.convo.add_user(text, limit=context)
+        held = 0 if fresh else self.state.pos
+        why = room_problem(held, len(ids), -1, context)
+        if why:
+            self.convo.messages, self.convo.fed = kept       # the line was not said
+            raise TurnRefused(why.replace("prompt", "message", 1))
         if fresh:
             self.state = self.run.session.new_state()
         res = generate(self.run.session.forward, self.state, ids,
@@ -711,19 +756,25 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
 
     chat = Chat(run, settings, load_state=load_state, system=system,
                 template_kwargs=template_kwargs, warn=warn)
-    while True:
-        entry = console.read()
-        if entry is None:
-            break
-        if isinstance(entry, repl.Command):
-            if not repl.perform(entry, chat, console):
+    try:
+        while True:
+            entry = console.read()
+            if entry is None:
                 break
-            continue
-        printer = emit_factory()
-        with console.reply() as interrupted:
-            res = chat.turn(entry, printer, interrupted)
-        printer.finish()
-        if res.stop_reason == "interrupted":
-            console.say(f"(reply stopped after {len(res.generated_ids)} tokens)")
-    if save_state:
-        chat.save(save_state)
+            if isinstance(entry, repl.Command):
+                if not repl.perform(entry, chat, console):
+                    break
+                continue
+            printer = emit_factory()
+            try:
+                with console.reply() as interrupted:
+                    res = chat.turn(entry, printer, interrupted)
+            except TurnRefused as e:
+                console.say(f"error: {e.one_line()} (not sent)")
+                continue
+            printer.finish()
+            if res.stop_reason == "interrupted":
+                console.say(f"(reply stopped after {len(res.generated_ids)} tokens)")
+    finally:                          # at any exit, the conversation so far is kept
+        if save_state:
+            chat.save(save_state)
