@@ -625,8 +625,7 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
             if key in seen:
                 raise batchfile.BatchLineError(f"duplicate id {job['id']!r}")
             seen.add(key)
-            prompt_ids = job["ids"] if "ids" in job else \
-                run.encode_messages(job, warn) if "messages" in job else run.encode(job["prompt"])
+            prompt_ids = _line_ids(run, job, warn, context)
             why = batchfile.context_problem(len(prompt_ids), job.get("gen", base.gen), context)
             if why:
                 raise batchfile.BatchLineError(why)
@@ -643,6 +642,20 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
             continue
         out.append((lineno, job, [int(i) for i in prompt_ids]))
     return out
+
+
+def _line_ids(run, job: dict, warn, context: int) -> list:
+    """A batch line's prompt ids; a text too long for the context is refused by its
+    bytes before it is tokenized, and tokenizing stops past the context."""
+    if "ids" in job:
+        return job["ids"]
+    if "messages" in job:
+        return run.encode_messages(job, warn, limit=context)
+    size = len(job["prompt"].encode("utf-8"))
+    if size > context * run.prompts.tokenizer.longest_rank_bytes:
+        raise batchfile.BatchLineError(f"the prompt is {size:,} bytes, more than the model's "
+                                       f"context of {context:,} tokens can hold")
+    return run.encode(job["prompt"], limit=context)
 
 
 class TurnRefused(UsageError):
