@@ -15,9 +15,8 @@ many bytes) and its token count checked exactly after encoding.
 
 from __future__ import annotations
 
-import os
-
-from ..errors import FormatError, K3IOError
+from ..errors import FormatError
+from ..io.bounded import read_bounded
 from ..text.encodable import TextError, decode_text
 
 
@@ -27,22 +26,17 @@ def prompt_byte_bound(context_tokens: int, longest_rank_bytes: int) -> int:
 
 
 def read_prompt_file(path, max_bytes: int) -> str:
-    """The file's text exactly as stored. FormatError naming the file when it is larger
-    than ``max_bytes`` (checked before reading it; a file that grows while being read is
-    caught at max_bytes + 1) or is not valid UTF-8 (with the byte offset)."""
-    too_big = "prompt file is larger than the model's context can hold"
+    """The file's text exactly as stored. FormatError naming the file when it is not a
+    regular file (a FIFO, a device: ``read_bounded``), is larger than ``max_bytes``
+    (checked before reading it; a file that grows while being read is caught at
+    max_bytes + 1) or is not valid UTF-8 (with the byte offset)."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > max_bytes:
-                raise FormatError(too_big, path=path, expected=f"<= {max_bytes} bytes",
-                                  found=f"{size} bytes")
-            data = f.read(max_bytes + 1)
-    except OSError as e:
-        raise K3IOError(f"cannot read the prompt file: {e.strerror}", path=path) from None
-    if len(data) > max_bytes:
-        raise FormatError(too_big, path=path, expected=f"<= {max_bytes} bytes",
-                          found=f"more than {max_bytes} bytes")
+        data = read_bounded(path, max_bytes, "the prompt file")
+    except FormatError as e:
+        if e.expected is None:
+            raise
+        raise FormatError("prompt file is larger than the model's context can hold",
+                          path=path, expected=e.expected, found=e.found) from None
     try:
         return decode_text(data)
     except TextError as e:
