@@ -104,3 +104,31 @@ def test_serve_bad_regex_message_is_whole(server):
         {"model": "tiny", "max_tokens": 4, "messages": MSGS,
          "response_format": _fmt({"type": "string", "pattern": "("})}).encode())
     assert status == 422 and "unclosed group" in err["error"]["message"], err
+
+
+def test_serve_refusal_names_no_server_path(server, tiny_dir):
+    """Catches a 422 whose message holds the server's absolute path to the template file
+    (role "developer", which the template refuses): the file is named by its name only;
+    the same refusal's K3Error keeps the path for the log (control)."""
+    from libk3.errors import UsageError
+    from libk3.serve.protocol import client_line, refusal_of
+    status, err = _post(server, "/v1/chat/completions", json.dumps(
+        {"model": "tiny", "max_tokens": 2,
+         "messages": [{"role": "developer", "content": "x"}]}).encode())
+    if status == 422:
+        assert str(tiny_dir) not in err["error"]["message"], err
+    e = UsageError("the template failed", path=tiny_dir / "tokenizer_config.json")
+    assert client_line(e) == "tokenizer_config.json: the template failed"
+    assert str(tiny_dir) in e.one_line() and refusal_of(e)[0] == 422
+    assert str(tiny_dir) not in refusal_of(e)[1]["error"]["message"]
+
+
+def test_usage_errors_name_each_tool_not_main():
+    """Catches "requires an argument" errors naming the program "main" (click's name
+    of the function) in every tool: each names itself."""
+    from .scripts import tool
+    for name, args in (("k3-run", ("--ids",)), ("k3-pack", ("--against",)),
+                       ("k3-doctor", ("--threads",)), ("k3-trace", ("replay", "--slots"))):
+        r = tool(name, *args)
+        assert r.returncode == 2 and r.stderr.startswith(f"{name}"), r.stderr
+        assert "main" not in r.stderr, r.stderr

@@ -41,7 +41,7 @@ from ..run.batch import job_settings
 from ..errors import K3Error, UsageError
 from ..text.encodable import text_problem
 from .protocol import (ApiError, chat_logprobs, check_model, completion_logprobs, envelope,
-                       error_parts, finish_reason, refusal_of, sse, usage)
+                       error_parts, finish_reason, refusal_of, sse, usage, client_line)
 from . import anthropic
 from .reader import ReaderProcess, ReaderSpec
 from .replies import ReplyReader
@@ -464,8 +464,8 @@ class Server:
             if kind == "cancelled":
                 raise ApiError(503, "the server is shutting down", kind="server_error")
             if isinstance(value, UsageError):
-                raise ApiError(422, value.one_line(), code="invalid_value")
-            raise ApiError(500, value.one_line() if isinstance(value, K3Error)
+                raise ApiError(422, client_line(value), code="invalid_value")
+            raise ApiError(500, client_line(value) if isinstance(value, K3Error)
                            else f"generation failed: {value!r}", kind="server_error")
 
     async def _whole(self, req, jobs, rid, model, readers):

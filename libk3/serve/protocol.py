@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 
 from ..errors import K3Error, UsageError
@@ -102,10 +103,18 @@ def refusal_of(e: Exception):
     if isinstance(e, ApiError):
         return e.status, e.body, e.body["error"]["message"]
     if isinstance(e, UsageError):
-        return error_parts(422, e.one_line(), code="invalid_value")
+        return error_parts(422, client_line(e), code="invalid_value")
     if isinstance(e, K3Error):
-        return error_parts(500, e.one_line(), kind="server_error")
+        status, body, _ = error_parts(500, client_line(e), kind="server_error")
+        return status, body, e.one_line()
     return None
+
+
+def client_line(e: K3Error) -> str:
+    """``e``'s line with the file it names cut to its name (``tokenizer_config.json``):
+    a client learns nothing of where the server keeps its files; the log keeps it all."""
+    line = e.one_line()
+    return line.replace(e.path, os.path.basename(e.path.rstrip("/"))) if e.path else line
 
 
 def check_model(name, served: str) -> None:
