@@ -90,6 +90,19 @@ def test_schema_check_bounds_the_size():
     assert schema_check.schema_problem({"enum": ["x"] * 10}, JSON_OPTIONS) is None
 
 
+def test_schema_check_deep_nesting_is_a_refusal_not_a_crash():
+    """Catches a schema nested past Python's recursion limit raising RecursionError out
+    of the check (the request's reader or a batch then failing): it is refused; a
+    shallow one passes (control)."""
+    deep = {"type": "string"}
+    for _ in range(3000):
+        deep = {"type": "array", "items": deep}
+    assert schema_check.schema_problem(deep, JSON_OPTIONS)
+    assert schema_check.vendor_key(deep) is None
+    shallow = {"type": "array", "items": {"type": "array", "items": {"type": "string"}}}
+    assert schema_check.schema_problem(shallow, JSON_OPTIONS) is None
+
+
 @pytest.fixture(scope="module")
 def sess(tiny_dir):
     from libk3.engine.session import open_session

@@ -25,7 +25,7 @@ import threading
 
 import numpy as np
 
-SCHEMA_MAX_BYTES = 262_144      # canonical JSON text of one schema
+SCHEMA_MAX_BYTES = 65_536       # canonical JSON text of one schema (compile time: bench/README.md "Schema admission")
 WITNESS_BYTES = 8_192           # the longest witness looked for
 WITNESS_STEPS = 40_000          # masks computed in the search at most
 VENDOR_KEYS = ("x-guidance",)   # keys llguidance reads as its own settings
@@ -45,30 +45,30 @@ _LOCK = threading.Lock()
 _BYTES = []                      # the byte-level LLTokenizer, built once
 
 
-def vendor_key(schema, where: str = "") -> str | None:
+def vendor_key(schema) -> str | None:
     """Where the first vendor extension key of ``schema`` sits (its path, as
-    ``"properties"."a"."x-guidance"``), or None. Walks the schema positions only: a
-    property named like one is data."""
-    if not isinstance(schema, dict):
-        return None
-    for key in VENDOR_KEYS:
-        if key in schema:
-            return f"{where}{json.dumps(key)}"
-    subs = []
-    for k in _ONE:
-        if isinstance(schema.get(k), dict):
-            subs.append((f"{where}{json.dumps(k)}.", schema[k]))
-    for k in _MANY:
-        if isinstance(schema.get(k), list):
-            subs += [(f"{where}{json.dumps(k)}[{i}].", s) for i, s in enumerate(schema[k])]
-    for k in _NAMED:
-        if isinstance(schema.get(k), dict):
-            subs += [(f"{where}{json.dumps(k)}.{json.dumps(n)}.", s)
-                     for n, s in schema[k].items()]
-    for path, sub in subs:
-        found = vendor_key(sub, path)
-        if found:
-            return found
+    ``"properties"."a"."x-guidance"``), or None. Walks the schema positions only (a
+    property named like one is data), without recursion (any depth)."""
+    todo = [("", schema)]
+    while todo:
+        where, node = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        for key in VENDOR_KEYS:
+            if key in node:
+                return f"{where}{json.dumps(key)}"
+        subs = []
+        for k in _ONE:
+            if isinstance(node.get(k), dict):
+                subs.append((f"{where}{json.dumps(k)}.", node[k]))
+        for k in _MANY:
+            if isinstance(node.get(k), list):
+                subs += [(f"{where}{json.dumps(k)}[{i}].", s) for i, s in enumerate(node[k])]
+        for k in _NAMED:
+            if isinstance(node.get(k), dict):
+                subs += [(f"{where}{json.dumps(k)}.{json.dumps(n)}.", s)
+                         for n, s in node[k].items()]
+        todo += subs[::-1]              # depth first, in the schema's order
     return None
 
 
@@ -88,13 +88,16 @@ def schema_problem(schema, options: dict) -> str | None:
     why = vendor_key_problem(schema)
     if why:
         return why
-    size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode())
+    try:
+        size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode())
+    except RecursionError:
+        return "the schema is nested too deeply"
     if size > SCHEMA_MAX_BYTES:
         return f"the schema is {size:,} bytes of JSON, over the {SCHEMA_MAX_BYTES:,} k3 takes"
     import llguidance as llg
     try:
         text = llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RecursionError) as e:
         return f"schema refused: {_first_line(e)}"
     why = llg.LLMatcher.validate_grammar(text)
     if why and not why.startswith("WARNING"):
