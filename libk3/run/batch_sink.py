@@ -75,12 +75,14 @@ class BatchSink:
         this prompt and every one in flight are dropped; NO_TIME when it would not finish
         before the deadline (nothing of it was run)."""
         job = Job(lineno, prompt_ids, settings)          # the tag is the trace's seq
+        started = False
         try:
             if self.lockstep is None:
                 self._expect(job_id, lineno, chat, prompt_ids)
                 self.run.seq = lineno
                 state, n = starts() if starts is not None else (None, 0)
                 self.reused[lineno] = n
+                started = True
                 try:
                     res = self.run.generate(prompt_ids[n:], settings, state=state,
                                             should_stop=self.should_stop)
@@ -100,9 +102,9 @@ class BatchSink:
                 self.reused[lineno] = n
                 job = Job(lineno, prompt_ids[n:], settings, state)
             self.lockstep.submit(job)
-        except Abandoned:
-            self.abandoned += 1 + self._drop_lanes()
-            return ABANDONED
+        except Abandoned:             # this prompt counts as cut off only if it began
+            self.abandoned += started + self._drop_lanes()
+            return ABANDONED if started else NO_TIME
         return STARTED
 
     def _expect(self, job_id, lineno: int, chat: bool, prompt_ids) -> None:
@@ -143,7 +145,7 @@ class BatchSink:
             return 0
         lanes, self.lockstep.lanes = self.lockstep.lanes, []
         self.discarded += sum(len(lane.generated) for lane in lanes)
-        if lanes and self.pace is not None and self.pace.measured:
+        if lanes and self.pace is not None and self.pace.seen:
             lane = lanes[0]
             self._short(self.ids.get(lane.job.tag, lane.job.tag),
                         self.pace.finish([_work_left(lane)], self.chunk),
