@@ -20,6 +20,7 @@ so ordinary schemas find their witness in about as many masks as it has bytes.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 
@@ -29,6 +30,7 @@ SCHEMA_MAX_BYTES = 65_536       # canonical JSON text of one schema (compile tim
 WITNESS_BYTES = 8_192           # the longest witness looked for
 WITNESS_STEPS = 40_000          # masks computed in the search at most
 VENDOR_KEYS = ("x-guidance",)   # keys llguidance reads as its own settings
+KEPT = 256                      # verdicts kept, by the schema's canonical text
 _ONE = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then",
         "else", "propertyNames", "unevaluatedItems", "unevaluatedProperties")
 _MANY = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
@@ -89,14 +91,25 @@ def schema_problem(schema, options: dict) -> str | None:
     if why:
         return why
     try:
-        size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode())
+        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     except RecursionError:
         return "the schema is nested too deeply"
+    except (TypeError, ValueError) as e:           # a value JSON cannot hold
+        return f"the schema is not JSON ({e})"
+    size = len(text.encode("utf-8", "surrogatepass"))
     if size > SCHEMA_MAX_BYTES:
         return f"the schema is {size:,} bytes of JSON, over the {SCHEMA_MAX_BYTES:,} k3 takes"
+    return _library_problem(text, json.dumps(options, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=KEPT)
+def _library_problem(schema_text: str, options_text: str) -> str | None:
+    """``schema_problem``'s checks by the library, of a schema's JSON text (its keys in order:
+    a property order is a grammar's; kept: a server sees the same schemas again and again)."""
     import llguidance as llg
     try:
-        text = llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        text = llg.LLMatcher.grammar_from_json_schema(schema_text,
+                                                      defaults=json.loads(options_text))
     except (ValueError, TypeError, RecursionError) as e:
         return f"schema refused: {_first_line(e)}"
     why = llg.LLMatcher.validate_grammar(text)
