@@ -12,7 +12,7 @@ import pytest
 from libk3.engine.generate import GenSettings, generate
 from libk3.engine.lockstep import Job, Lockstep
 
-from .scripts import k3_here
+from .scripts import k3, k3_here
 
 pytest.importorskip("llguidance")
 
@@ -160,6 +160,8 @@ def test_cli_endless_schema_is_one_line_exit_2(tiny_dir, tmp_path):
     vendor.write_text(json.dumps({"type": "object", "x-guidance": {"lenient": True}}))
     r = k3_here(tiny_dir, "-p", "hi", "-n", "4", "--response-format", f"@{vendor}")
     assert r.returncode == 2 and "x-guidance" in r.stderr, r.stderr
+    r = k3(tiny_dir, "-p", "hi", "-n", "4", "--response-format", f"@{bad}")  # the script
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr
     good = tmp_path / "list.json"
     good.write_text(json.dumps(FINITE["linked-list"]))
     r = k3_here(tiny_dir, "-p", "hi", "-n", "4", "--response-format", f"@{good}", "-q")

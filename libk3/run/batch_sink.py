@@ -101,7 +101,10 @@ class BatchSink:
                 state, n = starts()
                 self.reused[lineno] = n
                 job = Job(lineno, prompt_ids[n:], settings, state)
-            self.lockstep.submit(job)
+            try:
+                self.lockstep.submit(job)
+            except UsageError as e:     # its own settings cannot start (a grammar)
+                self._failed(job, e)
         except Abandoned:             # this prompt counts as cut off only if it began
             self.abandoned += started + self._drop_lanes()
             return ABANDONED if started else NO_TIME
