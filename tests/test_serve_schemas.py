@@ -132,3 +132,29 @@ def test_usage_errors_name_each_tool_not_main():
         r = tool(name, *args)
         assert r.returncode == 2 and r.stderr.startswith(f"{name}"), r.stderr
         assert "main" not in r.stderr, r.stderr
+
+
+# admitted (its witness is {}), yet a reply that writes the key "x" can never go on
+DEAD_END = {"type": "object", "properties": {"x": {"$ref": "#/$defs/bad"}},
+            "additionalProperties": False, "$defs": {"bad": {"$ref": "#/$defs/bad"}}}
+
+
+def test_serve_grammar_failing_mid_pass_ends_that_request_alone(server, tiny_dir):
+    """Catches a grammar failure inside the shared pass failing every lane (innocent
+    requests got 500): a schema that passes admission but whose reply is steered (by
+    logit_bias on '"') into a key no value can follow fails that request alone, 422
+    naming the grammar, while three requests decoding beside it get exactly the tokens
+    they get alone (control: those requests alone)."""
+    from libk3.io.tokenizer import K3Tokenizer
+    quote = K3Tokenizer.from_dir(tiny_dir).encode('"')
+    assert len(quote) == 1
+    body = {"model": "tiny", "max_tokens": 16, "messages": MSGS,
+            "response_format": _fmt(DEAD_END), "logit_bias": {str(quote[0]): 100}}
+    alone = [_innocent(server, i) for i in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        bad = pool.submit(_post, server, "/v1/chat/completions", json.dumps(body).encode())
+        innocents = [pool.submit(_innocent, server, i) for i in range(3)]
+        got = [f.result() for f in innocents]
+        status, err = bad.result()
+    assert got == alone
+    assert status == 422 and "grammar failed" in err["error"]["message"], (status, err)
