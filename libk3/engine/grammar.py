@@ -286,7 +286,9 @@ class Matcher:
     def _failed(self, where: str) -> UsageError:
         """The error ending this sequence alone: the grammar cannot go on at ``where``
         (llguidance gave up, or allows nothing: a schema k3 cannot enforce)."""
-        why = _first_line(self._m.get_error()) if self._m.is_error() else "no token allowed"
+        why = _first_line(self._m.get_error()) if self._m.is_error() else ""
+        if why in ("", "NoExtensionBias"):
+            why = "nothing the schema allows can follow (a part of it no value satisfies)"
         return UsageError(f"{self.grammar.what}: the grammar failed at {where}: {why}")
 
     def is_complete(self) -> bool:
