@@ -161,3 +161,15 @@ def test_chat_ended_by_an_error_still_saves_its_state(short, tmp_path, monkeypat
     ok = tmp_path / "ok.k3state"                                # control: Hi alone
     assert k3_here(short, "--chat", "--gen", "2", "--save-state", ok, input="Hi\n").returncode == 0
     assert first == _state_ids(short, ok)
+
+
+def test_chat_system_option_too_long_for_the_context_is_refused_at_start(short, tmp_path):
+    """Catches a --system text that cannot fit the context accepted, every turn then
+    refused for it: one line naming --system and its size, exit 2; one that fits starts
+    the chat (control)."""
+    big = tmp_path / "system.txt"
+    big.write_text("word " * 40_000)
+    r = k3_here(short, "--chat", "--gen", "2", "--system", f"@{big}", input="Hi\n")
+    assert r.returncode == 2 and "--system" in r.stderr and "bytes" in r.stderr, r.stderr
+    r = k3_here(short, "--chat", "--gen", "2", "--system", "Be brief.", input="Hi\n")
+    assert r.returncode == 0, r.stderr

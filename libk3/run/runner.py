@@ -677,6 +677,9 @@ class Chat:
         if self.tokenizer is None:
             raise UsageError("--chat needs the model's tokenizer (tiktoken.model)")
         self.settings = settings
+        why = self._system_problem(system)
+        if why:
+            raise UsageError(f"--system: {why}")
         self.system = system
         self.template_kwargs = template_kwargs
         self.warn = warn
@@ -707,15 +710,23 @@ class Chat:
     def save(self, path) -> None:
         self.state.save(path, self.run.session.weights_identity)
 
+    def _system_problem(self, text) -> str | None:
+        """Why a system message cannot fit the context, from its size (before it is
+        tokenized), or None."""
+        context = self.run.context
+        size = len((text or "").encode("utf-8", "surrogatepass"))
+        if size > (context - 1) * self.tokenizer.longest_rank_bytes:
+            return (f"the system message is {size:,} bytes, more than the model's context "
+                    f"of {context:,} tokens can hold")
+        return None
+
     def set_system(self, text) -> bool:
         """``text`` opens the next fresh conversation, and this one when nothing is in its
         state yet (then True). TurnRefused, the chat unchanged, for a text too long for
         the context (by its size, before it is tokenized)."""
-        context = self.run.context
-        size = len((text or "").encode("utf-8", "surrogatepass"))
-        if size > (context - 1) * self.tokenizer.longest_rank_bytes:
-            raise TurnRefused(f"the system message is {size:,} bytes, more than the model's "
-                              f"context of {context:,} tokens can hold")
+        why = self._system_problem(text)
+        if why:
+            raise TurnRefused(why)
         self.system = text
         if self.state.pos == 0 and not self.convo.fed:
             self.convo = self._conversation(text)
