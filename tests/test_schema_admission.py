@@ -119,21 +119,28 @@ def _unchecked(tok, schema) -> Grammar:
                    "unchecked:" + json.dumps(schema))
 
 
+@pytest.mark.parametrize("drafted", [False, True], ids=["plain", "drafting"])
 @pytest.mark.parametrize("name", ["self", "required-recursion"])
-def test_lockstep_failing_grammar_lane_leaves_alone_and_spares_its_neighbours(sess, name):
+def test_lockstep_failing_grammar_lane_leaves_alone_and_spares_its_neighbours(sess, name,
+                                                                             drafted):
     """Catches one lane's grammar failure raised out of the shared pass (every lane then
-    lost): the failing lane alone is reported, and the three innocent lanes decoding
-    beside it get exactly the tokens they get alone."""
+    lost), with or without drafting (each lane's proposals are masked too): the failing
+    lane alone is reported, and the three innocent lanes decoding beside it get exactly
+    the tokens they get alone."""
+    from libk3.engine.proposers import PromptLookup
+    from libk3.engine.speculative import Drafting
     tok = sess.tokenizer
     innocent = [GenSettings(gen=10), GenSettings(gen=12, temperature=0.9, seed=3),
                 GenSettings(gen=8, temperature=1.2, top_p=0.8, seed=11)]
-    prompts = [tok.encode(t) for t in ("hello world", "a cat sat", "numbers: 1 2 3")]
+    prompts = [tok.encode(t) for t in ("hello world hello world hello", "a cat sat",
+                                       "numbers: 1 2 3 1 2 3 1 2")]
     alone = [generate(sess.forward, sess.new_state(), p, s, tokenizer=tok).generated_ids
              for p, s in zip(prompts, innocent)]
     done, failed = {}, {}
     ls = Lockstep(sess.forward, lambda n: sess.new_state(), 4,
                   lambda job, res: done.__setitem__(job.tag, res.generated_ids),
-                  tokenizer=tok, on_failed=lambda job, e: failed.__setitem__(job.tag, e))
+                  tokenizer=tok, on_failed=lambda job, e: failed.__setitem__(job.tag, e),
+                  drafting=Drafting(PromptLookup(), 4) if drafted else None)
     bad = GenSettings(gen=20, grammar=_unchecked(tok, ENDLESS[name]))
     ls.submit(Job("bad", tok.encode("give json"), bad))
     for i, (p, s) in enumerate(zip(prompts, innocent)):
