@@ -176,3 +176,22 @@ def test_deadline_tick_too_short_to_measure_says_what_would_fit(tiny_dir, tmp_pa
     assert (s["done"], s["stopped"], s["remaining"]) == (0, "deadline", 2), s
     assert s["cut_off"] == 1, s
     assert len(said) == 1 and "'p0'" in said[0] and "at least 4 min" in said[0], said
+
+
+def test_deadline_admission_widens_one_lane_at_a_time_until_the_width_is_priced(
+        tiny_dir, tmp_path, monkeypatch):
+    """Catches admission pricing a wide pass from one width seen (half of it taken as
+    fixed): where each sequence costs its share of a pass (compute-bound, a loaded
+    machine), the first tick filled the lanes and cut prompts in flight at the deadline
+    (4 cut, 40 tokens discarded here). Now none is cut and the tick finishes prompts;
+    where passes cost the same whatever their width, ticks still fill lanes
+    (test_deadline_ticks_always_finish_prompts, control)."""
+    batch, r = _batch(tmp_path / "b.jsonl", 24, gen=12), tmp_path / "r.jsonl"
+    opts = runner.RunOptions(model=str(tiny_dir), resident=True, batch_width=8)
+    base = runner.settings_from(gen=12, temperature=0.0, top_p=1.0, seed=0)
+    clock = Clock()
+    _fake_time(monkeypatch, clock, 0.1, 1.0)             # a pass costs its tokens
+    limits = runner.BatchLimits(deadline=60.0, clock=clock, started=0.0)
+    s = runner.run_batch(opts, batch, r, base, [].append, limits)
+    assert (s["cut_off"], s["discarded_tokens"]) == (0, 0), s
+    assert s["done"] >= 2 and clock.t <= 60.0, (s["done"], clock.t)

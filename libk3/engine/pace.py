@@ -50,6 +50,14 @@ class Pace:
     def measured(self) -> bool:
         return len(self.passes) >= 2
 
+    def knows(self, width: int) -> bool:
+        """Whether a pass of ``width`` decoding sequences is priced from what was seen: a
+        decode pass that wide, or two widths (the fit's fixed part and slope). From one
+        width alone the split is a guess (``FIXED_SHARE``), which a wider pass on a
+        compute-bound machine outruns: admission widens one lane at a time until then."""
+        widths = {w for p, w, _ in self.passes if p == 0}
+        return len(widths) >= 2 or width in widths
+
     def _fit(self) -> tuple:
         """(a, b_decode, b_prompt, stretch): a pass costs a + b_decode per decoding
         sequence + b_prompt per prompt token, times ``stretch``, the 90th percentile of

@@ -120,9 +120,10 @@ class BatchSink:
         """Whether ``job`` and every lane in flight finish before the deadline at this
         run's pace, asked again after each pass while lanes are in flight (each one that
         finishes leaves room). Until the pace is measured, the first prompt is let in
-        alone."""
+        alone; until a pass as wide as the lanes in flight is priced (``Pace.knows``),
+        no other is (the width grows one lane at a time)."""
         ls = self.lockstep
-        while not self.pace.measured and ls.lanes:
+        while ls.lanes and not (self.pace.measured and self.pace.knows(len(ls.lanes))):
             ls.step()
         if not self.pace.measured:
             return True
