@@ -29,14 +29,14 @@ def read_bounded(path, max_bytes: int, what: str) -> bytes:
         raise FormatError(f"{what} is {kind}, not a regular file: give a file", path=path)
     too_big = f"{what} is larger than k3 reads"
     if st.st_size > max_bytes:
-        raise FormatError(too_big, path=path, expected=f"<= {max_bytes:,} bytes",
-                          found=f"{st.st_size:,} bytes")
+        raise FormatError(too_big, path=path, expected=f"<= {max_bytes} bytes",
+                          found=f"{st.st_size} bytes")
     try:
         with open(path, "rb") as f:
             data = f.read(max_bytes + 1)
     except OSError as e:
         raise K3IOError(f"cannot read {what}: {e.strerror or e}", path=path) from None
     if len(data) > max_bytes:
-        raise FormatError(too_big, path=path, expected=f"<= {max_bytes:,} bytes",
-                          found=f"more than {max_bytes:,} bytes")
+        raise FormatError(too_big, path=path, expected=f"<= {max_bytes} bytes",
+                          found=f"more than {max_bytes} bytes")
     return data
