@@ -16,9 +16,12 @@ LOG_EVERY = 30.0              # seconds between progress lines in a log
 
 
 def bar(*, desc: str, total=None, unit: str = "it", unit_scale: bool = False,
-        initial: int = 0, show: bool = True, stream=None, clock=time.monotonic):
+        initial: int = 0, show: bool = True, stream=None, clock=time.monotonic,
+        eta: bool = False):
     """A progress object with tqdm's ``update``, ``set_description``, ``set_postfix``,
-    ``set_postfix_str`` and ``close`` (and a context manager)."""
+    ``set_postfix_str`` and ``close`` (and a context manager). ``eta``: a log line reads
+    ``desc: done/total unit, postfix, elapsed s, ETA s`` (the time left at the pace so
+    far), for counts of whole items such as a batch's prompts."""
     stream = sys.stderr if stream is None else stream
     if not show:
         return _Silent()
@@ -26,7 +29,9 @@ def bar(*, desc: str, total=None, unit: str = "it", unit_scale: bool = False,
         from tqdm import tqdm
         return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, initial=initial,
                     file=stream, leave=False)
-    return _Lines(desc, total, unit, unit_scale, initial, stream, clock)
+    lines = _Lines(desc, total, unit, unit_scale, initial, stream, clock)
+    lines.eta = eta
+    return lines
 
 
 def _is_terminal(stream) -> bool:
@@ -90,7 +95,15 @@ class _Lines(_Silent):
             self.stream.write(self.line(now) + "\n")
             self.stream.flush()
 
+    eta = False
+
     def line(self, now) -> str:
+        elapsed = now - self.start
+        if self.eta and self.total:
+            left = "?" if not self.n else f"{elapsed * (self.total - self.n) / self.n:.0f} s"
+            tail = f", {self.postfix}" if self.postfix else ""
+            return (f"{self.desc}: {self.n:,}/{self.total:,} {self.unit}{tail}, "
+                    f"{elapsed:.0f} s, ETA {left}")
         done = _amount(self.n, self.unit, self.scale)
         if self.total:
             done += (f" of {_amount(self.total, self.unit, self.scale)}"

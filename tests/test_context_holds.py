@@ -144,20 +144,20 @@ def test_chat_ended_by_an_error_still_saves_its_state(short, tmp_path, monkeypat
     """Catches --save-state written only when the chat ends by /exit or end of input: a
     turn that fails (exit 3) leaves the state of the turns before it saved."""
     from libk3.errors import FormatError
-    from libk3.run import runner
-    real, calls = runner.Chat.turn, []
+    from libk3.run import chat_session
+    real, calls = chat_session.Chat.turn, []
 
     def turn(self, text, *a, **kw):
         calls.append(text)
         if len(calls) == 2:
             raise FormatError("the template failed on this message", path="t.jinja")
         return real(self, text, *a, **kw)
-    monkeypatch.setattr(runner.Chat, "turn", turn)
+    monkeypatch.setattr(chat_session.Chat, "turn", turn)
     st = tmp_path / "s.k3state"
     r = k3_here(short, "--chat", "--gen", "2", "--save-state", st, input="Hi\nAgain\n")
     assert r.returncode == 3 and "t.jinja" in r.stderr, r.stderr
     first = _state_ids(short, st)
-    monkeypatch.setattr(runner.Chat, "turn", real)
+    monkeypatch.setattr(chat_session.Chat, "turn", real)
     ok = tmp_path / "ok.k3state"                                # control: Hi alone
     assert k3_here(short, "--chat", "--gen", "2", "--save-state", ok, input="Hi\n").returncode == 0
     assert first == _state_ids(short, ok)

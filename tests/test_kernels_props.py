@@ -154,12 +154,16 @@ def test_kernels_dense_matvec_order_shows_under_cancellation(seed, O, I):
 
 
 @PROPS
-@given(seeds, st.integers(1, 9), st.integers(1, 70), st.integers(1, 5))
+@given(seeds, st.integers(1, 41), st.integers(1, 700), st.integers(1, 9))
 def test_kernels_dense_matmul_equals_matvec_per_token(seed, O, I, T):
     """Catches a prefill (block) path whose per-token arithmetic differs from decode, for
-    BF16 bits and f32 weights."""
+    BF16 bits and f32 weights: token pairs, an odd last token, and from three tokens the
+    widen-once path (lane vectors lost or mixed between column spans, a (token, row)
+    finished from another's vectors, a last partial block of rows); rows past one block,
+    columns past several spans with a tail, cancelling activations."""
     rng = np.random.default_rng(seed)
-    X = rng.standard_normal((T, I)).astype(np.float32)
+    X = (_cancelling(rng, T * I).reshape(T, I) if I > 1
+         else rng.standard_normal((T, I))).astype(np.float32)
     for W in (_finite_bf16(rng, (O, I)), rng.standard_normal((O, I)).astype(np.float32)):
         Y = np.empty((T, O), np.float32)
         bf16.matmul(W, X, Y)
@@ -239,6 +243,40 @@ def test_kernels_mxfp4_matmul_equals_matvec_per_token(seed, R, G, T):
         assert np.array_equal(_bits(y), _bits(Y[t]))
 
 
+
+@PROPS
+@given(seeds, st.integers(1, 20), st.integers(1, 9), st.integers(1, 19))
+def test_kernels_mxfp4_tiles_equal_one_token_one_row_at_extremes(seed, R, G, T):
+    """Catches a tile (8x1, 8x2, 4x4 rows x tokens, or two rows with eight tokens in the
+    lanes) whose lanes leave the order of section 3: a reduction pairing the wrong lanes,
+    a lane stored to the wrong (token, row), a 255 group that contributes, a scale built
+    from the wrong exponent, row sums lost between chunks of decoded groups; row counts
+    up to 20, groups up to 9 (several chunks) and tokens up to 19 put rows and tokens in
+    every path and in the one-row fallback, with scale bytes 0..255 and activations from
+    subnormals to near f32 max."""
+    rng = np.random.default_rng(seed)
+    packed = rng.integers(0, 256, size=(R, 16 * G), dtype=np.uint8)
+    scales = rng.integers(0, 256, size=(R, G), dtype=np.uint8)
+    with np.errstate(over="ignore"):
+        X = (rng.standard_normal((T, 32 * G))
+             * 10.0 ** rng.integers(-45, 39, (T, 32 * G))).astype(np.float32)
+    X[rng.random(X.shape) < 0.05] = 0.0
+    Y = np.empty((T, R), np.float32)
+    with np.errstate(all="ignore"):
+        mxfp4.matmul(packed, scales, X, Y)
+        want = np.empty((R, T))
+        _pairs_per_token(mxfp4._row_dot2, packed, scales, X.astype(np.float64), want)
+        want32 = want.T.astype(np.float32)
+    assert np.array_equal(_bits(Y), _bits(want32))
+
+
+@numba.njit
+def _pairs_per_token(row_fn, packed, scales, X, out):
+    R = packed.shape[0]
+    for t in range(X.shape[0]):
+        for a in range(0, R, 2):
+            b = min(a + 1, R - 1)
+            out[a, t], out[b, t] = row_fn(packed[a], scales[a], packed[b], scales[b], X[t])
 
 @numba.njit
 def _pairs_f64(row_fn, packed, scales, x, out):

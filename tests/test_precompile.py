@@ -229,3 +229,45 @@ def test_a_kernel_compiled_beside_cached_team_calls_links(tmp_path):
                            capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, (label, p.stderr[-500:])
     assert list((tmp_path / "nc").rglob("*.nbi"))
+
+
+class _FakeKernel:
+    """A table entry whose compile does nothing (``_prepare`` only asks for these)."""
+
+    def __init__(self, label):
+        self.label = label
+
+    def signature(self):
+        return ()
+
+    def dispatcher(self):
+        return self
+
+    def compile(self, sig):
+        pass
+
+
+def test_precompile_count_is_one_counter_over_several_calls(monkeypatch):
+    """Catches a run whose two prepare calls each draw their own counter ('8 of 14',
+    then '5 of 15'): with one Count the lines count every kernel of both calls once, up
+    to one total; control: without a Count each call counts only its own kernels."""
+    import io
+    from libk3 import progress
+    from libk3.kernels import team
+    monkeypatch.setattr(progress, "LOG_EVERY", 0.0)
+    monkeypatch.setattr(team, "launch", lambda: None)
+    monkeypatch.setattr(precompile, "_announced", True)
+    a, b, c, d = (_FakeKernel(x) for x in "abcd")
+    monkeypatch.setattr(precompile, "is_cached", lambda k: k.label != "a" and k.label != "c")
+    out = io.StringIO()
+    count = precompile.Count(todo=[a, b, c, d])
+    precompile._prepare([a, b], out, count=count)
+    precompile._prepare([b, c, d], out, count=count)       # b again: counted once
+    count.close()
+    counts = [line.split(": ")[1].split(" kernel of ") for line in out.getvalue().splitlines()]
+    done = [int(n) for n, _ in counts]
+    assert {total.split(" ")[0] for _, total in counts} == {"4"}
+    assert done == sorted(done) and done[-1] == 4
+    alone = io.StringIO()
+    precompile._prepare([b, c, d], alone)
+    assert alone.getvalue().splitlines()[-1].startswith("compiling: 3 kernel of 3 kernel")

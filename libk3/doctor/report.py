@@ -66,10 +66,31 @@ def reference_config() -> K3Config:
     return real_config()
 
 
-def default_pack_dir(model_dir) -> Path:
-    """Where the doctor suggests packing when --pack is not given: a sibling directory."""
+def default_pack_dir(model_dir, env=None) -> Path:
+    """Where the doctor suggests packing when --pack is not given: a sibling directory
+    ``MODEL-pack``, unless that lies inside a git checkout (a pack there would show up
+    as gigabytes of untracked files) or where this user cannot write; then
+    ``$XDG_DATA_HOME/k3/packs/MODEL-pack`` (``~/.local/share``), the first of the two
+    that is neither (else the second: the disk check then says what is wrong)."""
     m = Path(os.path.abspath(model_dir))
-    return m.with_name(m.name + "-pack")
+    env = os.environ if env is None else env
+    base = env.get("XDG_DATA_HOME", "")
+    data = Path(base) if os.path.isabs(base) else \
+        Path(env.get("HOME") or Path.home()) / ".local" / "share"
+    candidates = (m.with_name(m.name + "-pack"), data / "k3" / "packs" / (m.name + "-pack"))
+    for c in candidates:
+        if not storage.in_git_checkout(c) and _writable(c):
+            return c
+    return candidates[-1]
+
+
+def _writable(path: Path) -> bool:
+    """Whether this user may create ``path`` (its nearest existing ancestor is a
+    writable directory)."""
+    for q in (path, *path.parents):
+        if q.exists():
+            return q.is_dir() and os.access(q, os.W_OK | os.X_OK)
+    return False
 
 
 # ---- the model directory -------------------------------------------------------------

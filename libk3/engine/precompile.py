@@ -219,42 +219,71 @@ def _announce(kern: Kernel, stream) -> None:
     stream.flush()
 
 
-def _prepare(todo, stream, show: bool = True) -> tuple:
+class Count:
+    """One progress count over the kernels of ``groups`` for work that prepares them in
+    several calls (``prepare(..., count=)``): one bar, from the first kernel numba's
+    cache lacks to the last kernel of every group, each kernel counted once, instead of
+    a bar per call counting its own (two counters one after the other). ``close()`` when
+    the last call is done."""
+
+    def __init__(self, groups=(), *, show: bool = True, todo=None):
+        self.todo = kernels(groups) if todo is None else list(todo)
+        self.show, self.seen, self.bar = show, set(), None
+
+    def begin(self, stream) -> None:
+        if self.bar is None:
+            self.bar = _progress.bar(total=len(self.todo), initial=len(self.seen),
+                                     unit="kernel", desc="compiling", stream=stream,
+                                     show=self.show)
+
+    def step(self, kern) -> None:
+        if kern.label not in self.seen:
+            self.seen.add(kern.label)
+            if self.bar is not None:
+                self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _prepare(todo, stream, show: bool = True, count: Count | None = None) -> tuple:
     """Each kernel of ``todo`` in table order compiled or loaded from the cache (an entry
     may take a type an earlier one returns, so they are checked one by one). The notice
-    and a bar over the rest of the table (unless not ``show``) come at the first kernel
-    numba's cache lacks.
+    and a bar (``count``'s, else one over ``todo``; unless not ``show``) come at the
+    first kernel numba's cache lacks.
     -> (seconds spent compiling, kernels compiled)."""
     stream = sys.stderr if stream is None else stream
-    spent, compiled, bar = 0.0, 0, None
+    own = count is None
+    count = Count(show=show, todo=todo) if own else count
+    spent, compiled = 0.0, 0
     try:
-        for i, kern in enumerate(todo):
+        for kern in todo:
             missing = is_cached(kern) is False
-            if missing and bar is None:
+            if missing and count.bar is None:
                 from ..kernels import team
                 team.launch()     # a kernel compiled here may link the cached team calls
                 _announce(kern, stream)
-                bar = _progress.bar(total=len(todo) - i, unit="kernel", desc="compiling",
-                                    stream=stream, show=show)
-            if bar is not None:
-                bar.set_postfix_str(kern.label, refresh=True)
+                count.begin(stream)
+            if count.bar is not None:
+                count.bar.set_postfix_str(kern.label, refresh=True)
             t0 = time.perf_counter()
             kern.dispatcher().compile(kern.signature())     # a cache load if not missing
             if missing:
                 spent += time.perf_counter() - t0
                 compiled += 1
-            if bar is not None:
-                bar.update(1)
+            count.step(kern)
     finally:
-        if bar is not None:
-            bar.close()
+        if own:
+            count.close()
     return spent, compiled
 
 
-def prepare(groups, *, stream=None, show: bool = True) -> float:
+def prepare(groups, *, stream=None, show: bool = True, count: Count | None = None) -> float:
     """Make every kernel of ``groups`` callable without further work (see
-    ``prepare_kernels``); the seconds spent compiling, 0.0 when all were cached."""
-    return prepare_kernels(kernels(groups), stream=stream, show=show)
+    ``prepare_kernels``); the seconds spent compiling, 0.0 when all were cached.
+    ``count``: the one progress count of several calls (``Count``)."""
+    return _prepare(kernels(groups), stream, show, count)[0]
 
 
 def prepare_kernels(todo, *, stream=None, show: bool = True) -> float:

@@ -17,10 +17,11 @@ formats/numerics.md (model.md §7):
 * ``rope``        the DSpark draft's interleaved rotary embedding (dspark.md §5.4).
 * ``logistic``    one float64 logistic unit (the draft's confidence head).
 * ``_dot``/``_simd`` the fixed-order f64 dot product and the vector primitives under it.
+* ``_mxfp4_tile`` the MXFP4 group decode and the tile steps ``mxfp4`` is built from.
 * ``team``        whether a call uses the whole thread team or only the calling thread.
 
 Numba caches each kernel per source file and does not track imports: after editing
-``_dot.py``, ``_simd.py`` or ``team.py``, delete ``libk3/kernels/__pycache__`` (formats/numerics.md 9).
+``_dot.py``, ``_simd.py``, ``_mxfp4_tile.py`` or ``team.py``, delete ``libk3/kernels/__pycache__`` (formats/numerics.md 9).
 
 Invariant shared by all: ``prange`` only over independent output rows, heads, channels
 or tokens, never fastmath, so every result is bit-identical at any thread count, and a

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from ._simd import vfma, vlane, vzero, widen_f64
+from ._simd import vfma, vlane, vload, vstore, vzero, widen_f64
 
 
 @njit(cache=True, inline="always")
@@ -144,3 +144,101 @@ def dot16_x4_t2(w0, w1, w2, w3, xa, xb):
             _tail(_reduce16(l1b, h1b), w1, xb, n16, n),
             _tail(_reduce16(l2b, h2b), w2, xb, n16, n),
             _tail(_reduce16(l3b, h3b), w3, xb, n16, n))
+
+
+@njit(cache=True, inline="always")
+def span_x4_t2(Wb, kb, X, xa, xb, n, acc, at):
+    """Continue the 16 lane vectors of four rows x two tokens over n columns (n % 16 == 0):
+    row r's weights are Wb[r * kb :][:n] (float64, widened once for every token), token
+    a's activations X[xa:][:n], token b's X[xb:][:n]; the vectors of (token u, row r) are
+    acc[at + 16 * (4u + r):][:16] before and after. Every lane gets the additions
+    ``dot16`` gives it, in the same order: cutting a row into column spans only moves its
+    vectors through memory between spans."""
+    r1, r2, r3 = kb, 2 * kb, 3 * kb
+    l0a = vload(acc, at)
+    h0a = vload(acc, at + 8)
+    l1a = vload(acc, at + 16)
+    h1a = vload(acc, at + 24)
+    l2a = vload(acc, at + 32)
+    h2a = vload(acc, at + 40)
+    l3a = vload(acc, at + 48)
+    h3a = vload(acc, at + 56)
+    l0b = vload(acc, at + 64)
+    h0b = vload(acc, at + 72)
+    l1b = vload(acc, at + 80)
+    h1b = vload(acc, at + 88)
+    l2b = vload(acc, at + 96)
+    h2b = vload(acc, at + 104)
+    l3b = vload(acc, at + 112)
+    h3b = vload(acc, at + 120)
+    for i in range(0, n, 16):
+        l0a = vfma(l0a, Wb, i, X, xa + i)
+        h0a = vfma(h0a, Wb, i + 8, X, xa + i + 8)
+        l0b = vfma(l0b, Wb, i, X, xb + i)
+        h0b = vfma(h0b, Wb, i + 8, X, xb + i + 8)
+        l1a = vfma(l1a, Wb, r1 + i, X, xa + i)
+        h1a = vfma(h1a, Wb, r1 + i + 8, X, xa + i + 8)
+        l1b = vfma(l1b, Wb, r1 + i, X, xb + i)
+        h1b = vfma(h1b, Wb, r1 + i + 8, X, xb + i + 8)
+        l2a = vfma(l2a, Wb, r2 + i, X, xa + i)
+        h2a = vfma(h2a, Wb, r2 + i + 8, X, xa + i + 8)
+        l2b = vfma(l2b, Wb, r2 + i, X, xb + i)
+        h2b = vfma(h2b, Wb, r2 + i + 8, X, xb + i + 8)
+        l3a = vfma(l3a, Wb, r3 + i, X, xa + i)
+        h3a = vfma(h3a, Wb, r3 + i + 8, X, xa + i + 8)
+        l3b = vfma(l3b, Wb, r3 + i, X, xb + i)
+        h3b = vfma(h3b, Wb, r3 + i + 8, X, xb + i + 8)
+    vstore(acc, at, l0a)
+    vstore(acc, at + 8, h0a)
+    vstore(acc, at + 16, l1a)
+    vstore(acc, at + 24, h1a)
+    vstore(acc, at + 32, l2a)
+    vstore(acc, at + 40, h2a)
+    vstore(acc, at + 48, l3a)
+    vstore(acc, at + 56, h3a)
+    vstore(acc, at + 64, l0b)
+    vstore(acc, at + 72, h0b)
+    vstore(acc, at + 80, l1b)
+    vstore(acc, at + 88, h1b)
+    vstore(acc, at + 96, l2b)
+    vstore(acc, at + 104, h2b)
+    vstore(acc, at + 112, l3b)
+    vstore(acc, at + 120, h3b)
+
+
+@njit(cache=True, inline="always")
+def span_x4_t1(Wb, kb, X, xa, n, acc, at):
+    """``span_x4_t2`` for one token (an odd token count's last)."""
+    r1, r2, r3 = kb, 2 * kb, 3 * kb
+    l0 = vload(acc, at)
+    h0 = vload(acc, at + 8)
+    l1 = vload(acc, at + 16)
+    h1 = vload(acc, at + 24)
+    l2 = vload(acc, at + 32)
+    h2 = vload(acc, at + 40)
+    l3 = vload(acc, at + 48)
+    h3 = vload(acc, at + 56)
+    for i in range(0, n, 16):
+        l0 = vfma(l0, Wb, i, X, xa + i)
+        h0 = vfma(h0, Wb, i + 8, X, xa + i + 8)
+        l1 = vfma(l1, Wb, r1 + i, X, xa + i)
+        h1 = vfma(h1, Wb, r1 + i + 8, X, xa + i + 8)
+        l2 = vfma(l2, Wb, r2 + i, X, xa + i)
+        h2 = vfma(h2, Wb, r2 + i + 8, X, xa + i + 8)
+        l3 = vfma(l3, Wb, r3 + i, X, xa + i)
+        h3 = vfma(h3, Wb, r3 + i + 8, X, xa + i + 8)
+    vstore(acc, at, l0)
+    vstore(acc, at + 8, h0)
+    vstore(acc, at + 16, l1)
+    vstore(acc, at + 24, h1)
+    vstore(acc, at + 32, l2)
+    vstore(acc, at + 40, h2)
+    vstore(acc, at + 48, l3)
+    vstore(acc, at + 56, h3)
+
+
+@njit(cache=True, inline="always")
+def finish16(acc, at, w, x, n16, n):
+    """The sum ``dot16`` returns, from lane vectors kept at acc[at:][:16] after columns
+    0..n16-1: the fixed reduction, then the tail n16..n-1 one by one."""
+    return _tail(_reduce16(vload(acc, at), vload(acc, at + 8)), w, x, n16, n)

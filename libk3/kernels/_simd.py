@@ -2,8 +2,8 @@
 
 Owns: the one numba-side BF16 widening (bits << 16, the same rule as
 ``libk3.io.dtypes.bf16_to_f32``; scalar ``widen_f32`` / ``widen_f64``, vector inside
-``vfma``) and an 8-lane float64 vector type ``f64x8`` with ``vzero``, ``vlane`` and
-``vfma``, from which the fixed-order dot products of ``_dot.py`` are built.
+``vfma``) and an 8-lane float64 vector type ``f64x8`` with ``vzero``, ``vlane``,
+``vfma``, ``vload``, ``vstore`` and ``vwiden``, from which the fixed-order dot products of ``_dot.py`` are built.
 Does not own: any model math, any summation order (``_dot.py`` fixes that).
 
 WHY a vector type at all. Numba disables LLVM's SLP vectoriser and never lets the loop
@@ -156,5 +156,54 @@ def vfma(typingctx, acc, w, i, x, j):
         fma = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(_V, [_V, _V, _V]), "llvm.fma.v8f64")
         return builder.call(fma, [wd, xd, vacc])
+
+    return sig, codegen
+
+
+@intrinsic
+def vload(typingctx, a, i):
+    """a[i : i + 8] of a 1-D C-contiguous float64 array as an f64x8 (unchecked bounds):
+    a partial sum kept in memory between the column blocks of a blocked product."""
+    if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
+            and a.dtype == types.float64 and isinstance(i, types.Integer)):
+        return None
+    sig = f64x8(a, i)
+
+    def codegen(context, builder, signature, args):
+        return _load8(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+
+    return sig, codegen
+
+
+@intrinsic
+def vstore(typingctx, a, i, v):
+    """a[i : i + 8] = v for a 1-D C-contiguous float64 array (unchecked bounds)."""
+    if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
+            and a.dtype == types.float64 and isinstance(i, types.Integer) and v == f64x8):
+        return None
+    sig = types.void(a, i, v)
+
+    def codegen(context, builder, signature, args):
+        aryty, ity = signature.args[0], signature.args[1]
+        arr = context.make_array(aryty)(context, builder, args[0])
+        ptr = builder.gep(arr.data, [context.cast(builder, args[1], ity, types.intp)])
+        builder.store(args[2], builder.bitcast(ptr, _V.as_pointer()), align=8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def vwiden(typingctx, w, i):
+    """w[i : i + 8] (uint16 BF16 bits or float32, 1-D C-contiguous) widened exactly to an
+    f64x8 (unchecked bounds): a weight block widened once for many tokens."""
+    if not (_is_operand_array(w) and isinstance(i, types.Integer)):
+        return None
+    sig = f64x8(w, i)
+
+    def codegen(context, builder, signature, args):
+        tw, ti = signature.args
+        return _widen_vector(builder, _load8(context, builder, tw, args[0], ti, args[1]),
+                             tw.dtype)
 
     return sig, codegen

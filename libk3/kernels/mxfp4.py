@@ -34,14 +34,12 @@ the vector one.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import binding as _llvm_binding
-from llvmlite import ir
 from numba import njit, prange
 
 from . import team
-from numba.core import cgutils, types
-from numba.extending import intrinsic
-
+from ._mxfp4_tile import (HAVE_PSHUFB, decode_to, group_sum_x2, lanes_pair, tile_4x4, tile_8x1,
+                          tile_8x2)
+from ._simd import vlane, vload, vstore, vzero
 from ..config import MXFP4_GROUP
 from ..io.mxfp4 import E2M1, SCALE_NAN
 
@@ -58,92 +56,15 @@ def _scale_table() -> np.ndarray:
     return np.where(s == SCALE_NAN, 0.0, np.ldexp(1.0, s - 127))
 
 
+# Groups of a block's eight rows decoded at once for all its token blocks (8 x 4 x 32
+# float64: 8 KB of L1 beside one token block's activations; bench/README.md "Arithmetic").
+CHUNK = 4
+
 # Frozen into the compiled code as constants (numba reads module arrays at compile time).
 E2M1_PAIRS = _pair_table()
 POW2 = _scale_table()
 POW2_HALF = POW2 * 0.5        # 2^(s - 128): the scale of the doubled E2M1 values below
 _NAN_SCALE = np.uint8(SCALE_NAN)
-
-# 2 * E2M1[nibble] as int8 (every doubled E2M1 value is an integer, -12..12; -0 -> 0).
-E2M1_X2_INT8 = [int(v * 2) for v in E2M1]
-assert all(2 * E2M1[i] == E2M1_X2_INT8[i] for i in range(16))
-
-
-def _host_has_pshufb() -> bool:
-    """The vector decode needs the SSSE3 byte shuffle (every x86-64 CPU since ~2006);
-    elsewhere the scalar table path runs, with the same results."""
-    try:
-        return bool(_llvm_binding.get_host_cpu_features().get("ssse3"))
-    except Exception:                       # feature query unsupported on this platform
-        return False
-
-
-HAVE_PSHUFB = _host_has_pshufb()
-
-_I8x16 = ir.VectorType(ir.IntType(8), 16)
-_F64x8 = ir.VectorType(ir.DoubleType(), 8)
-
-
-def _mask(idx):
-    idx = list(idx)
-    return ir.Constant(ir.VectorType(ir.IntType(32), len(idx)), idx)
-
-
-@intrinsic
-def _group_sum_x2(typingctx, packed, q, x, j):
-    """float64 sum of one 32-group, 2 * E2M1(nibble) * x, in the order of section 3 of
-    formats/numerics.md: lanes s_0..s_7 start at +0.0, element j + 8c + l is added to s_l
-    in increasing c by a fused multiply-add (exact product: one rounding, the addition's),
-    then ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)). Doubling is exact in f64 for
-    every f32 activation, so this is exactly twice the scalar ``_row_dot2`` group sum.
-
-    packed: [C/2] uint8 row, q = 16 * group; x: [C] float64, j = 32 * group (unchecked).
-    Decode: 16 bytes -> low / high nibbles -> one SSSE3 byte shuffle each through the
-    16-entry int8 table -> interleaved (low nibble = even element) -> int8 -> f64."""
-    if not (isinstance(packed, types.Array) and packed.dtype == types.uint8
-            and isinstance(x, types.Array) and x.dtype == types.float64
-            and isinstance(q, types.Integer) and isinstance(j, types.Integer)):
-        return None
-    sig = types.float64(packed, q, x, j)
-
-    def codegen(context, builder, signature, args):
-        vp, vq, vx, vj = args
-        tp, tq, tx, tj = signature.args
-        pa = context.make_array(tp)(context, builder, vp)
-        qi = context.cast(builder, vq, tq, types.intp)
-        raw = builder.load(builder.bitcast(builder.gep(pa.data, [qi]), _I8x16.as_pointer()),
-                           align=1)
-        lo = builder.and_(raw, ir.Constant(_I8x16, [15] * 16))
-        hi = builder.lshr(raw, ir.Constant(_I8x16, [4] * 16))
-        pshufb = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_I8x16, [_I8x16, _I8x16]),
-            "llvm.x86.ssse3.pshuf.b.128")
-        lut = ir.Constant(_I8x16, E2M1_X2_INT8)
-        lv = builder.call(pshufb, [lut, lo])
-        hv = builder.call(pshufb, [lut, hi])
-        elems = (builder.shuffle_vector(lv, hv, _mask(k // 2 + 16 * (k % 2) for k in range(16))),
-                 builder.shuffle_vector(lv, hv, _mask(8 + k // 2 + 16 * (k % 2) for k in range(16))))
-        xa = context.make_array(tx)(context, builder, vx)
-        ji = context.cast(builder, vj, tj, types.intp)
-        fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_F64x8, [_F64x8, _F64x8, _F64x8]), "llvm.fma.v8f64")
-        acc = ir.Constant(_F64x8, [0.0] * 8)
-        for c in range(4):
-            w8 = builder.shuffle_vector(elems[c // 2], elems[c // 2],
-                                        _mask(8 * (c % 2) + k for k in range(8)))
-            w = builder.sitofp(w8, _F64x8)
-            xp = builder.gep(xa.data, [builder.add(ji, ir.Constant(ji.type, 8 * c))])
-            xv = builder.load(builder.bitcast(xp, _F64x8.as_pointer()), align=8)
-            acc = builder.call(fma, [w, xv, acc])
-        t = builder.fadd(builder.shuffle_vector(acc, acc, _mask(range(4))),
-                         builder.shuffle_vector(acc, acc, _mask(range(4, 8))))
-        u = builder.fadd(builder.shuffle_vector(t, t, _mask((0, 2))),
-                         builder.shuffle_vector(t, t, _mask((1, 3))))
-        return builder.fadd(builder.extract_element(u, ir.Constant(ir.IntType(32), 0)),
-                            builder.extract_element(u, ir.Constant(ir.IntType(32), 1)))
-
-    return sig, codegen
-
 
 @njit(cache=True, inline="always")
 def _row_dot2_vec(pa, sa, pb, sb, x):
@@ -153,8 +74,8 @@ def _row_dot2_vec(pa, sa, pb, sb, x):
     acc_a = 0.0
     acc_b = 0.0
     for g in range(sa.shape[0]):
-        ga = _group_sum_x2(pa, 16 * g, x, 32 * g)
-        gb = _group_sum_x2(pb, 16 * g, x, 32 * g)
+        ga = group_sum_x2(pa, 16 * g, x, 32 * g)
+        gb = group_sum_x2(pb, 16 * g, x, 32 * g)
         if sa[g] != _NAN_SCALE:
             acc_a += ga * POW2_HALF[sa[g]]
         if sb[g] != _NAN_SCALE:
@@ -232,7 +153,129 @@ def _check(packed, scales, C):
         raise ValueError("mxfp4: packed must be [R, C/2] and scales [R, C/32] with C % 32 == 0")
 
 
+@njit(cache=True, inline="always")
+def _store(acc, Y, t0, r0, tt):
+    """Lane l of a tile (row r0 + l // tt, token t0 + l % tt) rounded once into Y."""
+    for lane in range(8):
+        Y[t0 + lane % tt, r0 + lane // tt] = np.float32(vlane(acc, lane))
+
+
+@njit(cache=True, inline="always")
+def _block_lanes(P, S, XT, Y, r0, C, Wd, acc):
+    """Rows r0 .. r0 + 7 for the first 8 * nb tokens (nb blocks of eight, XT token-minor:
+    ``_token_minor``) into Y [T, R]: CHUNK groups of the eight rows decoded once into Wd,
+    then applied to every token block, two rows at a time with the tokens in the lanes;
+    the row sums wait in acc (8 rows x nb blocks x 8 lanes) between chunks."""
+    G = C // MXFP4_GROUP
+    half = C // 2
+    nb = acc.shape[0] // 64
+    acc[:] = 0.0
+    for g0 in range(0, G, CHUNK):
+        ng = min(CHUNK, G - g0)
+        for r in range(8):
+            for k in range(ng):
+                decode_to(P, (r0 + r) * half + 16 * (g0 + k), Wd, (r * CHUNK + k) * 32)
+        for b in range(nb):
+            for ra in range(0, 8, 2):
+                ia, ib = (ra * nb + b) * 8, ((ra + 1) * nb + b) * 8
+                a = (vload(acc, ia), vload(acc, ib))
+                for k in range(ng):
+                    g = g0 + k
+                    a = lanes_pair(a, Wd, (ra * CHUNK + k) * 32, ((ra + 1) * CHUNK + k) * 32,
+                                   S, (r0 + ra) * G + g, (r0 + ra + 1) * G + g,
+                                   XT, (b * C + 32 * g) * 8)
+                vstore(acc, ia, a[0])
+                vstore(acc, ib, a[1])
+    for r in range(8):
+        for b in range(nb):
+            for lane in range(8):
+                Y[8 * b + lane, r0 + r] = np.float32(acc[(r * nb + b) * 8 + lane])
+
+
+@njit(cache=True, inline="always")
+def _block_tiles(P, S, X, Y, r0, C, t):
+    """Rows r0 .. r0 + 7 for tokens t .. T - 1 (fewer than eight) in tiles of 4x4, 8x2
+    and 8x1 rows x tokens, X float64 flat [T * C]."""
+    T = Y.shape[0]
+    G = C // MXFP4_GROUP
+    half = C // 2
+    if T - t >= 4:
+        for ri in range(0, 8, 4):
+            r = r0 + ri
+            acc = (vzero(), vzero())
+            for g in range(G):
+                acc = tile_4x4(acc, P, r * half + 16 * g, half, S, r * G + g, G,
+                               X, t * C + 32 * g, C)
+            _store(acc[0], Y, t, r, 4)
+            _store(acc[1], Y, t, r + 2, 4)
+        t += 4
+    if T - t >= 2:
+        acc = (vzero(), vzero())
+        for g in range(G):
+            acc = tile_8x2(acc, P, r0 * half + 16 * g, half, S, r0 * G + g, G,
+                           X, t * C + 32 * g, C)
+        _store(acc[0], Y, t, r0, 2)
+        _store(acc[1], Y, t, r0 + 4, 2)
+        t += 2
+    if T - t >= 1:
+        acc = vzero()
+        for g in range(G):
+            acc = tile_8x1(acc, P, r0 * half + 16 * g, half, S, r0 * G + g, G,
+                           X, t * C + 32 * g, C)
+        _store(acc, Y, t, r0, 1)
+
+
+@njit(cache=True)
+def _token_minor(X64, nb):
+    """The first 8 * nb tokens of X64 [T, C] as nb blocks of [C, 8]: element (t, j) of
+    block b at (b * C + j) * 8 + t, so one load gives column j of eight tokens."""
+    C = X64.shape[1]
+    XT = np.empty(nb * C * 8)
+    for b in range(nb):
+        for j in range(C):
+            for k in range(8):
+                XT[(b * C + j) * 8 + k] = X64[8 * b + k, j]
+    return XT
+
+
+@njit(cache=True, inline="always")
+def _rows_one_by_one(packed, scales, X64, Y, r_lo, R):
+    """Rows r_lo .. R - 1 (the rows no tile covers, or every row without SSSE3), two at a
+    time, token by token."""
+    for a in range(r_lo, R, 2):
+        b = min(a + 1, R - 1)             # an odd last row is paired with itself
+        for t in range(Y.shape[0]):
+            ya, yb = _row_pair(packed[a], scales[a], packed[b], scales[b], X64[t])
+            Y[t, a] = np.float32(ya)
+            Y[t, b] = np.float32(yb)
+
+
 @njit(cache=True, parallel=True)
+def _matmul_into(packed, scales, X64, Y):
+    """Y [T, R] from X64 [T, C] (float64): blocks of eight rows across threads; in each,
+    the tokens eight at a time in the lanes (``_block_lanes``), the rest in tiles."""
+    R = packed.shape[0]
+    T, C = X64.shape
+    G = C // MXFP4_GROUP
+    half = C // 2
+    blocks = R // 8 if HAVE_PSHUFB else 0
+    P = packed.reshape(-1)
+    S = scales.reshape(-1)
+    X = X64.reshape(-1)
+    nb = T // 8 if blocks else 0
+    XT = _token_minor(X64, nb)
+    nt = team.narrow(packed.nbytes * 2 * T)
+    for b in prange(blocks + 1):
+        if b < blocks:
+            if nb:
+                _block_lanes(P, S, XT, Y, 8 * b, C, np.empty(8 * CHUNK * 32), np.empty(64 * nb))
+            _block_tiles(P, S, X, Y, 8 * b, C, 8 * nb)
+        else:
+            _rows_one_by_one(packed, scales, X64, Y, 8 * blocks, R)
+    team.widen(nt)
+
+
+@njit(cache=True)
 def matvec(packed, scales, x, y):
     """y[r] = f32( sum_g 2^(scales[r,g]-127) * sum_{j in g} E2M1(nibble(r, j)) * x[j] ).
 
@@ -245,33 +288,17 @@ def matvec(packed, scales, x, y):
     _check(packed, scales, C)
     if y.shape[0] != R:
         raise ValueError("mxfp4.matvec: y must be [R]")
-    x64 = x.astype(np.float64)
-    nt = team.narrow(packed.nbytes * 2)
-    for pair in prange((R + 1) // 2):
-        a = 2 * pair
-        b = min(a + 1, R - 1)             # an odd last row is paired with itself
-        ya, yb = _row_pair(packed[a], scales[a], packed[b], scales[b], x64)
-        y[a] = np.float32(ya)
-        y[b] = np.float32(yb)
-    team.widen(nt)
+    _matmul_into(packed, scales, x.astype(np.float64).reshape(1, C), y.reshape(1, R))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True)
 def matmul(packed, scales, X, Y):
     """Y[t] = matvec(packed, scales, X[t]) bit for bit, for X [T, C] and Y [T, R] float32.
-    Each packed row is read once for all T tokens."""
+    Each group of a packed row is decoded once per tile and applied to all its tokens
+    (prefill, lockstep widths, verify blocks: the tokens routed to one expert)."""
     R = packed.shape[0]
     T, C = X.shape
     _check(packed, scales, C)
     if Y.shape[0] != T or Y.shape[1] != R:
         raise ValueError("mxfp4.matmul: Y must be [T, R]")
-    X64 = X.astype(np.float64)
-    nt = team.narrow(packed.nbytes * 2 * T)
-    for pair in prange((R + 1) // 2):
-        a = 2 * pair
-        b = min(a + 1, R - 1)
-        for t in range(T):
-            ya, yb = _row_pair(packed[a], scales[a], packed[b], scales[b], X64[t])
-            Y[t, a] = np.float32(ya)
-            Y[t, b] = np.float32(yb)
-    team.widen(nt)
+    _matmul_into(packed, scales, np.ascontiguousarray(X).astype(np.float64), Y)

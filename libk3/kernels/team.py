@@ -59,7 +59,9 @@ def _set_team_size(typingctx, n):
 def launch() -> None:
     """Load the threading layer now. Why: ``narrow`` and ``widen`` call its symbols by
     name; when they come from numba's cache their typing (which loads the layer) does not
-    run, and a kernel compiled beside them then fails to link."""
+    run, and a kernel compiled beside them then fails to link (LLVM aborts the process:
+    "Symbol not found: get_num_threads"). Called once below, when this module is
+    imported, so no import order or cache state can reach that abort."""
     _launch_threads()
 
 
@@ -78,3 +80,6 @@ def widen(n):
     """Restore the team size ``narrow`` returned."""
     if n > 1:
         _set_team_size(n)
+
+
+launch()

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 import os
 import stat
 from pathlib import Path
@@ -76,7 +77,10 @@ class BatchLineError(ValueError):
 def read_lines(path):
     """(line number from 1, raw bytes) of every line of a batch file, split on b"\n" only.
     A path that is not a regular file (``/dev/zero``, a FIFO) is refused at once
-    (FormatError): it could grow without end or block."""
+    (FormatError): it could grow without end or block. ``-`` is standard input, read to
+    its end (the user chose to pipe it)."""
+    if path == "-":
+        return enumerate(sys.stdin.buffer.read().split(b"\n"), start=1)
     p = Path(path)
     _check_regular(p, "the batch file", "the batch file")
     return enumerate(p.read_bytes().split(b"\n"), start=1)
@@ -205,14 +209,15 @@ def _check_regular(p: Path, reading: str, named: str, missing_ok=False, hint=Non
         raise FormatError(f"{named} is not a regular file", path=p, hint=hint)
 
 
-def context_problem(n_prompt: int, gen: int, context: int) -> str | None:
+def context_problem(n_prompt: int, gen: int, context: int,
+                    name: str = "the model's context") -> str | None:
     """Why a prompt of ``n_prompt`` tokens and ``gen`` more (-1: until the end) do not fit
-    the model's ``context``, or None."""
+    ``context`` tokens (``name``: what that context is), or None."""
     if n_prompt > context:
-        return f"the prompt is {n_prompt:,} tokens, over the model's context of {context:,}"
+        return f"the prompt is {n_prompt:,} tokens, over {name} of {context:,}"
     if gen >= 0 and n_prompt + gen > context:
-        return (f"the prompt's {n_prompt:,} tokens and \"gen\" {gen:,} run past the "
-                f"model's context of {context:,}")
+        return (f"the prompt's {n_prompt:,} tokens and \"gen\" {gen:,} run past "
+                f"{name} of {context:,}")
     return None
 
 

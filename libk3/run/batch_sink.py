@@ -31,7 +31,7 @@ class BatchSink:
     what is still in flight once it has passed; such a run goes through the lockstep
     scheduler even at width 1, which is how its passes are timed."""
 
-    def __init__(self, run, out_path, width: int, chunk: int, limits):
+    def __init__(self, run, out_path, width: int, chunk: int, limits, total=None):
         self.run, self.out_path, self.width, self.chunk = run, out_path, width, chunk
         self.deadline, self.clock = limits.deadline, limits.clock
         self.should_stop = limits.passed if self.deadline is not None else None
@@ -50,7 +50,7 @@ class BatchSink:
         self.union0, self.passes0 = list(fwd.expert_union), fwd.passes
         self.generated = 0
         self.failed: list = []              # (line, reason) of prompts that failed alone
-        self.bar = _bar(run.opts.progress)
+        self.bar = _bar(run.opts.progress, total)
         self.ids = {}                       # line -> the line's id
         self.chats = set()                  # lines given as "messages"
         self.prompt_ids = {}                # line -> its whole prompt
@@ -158,7 +158,7 @@ class BatchSink:
 
     def _token(self, job, tok) -> None:
         self.generated += 1
-        self.bar.set_postfix(tokens=self.generated, refresh=False)
+        self.bar.set_postfix_str(f"{self.generated:,} tokens", refresh=False)
 
     def _done(self, job, res) -> None:
         lineno = job.tag
@@ -179,7 +179,7 @@ class BatchSink:
                              "stop_reason": res.stop_reason,
                              "prefill_seconds": round(res.prefill_seconds, 6),
                              "decode_seconds": round(res.decode_seconds, 6)})
-        self.bar.set_postfix(tokens=self.generated, refresh=False)
+        self.bar.set_postfix_str(f"{self.generated:,} tokens", refresh=False)
         self.bar.update(1)
 
     def _failed(self, job, e: Exception) -> None:
@@ -229,7 +229,8 @@ def _work_left(lane) -> Work:
     return Work(len(lane.prompt) - lane.fed, lane.limit - len(lane.generated))
 
 
-def _bar(show: bool):
-    """Progress over finished prompts, with generated tokens, on stderr (``progress.bar``)."""
+def _bar(show: bool, total=None):
+    """Progress over finished prompts of the ``total`` this run means to run, with
+    generated tokens and the time left, on stderr (``progress.bar``)."""
     from .. import progress
-    return progress.bar(unit="prompt", desc="batch", show=show)
+    return progress.bar(unit="prompts", desc="batch", show=show, total=total, eta=True)

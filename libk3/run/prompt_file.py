@@ -15,6 +15,8 @@ many bytes) and its token count checked exactly after encoding.
 
 from __future__ import annotations
 
+import sys
+
 from ..errors import FormatError
 from ..io.bounded import read_bounded
 from ..text.encodable import TextError, decode_text
@@ -26,17 +28,27 @@ def prompt_byte_bound(context_tokens: int, longest_rank_bytes: int) -> int:
 
 
 def read_prompt_file(path, max_bytes: int) -> str:
-    """The file's text exactly as stored. FormatError naming the file when it is not a
-    regular file (a FIFO, a device: ``read_bounded``), is larger than ``max_bytes``
-    (checked before reading it; a file that grows while being read is caught at
-    max_bytes + 1) or is not valid UTF-8 (with the byte offset)."""
+    """The file's text exactly as stored (``-``: standard input's bytes, up to the
+    bound). FormatError naming the file when it is not a regular file (a FIFO, a device:
+    ``read_bounded``), is larger than ``max_bytes`` (checked before reading it; a file
+    that grows while being read is caught at max_bytes + 1) or is not valid UTF-8 (with
+    the byte offset)."""
+    too_big = "prompt file is larger than the model's context can hold"
+    if path == "-":
+        return _decoded(sys.stdin.buffer.read(max_bytes + 1), max_bytes, path, too_big)
     try:
         data = read_bounded(path, max_bytes, "the prompt file")
     except FormatError as e:
         if e.expected is None:
             raise
-        raise FormatError("prompt file is larger than the model's context can hold",
-                          path=path, expected=e.expected, found=e.found) from None
+        raise FormatError(too_big, path=path, expected=e.expected, found=e.found) from None
+    return _decoded(data, max_bytes, path, too_big)
+
+
+def _decoded(data: bytes, max_bytes: int, path, too_big: str) -> str:
+    if len(data) > max_bytes:
+        raise FormatError(too_big, path=path, expected=f"<= {max_bytes} bytes",
+                          found=f"more than {max_bytes} bytes")
     try:
         return decode_text(data)
     except TextError as e:

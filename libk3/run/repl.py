@@ -3,7 +3,7 @@
 Owns: turning input into entries (a message, a command, nothing), the multi-line
 conventions, the commands and what they print, the history file, and what Ctrl-C means
 (at the prompt: drop the line; during a reply: stop it at the next token). Does not own:
-generation, the state or the conversation (``runner.Chat``), printing a reply's tokens
+generation, the state or the conversation (``chat_session.Chat``), printing a reply's tokens
 (the front end's printer), or option parsing.
 
 Why the stdlib ``readline`` and not ``prompt_toolkit``: readline gives what users bring
@@ -279,6 +279,14 @@ class _History:
 
 # ---- the commands ---------------------------------------------------------------------
 
+def banner(model, load_state=None, tokens: int = 0) -> str:
+    """The chat's first line: the model, how to get help and how to end."""
+    name = Path(os.path.abspath(model)).name
+    where = f", continuing {load_state} ({tokens:,} tokens)" if load_state else ""
+    return (f"k3 chat with {name}{where}: type a message; /help lists the commands, "
+            "/exit or Ctrl-D ends the chat")
+
+
 def _help(chat, console, arg):
     console.say("commands:")
     for name, (usage, text, _) in COMMANDS.items():
@@ -334,8 +342,9 @@ def _set(chat, console, arg):
 def _stats(chat, console, arg):
     s = chat.stats()
     share = 100 * s["tokens"] / s["context"]
+    since = f" since {s['loaded']} was loaded" if s["loaded"] else ""
     console.say(f"tokens: {s['tokens']:,} in the state, {share:.2f} % of the "
-                f"{s['context']:,}-token context; turns: {s['turns']}")
+                f"{s['context']:,}-token context; turns: {s['turns']}{since}")
     last = s["last"]
     if last is None:
         console.say("last reply: none yet")
@@ -360,7 +369,7 @@ COMMANDS = {
 
 
 def perform(command: Command, chat, console) -> bool:
-    """Do ``command`` on ``chat`` (``runner.Chat``); False when it ends the chat. A
+    """Do ``command`` on ``chat`` (``chat_session.Chat``); False when it ends the chat. A
     command that fails says why in one line and leaves the chat as it was."""
     if command.name == "exit":
         return False

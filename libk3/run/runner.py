@@ -1,8 +1,9 @@
 """What one k3-run invocation does, behind the click front end.
 
 Owns: resolving budgets (presets, flags in argv order, auto) before any long work,
-admission against available memory, opening the session, trace recording, and the three
-run shapes: one prompt, a batch file, a chat. Does not own: option parsing or printing.
+admission against available memory, opening the session, trace recording, and two of
+the run shapes: one prompt and a batch file (a chat: ``chat_session``). Does not own:
+option parsing or printing.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class RunOptions:
     serve: bool = False                    # the run serves requests (--serve)
     load_state: str | None = None          # a state to resume (--load-state): checked first
     prefill_chunk: int | None = None       # prompt tokens per prefill pass (None: the rule's)
+    context_limit: int | None = None       # --ctx-size: prompt + generated tokens, at most
 
 
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
@@ -162,6 +164,7 @@ class Run:
         self.trace = None
         ckpt = Checkpoint.open(opts.model)       # indexed once, for the budget and the run
         self.drafting = None
+        count = None                       # the compile progress of both prepare calls
         try:
             if opts.load_state:     # a state of another model is refused before any compile
                 from ..io.identity import weights_identity
@@ -182,9 +185,14 @@ class Run:
                 if stream and opts.warn is not None:
                     opts.warn(f"the draft's {draft.nbytes / 1e9:.2f} GB do not fit beside "
                               "this budget: its matrices are read from disk at each draft pass")
-            from ..engine.precompile import prepare     # the expert cache builds its policy
+            from ..engine.precompile import Count, prepare
+            groups = ([] if opts.resident else ["expert-cache"]) + \
+                ["draft" if opts.draft else "forward"]
+            count = Count(groups, show=opts.progress)   # one counter over both calls
+            # the expert cache builds its policy
             self.compile_seconds = (0.0 if opts.resident else
-                                    prepare(["expert-cache"], show=opts.progress))
+                                    prepare(["expert-cache"], show=opts.progress,
+                                            count=count))
             on_route = self._record if opts.trace_path else None
             self.session = open_session(
                 opts.model, ckpt=ckpt, pack=opts.pack,
@@ -194,6 +202,8 @@ class Run:
                 direct_io=opts.direct_io, on_route=on_route, verify_reads=opts.verify_reads)
             self.drafting = _drafting(opts, draft, self.session)
         except BaseException:
+            if count is not None:
+                count.close()
             ckpt.close()
             raise
         self.seq = 0                       # which prompt of a batch (trace records)
@@ -201,10 +211,12 @@ class Run:
         try:    # the forward's kernels load while the session's first reads (lm_head, the
             # ring's layers) are under way
             self.compile_seconds += prepare(["draft" if opts.draft else "forward"],
-                                            show=opts.progress)
+                                            show=opts.progress, count=count)
         except BaseException:
             self.close(failed=True)
             raise
+        finally:
+            count.close()
         if opts.trace_path:
             from .. import __version__
             from ..trace.format import TraceWriter, header_for_config
@@ -214,14 +226,32 @@ class Run:
                       "cache_policy": opts.cache_policy}))
 
     def chunked(self, settings: GenSettings) -> GenSettings:
-        """``settings`` with this run's prefill chunk (``resolve_run_budget``)."""
-        return dataclasses.replace(settings, prefill_chunk=self.prefill_chunk)
+        """``settings`` with this run's prefill chunk (``resolve_run_budget``) and
+        context (``context``)."""
+        return dataclasses.replace(settings, prefill_chunk=self.prefill_chunk,
+                                   context=self.context)
 
     @functools.cached_property
     def context(self) -> int:
-        """The model's context in tokens (``config.context_length``), read once."""
+        """The run's context in tokens: the model's (``config.context_length``), read
+        once, or ``opts.context_limit`` (--ctx-size) when that is smaller."""
         from ..config import context_length
-        return context_length(self.opts.model)
+        model = context_length(self.opts.model)
+        limit = self.opts.context_limit
+        return model if limit is None else min(model, limit)
+
+    def check_fits(self, n_prompt: int, gen: int) -> None:
+        """UsageError when --ctx-size is given and a prompt of ``n_prompt`` tokens and
+        ``gen`` tokens after it (-1: until the end, nothing to add) do not fit in it."""
+        limit = self.opts.context_limit
+        if limit is None:
+            return
+        if n_prompt > self.context:
+            raise UsageError(f"--ctx-size {limit}: the prompt is {n_prompt:,} tokens, over "
+                             f"the context of {self.context:,}")
+        if gen >= 0 and n_prompt + gen > self.context:
+            raise UsageError(f"--ctx-size {limit}: the prompt's {n_prompt:,} tokens and "
+                             f"--gen {gen:,} run past the context of {self.context:,}")
 
     @property
     def cfg(self):
@@ -274,6 +304,7 @@ class Run:
         context = self.context
         bound = prompt_byte_bound(context, self._tokenizer().longest_rank_bytes)
         ids = self.encode(read_prompt_file(path, bound))
+        self.check_fits(len(ids), 0)
         if len(ids) > context:
             raise FormatError("prompt is longer than the model's context", path=path,
                               expected=f"<= {context} tokens", found=f"{len(ids)} tokens")
@@ -555,7 +586,11 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     summary["width_reasons"] = list(run.width_reasons) + (
         [f"capped at {width} (the batch's lines)"] if width < run.width else [])
     left_for_time = False               # a prompt not started: it would not finish in time
-    sink = BatchSink(run, out_path, width, base.prefill_chunk, limits)
+    planned = sum(1 for _, job, _ in accepted
+                  if shard is None or batchfile.in_shard(job["id"], *shard))
+    if limits.max_prompts is not None:
+        planned = min(planned, limits.max_prompts)
+    sink = BatchSink(run, out_path, width, base.prefill_chunk, limits, total=planned)
     # prefixes are shared across every shard, at a grain that no budget changes: each
     # shard then builds (or finds on disk) the same snapshots
     shared = shared_lengths([ids for _, _, ids in accepted],
@@ -614,6 +649,8 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
     """(line number, job, prompt ids) of each line to run: malformed lines are reported
     and counted, ids already in the results counted as skipped."""
     context = run.context
+    name = "the model's context" if run.opts.context_limit is None else \
+        "--ctx-size's context"
     seen = set()
     out = []
     for lineno, line in lines:
@@ -625,8 +662,9 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
             if key in seen:
                 raise batchfile.BatchLineError(f"duplicate id {job['id']!r}")
             seen.add(key)
-            prompt_ids = _line_ids(run, job, warn, context)
-            why = batchfile.context_problem(len(prompt_ids), job.get("gen", base.gen), context)
+            prompt_ids = _line_ids(run, job, warn, context, name)
+            why = batchfile.context_problem(len(prompt_ids), job.get("gen", base.gen), context,
+                                            name)
             if why:
                 raise batchfile.BatchLineError(why)
             if job.get("response_format") is not None:
@@ -644,161 +682,16 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
     return out
 
 
-def _line_ids(run, job: dict, warn, context: int) -> list:
-    """A batch line's prompt ids; a text too long for the context is refused by its
-    bytes before it is tokenized, and tokenizing stops past the context."""
+def _line_ids(run, job: dict, warn, context: int, name: str) -> list:
+    """A batch line's prompt ids; a text too long for ``context`` (``name``: what that
+    context is) is refused by its bytes before it is tokenized, and tokenizing stops past
+    the context."""
     if "ids" in job:
         return job["ids"]
     if "messages" in job:
         return run.encode_messages(job, warn, limit=context)
     size = len(job["prompt"].encode("utf-8"))
     if size > context * run.prompts.tokenizer.longest_rank_bytes:
-        raise batchfile.BatchLineError(f"the prompt is {size:,} bytes, more than the model's "
-                                       f"context of {context:,} tokens can hold")
+        raise batchfile.BatchLineError(f"the prompt is {size:,} bytes, more than {name} of "
+                                       f"{context:,} tokens can hold")
     return run.encode(job["prompt"], limit=context)
-
-
-class TurnRefused(UsageError):
-    """A chat line or command refused on its own (it does not fit the context): said, and
-    the chat goes on as it was."""
-
-
-class Chat:
-    """One chat's engine side: the state, the conversation it holds
-    (``chat.Conversation``), the settings of the next turn and the last reply. What the
-    user types and the commands are ``repl``'s. A fresh conversation (at start, after
-    ``clear``) opens with ``system``; one continued from a saved state does not: the
-    state already has its own start."""
-
-    def __init__(self, run: Run, settings: GenSettings, *, load_state=None, system=None,
-                 template_kwargs=None, warn=None):
-        self.run = run
-        self.tokenizer = run.session.tokenizer
-        if self.tokenizer is None:
-            raise UsageError("--chat needs the model's tokenizer (tiktoken.model)")
-        self.settings = settings
-        why = self._system_problem(system)
-        if why:
-            raise UsageError(f"--system: {why}")
-        self.system = system
-        self.template_kwargs = template_kwargs
-        self.warn = warn
-        self.template = run.chat(warn).template
-        self.last = None                        # the last reply's GenResult
-        if load_state:
-            self.load(load_state)
-            if system and warn is not None:
-                warn("--system opens the next fresh conversation (/clear), not the loaded "
-                     "state's")
-        else:
-            self.clear()
-
-    def _conversation(self, system):
-        from ..text.chat import Conversation
-        return Conversation(self.tokenizer, self.template, self.template_kwargs, system)
-
-    def clear(self) -> None:
-        """A new conversation in a new state."""
-        self.state = self.run.session.new_state()
-        self.convo = self._conversation(self.system)
-
-    def load(self, path) -> None:
-        """Continue from the state saved at ``path`` (FormatError: the chat as it was)."""
-        self.state = _load_state(self.run, path)
-        self.convo = self._conversation(None)
-
-    def save(self, path) -> None:
-        self.state.save(path, self.run.session.weights_identity)
-
-    def _system_problem(self, text) -> str | None:
-        """Why a system message cannot fit the context, from its size (before it is
-        tokenized), or None."""
-        context = self.run.context
-        size = len((text or "").encode("utf-8", "surrogatepass"))
-        if size > (context - 1) * self.tokenizer.longest_rank_bytes:
-            return (f"the system message is {size:,} bytes, more than the model's context "
-                    f"of {context:,} tokens can hold")
-        return None
-
-    def set_system(self, text) -> bool:
-        """``text`` opens the next fresh conversation, and this one when nothing is in its
-        state yet (then True). TurnRefused, the chat unchanged, for a text too long for
-        the context (by its size, before it is tokenized)."""
-        why = self._system_problem(text)
-        if why:
-            raise TurnRefused(why)
-        self.system = text
-        if self.state.pos == 0 and not self.convo.fed:
-            self.convo = self._conversation(text)
-            return True
-        return False
-
-    def change(self, **values) -> None:
-        """Settings of the next turns (checked by the caller: ``settings`` rules)."""
-        self.settings = dataclasses.replace(self.settings, **values)
-
-    def turn(self, text: str, on_token=None, interrupted=None):
-        """One user message and the model's reply (``generate``: ``interrupted`` cuts it
-        short at a token, the state as if the reply had ended there)."""
-        context = self.run.context
-        room = context - self.state.pos - 1            # a reply of one token at least
-        size = len(text.encode("utf-8", "surrogatepass"))
-        if size > room * self.tokenizer.longest_rank_bytes:     # before tokenizing it
-            raise TurnRefused(f"the message is {size:,} bytes, more than the {room:,} tokens "
-                              f"left in the context of {context:,} can hold")
-        kept = list(self.convo.messages), self.convo.fed
-        ids, fresh = self.convo.add_user(text, limit=context)
-        held = 0 if fresh else self.state.pos
-        why = room_problem(held, len(ids), -1, context)
-        if why:
-            self.convo.messages, self.convo.fed = kept       # the line was not said
-            raise TurnRefused(why.replace("prompt", "message", 1))
-        if fresh:
-            self.state = self.run.session.new_state()
-        res = generate(self.run.session.forward, self.state, ids,
-                       self.run.chat_settings(self.settings, self.warn),
-                       tokenizer=self.tokenizer, on_token=on_token,
-                       drafting=self.run.drafting, interrupted=interrupted)
-        self.convo.add_reply(self.run.reply_message(res.generated_ids, res.stop_strings))
-        self.last = res
-        return res
-
-    def stats(self) -> dict:
-        """Tokens in the state, the model's context, user turns, the last GenResult."""
-        return {"tokens": self.state.pos, "context": self.run.context,
-                "turns": sum(m["role"] == "user" for m in self.convo.messages),
-                "last": self.last}
-
-
-def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_factory,
-             console, warn=None, template_kwargs=None, system=None) -> None:
-    """A multi-turn chat in the model's chat template: ``console`` (``repl.Console``)
-    gives each entry; a message is a turn (``Chat.turn``) whose reply
-    ``emit_factory()``'s printer writes, a command is ``repl.perform``'s. End of input or
-    /exit ends the chat; the state is saved then if asked."""
-    from . import repl
-
-    chat = Chat(run, settings, load_state=load_state, system=system,
-                template_kwargs=template_kwargs, warn=warn)
-    try:
-        while True:
-            entry = console.read()
-            if entry is None:
-                break
-            if isinstance(entry, repl.Command):
-                if not repl.perform(entry, chat, console):
-                    break
-                continue
-            printer = emit_factory()
-            try:
-                with console.reply() as interrupted:
-                    res = chat.turn(entry, printer, interrupted)
-            except TurnRefused as e:
-                console.say(f"error: {e.one_line()} (not sent)")
-                continue
-            printer.finish()
-            if res.stop_reason == "interrupted":
-                console.say(f"(reply stopped after {len(res.generated_ids)} tokens)")
-    finally:                          # at any exit, the conversation so far is kept
-        if save_state:
-            chat.save(save_state)

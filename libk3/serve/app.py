@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import signal
+import time
 import uuid
 
 from ..run.batch import job_settings
@@ -43,6 +44,7 @@ from ..text.encodable import text_problem
 from .protocol import (ApiError, chat_logprobs, check_model, completion_logprobs, envelope,
                        error_parts, finish_reason, refusal_of, sse, usage, client_line)
 from . import anthropic
+from .access import USAGE, Access, Usage, access_middleware
 from .reader import ReaderProcess, ReaderSpec
 from .replies import ReplyReader
 from .worker import Job, Worker
@@ -153,9 +155,10 @@ class Server:
     """The routes over one ``Worker`` and the run it decodes with."""
 
     def __init__(self, run, worker: Worker, reader: ReaderProcess, base_settings, *,
-                 model_name: str, api_key=None, log=None):
+                 model_name: str, api_key=None, log=None, access=None):
         self.run, self.worker, self.reader, self.base = run, worker, reader, base_settings
         self.model_name, self.api_key, self.log = model_name, api_key, log
+        self.access = access or Access(log)
         self.ids = itertools.count(1)
         self.cpu = None               # the CPU thread's executor, while the app runs
         self.keepalive_seconds = KEEPALIVE_SECONDS
@@ -163,7 +166,7 @@ class Server:
 
     def app(self):
         from aiohttp import web
-        app = web.Application(middlewares=[self._errors, self._auth])
+        app = web.Application(middlewares=[self._access, self._errors, self._auth])
         app.on_response_prepare.append(self._tag)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
@@ -176,6 +179,8 @@ class Server:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get(LIVENESS, self.livez)
+        from .compat_routes import add_routes      # llama-server's and Ollama's
+        add_routes(app, self)
         app.cleanup_ctx.append(self._cpu_thread)
         return app
 
@@ -220,6 +225,10 @@ class Server:
                     given.encode(), f"{prefix}{self.api_key}".encode()):
                 return True
         return False
+
+    @property
+    def _access(self):
+        return access_middleware(self.access, REQUEST_ID, USAGE)
 
     @property
     def _errors(self):
@@ -293,7 +302,7 @@ class Server:
     async def metrics(self, request):
         from aiohttp import web
         from .metrics import exposition
-        body, content_type = exposition(self.worker, self.run)
+        body, content_type = exposition(self.worker, self.run, self.access)
         kind, _, charset = content_type.partition("; charset=")
         return web.Response(body=body, content_type=kind, charset=charset or None)
 
@@ -433,6 +442,10 @@ class Server:
         finally:
             for job in jobs:
                 job.cancel()        # the client went away (or we are done): stop decoding
+            firsts = [j.first_token_at for j in jobs if j.first_token_at is not None]
+            lasts = [j.last_token_at for j in jobs if j.last_token_at is not None]
+            request[USAGE] = Usage(len(ids), sum(j.generated for j in jobs),
+                                   min(firsts, default=None), max(lasts, default=None))
 
     def _reader(self, req, settings) -> ReplyReader:
         """What turns a choice's ids into its message or text, as they come."""
@@ -454,6 +467,9 @@ class Server:
                     await on_idle()
                     continue
             if isinstance(item, int):
+                job.last_token_at = loop_time = time.monotonic()
+                if job.first_token_at is None:
+                    job.first_token_at = loop_time
                 generated.append(item)
                 if on_token is not None:
                     await on_token()
@@ -678,11 +694,12 @@ def beside_bytes(reuse_ram_bytes: int) -> int:
 
 
 def serve(run, address: str, base_settings, *, api_key=None, log=print,
-          reuse_ram_bytes: int = 0, model_name=None) -> None:
+          reuse_ram_bytes: int = 0, model_name=None, log_json: bool = False) -> None:
     """Serve ``run`` on ``address`` until SIGINT or SIGTERM (then exit cleanly). States
     of finished requests are kept for reuse within ``reuse_ram_bytes`` (0: none), then
     in the run's prefix cache, with every conversation's preamble (formats/chat.md). The
-    model is served as ``model_name`` (default: the checkpoint directory's name)."""
+    model is served as ``model_name`` (default: the checkpoint directory's name). Each
+    request's access-log line goes to ``log``, as JSON with ``log_json``."""
     try:
         from aiohttp import web
     except ImportError:
@@ -704,7 +721,7 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
         base_settings.prefill_chunk if turns is not None else 0))
     worker = Worker(run, run.width, log, turns, chunk=base_settings.prefill_chunk)
     server = Server(run, worker, reader, base_settings, api_key=api_key, log=log,
-                    model_name=model_name)
+                    model_name=model_name, access=Access(log, log_json))
 
     async def main():
         runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
@@ -720,7 +737,7 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
         shown = f"[{host}]" if ":" in host else host
         log(f"k3 serving {server.model_name} on http://{shown}:{bound}/v1 "
             f"(chat/completions, completions, messages, models; /health; {LIVENESS} without the "
-            f"key), "
+            f"key; llama-server's /completion and Ollama's /api), "
             f"up to {run.width} requests decoded together; Ctrl-C stops")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -2,7 +2,8 @@
 
 Owns: naming and typing the figures (prometheus_client, the serve extra) and reading
 them at each scrape from where they are kept (the worker's counters and totals, the
-lockstep's, the weights' bytes read, the turn cache's). Does not own: counting anything
+lockstep's, the weights' bytes read, the turn cache's, the access log's histograms and
+responses by status class). Does not own: counting anything
 (a scrape reads the figures ``/health`` reports, so the two never disagree) or HTTP.
 """
 
@@ -12,8 +13,8 @@ from __future__ import annotations
 class _Collector:
     """A prometheus_client collector over one Server's worker and run."""
 
-    def __init__(self, worker, run):
-        self.worker, self.run = worker, run
+    def __init__(self, worker, run, access=None):
+        self.worker, self.run, self.access = worker, run, access
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -46,13 +47,33 @@ class _Collector:
                   ("k3_lanes", "Lanes: requests decoded together at most", w.width)]
         for name, text, value in gauges:
             yield GaugeMetricFamily(name, text, value=value)
+        if self.access is not None:
+            yield from _request_figures(self.access)
 
 
-def exposition(worker, run) -> tuple:
-    """(body bytes, content type) of one scrape."""
+def _request_figures(access):
+    """The access log's histograms and the responses by status class (``access``)."""
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+    for name, text, h in (
+            ("k3_time_to_first_token_seconds", "Seconds from a request's arrival to its "
+                                               "first generated token", access.ttft),
+            ("k3_time_per_output_token_seconds", "Seconds per generated token after the "
+                                                 "first, per request", access.tpot),
+            ("k3_request_duration_seconds", "Seconds from a request's arrival to the end "
+                                            "of its answer", access.duration)):
+        yield HistogramMetricFamily(name, text, buckets=h.cumulative(), sum_value=h.total)
+    responses = CounterMetricFamily("k3_http_responses", "HTTP responses, by status class",
+                                    labels=["status_class"])
+    for cls, n in access.by_class.items():
+        responses.add_metric([cls], n)
+    yield responses
+
+
+def exposition(worker, run, access=None) -> tuple:
+    """(body bytes, content type) of one scrape (with ``access``: the request figures)."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(worker, run))
+    registry.register(_Collector(worker, run, access))
     return generate_latest(registry), CONTENT_TYPE_LATEST

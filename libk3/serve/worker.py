@@ -62,6 +62,10 @@ class Job:
     fork: object = None           # that state (None: a new one)
     started: float = 0.0          # when it took a lane (time.monotonic)
     generated: int = 0
+    # when its first and latest token reached the server's loop (time.monotonic; the
+    # access log's time to first token and time per output token)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import click
@@ -17,169 +14,44 @@ from k3cli.group import (Command, Finite, JsonObject, Rule, Shard, Width, gigaby
 from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_SIZE
 from libk3.engine.defaults import IO_THREADS, PREFILL_CHUNK, PREFIX_CACHE_BYTES
-from libk3.engine.settings import (frequency_penalty_problem, gen_or_until_end_problem,
-                                   logit_bias_pairs, logit_bias_problem,
-                                   min_p_problem, presence_penalty_problem,
+from libk3.engine.settings import (MAX_POSITIONS, frequency_penalty_problem,
+                                   gen_or_until_end_problem, min_p_problem,
+                                   presence_penalty_problem,
                                    repetition_penalty_problem, seed_problem,
-                                   stop_strings_problem, temperature_problem, top_k_problem,
-                                   top_p_problem)
+                                   temperature_problem, top_k_problem, top_p_problem)
 from libk3.io import atomic
 from libk3.text.chat_template import DEFAULT_LIMITS, RenderLimits
-from libk3.text.encodable import text_problem
 from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
 
-
-def _note_order(ctx, param, value):
-    """Record budget flags in argv order: a later flag overrides an earlier one."""
-    if value is not None:
-        ctx.meta.setdefault("k3_budget_order", []).append(param.name)
-    return value
-
-
-class _Printer:
-    """Writes each token to stdout as it is produced: its text as it becomes final under
-    the stop rule (``libk3.engine.stops``: a UTF-8 character is never split, a stop
-    string or the token that ends it by its id never shown), or ids when there is no
-    tokenizer."""
-
-    def __init__(self, tokenizer, stop_strings=(), end_ids=()):
-        from libk3.engine.stops import StopText
-        self.text = StopText(tokenizer, stop_strings, end_ids) if tokenizer is not None \
-            else None
-
-    def __call__(self, tok):
-        if self.text is None:
-            sys.stdout.write(f"{tok} ")
-        elif not self.text.stopped:
-            self.text.feed(tok)
-            sys.stdout.write(self.text.take())
-        sys.stdout.flush()
-
-    def finish(self):
-        if self.text is not None:
-            sys.stdout.write(self.text.finish())
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-
-
-def _system_text(ctx, param, value):
-    """--system TEXT, or @FILE: the file's text (UTF-8, final newlines dropped); a leading
-    @@ stands for a literal @. Empty: no system message."""
-    if value is not None and value.startswith("@") and not value.startswith("@@"):
-        from libk3.errors import K3Error
-        from libk3.io.bounded import read_bounded
-        from libk3.text.chat_template import DEFAULT_LIMITS
-        try:      # no longer than a rendering may be (--template-max-bytes' default)
-            value = read_bounded(value[1:], DEFAULT_LIMITS.max_bytes, "the system file")
-            value = value.decode("utf-8").rstrip("\r\n")
-        except (K3Error, UnicodeDecodeError) as e:
-            raise click.BadParameter(e.one_line() if isinstance(e, K3Error)
-                                     else f"{value[1:]}: {e}") from None
-    elif value is not None and value.startswith("@@"):
-        value = value[1:]
-    return value or None
-
-
-def _encodable(ctx, param, value):
-    """An option's text (each of a repeated option's), refused when UTF-8 cannot encode
-    it: bytes the shell passed that are not UTF-8 arrive as lone surrogates."""
-    for item in value if isinstance(value, tuple) else (value,):
-        why = text_problem(item, "the value")
-        if why:
-            raise click.BadParameter(why)
-    return value
-
-
-def _stop_strings(ctx, param, value):
-    """--stop values: encodable (``_encodable``) and not empty (one would match at once)."""
-    why = stop_strings_problem(_encodable(ctx, param, value))
-    if why:
-        raise click.BadParameter(why)
-    return value
-
-
-def _logit_bias(ctx, param, value):
-    """--logit-bias ID=BIAS values as (id, bias) pairs sorted by id: an id twice, a bias
-    outside [-100, 100] or over 300 ids refused here; the ids are checked against the
-    model's vocabulary once its config is read (``_check_logit_bias``)."""
-    pairs = []
-    for item in value:
-        tid, sep, bias = item.partition("=")
-        try:
-            if not sep or not (tid.strip().isascii() and tid.strip().isdigit()):
-                raise ValueError
-            pairs.append((int(tid), float(bias)))
-        except ValueError:
-            raise click.BadParameter(f"expected ID=BIAS, a token id and a number (e.g. "
-                                     f"1234=-100), got {item[:40]!r}") from None
-    why = logit_bias_problem(pairs, MAX_SIZE)
-    if why:
-        raise click.BadParameter(why)
-    return logit_bias_pairs(pairs)
-
-
-def _check_logit_bias(model, pairs) -> None:
-    """--logit-bias ids against the model's vocabulary (its config.json), before any work
-    (UsageError, exit 2, naming the id)."""
-    if pairs:
-        from libk3.config import load_config
-        from libk3.errors import UsageError
-        why = logit_bias_problem(pairs, load_config(model).vocab_size)
-        if why:
-            raise UsageError(f"--logit-bias: {why}")
-
-
-SCHEMA_FILE_BYTES = 1_048_576      # a --response-format @FILE read at most
-
-
-def _response_format(ctx, param, value):
-    """--response-format json_object, or @SCHEMA.json (a JSON schema file): OpenAI's
-    response_format object; the file's JSON is read here (a bad one names the file), the
-    schema is checked by the library before any work (``_check_response_format``)."""
-    if value is None:
-        return None
-    if value == "json_object":
-        return {"type": "json_object"}
-    if not value.startswith("@") or len(value) < 2:
-        raise click.BadParameter("expected json_object or @SCHEMA.json (a JSON schema file)")
-    path = value[1:]
-    from libk3.errors import K3Error
-    from libk3.io.bounded import read_bounded
-    try:          # a schema file: its schema's bound, with room for indentation
-        schema = json.loads(read_bounded(path, SCHEMA_FILE_BYTES, "the schema file")
-                            .decode("utf-8"))
-    except K3Error as e:
-        raise click.BadParameter(e.one_line()) from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise click.BadParameter(f"{path}: not a JSON file ({str(e)[:80]})") from None
-    if not isinstance(schema, dict):
-        raise click.BadParameter(f"{path}: a JSON schema must be an object")
-    return {"type": "json_schema",
-            "json_schema": {"name": Path(path).stem, "schema": schema, "strict": True},
-            "file": path}
-
-
-def _check_response_format(fmt) -> None:
-    """--response-format's schema against the library, before any work (UsageError, exit
-    2, naming the file; also when the ``structured`` extra is missing)."""
-    if fmt is not None:
-        from libk3.engine.grammar import response_format_problem
-        from libk3.errors import UsageError
-        fmt = dict(fmt)
-        where = fmt.pop("file", None)
-        why = response_format_problem(fmt)
-        if why:
-            raise UsageError(f"--response-format {where or fmt['type']}: {why}")
-    return fmt
+from . import params
+from .llama import refused_options, serve_address
+from . import scoring
+from .printer import Printer
 
 
 # Which options go together (k3cli.constraints), checked in this order before any work.
+_GENERATING = ("gen", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+               "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop_strings",
+               "stop_ids", "draft", "spec", "logits_out", "response_format")
 _BUDGET_WIDTH = "--batch-width and --shard go with --batch (--batch-width also with --serve)"
 RULES = (
     constraints.OneOf(("model", "model_option"),
                       text="give the model directory once: MODEL or -m/--model"),
-    constraints.OneOf(("prompt", "prompt_file", "ids", "batch", "chat", "serve_address"),
-                      or_none_with=("load_state",)),
+    constraints.OneOf(("prompt_arg", "prompt", "prompt_file", "ids", "batch", "chat",
+                       "serve_address", "perplexity"), or_none_with=("load_state",)),
+    constraints.GoesWith(("save_logits", "kl_divergence"), ("perplexity",),
+                         "--save-logits and --kl-divergence go with --perplexity"),
+    constraints.Excludes("perplexity", ("load_state", "save_state", "prefix_cache"),
+                         "--perplexity scores each window from an empty state: it excludes "
+                         "--load-state, --save-state and --prefix-cache"),
+    constraints.Excludes("perplexity", _GENERATING,
+                         "--perplexity scores the text as it is: it takes no generation "
+                         "options (--gen, sampling, --stop, --draft, --spec, --logits-out, "
+                         "--response-format)"),
+    constraints.GoesWith(("host", "port"), ("serve_address",),
+                         "--host and --port go with --serve"),
+    constraints.Excludes("verbose", ("quiet",), "--verbose and --quiet (--log-disable) are "
+                                               "opposites: give one"),
     constraints.GoesWith(("batch",), ("out_path",), "--batch needs --out RESULTS.jsonl"),
     constraints.GoesWith(("out_path",), ("batch",), "--out goes with --batch"),
     constraints.GoesWith(("wait", "max_prompts", "deadline"), ("batch",),
@@ -190,6 +62,7 @@ RULES = (
     constraints.GoesWith(("system", "history"), ("chat",),
                          "--system and --history go with --chat"),
     constraints.GoesWith(("api_key",), ("serve_address",), "--api-key goes with --serve"),
+    constraints.GoesWith(("log_format",), ("serve_address",), "--log-format goes with --serve"),
     constraints.GoesWith(("served_model_name",), ("serve_address",),
                          "--served-model-name goes with --serve"),
     constraints.GoesWith(("template_timeout", "template_max_bytes"),
@@ -202,7 +75,7 @@ RULES = (
                          "--draft-max and --draft-dump go with --draft"),
     constraints.GoesWith(("prefix_cache_gb", "save_prefix"), ("prefix_cache",),
                          "--prefix-cache-gb and --save-prefix go with --prefix-cache"),
-    constraints.GoesWith(("save_prefix",), ("prompt", "prompt_file", "ids"),
+    constraints.GoesWith(("save_prefix",), ("prompt_arg", "prompt", "prompt_file", "ids"),
                          "--save-prefix goes with a prompt (-p, -f or --ids)"),
     constraints.Excludes("prefix_cache", ("load_state", "chat"),
                          "--prefix-cache excludes --load-state and --chat (a chat resumes "
@@ -211,28 +84,42 @@ RULES = (
                          "--no-prefix-sharing goes with --batch"),
     constraints.GoesWith(("shard",), ("batch",), _BUDGET_WIDTH),
     constraints.GoesWith(("batch_width",), ("batch", "serve_address"), _BUDGET_WIDTH),
-    constraints.GoesWith(("response_format",), ("prompt", "prompt_file", "ids", "batch"),
+    constraints.GoesWith(("response_format",),
+                         ("prompt_arg", "prompt", "prompt_file", "ids", "batch"),
                          "--response-format goes with a prompt (-p, -f or --ids) or --batch"),
 )
 
 
 @click.command(cls=Command, help="Run Kimi K3 (or a synthetic K3 checkpoint) on a prompt, a batch file "
-                    "or a chat. Logits are identical at every budget.")
-@click.argument("model", required=False, type=click.Path(exists=True, file_okay=False))
+                    "or a chat, serve it, or score a text's perplexity. Logits are identical "
+                    "at every budget.")
+@click.argument("model", required=False)
+@click.argument("prompt_arg", required=False, metavar="[PROMPT]", callback=params.encodable)
 @click.option("-m", "--model", "model_option", metavar="MODEL",
               type=click.Path(exists=True, file_okay=False),
               help="The model directory, as the MODEL argument (give one of them).")
 @click.option("--pack", type=click.Path(exists=True, file_okay=False),
               help="Pack directory made by k3-pack (else the trunk is read from the shards).")
-@click.option("-p", "--prompt", callback=_encodable,
+@click.option("-p", "--prompt", callback=params.encodable,
               help="Prompt text (needs the model's tokenizer).")
-@click.option("-f", "--prompt-file", type=click.Path(exists=True, dir_okay=False),
+@click.option("-f", "--prompt-file", "--file", "prompt_file",
+              type=click.Path(exists=True, dir_okay=False, allow_dash=True),
               help="Read the prompt from a file, byte for byte (CRLF kept; must be UTF-8 "
-                   "and fit the model's context).")
+                   "and fit the model's context); -: standard input.")
 @click.option("--ids", help="Prompt as comma-separated token ids.")
-@click.option("--batch", type=click.Path(exists=True, dir_okay=False),
+@click.option("--batch", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
               help="JSONL prompts (id, prompt|ids|messages, optional gen, sampling fields, "
-                   "stop; formats/batch.md).")
+                   "stop; formats/batch.md); -: standard input.")
+@click.option("--perplexity", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
+              metavar="TEXT", help="Perplexity of a UTF-8 text file, llama-perplexity's way: "
+                                   "windows of --ctx-size tokens (default 512), the second "
+                                   "half of each scored (docs/run.md \"Perplexity\").")
+@click.option("--save-logits", type=click.Path(dir_okay=False), metavar="FILE",
+              help="With --perplexity: keep the scored positions' logits for a later "
+                   "--kl-divergence (formats/logits.md).")
+@click.option("--kl-divergence", type=click.Path(exists=True, dir_okay=False), metavar="BASE",
+              help="With --perplexity: the KL divergence of this run's token distributions "
+                   "from those saved in BASE (--save-logits), and the same-top-token share.")
 @click.option("--out", "out_path", type=click.Path(),
               help="With --batch: results JSONL, appended; ids already there are skipped.")
 @click.option("--wait", is_flag=True,
@@ -244,16 +131,18 @@ RULES = (
               metavar="MINUTES",
               help="With --batch: stop cleanly this many minutes after start, having "
                    "started only prompts this run's pace says finish by then (docs/batch.md).")
-@click.option("--batch-width", default=None, type=Width(), metavar="N|auto",
+@click.option("--batch-width", "--parallel", "-np", "batch_width", default=None,
+              type=Width(), metavar="N|auto",
               help="With --batch or --serve: prompts (requests) decoded in lockstep, "
                    "sharing each weight read (default auto: the most whose state fits "
                    "beside the budgets).")
 @click.option("--shard", type=Shard(), metavar="K/N",
               help="With --batch: run only the ids of shard K of N (docs/batch.md).")
-@click.option("--chat", is_flag=True, help="Interactive multi-turn chat on stdin, in the "
-                                           "model's chat template (/help lists its "
-                                           "commands; docs/serve.md).")
-@click.option("--template-kwargs", type=JsonObject(), metavar="JSON", callback=_encodable,
+@click.option("--chat", "-i", "-cnv", "--conversation", "chat", is_flag=True,
+              help="Interactive multi-turn chat on stdin, in the model's chat template "
+                   "(/help lists its commands; docs/serve.md).")
+@click.option("--template-kwargs", type=JsonObject(), metavar="JSON",
+              callback=params.encodable,
               help="With --chat: extra chat-template variables, e.g. '{\"thinking\": false}'.")
 @click.option("--template-timeout", type=Finite(0, 10 ** 6, min_open=True), metavar="SECONDS",
               default=DEFAULT_LIMITS.seconds, show_default=True,
@@ -263,18 +152,27 @@ RULES = (
               default=DEFAULT_LIMITS.max_bytes, show_default=True,
               help="With --chat, --batch or --serve: a chat-template rendering that writes "
                    "more is that conversation's error.")
-@click.option("--system", callback=_system_text, metavar="TEXT|@FILE",
+@click.option("--system", "-sys", "--system-prompt", "system", callback=params.system_text,
+              metavar="TEXT|@FILE",
               help="With --chat: the system message opening the conversation (@FILE: the "
                    "file's text; @@ for a literal @).")
 @click.option("--history", type=click.Path(dir_okay=False), envvar="K3_CHAT_HISTORY",
               show_envvar=True, help="With --chat: the line-editing history file (default "
                                      "$XDG_STATE_HOME/k3/chat_history).")
-@click.option("--serve", "serve_address", metavar="[HOST:]PORT",
+@click.option("--serve", "serve_address", metavar="[[HOST:]PORT]", is_flag=False,
+              flag_value="",
               help="Serve an OpenAI-compatible API (needs the serve extra); HOST defaults "
-                   "to 127.0.0.1, any other address needs --api-key.")
+                   "to 127.0.0.1, any other address needs --api-key; PORT to 8080 (or "
+                   "--host and --port).")
+@click.option("--host", help="With --serve and no address: the host (default 127.0.0.1).")
+@click.option("--port", type=click.IntRange(0, 65535),
+              help="With --serve and no address: the port (default 8080).")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
+              show_default=True, help="With --serve: the access log on stderr, a text line "
+                                      "or a JSON object per request (docs/serve.md).")
 @click.option("--api-key", envvar="K3_API_KEY", show_envvar=True,
               help="With --serve: the key every request must send (Authorization: Bearer).")
-@click.option("--served-model-name", metavar="NAME",
+@click.option("--served-model-name", "-a", "--alias", "served_model_name", metavar="NAME",
               help="With --serve: the model's name in the API (default: the checkpoint "
                    "directory's name); a request naming another model is 404.")
 @click.option("--reuse-gb", type=gigabytes(), default=1.0, show_default=True,
@@ -293,13 +191,15 @@ RULES = (
 @click.option("--save-prefix", is_flag=True,
               help="With --prefix-cache and a prompt: keep the state after the prompt as a "
                    "snapshot, for later prompts that start with it.")
-@click.option("-n", "--gen", type=Rule(click.INT, gen_or_until_end_problem, "integer"),
+@click.option("-n", "--gen", "--predict", "--n-predict", "gen",
+              type=Rule(click.INT, gen_or_until_end_problem, "integer"),
               default=16, show_default=True,
               help="Tokens to generate (per turn in --chat; with --serve the default "
                    "max_tokens, else until the turn ends), at most 1,048,576 (the trained "
                    "context); -1: until the model ends its turn, a stop, or the context is "
                    "full.")
-@click.option("--temperature", type=Rule(click.FLOAT, temperature_problem, "float"),
+@click.option("--temperature", "--temp", "temperature",
+              type=Rule(click.FLOAT, temperature_problem, "float"),
               default=0.0, show_default=True,
               help="0 = greedy; else at least 2^-126 (the smallest normal float32).")
 @click.option("--top-p", type=Rule(click.FLOAT, top_p_problem, "float"), default=1.0,
@@ -323,27 +223,28 @@ RULES = (
               show_default=True, help="Subtract this times its count so far from each "
                                       "generated token's logit, in [-2, 2] (docs/run.md "
                                       "\"Sampling\").")
-@click.option("--logit-bias", "logit_bias", multiple=True, callback=_logit_bias,
+@click.option("--logit-bias", "logit_bias", multiple=True, callback=params.logit_bias,
               metavar="ID=BIAS",
               help="Add BIAS, in [-100, 100], to token ID's logit before the penalties "
                    "(-100: all but banned, 100: all but forced); repeatable, an id once, "
                    "at most 300 (docs/run.md \"Sampling\").")
-@click.option("--response-format", callback=_response_format, metavar="json_object|@SCHEMA",
+@click.option("--response-format", callback=params.response_format,
+              metavar="json_object|@SCHEMA",
               help="Structured output: the text is a JSON object (json_object), or JSON "
                    "valid against the JSON schema in the file SCHEMA; needs the structured "
                    "extra (docs/run.md \"Structured output\").")
-@click.option("--seed", type=Rule(click.INT, seed_problem, "integer"), default=0,
+@click.option("-s", "--seed", "seed", type=Rule(click.INT, seed_problem, "integer"), default=0,
               show_default=True, help="0 .. 2^64 - 1.")
-@click.option("--stop", "stop_strings", multiple=True, callback=_stop_strings,
+@click.option("--stop", "stop_strings", multiple=True, callback=params.stop_strings,
               help="Stop when this text appears in the generated text (left out of the "
                    "text shown and reported; docs/run.md \"Stop strings\").")
 @click.option("--stop-id", "stop_ids", type=click.IntRange(0, MAX_SIZE - 1), multiple=True,
               help="Stop at this token id (checked against the vocabulary).")
-@click.option("--preset", callback=_note_order, expose_value=True,
+@click.option("--preset", callback=params.note_order, expose_value=True,
               help="Memory preset: laptop, desktop, workstation, server, max, auto.")
-@click.option("--trunk-gb", type=gigabytes(), callback=_note_order,
+@click.option("--trunk-gb", type=gigabytes(), callback=params.note_order,
               help="Trunk budget in GB (1e9).")
-@click.option("--cache-gb", type=gigabytes(), callback=_note_order,
+@click.option("--cache-gb", type=gigabytes(), callback=params.note_order,
               help="Expert cache budget in GB.")
 @click.option("--resident", is_flag=True, help="Load every weight into RAM (small models).")
 @click.option("--cache-policy", type=click.Choice(ONLINE_OBJECT_POLICIES), default=DEFAULT_POLICY,
@@ -369,7 +270,13 @@ RULES = (
               help="With --draft: write every verify pass's taps, block, draft logits, "
                    "confidence and target logits to this .npz.")
 @threads_option
-@quiet_option
+@click.option("-c", "--ctx-size", type=click.IntRange(1, MAX_POSITIONS), metavar="N",
+              help="Context limit: the prompt and the tokens generated after it fit in N "
+                   "tokens, else the run is refused (default: the model's context).")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Also print the whole run report (as --json gives it) on stderr.")
+@refused_options
+@lambda fn: quiet_option(fn, "--log-disable")
 @click.option("--save-state", type=click.Path(dir_okay=False), help="Save the state at the end.")
 @click.option("--load-state", type=click.Path(exists=True, dir_okay=False),
               help="Continue from a saved state (the prompt continues it; with no prompt, "
@@ -387,14 +294,17 @@ def main(ctx, **options):
     """Each mode is one function below; ``a`` holds every option by its parameter name."""
     started = time.monotonic()
     a = SimpleNamespace(**options)
+    _positionals(ctx, a)
     constraints.check(ctx, RULES)
     a.model = a.model or a.model_option
+    a.prompt = a.prompt if a.prompt_arg is None else a.prompt_arg
+    a.serve_address = serve_address(a.serve_address, a.host, a.port)
     if a.serve_address:
         from libk3.serve.app import check_address
         check_address(a.serve_address, a.api_key)        # before the model is opened
-    a.response_format = _check_response_format(a.response_format)
+    a.response_format = params.check_response_format(a.response_format)
     opts, settings = _run_options(ctx, a), _settings(a)
-    _check_logit_bias(a.model, settings.logit_bias)
+    params.check_logit_bias(a.model, settings.logit_bias)
     if a.batch:
         _batch_mode(a, opts, settings, started)
         return
@@ -402,12 +312,31 @@ def main(ctx, **options):
     with runner.open_run(opts) as run:
         run.check_stop_ids(a.stop_ids)
         settings = run.chunked(settings)
-        if a.serve_address:
+        if a.perplexity:
+            _verbose(a, scoring.perplexity_mode(a, run))
+        elif a.serve_address:
             _serve_mode(a, run, settings)
         elif a.chat:
             _chat_mode(a, run, settings)
         else:
             _prompt_mode(a, run, settings)
+
+
+def _positionals(ctx, a) -> None:
+    """MODEL [PROMPT], or with -m/--model: [PROMPT] alone (llama.cpp's positional
+    prompt; a directory there is the model given twice); the model directory checked as
+    the MODEL argument's type would."""
+    import os
+    from click.core import ParameterSource
+    if a.model_option is not None and a.model is not None and a.prompt_arg is None \
+            and not os.path.isdir(a.model):
+        a.model, a.prompt_arg = None, a.model
+        ctx.set_parameter_source("model", ParameterSource.DEFAULT)
+        ctx.set_parameter_source("prompt_arg", ParameterSource.COMMANDLINE)
+        params.encodable(ctx, None, a.prompt_arg)
+    if a.model is not None:
+        param = next(p for p in ctx.command.params if p.name == "model")
+        a.model = click.Path(exists=True, file_okay=False).convert(a.model, param, ctx)
 
 
 def _run_options(ctx, a):
@@ -429,7 +358,8 @@ def _run_options(ctx, a):
         template_limits=RenderLimits(a.template_timeout, a.template_max_bytes),
         prefix_cache=a.prefix_cache, prefix_cache_bytes=int(a.prefix_cache_gb * 1e9),
         share_prefixes=not a.no_prefix_sharing, serve=bool(a.serve_address),
-        load_state=a.load_state, prefill_chunk=a.prefill_chunk, beside_bytes=beside)
+        load_state=a.load_state, prefill_chunk=a.prefill_chunk, beside_bytes=beside,
+        context_limit=a.ctx_size)
 
 
 def _settings(a):
@@ -458,18 +388,19 @@ def _serve_mode(a, run, settings) -> None:
     serve(run, a.serve_address, settings, api_key=a.api_key,
           log=lambda m: click.echo(m, err=True),
           reuse_ram_bytes=int(a.reuse_gb * 1e9),
-          model_name=a.served_model_name)
+          model_name=a.served_model_name, log_json=a.log_format == "json")
 
 
 def _chat_mode(a, run, settings) -> None:
     """--chat: turns and commands from the terminal or stdin until /exit or end of input."""
-    from libk3.run import repl, runner
+    from libk3.run import chat_session, repl
     tok = run.session.tokenizer
     with repl.Console(history=a.history) as console:
-        runner.run_chat(run, settings, load_state=a.load_state, save_state=a.save_state,
-                        emit_factory=lambda: _Printer(tok, settings.stop_strings),
-                        console=console, warn=lambda m: click.echo(m, err=True),
-                        template_kwargs=a.template_kwargs, system=a.system)
+        chat_session.run_chat(run, settings, load_state=a.load_state,
+                              save_state=a.save_state,
+                              emit_factory=lambda: Printer(tok, settings.stop_strings),
+                              console=console, warn=lambda m: click.echo(m, err=True),
+                              template_kwargs=a.template_kwargs, system=a.system)
 
 
 def _prompt_mode(a, run, settings) -> None:
@@ -484,6 +415,7 @@ def _prompt_mode(a, run, settings) -> None:
         prompt_ids = run.encode(a.prompt)
     else:
         prompt_ids = []
+    run.check_fits(len(prompt_ids), settings.gen)
     rep = _one_prompt(run, prompt_ids, settings, a)
     if a.report_json:
         atomic.write_json(a.report_json, rep)
@@ -492,6 +424,7 @@ def _prompt_mode(a, run, settings) -> None:
     else:
         from libk3.run.report import short_text
         click.echo(short_text(rep), err=True)
+    _verbose(a, rep)
 
 
 def _batch_mode(a, opts, settings, started: float) -> None:
@@ -503,6 +436,7 @@ def _batch_mode(a, opts, settings, started: float) -> None:
     summary = runner.run_batch(opts, a.batch, a.out_path, settings,
                                warn=lambda m: click.echo(m, err=True), limits=limits,
                                shard=a.shard)
+    _verbose(a, summary)
     if a.json_out:
         print_json(summary)
         return
@@ -513,10 +447,17 @@ def _batch_mode(a, opts, settings, started: float) -> None:
         click.echo(batch_text(summary), err=True)
 
 
+def _verbose(a, doc) -> None:
+    """--verbose: the whole report on stderr, as --json prints it on stdout."""
+    if a.verbose:
+        import json
+        click.echo(json.dumps(doc, indent=2, sort_keys=True, default=str), err=True)
+
+
 def _one_prompt(run, prompt_ids, settings, a) -> dict:
     """Generate with the text shown as it comes; the logits saved when asked; the run
     report."""
-    printer = None if a.json_out else _Printer(run.session.tokenizer, a.stop_strings,
+    printer = None if a.json_out else Printer(run.session.tokenizer, a.stop_strings,
                                                run.end_ids(settings))
     res = run.generate(prompt_ids, settings, on_token=printer,
                        keep_logits=a.logits_out is not None, load_state=a.load_state,

@@ -77,6 +77,7 @@ def check(ctx: click.Context, rules) -> None:
     given = {p.name for p in ctx.command.params
              if ctx.get_parameter_source(p.name) == ParameterSource.COMMANDLINE}
     flags = {p.name: next((o for o in p.opts if o.startswith("--")), p.opts[0])
+             if isinstance(p, click.Option) else p.make_metavar(ctx).strip("[].")
              for p in ctx.command.params if p.opts}
 
     def flag(name: str) -> str:

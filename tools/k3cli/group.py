@@ -44,6 +44,8 @@ class OneLineErrors:
             sys.exit(e.exit_code)
         except click.ClickException as e:
             ctx = getattr(e, "ctx", None)    # none for an option missing its argument
+            if isinstance(e, click.NoSuchOption) and ctx is not None:
+                e.possibilities = close_options(e.option_name, ctx.command)
             prog = ctx.command_path if ctx is not None else (prog_name or _program(self.name))
             text = " ".join(e.format_message().split())
             click.echo(f"{prog}: error: {text} (see {prog} --help)", err=True)
@@ -59,6 +61,25 @@ def _program(name: str) -> str:
     command's own is its function's (``main``)."""
     run_as = sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else ""
     return run_as if run_as and not run_as.startswith("-") else name
+
+
+def close_options(typed: str, command: click.Command, most: int = 4) -> list:
+    """The visible options of ``command`` a user who typed ``typed`` may have meant, each
+    by its first long name: those it begins (``--tempe``), those that begin it, and the
+    close spellings (difflib) of every name, aliases included, so ``--tmp``, close to the
+    alias ``--temp``, finds ``--temperature``."""
+    import difflib
+    names = {}
+    for p in command.params:
+        if isinstance(p, click.Option) and not p.hidden:
+            long_ = next((o for o in p.opts if o.startswith("--")), p.opts[0])
+            for o in p.opts + p.secondary_opts:
+                names[o] = long_
+    bare = typed.lstrip("-")
+    found = [o for o in names if min(len(bare), len(o.lstrip("-"))) >= 3 and
+             (o.lstrip("-").startswith(bare) or bare.startswith(o.lstrip("-")))]
+    found += difflib.get_close_matches(typed, list(names), n=most, cutoff=0.6)
+    return list(dict.fromkeys(names[o] for o in found))[:most]
 
 
 def _gives_threads(args) -> bool:
@@ -113,10 +134,10 @@ def threads_option(fn):
                              "count.")(fn)
 
 
-def quiet_option(fn):
-    """``-q/--quiet``: no progress (bars on a terminal, periodic lines in a log); the
-    summary line and errors are still printed."""
-    return click.option("-q", "--quiet", is_flag=True,
+def quiet_option(fn, *aliases):
+    """``-q/--quiet`` (and ``aliases``): no progress (bars on a terminal, periodic lines in
+    a log); the summary line and errors are still printed."""
+    return click.option("-q", "--quiet", *aliases, "quiet", is_flag=True,
                         help="No progress bars or progress lines; the summary and errors "
                              "are still printed.")(fn)
 
