@@ -14,7 +14,7 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 
-from tests.test_serve import KEY, _post, _start, _stop  # noqa: E402
+from tests.test_serve import _post, _start, _stop  # noqa: E402
 
 ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 MSGS = [{"role": "user", "content": "Hi there"}]
