@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from ..engine.grammar import tool_choice_problem
+from ..engine.tool_grammar import tool_choice_problem
 from ..engine.schema_check import request_vendor_key
 from ..engine.settings import SAMPLING_RULES, gen_problem, temperature_problem, top_p_problem
 from ..engine.stops import StopText
@@ -261,7 +261,7 @@ def _thinking(body: dict, max_tokens: int) -> tuple:
     budget = thinking.get("budget_tokens")
     if budget is not None and (not _is_int(budget) or budget < 1):
         _refuse("'thinking': budget_tokens must be an integer >= 1", "thinking", 422)
-    # enforced on the think channel by a grammar (``grammar.think_lark``); at or over
+    # enforced on the think channel by a grammar (``tool_grammar.think_lark``); at or over
     # max_tokens the reply's own limit caps it already
     return "high", (budget if budget is not None and budget < max_tokens else None)
 
