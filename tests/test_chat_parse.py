@@ -56,14 +56,16 @@ def test_chat_parse_spelled_markup_is_text(tok):
     ("<|close|>think<|sep|>stray", None),
     ("x<|sep|>y", None),
     ("<|open|>think<|sep|>never closed", None),
+    # a tools channel left open is calls cut by the length limit: never content
     ("<|open|>response<|sep|>ok<|close|>response<|sep|>tail <|open|>tools<|sep|>",
-     "oktail <|open|>tools<|sep|>"),
+     "oktail "),
     ("<|open|>tools<|sep|><|open|>call<|sep|>{}<|close|>call<|sep|><|close|>tools<|sep|>",
      "<|open|>call<|sep|>{}<|close|>call<|sep|>"),
 ])
 def test_chat_parse_unknown_or_unclosed_markup_is_kept_as_text(text, content):
     """Catches markup dropped: an unknown tag, a stray close or separator, an unclosed
-    channel, a call without a name all stay in the content as written."""
+    channel, a call without a name all stay in the content as written (but for a tools
+    channel left open: calls the length limit cut, test_stream_markup)."""
     reply = parse_reply(pieces_of_text(text))
     assert reply.content == (text if content is None else content)
     assert reply.reasoning is None and reply.tool_calls == []

@@ -346,11 +346,16 @@ def test_chat_from_a_pipe_ends_at_an_empty_line(tiny_dir, tmp_path):
     assert ids[:len(first)] == first and len(ids) == len(first) + 3
 
 
-def test_chat_line_of_invalid_utf8_is_refused_at_once(tiny_dir):
-    """Catches a 4 MB chat line of bytes that are not UTF-8 worked on for minutes (or a
-    traceback): it is refused in seconds, exit 2, one line naming the message."""
-    p = subprocess.run(["k3-run", str(tiny_dir), "--chat", "--gen", "2"],
-                       input=b"\xff" * 4_000_000 + b"\n", capture_output=True, timeout=60)
+def test_chat_line_of_invalid_utf8_is_refused_at_once_and_the_chat_goes_on(tiny_dir, tmp_path):
+    """Catches a 4 MB chat line of bytes that are not UTF-8 worked on for minutes, a
+    traceback, or the chat ended by it (exit 2, the state lost): it is refused in seconds
+    with its reason, the next line is a turn, and --save-state is written."""
+    st = tmp_path / "s.k3state"
+    p = subprocess.run(["k3-run", str(tiny_dir), "--chat", "--gen", "2", "--save-state", st],
+                       input=b"\xff" * 4_000_000 + b"\nHi there\n", capture_output=True,
+                       timeout=60)
     err = p.stderr.decode("utf-8", "replace")
-    assert p.returncode == 2, err
-    assert '"messages"[0]["content"]' in err and "Traceback" not in err
+    assert p.returncode == 0, err
+    assert "byte 0xFF at character 1" in err and "Traceback" not in err
+    first = _turn_ids(tiny_dir, [{"role": "user", "content": "Hi there"}])
+    assert _state_ids(tiny_dir, st)[:len(first)] == first

@@ -155,3 +155,43 @@ def test_deadline_too_short_for_one_prompt_says_what_it_would_need(tiny_dir, tmp
                          runner.BatchLimits(deadline=60.0, clock=clock, started=0.0))
     assert (s["done"], s["stopped"], s["remaining"]) == (0, "deadline", 2)
     assert len(said) == 1 and "'p0'" in said[0] and "at least 4 min" in said[0], said
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_deadline_tick_too_short_to_measure_says_what_would_fit(tiny_dir, tmp_path,
+                                                                 monkeypatch, width):
+    """Catches a tick too short for even the pace to be measured (3 s at the floor)
+    counting a prompt it never started as cut off and ending without saying what
+    deadline would fit (or saying the deadline passed before the first prompt started,
+    when one had): one prompt is cut, the other left for the next run, and the line
+    names the prompt and a deadline from the passes seen."""
+    batch, r = _batch(tmp_path / "b.jsonl", 2, gen=200), tmp_path / "r.jsonl"
+    opts = runner.RunOptions(model=str(tiny_dir), resident=True, batch_width=width)
+    base = runner.settings_from(gen=200, temperature=0.0, top_p=1.0, seed=0)
+    clock = Clock()
+    _fake_time(monkeypatch, clock, 1.0, 0.0)
+    said = []
+    s = runner.run_batch(opts, batch, r, base, said.append,
+                         runner.BatchLimits(deadline=2.5, clock=clock, started=0.0))
+    assert (s["done"], s["stopped"], s["remaining"]) == (0, "deadline", 2), s
+    assert s["cut_off"] == 1, s
+    assert len(said) == 1 and "'p0'" in said[0] and "at least 4 min" in said[0], said
+
+
+def test_deadline_admission_widens_one_lane_at_a_time_until_the_width_is_priced(
+        tiny_dir, tmp_path, monkeypatch):
+    """Catches admission pricing a wide pass from one width seen (half of it taken as
+    fixed): where each sequence costs its share of a pass (compute-bound, a loaded
+    machine), the first tick filled the lanes and cut prompts in flight at the deadline
+    (4 cut, 40 tokens discarded here). Now none is cut and the tick finishes prompts;
+    where passes cost the same whatever their width, ticks still fill lanes
+    (test_deadline_ticks_always_finish_prompts, control)."""
+    batch, r = _batch(tmp_path / "b.jsonl", 24, gen=12), tmp_path / "r.jsonl"
+    opts = runner.RunOptions(model=str(tiny_dir), resident=True, batch_width=8)
+    base = runner.settings_from(gen=12, temperature=0.0, top_p=1.0, seed=0)
+    clock = Clock()
+    _fake_time(monkeypatch, clock, 0.1, 1.0)             # a pass costs its tokens
+    limits = runner.BatchLimits(deadline=60.0, clock=clock, started=0.0)
+    s = runner.run_batch(opts, batch, r, base, [].append, limits)
+    assert (s["cut_off"], s["discarded_tokens"]) == (0, 0), s
+    assert s["done"] >= 2 and clock.t <= 60.0, (s["done"], clock.t)

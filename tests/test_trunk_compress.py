@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import zlib
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from libk3.kernels import bf16_block as blk
 from libk3.kernels.bf16_planes import decode_block, encode_block
 from libk3.pack.schema import (BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, MANIFEST_FILE,
                                TRUNK_FILE, open_pack)
-from libk3.pack.codec import CODED, RAW, Codec, plan_blocks
+from libk3.pack.codec import CODED, INDEX_RECORD, RAW, Codec, plan_blocks
 
 from .scripts import k3, k3_here, k3pack, k3pack_here
 from .test_run_cli import PROMPT, _budgets, _pack, _reference
@@ -644,3 +645,57 @@ def test_floor_withholds_a_raw_layer_until_its_crc_matched(small_dir, small_raw,
             ts.layer(0)[first]
         ts.close()
         files.close()
+
+
+def _duplicate_block(pack_dir) -> int:
+    """Copy a compressed layer's block over its neighbour of the same size (different
+    bytes), recomputing that block's CRC in trunk.blocks and the index's CRC in
+    trunk.json, the layer's own crc32 left as it was; the layer."""
+    pk = open_pack(pack_dir)
+    man = json.loads((pack_dir / MANIFEST_FILE).read_text())
+    kz = pack_dir / COMPRESSED_TRUNK_FILE
+    blob = bytearray((pack_dir / BLOCK_INDEX_FILE).read_bytes())
+    rec = np.frombuffer(blob, INDEX_RECORD)
+    first = 0
+    with open(kz, "r+b") as f:
+        for L, plan in enumerate(pk.blocks):
+            at0 = man["layers"][L]["file_off"]
+            for b in range(len(plan) - 1):
+                n = int(plan.in_len[b])
+                if n != int(plan.in_len[b + 1]) or plan.kind[b] != plan.kind[b + 1] \
+                        or int(plan.out_len[b]) != int(plan.out_len[b + 1]):
+                    continue
+                f.seek(at0 + int(plan.in_off[b]))
+                src = f.read(n)
+                f.seek(at0 + int(plan.in_off[b + 1]))
+                if f.read(n) == src:
+                    continue
+                f.seek(at0 + int(plan.in_off[b + 1]))
+                f.write(src)
+                rec[first + b + 1]["crc32"] = zlib.crc32(src)
+                (pack_dir / BLOCK_INDEX_FILE).write_bytes(bytes(blob))
+                man["trunk_codec"]["block_index_crc32"] = zlib.crc32(bytes(blob))
+                (pack_dir / MANIFEST_FILE).write_text(json.dumps(man))
+                return man["layers"][L]["layer"]
+            first += len(plan)
+    raise AssertionError("no two neighbouring blocks of one size")
+
+
+def test_run_refuses_a_rewritten_block_whose_layer_crc_is_stale(tiny_dir, tmp_path):
+    """Catches k3-run trusting a compressed layer whose blocks match the index but whose
+    decoded bytes do not match the layer's crc32 (a block copied over its neighbour, the
+    block and index CRCs recomputed): verify refused it, run generated other tokens; now
+    both exit 3 naming the layer, one line (control: the pack before the edit runs)."""
+    from libk3.pack.compress import compress
+    kz = tmp_path / "tiny-kz.pack"
+    shutil.copytree(_pack(tiny_dir, tmp_path / "tiny.pack"), kz)
+    compress(kz, progress=False, even_if_no_gain=True)
+    args = (tiny_dir, "--ids", "1,2,3", "--gen", 2, "--pack", kz, "-q")
+    assert k3_here(*args).returncode == 0                                   # control
+    L = _duplicate_block(kz)
+    v = k3pack_here("verify", kz, "--quiet")
+    assert v.returncode == 3 and f"layer {L}" in v.stderr, v.stderr
+    r = k3_here(*args)
+    assert r.returncode == 3 and f"layer {L}" in r.stderr, r.stderr
+    assert len([ln for ln in r.stderr.strip().splitlines()
+                if not ln.startswith("compiling k3 kernels")]) == 1, r.stderr

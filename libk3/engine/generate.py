@@ -67,8 +67,10 @@ class GenSettings:
 
     def limit(self, positions: int) -> int:
         """Tokens to generate after a sequence of ``positions`` (its prompt in): ``gen``,
-        or for UNTIL_END the room the context has left."""
-        return max(self.context - positions, 0) if self.gen == UNTIL_END else self.gen
+        or for UNTIL_END the room the context has left; never past the context (a
+        generation that reaches it stops there, "length")."""
+        room = max(self.context - positions, 0)
+        return room if self.gen == UNTIL_END else min(self.gen, room)
 
 
 @dataclasses.dataclass

@@ -75,7 +75,8 @@ class _Lane:
         self.next = None                # the sampled token the next pass feeds
         self.generated: list[int] = []
         self.stops = Stops(job.settings, tokenizer, self.sampler.grammar)
-        self.reason = None              # set when finished
+        self.reason = None              # set when finished ("error": failed alone)
+        self.error = None               # then, what it raised
         self.t_enter = now
         self.t_first = None             # prefill done: first token sampled from here
         self.rows = [] if keep_logits else None
@@ -195,13 +196,16 @@ class Lockstep:
     prompt ids is in.
     ``on_row(job, token, row)`` and ``on_prompt_rows(job, start, rows)`` hear the logits
     rows of Jobs that ask for them (``Job.rows``, ``Job.prompt_rows``): rows[i] is prompt
-    position start + i's, predicting the prompt id after it."""
+    position start + i's, predicting the prompt id after it.
+    ``on_failed(job, exception)``, if given, hears a lane that failed on its own (its
+    grammar, sampler, stops or proposals raised) as it leaves; the others go on, their
+    tokens unchanged. Without it, such a failure is raised out of ``step``."""
 
     def __init__(self, forward, new_state, width: int, on_done, *, chunk: int = PREFILL_CHUNK,
                  tokenizer=None, on_token=None, keep_logits: bool = False,
                  join_prefill: bool = True, should_stop=None, on_pass=None,
                  clock=time.perf_counter, drafting=None, on_keep=None, on_row=None,
-                 on_prompt_rows=None):
+                 on_prompt_rows=None, on_failed=None):
         if width < 1 or chunk < 1:
             raise ValueError("width and chunk must be >= 1")
         self.forward, self.new_state, self.width, self.on_done = forward, new_state, width, on_done
@@ -211,8 +215,20 @@ class Lockstep:
         self.drafting = drafting
         self.on_keep = on_keep
         self.on_row, self.on_prompt_rows = on_row, on_prompt_rows
+        self.on_failed = on_failed
         self.lanes: list[_Lane] = []
         self.stats = LockstepStats(width)
+
+    def _alone(self, lane, fn, *args):
+        """``fn(*args)`` of one lane; when it raises (and ``on_failed`` hears such
+        failures) the lane is marked to leave with its error, and None is returned."""
+        if self.on_failed is None:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except Exception as e:          # noqa: BLE001 (that lane's own failure, told)
+            lane.reason, lane.error = "error", e
+            return None
 
     def make_room(self) -> None:
         """Run passes until a slot is free."""
@@ -246,22 +262,26 @@ class Lockstep:
         st = self.stats
         st.max_active = max(st.max_active, len(self.lanes))
         plan = plan_pass(self.lanes, self.chunk, self.join_prefill)
-        segs = [lane.segment(ids, n_prompt, lane.job.tag, len(plan) - 1)
+        segs = [self._alone(lane, lane.segment, ids, n_prompt, lane.job.tag, len(plan) - 1)
                 for lane, ids, n_prompt in plan]
+        plan = [p for p, seg in zip(plan, segs) if seg is not None]
+        segs = [seg for seg in segs if seg is not None]
         t_pass = time.perf_counter()
-        outs = self.forward.run(segs)
+        outs = self.forward.run(segs) if segs else []
         took = time.perf_counter() - t_pass
-        st.passes += 1
+        st.passes += bool(segs)
         for (lane, ids, n_prompt), seg, logits in zip(plan, segs, outs):
             st.prompt_tokens += n_prompt
             before = len(lane.generated)
             if n_prompt and lane.job.prompt_rows and self.on_prompt_rows is not None:
                 self.on_prompt_rows(lane.job, lane.fed, logits)
-            lane.take(seg, logits, n_prompt, self.on_token, took, self.on_row)
-            if n_prompt and lane.fed in lane.job.keep_at and self.on_keep is not None:
+            self._alone(lane, lane.take, seg, logits, n_prompt, self.on_token, took,
+                        self.on_row)
+            if n_prompt and lane.fed in lane.job.keep_at and self.on_keep is not None \
+                    and lane.reason != "error":
                 self.on_keep(lane.job, lane.state, lane.fed)
             st.generated_tokens += len(lane.generated) - before
-        if self.drafting is not None and all(n == 0 for _, _, n in plan):   # commits too
+        if self.drafting is not None and segs and all(n == 0 for _, _, n in plan):
             self.drafting.width.record(sum(seg.ids.shape[0] for seg in segs),
                                        time.perf_counter() - t_pass,
                                        not any(seg.verify for seg in segs))
@@ -269,6 +289,8 @@ class Lockstep:
         for lane in self.lanes:
             if lane.reason is None:
                 still.append(lane)
+            elif lane.reason == "error":
+                self.on_failed(lane.job, lane.error)
             else:                           # leaves at once; its state is dropped
                 self.on_done(lane.job, lane.result(time.perf_counter()))
         self.lanes = still

@@ -36,30 +36,44 @@ class Pace:
     def __init__(self):
         self.passes = collections.deque(maxlen=WINDOW)
         self.seen = 0
+        self.warm = []           # the warm-up passes: an estimate's last resort
 
     def record(self, prompt_tokens: int, decoders: int, seconds: float) -> None:
         """One pass: the prompt tokens it fed, the sequences it decoded a token for."""
         self.seen += 1
         if prompt_tokens + decoders > 0 and self.seen > WARMUP:
             self.passes.append((prompt_tokens, decoders, seconds))
+        elif prompt_tokens + decoders > 0:
+            self.warm.append((prompt_tokens, decoders, seconds))
 
     @property
     def measured(self) -> bool:
         return len(self.passes) >= 2
 
+    def knows(self, width: int) -> bool:
+        """Whether a pass of ``width`` decoding sequences is priced from what was seen: a
+        decode pass that wide, or two widths (the fit's fixed part and slope). From one
+        width alone the split is a guess (``FIXED_SHARE``), which a wider pass on a
+        compute-bound machine outruns: admission widens one lane at a time until then."""
+        widths = {w for p, w, _ in self.passes if p == 0}
+        return len(widths) >= 2 or width in widths
+
     def _fit(self) -> tuple:
         """(a, b_decode, b_prompt, stretch): a pass costs a + b_decode per decoding
         sequence + b_prompt per prompt token, times ``stretch``, the 90th percentile of
-        observed / modelled over the window (at least SAFETY): noise and load included."""
-        dec = [(w, s) for p, w, s in self.passes if p == 0]
+        observed / modelled over the window (at least SAFETY): noise and load included.
+        Before any pass past the warm-up, the warm-up passes stand in (a tick too short
+        to measure still says what it would need)."""
+        passes = self.passes or self.warm
+        dec = [(w, s) for p, w, s in passes if p == 0]
         if len(dec) >= 2:
             a, b = fit_line(dec)
-            fed = [(s - a - b * w) / p for p, w, s in self.passes if p > 0]
+            fed = [(s - a - b * w) / p for p, w, s in passes if p > 0]
             bp = max(0.0, sorted(fed)[len(fed) // 2]) if fed else b
         else:                       # no decode passes yet: one cost per token fed
-            a, b = fit_line([(p + w, s) for p, w, s in self.passes])
+            a, b = fit_line([(p + w, s) for p, w, s in passes])
             bp = b
-        ratios = sorted(s / max(a + b * w + bp * p, 1e-12) for p, w, s in self.passes)
+        ratios = sorted(s / max(a + b * w + bp * p, 1e-12) for p, w, s in passes)
         return a, b, bp, max(SAFETY, ratios[int(0.9 * (len(ratios) - 1))])
 
     def finish(self, works: list, chunk: int) -> float:

@@ -48,11 +48,26 @@ from ..text.chat_request import conversation_problem
 from ..text.encodable import TextError, decode_text, field_problem
 from ..engine.generate import GenSettings
 from ..engine.grammar import response_format_problem
+from ..engine.schema_check import request_vendor_key
 from ..engine.settings import (SAMPLING_RULES, gen_or_until_end_problem, logit_bias_pairs,
                                logit_bias_problem, stop_strings_problem, token_ids_problem)
 
 _RULES = {"gen": gen_or_until_end_problem, **SAMPLING_RULES}
 RESULT_KEYS = ("id", "line", "prompt_ids", "generated_ids")
+# every field a line may hold (formats/batch.md); any other skips the line, naming it
+FIELDS = ("id", "prompt", "ids", "messages", "tools", "template_kwargs", "stop", "stop_ids",
+          "logit_bias", "response_format", *_RULES)
+# the server's fields a batch line does not implement: why, and what to write instead
+NOT_IN_BATCH = {
+    "max_tokens": "the batch field is \"gen\"",
+    "max_completion_tokens": "the batch field is \"gen\"",
+    "n": "one result per line: give each choice a line of its own with its \"seed\"",
+    "logprobs": "result lines carry no log-probabilities (--logits-out gives a prompt's)",
+    "top_logprobs": "result lines carry no log-probabilities (--logits-out gives a prompt's)",
+    "tool_choice": "batch lines do not enforce tool calls (the server does)",
+    "parallel_tool_calls": "batch lines do not enforce tool calls (the server does)",
+    "chat_template_kwargs": "the batch field is \"template_kwargs\"",
+}
 
 
 class BatchLineError(ValueError):
@@ -87,6 +102,9 @@ def parse_line(line: bytes, vocab_size: int) -> dict:
     bad = field_problem(obj)            # a "\ud800" escape: refused here, not mid-batch
     if bad:
         raise BatchLineError(bad[1])
+    unknown = field_refused(obj)
+    if unknown:
+        raise BatchLineError(unknown)
     if "id" not in obj or not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
         raise BatchLineError("missing or invalid \"id\" (a string or integer)")
     has_prompt, has_ids = "prompt" in obj, "ids" in obj
@@ -120,7 +138,25 @@ def parse_line(line: bytes, vocab_size: int) -> dict:
         if obj.get("response_format") is not None else None
     if why:
         raise BatchLineError(f"\"response_format\": {why}")
+    vendor = request_vendor_key(None, obj.get("tools"))
+    if vendor:
+        raise BatchLineError(f"\"{vendor[0]}\": {vendor[1]}")
     return obj
+
+
+def field_refused(obj: dict) -> str | None:
+    """Why a line's first field k3 would not use is refused (naming it, and what to write
+    instead when it is the server's or looks misspelt), or None: no field is ignored."""
+    import difflib
+    for key in obj:
+        if key in FIELDS:
+            continue
+        if key in NOT_IN_BATCH:
+            return f"\"{key}\" is not implemented in batch lines: {NOT_IN_BATCH[key]}"
+        near = difflib.get_close_matches(str(key), FIELDS, n=1, cutoff=0.8)
+        hint = f" (did you mean \"{near[0]}\"?)" if near else ""
+        return f"unknown field {json.dumps(key)}{hint}; formats/batch.md lists the fields"
+    return None
 
 
 def job_settings(job: dict, base: GenSettings) -> GenSettings:

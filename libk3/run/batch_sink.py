@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 
+from ..errors import K3Error, UsageError
 from ..model.state import State
 from . import batch as batchfile
 from ..engine.generate import Abandoned
@@ -48,6 +49,7 @@ class BatchSink:
         fwd = run.session.forward
         self.union0, self.passes0 = list(fwd.expert_union), fwd.passes
         self.generated = 0
+        self.failed: list = []              # (line, reason) of prompts that failed alone
         self.bar = _bar(run.opts.progress, total)
         self.ids = {}                       # line -> the line's id
         self.chats = set()                  # lines given as "messages"
@@ -61,7 +63,8 @@ class BatchSink:
                                      tokenizer=run.session.tokenizer, on_token=self._token,
                                      should_stop=self.should_stop,
                                      on_pass=self.pace.record if self.pace else None,
-                                     clock=self.clock, drafting=run.drafting)
+                                     clock=self.clock, drafting=run.drafting,
+                                     on_failed=self._failed)
 
     def submit(self, lineno: int, job_id, prompt_ids, settings, chat: bool = False,
                starts=None) -> str:
@@ -72,14 +75,21 @@ class BatchSink:
         this prompt and every one in flight are dropped; NO_TIME when it would not finish
         before the deadline (nothing of it was run)."""
         job = Job(lineno, prompt_ids, settings)          # the tag is the trace's seq
+        started = False
         try:
             if self.lockstep is None:
                 self._expect(job_id, lineno, chat, prompt_ids)
                 self.run.seq = lineno
                 state, n = starts() if starts is not None else (None, 0)
                 self.reused[lineno] = n
-                self._done(job, self.run.generate(prompt_ids[n:], settings, state=state,
-                                                  should_stop=self.should_stop))
+                started = True
+                try:
+                    res = self.run.generate(prompt_ids[n:], settings, state=state,
+                                            should_stop=self.should_stop)
+                except UsageError as e:     # its grammar gave up: this line alone fails
+                    self._failed(job, e)
+                    return STARTED
+                self._done(job, res)
                 return STARTED
             self.run.check_stop_strings(settings)
             self.lockstep.make_room()
@@ -91,10 +101,13 @@ class BatchSink:
                 state, n = starts()
                 self.reused[lineno] = n
                 job = Job(lineno, prompt_ids[n:], settings, state)
-            self.lockstep.submit(job)
-        except Abandoned:
-            self.abandoned += 1 + self._drop_lanes()
-            return ABANDONED
+            try:
+                self.lockstep.submit(job)
+            except UsageError as e:     # its own settings cannot start (a grammar)
+                self._failed(job, e)
+        except Abandoned:             # this prompt counts as cut off only if it began
+            self.abandoned += started + self._drop_lanes()
+            return ABANDONED if started else NO_TIME
         return STARTED
 
     def _expect(self, job_id, lineno: int, chat: bool, prompt_ids) -> None:
@@ -107,9 +120,10 @@ class BatchSink:
         """Whether ``job`` and every lane in flight finish before the deadline at this
         run's pace, asked again after each pass while lanes are in flight (each one that
         finishes leaves room). Until the pace is measured, the first prompt is let in
-        alone."""
+        alone; until a pass as wide as the lanes in flight is priced (``Pace.knows``),
+        no other is (the width grows one lane at a time)."""
         ls = self.lockstep
-        while not self.pace.measured and ls.lanes:
+        while ls.lanes and not (self.pace.measured and self.pace.knows(len(ls.lanes))):
             ls.step()
         if not self.pace.measured:
             return True
@@ -135,7 +149,7 @@ class BatchSink:
             return 0
         lanes, self.lockstep.lanes = self.lockstep.lanes, []
         self.discarded += sum(len(lane.generated) for lane in lanes)
-        if lanes and self.pace is not None and self.pace.measured:
+        if lanes and self.pace is not None and self.pace.seen:
             lane = lanes[0]
             self._short(self.ids.get(lane.job.tag, lane.job.tag),
                         self.pace.finish([_work_left(lane)], self.chunk),
@@ -167,6 +181,16 @@ class BatchSink:
                              "decode_seconds": round(res.decode_seconds, 6)})
         self.bar.set_postfix_str(f"{self.generated:,} tokens", refresh=False)
         self.bar.update(1)
+
+    def _failed(self, job, e: Exception) -> None:
+        """A prompt that failed on its own (its grammar gave up): no result line; its
+        line and reason are reported as a malformed line's are."""
+        lineno = job.tag
+        self.ids.pop(lineno, None)
+        self.prompt_ids.pop(lineno, None)
+        self.reused.pop(lineno, None)
+        self.chats.discard(lineno)
+        self.failed.append((lineno, e.one_line() if isinstance(e, K3Error) else repr(e)))
 
     def close(self) -> dict:
         """Finish every prompt in flight; the batch's aggregate figures."""

@@ -14,7 +14,7 @@ import dataclasses
 
 from ..engine.generate import GenSettings, generate
 from ..errors import UsageError
-from .runner import Run, _load_state
+from .runner import Run, _load_state, room_problem
 
 
 class TurnTooLong(UsageError):
@@ -35,6 +35,9 @@ class Chat:
         if self.tokenizer is None:
             raise UsageError("--chat needs the model's tokenizer (tiktoken.model)")
         self.settings = settings
+        why = self._system_problem(system)
+        if why:
+            raise UsageError(f"--system: {why}")
         self.system = system
         self.template_kwargs = template_kwargs
         self.warn = warn
@@ -69,9 +72,23 @@ class Chat:
     def save(self, path) -> None:
         self.state.save(path, self.run.session.weights_identity)
 
+    def _system_problem(self, text) -> str | None:
+        """Why a system message cannot fit the context, from its size (before it is
+        tokenized), or None."""
+        context = self.run.context
+        size = len((text or "").encode("utf-8", "surrogatepass"))
+        if size > (context - 1) * self.tokenizer.longest_rank_bytes:
+            return (f"the system message is {size:,} bytes, more than the context of "
+                    f"{context:,} tokens can hold")
+        return None
+
     def set_system(self, text) -> bool:
         """``text`` opens the next fresh conversation, and this one when nothing is in its
-        state yet (then True)."""
+        state yet (then True). TurnTooLong, the chat unchanged, for a text too long for
+        the context (by its size, before it is tokenized)."""
+        why = self._system_problem(text)
+        if why:
+            raise TurnTooLong(why)
         self.system = text
         if self.state.pos == 0 and not self.convo.fed:
             self.convo = self._conversation(text)
@@ -86,10 +103,23 @@ class Chat:
         """One user message and the model's reply (``generate``: ``interrupted`` cuts it
         short at a token, the state as if the reply had ended there). UsageError, the
         conversation as it was, when the turn and its reply do not fit --ctx-size."""
+        context = self.run.context
+        limit = self.run.opts.context_limit
+        named = f"--ctx-size {limit}: " if limit is not None else ""
+        room = context - self.state.pos - 1            # a reply of one token at least
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > room * self.tokenizer.longest_rank_bytes:     # before tokenizing it
+            raise TurnTooLong(f"{named}the message is {size:,} bytes, more than the "
+                              f"{room:,} tokens left in the context of {context:,} can hold")
         before = (list(self.convo.messages), self.convo.fed)
-        ids, fresh = self.convo.add_user(text)
+        ids, fresh = self.convo.add_user(text, limit=context)   # stops past the context
+        held = 0 if fresh else self.state.pos
         try:
-            self.run.check_fits((0 if fresh else self.state.pos) + len(ids), self.settings.gen)
+            self.run.check_fits(held + len(ids), self.settings.gen)     # names --ctx-size
+            why = room_problem(held, len(ids), -1, context)
+            if why:
+                raise UsageError(named + why.replace("prompt", "message", 1)
+                                 .replace("the model's context", "the context"))
         except UsageError as e:
             self.convo.messages, self.convo.fed = before
             raise TurnTooLong(e.message) from None
@@ -122,25 +152,27 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
     chat = Chat(run, settings, load_state=load_state, system=system,
                 template_kwargs=template_kwargs, warn=warn)
     console.say(repl.banner(run.opts.model, load_state, chat.state.pos))
-    while True:
-        entry = console.read()
-        if entry is None:
-            break
-        if isinstance(entry, repl.Command):
-            if not repl.perform(entry, chat, console):
+    try:
+        while True:
+            entry = console.read()
+            if entry is None:
                 break
-            continue
-        printer = emit_factory()
-        try:
-            with console.reply() as interrupted:
-                res = chat.turn(entry, printer, interrupted)
-        except TurnTooLong as e:            # the turn does not fit: say so, chat on
-            console.say(f"error: {e.one_line()}")
-            continue
-        printer.finish()
-        if res.stop_reason == "interrupted":
-            console.say(f"(reply stopped after {len(res.generated_ids)} tokens)")
-    if save_state:
-        chat.save(save_state)
-        console.say(f"state saved to {save_state} ({chat.state.pos:,} tokens): --load-state "
-                    f"{save_state} continues it")
+            if isinstance(entry, repl.Command):
+                if not repl.perform(entry, chat, console):
+                    break
+                continue
+            printer = emit_factory()
+            try:
+                with console.reply() as interrupted:
+                    res = chat.turn(entry, printer, interrupted)
+            except TurnTooLong as e:            # the turn does not fit: say so, chat on
+                console.say(f"error: {e.one_line()} (not sent)")
+                continue
+            printer.finish()
+            if res.stop_reason == "interrupted":
+                console.say(f"(reply stopped after {len(res.generated_ids)} tokens)")
+    finally:                          # at any exit, the conversation so far is kept
+        if save_state:
+            chat.save(save_state)
+            console.say(f"state saved to {save_state} ({chat.state.pos:,} tokens): "
+                        f"--load-state {save_state} continues it")

@@ -15,10 +15,10 @@ many bytes) and its token count checked exactly after encoding.
 
 from __future__ import annotations
 
-import os
 import sys
 
-from ..errors import FormatError, K3IOError
+from ..errors import FormatError
+from ..io.bounded import read_bounded
 from ..text.encodable import TextError, decode_text
 
 
@@ -29,21 +29,19 @@ def prompt_byte_bound(context_tokens: int, longest_rank_bytes: int) -> int:
 
 def read_prompt_file(path, max_bytes: int) -> str:
     """The file's text exactly as stored (``-``: standard input's bytes, up to the
-    bound). FormatError naming the file when it is larger than ``max_bytes`` (checked
-    before reading it; a file that grows while being read is caught at max_bytes + 1)
-    or is not valid UTF-8 (with the byte offset)."""
+    bound). FormatError naming the file when it is not a regular file (a FIFO, a device:
+    ``read_bounded``), is larger than ``max_bytes`` (checked before reading it; a file
+    that grows while being read is caught at max_bytes + 1) or is not valid UTF-8 (with
+    the byte offset)."""
     too_big = "prompt file is larger than the model's context can hold"
     if path == "-":
         return _decoded(sys.stdin.buffer.read(max_bytes + 1), max_bytes, path, too_big)
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > max_bytes:
-                raise FormatError(too_big, path=path, expected=f"<= {max_bytes} bytes",
-                                  found=f"{size} bytes")
-            data = f.read(max_bytes + 1)
-    except OSError as e:
-        raise K3IOError(f"cannot read the prompt file: {e.strerror}", path=path) from None
+        data = read_bounded(path, max_bytes, "the prompt file")
+    except FormatError as e:
+        if e.expected is None:
+            raise
+        raise FormatError(too_big, path=path, expected=e.expected, found=e.found) from None
     return _decoded(data, max_bytes, path, too_big)
 
 

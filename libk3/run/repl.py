@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..engine.settings import SAMPLING_RULES, gen_or_until_end_problem
 from ..errors import K3Error
+from ..text.encodable import first_surrogate
 
 PROMPT = "you> "
 MORE = "... "                        # the prompt of a message's next line
@@ -133,6 +134,10 @@ class Console:
 
     def __init__(self, history=None, stdin=None, stdout=None, stderr=None):
         self.stdin = stdin or sys.stdin
+        if getattr(self.stdin, "errors", None) == "strict" and hasattr(self.stdin, "reconfigure"):
+            # a byte that is not UTF-8 is kept as a lone surrogate, and its line refused
+            # (``read``), instead of ending the chat
+            self.stdin.reconfigure(errors="surrogateescape")
         self.stderr = stderr or sys.stderr
         stdout = stdout or sys.stdout
         self.interactive = self.stdin.isatty()
@@ -211,6 +216,14 @@ class Console:
                 continue
             if not self.interactive and text == "" and not block:
                 return None
+            at = first_surrogate(text)
+            if at is not None:
+                code = ord(text[at])
+                what = f"byte 0x{code - 0xDC00:02X}" if 0xDC80 <= code <= 0xDCFF else \
+                    f"U+{code:04X}"
+                self.say(f"error: the line holds {what} at character {at + 1}, which is not "
+                         "UTF-8 text: it was not sent")
+                continue
             if self.history is not None:
                 self.history.keep()
             entry = parse(text, block)

@@ -399,6 +399,9 @@ class Run:
         if state is None:
             state = _load_state(self, load_state)
         tail = list(prompt_ids)[reused:]
+        why = room_problem(state.pos - reused, len(prompt_ids), settings.gen, self.context)
+        if why:
+            raise UsageError(why)
         progress = _prefill_bar(len(tail), self.opts.progress)
         if should_stop is not None:
             progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
@@ -424,6 +427,25 @@ class Run:
         finally:
             self.session.weights.close()
             self.session.ckpt.close()
+
+
+def room_problem(held: int, n_prompt: int, gen: int, context: int) -> str | None:
+    """Why a prompt of ``n_prompt`` tokens after a state holding ``held`` and ``gen`` more
+    (-1: until the end; 0: the prompt alone) do not fit the model's ``context``, with the
+    sizes, or None."""
+    after = f" after the {held:,} the state holds" if held else ""
+    if not n_prompt and held >= context and gen:
+        return f"the state's {held:,} tokens fill the model's context of {context:,}"
+    if held + n_prompt > context:
+        return (f"the prompt is {n_prompt:,} tokens{after}, over the model's context of "
+                f"{context:,}")
+    if held + n_prompt >= context and gen:
+        return (f"the prompt's {n_prompt:,} tokens{after} fill the model's context of "
+                f"{context:,}: nothing can be generated")
+    if gen >= 0 and held + n_prompt + gen > context:
+        return (f"the prompt's {n_prompt:,} tokens{after} and --gen {gen:,} run past the "
+                f"model's context of {context:,} (--gen {context - held - n_prompt:,} fits)")
+    return None
 
 
 @contextlib.contextmanager
@@ -604,6 +626,10 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
         if outcome == ABANDONED:
             summary["stopped"] = "deadline"
     summary.update(sink.close())
+    for lineno, why in sink.failed:
+        warn(f"{batch_path}:{lineno}: skipped: {why}")
+        summary["malformed"] += 1
+        summary["errors"].append({"line": lineno, "error": why})
     summary["prefixes"] = starts.summary()
     if left_for_time:
         summary["stopped"] = summary["stopped"] or "deadline"
@@ -636,8 +662,7 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
             if key in seen:
                 raise batchfile.BatchLineError(f"duplicate id {job['id']!r}")
             seen.add(key)
-            prompt_ids = job["ids"] if "ids" in job else \
-                run.encode_messages(job, warn) if "messages" in job else run.encode(job["prompt"])
+            prompt_ids = _line_ids(run, job, warn, context, name)
             why = batchfile.context_problem(len(prompt_ids), job.get("gen", base.gen), context,
                                             name)
             if why:
@@ -655,3 +680,18 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
             continue
         out.append((lineno, job, [int(i) for i in prompt_ids]))
     return out
+
+
+def _line_ids(run, job: dict, warn, context: int, name: str) -> list:
+    """A batch line's prompt ids; a text too long for ``context`` (``name``: what that
+    context is) is refused by its bytes before it is tokenized, and tokenizing stops past
+    the context."""
+    if "ids" in job:
+        return job["ids"]
+    if "messages" in job:
+        return run.encode_messages(job, warn, limit=context)
+    size = len(job["prompt"].encode("utf-8"))
+    if size > context * run.prompts.tokenizer.longest_rank_bytes:
+        raise batchfile.BatchLineError(f"the prompt is {size:,} bytes, more than {name} of "
+                                       f"{context:,} tokens can hold")
+    return run.encode(job["prompt"], limit=context)

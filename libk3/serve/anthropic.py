@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from ..engine.grammar import tool_choice_problem
+from ..engine.tool_grammar import tool_choice_problem
+from ..engine.schema_check import request_vendor_key
 from ..engine.settings import SAMPLING_RULES, gen_problem, temperature_problem, top_p_problem
 from ..engine.stops import StopText
 from .protocol import MAX_STOP, ApiError, Request, _field, _is_int, _rule
@@ -260,7 +261,7 @@ def _thinking(body: dict, max_tokens: int) -> tuple:
     budget = thinking.get("budget_tokens")
     if budget is not None and (not _is_int(budget) or budget < 1):
         _refuse("'thinking': budget_tokens must be an integer >= 1", "thinking", 422)
-    # enforced on the think channel by a grammar (``grammar.think_lark``); at or over
+    # enforced on the think channel by a grammar (``tool_grammar.think_lark``); at or over
     # max_tokens the reply's own limit caps it already
     return "high", (budget if budget is not None and budget < max_tokens else None)
 
@@ -290,8 +291,7 @@ def _tool_choice(choice, req) -> None:
     req.parallel_tool_calls = not no_parallel
     why = tool_choice_problem(mapped, req.tools, req.parallel_tool_calls)
     if why:
-        raise ApiError(422, f"'tool_choice': {why[1]}", param="tool_choice",
-                       code="invalid_value")
+        raise ApiError(422, f"'{why[0]}': {why[1]}", param=why[0], code="invalid_value")
     req.tool_choice = mapped
 
 
@@ -312,6 +312,10 @@ def check_request(body: dict) -> MessagesRequest:
         raise ApiError(422, f"'max_tokens': {why}", param="max_tokens", code="invalid_value")
     req.messages = _messages(body)
     req.tools = _tools(body.get("tools"))
+    vendor = request_vendor_key(None, req.tools)
+    if vendor:
+        _refuse(f"'{vendor[0]}': {vendor[1]}".replace("\"parameters\"", "\"input_schema\""),
+                "tools")
     _tool_choice(body.get("tool_choice"), req)
     req.reasoning_effort, req.think_budget = _thinking(body, req.max_tokens)
     req.temperature = _rule(body, "temperature", temperature_problem)

@@ -42,7 +42,7 @@ from ..run.batch import job_settings
 from ..errors import K3Error, UsageError
 from ..text.encodable import text_problem
 from .protocol import (ApiError, chat_logprobs, check_model, completion_logprobs, envelope,
-                       error_parts, finish_reason, refusal_of, sse, usage)
+                       error_parts, finish_reason, refusal_of, sse, usage, client_line)
 from . import anthropic
 from .access import USAGE, Access, Usage, access_middleware
 from .reader import ReaderProcess, ReaderSpec
@@ -397,7 +397,7 @@ class Server:
             raise ApiError(422, "'tool_choice' needs the model's chat template (its calls are "
                                 "read from the reply's markup)", param="tool_choice",
                            code="invalid_value")
-        from ..engine.grammar import compile_tool_grammar, think_mode
+        from ..engine.tool_grammar import compile_tool_grammar, think_mode
         tok = self.run.session.tokenizer
         grammar = compile_tool_grammar(tok, req.tools, choice, parallel, think_mode(tok, ids),
                                        budget)
@@ -480,8 +480,8 @@ class Server:
             if kind == "cancelled":
                 raise ApiError(503, "the server is shutting down", kind="server_error")
             if isinstance(value, UsageError):
-                raise ApiError(422, value.one_line(), code="invalid_value")
-            raise ApiError(500, value.one_line() if isinstance(value, K3Error)
+                raise ApiError(422, client_line(value), code="invalid_value")
+            raise ApiError(500, client_line(value) if isinstance(value, K3Error)
                            else f"generation failed: {value!r}", kind="server_error")
 
     async def _whole(self, req, jobs, rid, model, readers):

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 
 from ..errors import K3Error, UsageError
 from ..text.chat_request import conversation_problem
 from ..text.encodable import field_problem
-from ..engine.grammar import response_format_problem, tool_choice_problem
+from ..engine.grammar import response_format_problem
+from ..engine.schema_check import request_vendor_key
+from ..engine.tool_grammar import tool_choice_problem
 from ..engine.logprobs import MAX_TOP
 from ..engine.settings import (SAMPLING_RULES, gen_problem, logit_bias_problem, seed_problem,
                                temperature_problem, token_ids_problem, top_p_problem)
@@ -101,10 +104,18 @@ def refusal_of(e: Exception):
     if isinstance(e, ApiError):
         return e.status, e.body, e.body["error"]["message"]
     if isinstance(e, UsageError):
-        return error_parts(422, e.one_line(), code="invalid_value")
+        return error_parts(422, client_line(e), code="invalid_value")
     if isinstance(e, K3Error):
-        return error_parts(500, e.one_line(), kind="server_error")
+        status, body, _ = error_parts(500, client_line(e), kind="server_error")
+        return status, body, e.one_line()
     return None
+
+
+def client_line(e: K3Error) -> str:
+    """``e``'s line with the file it names cut to its name (``tokenizer_config.json``):
+    a client learns nothing of where the server keeps its files; the log keeps it all."""
+    line = e.one_line()
+    return line.replace(e.path, os.path.basename(e.path.rstrip("/"))) if e.path else line
 
 
 def check_model(name, served: str) -> None:
@@ -259,6 +270,10 @@ def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
     req.stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
     _logprobs(body, chat, req)
     fmt = body.get("response_format")
+    vendor = request_vendor_key(fmt, req.tools)
+    if vendor:
+        raise ApiError(400, f"'{vendor[0]}': {vendor[1]}", param=vendor[0],
+                       code="unsupported_field")
     if fmt is not None:
         why = response_format_problem(fmt)
         if why:

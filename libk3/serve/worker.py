@@ -99,7 +99,7 @@ class Worker:
             run.session.forward, lambda n: run.session.new_state(), width, self._done,
             chunk=chunk, tokenizer=run.session.tokenizer, on_token=self._token,
             drafting=run.drafting, on_keep=self._keep,
-            on_row=self._row, on_prompt_rows=self._prompt_rows)
+            on_row=self._row, on_prompt_rows=self._prompt_rows, on_failed=self._lane_failed)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
@@ -269,6 +269,10 @@ class Worker:
         if self.log and job.started:
             self.log(f"request cancelled by its client after "
                      f"{time.monotonic() - job.started:.2f} s")
+
+    def _lane_failed(self, lj, e: Exception) -> None:
+        """One lane failed on its own (its grammar gave up): that request alone ends."""
+        self._failed(self.jobs.pop(lj.tag), e)
 
     def _failed(self, job: Job, e: Exception) -> None:
         """Counted here; logged once, with the request's id, where its answer is made."""

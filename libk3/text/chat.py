@@ -40,14 +40,15 @@ class Conversation:
                                     add_generation_prompt=add_generation_prompt,
                                     template_kwargs=mark(self.tokenizer, self.template_kwargs))
 
-    def add_user(self, text: str) -> tuple:
+    def add_user(self, text: str, limit: int | None = None) -> tuple:
         """(ids to feed, fresh): ``fresh`` True means the ids are the whole conversation
         and go into a new state (the template changed an earlier turn). A message that
-        cannot be rendered leaves the conversation as it was."""
+        cannot be rendered leaves the conversation as it was. ``limit``: tokenizing
+        stops once more ids than that are known (``K3Tokenizer.encode``)."""
         message = {"role": "user", "content": text}
         if self.template is None:
             typed = ([] if self.fed else [m["content"] for m in self.messages]) + [text]
-            ids = [i for t in typed for i in self.tokenizer.encode(t)]
+            ids = [i for t in typed for i in self.tokenizer.encode(t, limit=limit)]
             self.messages.append(message)
             self.fed = True
             return ids, False
@@ -56,8 +57,8 @@ class Conversation:
         self.messages.append(message)
         self.fed = True
         if after.startswith(before):
-            return encode_marked(self.tokenizer, after[len(before):]), False
-        return encode_marked(self.tokenizer, after), True
+            return encode_marked(self.tokenizer, after[len(before):], limit), False
+        return encode_marked(self.tokenizer, after, limit), True
 
     def add_reply(self, message: dict) -> None:
         """Record the model's reply (the message parsed from its ids)."""

@@ -21,6 +21,8 @@ OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
 TURN_ENDS = ("<|end_of_msg|>", "[EOS]")
 _HEAD = re.compile(r'\s*([A-Za-z_][\w.-]*)((?:\s+[A-Za-z_][\w.-]*="[^"]*")*)\s*')
 _ATTR = re.compile(r'([A-Za-z_][\w.-]*)="([^"]*)"')
+# text that a tag's head may still grow from (``_HEAD``, cut anywhere)
+_HEAD_START = re.compile(r'\s*(?:[A-Za-z_][\w.-]*(?:\s+(?:[A-Za-z_][\w.-]*(?:="[^"]*"?|=)?)?)*)?')
 
 
 @dataclasses.dataclass
@@ -97,8 +99,11 @@ def parse_reply(items, final: bool = True) -> Reply:
     is a call whose body is its arguments. Anything else (an unknown tag, a tag closing
     what is not open, markup inside a channel) is kept as text where it stands. With
     ``final`` False (streaming), a channel still open at the end counts as open; with
-    True it was never closed and is kept as text."""
-    tags = _tags(items)
+    True it was never closed and is kept as text, but for a tools channel cut short
+    (the length limit): its complete calls are calls, the call it was writing is dropped,
+    never content. Streaming, markup at the end that may still become a tag (``<|open|>``
+    and the start of a head, no ``<|sep|>`` yet) waits (``settled``)."""
+    tags = _tags(items if final else settled(items))
     reply = Reply()
     k = 0
     while k < len(tags):
@@ -106,7 +111,7 @@ def parse_reply(items, final: bool = True) -> Reply:
         if tag[0] == "open" and tag[1] in ("think", "response", "tools"):
             end = next((j for j in range(k + 1, len(tags))
                         if tags[j][0] == "close" and tags[j][1] == tag[1]), None)
-            if end is None and final:
+            if end is None and final and tag[1] != "tools":
                 reply.content += "".join(_raw(t) for t in tags[k:])
                 break
             body = tags[k + 1:len(tags) if end is None else end]
@@ -128,6 +133,19 @@ def parse_reply(items, final: bool = True) -> Reply:
             reply.content += _raw(tag)
             k += 1
     return reply
+
+
+def settled(items) -> list:
+    """``items`` without the markup at their end that may still open or close a channel:
+    a last ``<|open|>`` or ``<|close|>``, or one followed by text a tag's head may still
+    grow from (the ``<|sep|>`` ending the tag has not come)."""
+    items = list(items)
+    if items and items[-1][0] == "mark" and items[-1][1] in (OPEN, CLOSE):
+        return items[:-1]
+    if len(items) >= 2 and items[-2][0] == "mark" and items[-2][1] in (OPEN, CLOSE) \
+            and items[-1][0] == "text" and _HEAD_START.fullmatch(items[-1][1]):
+        return items[:-2]
+    return items
 
 
 def _raw(tag) -> str:

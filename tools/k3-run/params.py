@@ -23,11 +23,15 @@ def system_text(ctx, param, value):
     """--system TEXT, or @FILE: the file's text (UTF-8, final newlines dropped); a leading
     @@ stands for a literal @. Empty: no system message."""
     if value is not None and value.startswith("@") and not value.startswith("@@"):
-        try:
-            with open(value[1:], encoding="utf-8") as f:
-                value = f.read().rstrip("\r\n")
-        except (OSError, UnicodeDecodeError) as e:
-            raise click.BadParameter(f"{value[1:]}: {getattr(e, 'strerror', None) or e}")
+        from libk3.errors import K3Error
+        from libk3.io.bounded import read_bounded
+        from libk3.text.chat_template import DEFAULT_LIMITS
+        try:      # no longer than a rendering may be (--template-max-bytes' default)
+            value = read_bounded(value[1:], DEFAULT_LIMITS.max_bytes, "the system file")
+            value = value.decode("utf-8").rstrip("\r\n")
+        except (K3Error, UnicodeDecodeError) as e:
+            raise click.BadParameter(e.one_line() if isinstance(e, K3Error)
+                                     else f"{value[1:]}: {e}") from None
     elif value is not None and value.startswith("@@"):
         value = value[1:]
     return value or None
@@ -82,6 +86,9 @@ def check_logit_bias(model, pairs) -> None:
             raise UsageError(f"--logit-bias: {why}")
 
 
+SCHEMA_FILE_BYTES = 1_048_576      # a --response-format @FILE read at most
+
+
 def response_format(ctx, param, value):
     """--response-format json_object, or @SCHEMA.json (a JSON schema file): OpenAI's
     response_format object; the file's JSON is read here (a bad one names the file), the
@@ -93,11 +100,13 @@ def response_format(ctx, param, value):
     if not value.startswith("@") or len(value) < 2:
         raise click.BadParameter("expected json_object or @SCHEMA.json (a JSON schema file)")
     path = value[1:]
-    try:
-        with open(path, "rb") as f:
-            schema = json.loads(f.read().decode("utf-8"))
-    except OSError as e:
-        raise click.BadParameter(f"{path}: {e.strerror or e}") from None
+    from libk3.errors import K3Error
+    from libk3.io.bounded import read_bounded
+    try:          # a schema file: its schema's bound, with room for indentation
+        schema = json.loads(read_bounded(path, SCHEMA_FILE_BYTES, "the schema file")
+                            .decode("utf-8"))
+    except K3Error as e:
+        raise click.BadParameter(e.one_line()) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise click.BadParameter(f"{path}: not a JSON file ({str(e)[:80]})") from None
     if not isinstance(schema, dict):

@@ -43,10 +43,10 @@ class OneLineErrors:
             e.show()
             sys.exit(e.exit_code)
         except click.ClickException as e:
-            ctx = getattr(e, "ctx", None)
+            ctx = getattr(e, "ctx", None)    # none for an option missing its argument
             if isinstance(e, click.NoSuchOption) and ctx is not None:
                 e.possibilities = close_options(e.option_name, ctx.command)
-            prog = ctx.command_path if ctx is not None else (prog_name or self.name)
+            prog = ctx.command_path if ctx is not None else (prog_name or _program(self.name))
             text = " ".join(e.format_message().split())
             click.echo(f"{prog}: error: {text} (see {prog} --help)", err=True)
             sys.exit(e.exit_code)
@@ -54,6 +54,13 @@ class OneLineErrors:
             click.echo(f"{prog_name or self.name}: interrupted", err=True)
             sys.exit(130)
         sys.exit(rv if type(rv) is int else 0)
+
+
+def _program(name: str) -> str:
+    """The tool's name as it was run (``sys.argv[0]``'s last part), else ``name``: the
+    command's own is its function's (``main``)."""
+    run_as = sys.argv[0].rsplit("/", 1)[-1] if sys.argv and sys.argv[0] else ""
+    return run_as if run_as and not run_as.startswith("-") else name
 
 
 def close_options(typed: str, command: click.Command, most: int = 4) -> list:
