@@ -24,8 +24,8 @@ from .config import MAX_LAYERS, MAX_SIZE, K3Config, coerce, key_problems
 from .errors import ConfigError
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
-# The 2D rotary table of the tower has this many positions per side (formats/vision.md
-# §2.4), so no image may be more patches wide or tall.
+# The tower's 2D rotary position code has this many positions per side, so no image may
+# be more patches wide or tall (vision.md §2.4).
 MAX_PATCHES_ONE_SIDE = 512
 FILL_STAGES = ("after_resize", "before_resize")
 

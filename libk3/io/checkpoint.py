@@ -344,6 +344,15 @@ class Checkpoint:
                                   tensor=name)
         return ent
 
+    def vision_entry(self, name: str) -> TensorEntry:
+        """An image tower or projector tensor's entry (kept apart from the language
+        model's table, formats/vision.md §3.3)."""
+        ent = self._vision_table.get(name)
+        if ent is None:
+            raise CheckpointError("no such image tensor in the checkpoint",
+                                  path=self.model_dir, tensor=name)
+        return ent
+
     # ---- reading ------------------------------------------------------------------------
     def _fd(self, path: str) -> int:
         fd = self._fds.get(path)
