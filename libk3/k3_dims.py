@@ -2,7 +2,8 @@
 
 Owns: ``REAL``, the flat config of the released model (formats/model.md §2, §3.5), and
 ``real_config()``, the same as a checked ``K3Config``; ``DSPARK``, the config.json of the
-DSpark draft published for it (formats/dspark.md §2.1). Used by k3-doctor's machine-only
+DSpark draft published for it (formats/dspark.md §2.1); ``VISION`` and ``MEDIA_PROC``, the
+published ``vision_config`` and ``preprocessor_config.json`` (formats/vision.md §2). Used by k3-doctor's machine-only
 report, the synthetic checkpoints (``libk3.synth.presets`` derives every size preset
 from it), the synthetic traces' defaults and the tools' defaults for foreign traces.
 Does not own: reading a model's own config (``libk3.config``).
@@ -24,6 +25,32 @@ REAL = dict(
     full_attn_layers=[4 * i for i in range(1, 23)] + [92, 93],
 )
 
+
+# The published vision_config, all 25 keys (formats/vision.md §2.1), and the root key that
+# names the image placeholder token (<|media_pad|>, special slot 21 of the vocabulary).
+VISION = dict(
+    vt_num_hidden_layers=27, vt_hidden_size=1024, vt_num_attention_heads=12,
+    qkv_hidden_size=1536, vt_intermediate_size=4096, patch_size=14, init_pos_emb_height=64,
+    init_pos_emb_width=64, init_pos_emb_time=4, pos_emb_type="divided_fixed",
+    pos_emb_interpolation_mode="bilinear", norm_type="rmsnorm", attn_bias=False,
+    linear_bias=False, patch_embed_proj_bias=False, mlp_type="mlp2",
+    activation_func="gelu_pytorch_tanh", merge_kernel_size=[2, 2], merge_type="sd2_tpool",
+    mm_projector_type="patchmergerv2", mm_hidden_size=1024, text_hidden_size=7168,
+    projector_hidden_act="gelu", projector_ln_eps=1e-05,
+    _attn_implementation="flash_attention_2",
+)
+MEDIA_PLACEHOLDER_SLOT = 21
+# The published preprocessor_config.json's media_proc_cfg (formats/vision.md §2.2).
+MEDIA_PROC = dict(
+    patch_size=14, merge_kernel_size=2, in_patch_limit=65536, patch_limit_on_one_side=512,
+    fixed_output_tokens=None, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    transparent_bg_config={"pattern": "chessboard", "chessboard_square_size": 8,
+                           "chessboard_square_on_top_left": True,
+                           "chessboard_white_value": 255, "chessboard_gray_value": 180},
+    transparent_bg_fill_stage="after_resize", in_patch_limit_each_frame=16384,
+    sample_fps=8.0, temporal_merge_kernel_size=4,
+    config_type="media_proc.processors.moonvit.MoonViTMediaProcessorConfig",
+)
 
 # The published DSpark draft's config.json (dspark.md §2.1): the synthetic drafts derive
 # from it as the synthetic targets derive from REAL.

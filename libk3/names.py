@@ -1,7 +1,8 @@
 """Every checkpoint key string k3 uses, built in one place (model.md §3.4).
 
-Owns: the tensor-name templates and the tensor inventory per layer kind. Does not own:
-shapes (``libk3.io.inventory``) or reading.
+Owns: the tensor-name templates and the tensor inventory per layer kind, for the language
+model and for the image tower and projector (formats/vision.md §3). Does not own: shapes
+(``libk3.io.inventory``, ``libk3.io.vision_inventory``) or reading.
 """
 
 from __future__ import annotations
@@ -75,6 +76,29 @@ def expert(L: int, e: int, w: str, part: str) -> str:
 def expert_names(L: int, e: int) -> tuple[str, ...]:
     return tuple(expert(L, e, w, p) for w, p in EXPERT_PARTS)
 
+
+# The image tower and projector (formats/vision.md §3): bare names, no ``language_model.``.
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+VISION_PATCH_EMBED = "vision_tower.patch_embed.proj.weight"
+VISION_POS_EMB = "vision_tower.patch_embed.pos_emb.weight"
+VISION_FINAL_NORM = "vision_tower.encoder.final_layernorm.weight"
+# Suffixes after ``vision_tower.encoder.blocks.{b}.``, in the order the writer lays them out.
+VISION_BLOCK = ("norm0.weight", "wqkv.weight", "wo.weight", "norm1.weight",
+                "mlp.fc0.weight", "mlp.fc1.weight")
+PROJECTOR_PROJ0 = "mm_projector.proj.0.weight"
+PROJECTOR_PROJ2 = "mm_projector.proj.2.weight"
+PROJECTOR_POST_NORM = "mm_projector.post_norm.weight"
+PROJECTOR = (PROJECTOR_PROJ0, PROJECTOR_PROJ2, PROJECTOR_POST_NORM)
+
+
+def vision_block(b: int, suffix: str) -> str:
+    """Full key of a tower block tensor, e.g. ``vision_block(0, "wqkv.weight")``."""
+    return f"vision_tower.encoder.blocks.{b}.{suffix}"
+
+
+def is_vision(name: str) -> bool:
+    """True for a tensor of the image tower or projector."""
+    return name.startswith(VISION_PREFIXES)
 
 
 _LAYER_RE = re.compile(r"^language_model\.model\.layers\.(\d+)\.(.*)$")

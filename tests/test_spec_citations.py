@@ -1,7 +1,7 @@
-"""Every spec citation in the repository resolves into formats/model.md or formats/dspark.md.
+"""Every spec citation in the repository resolves into formats/model.md, dspark.md or vision.md.
 
 Code, tests and docs cite the model spec as ``model.md §N`` (or ``§N.M``; a list may go on
-``, §N.M``) and the draft's spec as ``dspark.md §N``. This scans every .py and .md file of
+``, §N.M``), the draft's spec as ``dspark.md §N`` and the image input's as ``vision.md §N``. This scans every .py and .md file of
 the repository and fails on a cited section that the named page does not have, on a bare
 ``§N`` that does not say which document it means (a spec page's own bare ``§N`` means
 itself), on the retired citation forms (``spec 5.3``, ``spec §5``, ``spec-8.5``),
@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "formats" / "model.md"
 # The pages a citation may name, by the name it uses; each resolves in formats/.
-PAGES = ("model.md", "dspark.md")
+PAGES = ("model.md", "dspark.md", "vision.md")
 # The one module allowed to know where the shared conformance vectors live.
 LOADER = Path("tests") / "conformance.py"
 SKIP_DIRS = {".git", ".venv", "venv", "scratch", "build", "dist", "__pycache__",
@@ -31,7 +31,7 @@ SKIP_DIRS = {".git", ".venv", "venv", "scratch", "build", "dist", "__pycache__",
 HEADING = re.compile(r"^#{2,4} (\d+(?:\.\d+)*)\.? ", re.M)
 SECTION = re.compile(r"§ ?(\d+(?:\.\d+)*)")
 # A uniform citation: "model.md §5.3", optionally continued as a list or a range.
-CITATION = re.compile(r"(model|dspark)\.md §\d+(?:\.\d+)*(?:(?:, | and | or |-)§\d+(?:\.\d+)*)*")
+CITATION = re.compile(r"(model|dspark|vision)\.md §\d+(?:\.\d+)*(?:(?:, | and | or |-)§\d+(?:\.\d+)*)*")
 # Retired forms: "spec 5.3", "Spec 7.4", "spec §5", "spec-8.5" (not the --spec option).
 OLD_FORM = re.compile(r"(?<![-\w])spec[ -]?§? ?\d|spec PRIOR-ART", re.I)
 # Built from parts so that this file does not trip its own check.
@@ -75,8 +75,8 @@ def problems(root: Path = ROOT, spec: Path = SPEC) -> list:
                 page = next((name for (a, b), name in cited if a <= m.start() < b),
                             own.get(rel))
                 if page is None:
-                    out.append(f"{where}: bare §{m.group(1)}; write 'model.md §N' "
-                               "or 'dspark.md §N'")
+                    out.append(f"{where}: bare §{m.group(1)}; write 'model.md §N', "
+                               "'dspark.md §N' or 'vision.md §N'")
                 elif m.group(1) not in sections[page]:
                     out.append(f"{where}: §{m.group(1)} is not a section of formats/{page}")
             for m in OLD_FORM.finditer(line):

@@ -179,3 +179,99 @@ def test_synth_refuses_to_overwrite(tmp_path):
     with pytest.raises(Exception, match="not empty"):
         synth_checkpoint(out, "tiny", progress=False)
     assert (out / "keep").read_text() == "mine"
+
+
+# sha256 over the language-model tensors (name, dtype, shape, bytes, by name) and the
+# three tokenizer files, as the presets wrote them before they had an image tower.
+LM_DIGEST = {"tiny": "7d280a1e8eb8b94a015d30840f2459ba63430f930ed2b9cf2f3e39565dc5711d",
+             "small": "5e50f0fdfdd64f0994a9141847c68b7da8d26c8c1c0e19af9835ce20c19a00ce"}
+
+
+def _lm_digest(d: Path) -> str:
+    import hashlib
+
+    from libk3.io.safetensors import read_header
+    h = hashlib.sha256()
+    for shard in sorted(d.glob("*.safetensors")):
+        with open(shard, "rb") as f:
+            for ent in sorted(read_header(shard), key=lambda e: e.name):
+                if ent.name.startswith("language_model."):
+                    f.seek(ent.offset)
+                    for part in (ent.name, ent.dtype, str(tuple(ent.shape))):
+                        h.update(part.encode())
+                    h.update(f.read(ent.nbytes))
+    for fname in ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py"):
+        h.update((d / fname).read_bytes())
+    return h.hexdigest()
+
+
+def test_synth_image_tower_leaves_language_model_bytes_unchanged(small_dir, tmp_path):
+    """Catches an image tower drawn from a shared generator, or written in a way that
+    moves, re-encodes or reorders a language-model tensor or the tokenizer, which would
+    change every pinned greedy output (fixtures/tiny is synth tiny, the first test)."""
+    assert _lm_digest(FIXTURE) == LM_DIGEST["tiny"]
+    assert _lm_digest(small_dir) == LM_DIGEST["small"]
+    other = synth_checkpoint(tmp_path / "s1", "tiny", seed=1, progress=False)
+    assert _lm_digest(other) != LM_DIGEST["tiny"]             # control: the digest sees data
+
+
+def _widths(v: dict) -> dict:
+    D, heads, Q = v["vt_hidden_size"], v["vt_num_attention_heads"], v["qkv_hidden_size"]
+    m = v["merge_kernel_size"][0]
+    return {"D": D, "Q": Q, "3Q": 3 * Q, "I": v["vt_intermediate_size"], "M": m * m * D,
+            "T": v["text_hidden_size"], "head": Q // heads, "D/heads": D // heads}
+
+
+def _collisions(v: dict) -> list:
+    w = _widths(v)
+    out = [f"{a}={b}" for a, b in ((a, b) for a in w for b in w if a < b) if w[a] == w[b]]
+    H, W = v["init_pos_emb_height"], v["init_pos_emb_width"]
+    if H % 2 == 0 or W % 2 == 0 or H == W:
+        out.append(f"table {H}x{W}")
+    if w["head"] % 4:
+        out.append("head not a multiple of 4")
+    return out
+
+
+def test_synth_shrunk_towers_keep_every_width_distinct():
+    """Catches a shrunk preset where two widths coincide (a transposed wqkv, wo or
+    projector weight would then load silently) or the position table fits a grid."""
+    from libk3.synth.presets import PRESETS, VISIONS
+    for preset in ("tiny", "small", "medium"):
+        assert not _collisions(VISIONS[preset]), (preset, _collisions(VISIONS[preset]))
+        assert VISIONS[preset]["text_hidden_size"] == PRESETS[preset][0]["hidden_size"]
+    assert _collisions(dict(VISIONS["tiny"], vt_hidden_size=32)) == ["M=T"]   # control
+
+
+def test_synth_writes_published_image_config_and_tower(small_dir, real_sparse_dir):
+    """Catches a preset without the image files, a real preset whose vision_config is not
+    the published one, a preprocessor config shrunk with the tower, or image tensors
+    that are not the inventory vision.md §3.1 writes out for the config.json written."""
+    from libk3.k3_dims import MEDIA_PROC, VISION
+    for d in (FIXTURE, small_dir, real_sparse_dir):
+        assert json.loads((d / "preprocessor_config.json").read_text()) == \
+            {"media_proc_cfg": MEDIA_PROC}
+        doc = json.loads((d / "config.json").read_text())
+        v = doc["vision_config"]
+        assert len(v) == 25 and set(v) == set(VISION)
+        D, Q, I = v["vt_hidden_size"], v["qkv_hidden_size"], v["vt_intermediate_size"]
+        p, T = v["patch_size"], v["text_hidden_size"]
+        want = {"vision_tower.patch_embed.proj.weight": (D, 3, p, p),
+                "vision_tower.patch_embed.pos_emb.weight":
+                    (v["init_pos_emb_height"], v["init_pos_emb_width"], D),
+                "vision_tower.encoder.final_layernorm.weight": (D,),
+                "mm_projector.proj.0.weight": (4 * D, 4 * D),
+                "mm_projector.proj.2.weight": (T, 4 * D), "mm_projector.post_norm.weight": (T,)}
+        for b in range(v["vt_num_hidden_layers"]):
+            blk = f"vision_tower.encoder.blocks.{b}."
+            want.update({blk + "norm0.weight": (D,), blk + "norm1.weight": (D,),
+                         blk + "wqkv.weight": (3 * Q, D), blk + "wo.weight": (D, Q),
+                         blk + "mlp.fc0.weight": (I, D), blk + "mlp.fc1.weight": (D, I)})
+        from libk3.io.safetensors import read_header
+        got = {e.name: (tuple(e.shape), e.dtype) for s in d.glob("*.safetensors")
+               for e in read_header(s) if not e.name.startswith("language_model.")}
+        assert got == {n: (s, "BF16") for n, s in want.items()}
+        with Checkpoint.open(d) as ckpt:
+            assert ckpt.vision_config.text_hidden_size == ckpt.config.hidden_size
+    assert {k: v for k, v in doc["vision_config"].items()} == VISION    # real-sparse
+    assert len(want) == 168 and doc["media_placeholder_token_id"] == 163605

@@ -17,9 +17,10 @@ Why one dict of NamedTuples: the real checkpoint has 497,220 tensors in 96 shard
 ~78 MB of JSON headers. Each entry shares its path string, dtype string, shape tuple and
 size int with its neighbours; what remains per tensor is its name, one tuple, one offset
 int and a dict slot (a columnar layout would save memory but not the parse, which
-dominates; bench/README.md, "Reading the checkpoint index", has the costs). Vision-tower
-and projector tensors (names not starting with ``language_model.``) are checked as part
-of their shard's header but not indexed.
+dominates; bench/README.md, "Reading the checkpoint index", has the costs). Image tower
+and projector tensors (``vision_tower.``, ``mm_projector.``) are kept apart from the
+language-model table: when config.json has ``vision_config`` they are validated against
+its inventory (``libk3.io.vision_inventory``, formats/vision.md §3), otherwise ignored.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ import numpy as np
 from .. import names
 from ..config import K3Config, load_config
 from ..errors import CheckpointError, K3IOError
+from ..vision_config import load_vision_config
 from . import inventory
+from .vision_inventory import check_vision_tensors
 from .dtypes import matrix_operand, widen
 from .safetensors import TensorEntry, pread_into, read_header, scan_header
 
@@ -163,13 +166,15 @@ class Checkpoint:
     (or call ``close()``) to release the shard descriptors."""
 
     def __init__(self, model_dir: Path, config: K3Config, shards: list, sizes: dict,
-                 table: dict, trunk_names: dict):
+                 table: dict, trunk_names: dict, vision_table: dict):
         self.model_dir = model_dir
         self.config = config
         self.shards = tuple(shards)            # shard paths in name order
         self._sizes = sizes                    # path -> bytes at open
         self._table = table                    # name -> TensorEntry
         self._trunk_names = trunk_names        # L -> [name] of non-expert layer tensors
+        self._vision_table = vision_table      # name -> TensorEntry of image tensors
+        self.vision_config = None              # VisionConfig once validated, if any
         self._fds = {}
         self._fd_lock = threading.Lock()
         self._expert_table = None
@@ -204,7 +209,7 @@ class Checkpoint:
             header = read_header
         else:
             shards, weight_map, header = survey.shards, survey.weight_map, survey.headers.get
-        table, others, sizes = {}, {}, {}
+        table, others, sizes, vision_table = {}, {}, {}, {}
         trunk_names = {}
         for path in shards:
             sizes[path] = os.stat(path).st_size
@@ -213,6 +218,8 @@ class Checkpoint:
                 name = ent.name
                 if not name.startswith(LM_PREFIX):
                     others[path].add(name)
+                    if names.is_vision(name):
+                        vision_table.setdefault(name, ent)
                     continue
                 prev = table.setdefault(name, ent)
                 if prev is not ent:
@@ -224,12 +231,13 @@ class Checkpoint:
                         trunk_names.setdefault(key[0], []).append(name)
         if weight_map is not None:
             _check_index(model_dir, weight_map, table, others)
-        return cls(model_dir, config, shards, sizes, table, trunk_names)
+        return cls(model_dir, config, shards, sizes, table, trunk_names, vision_table)
 
     def validate(self) -> None:
         """Raise CheckpointError unless the table holds exactly the inventory of
         ``self.config`` with exact shapes and allowed dtypes, A_log's padding is zero and
-        every routed expert is one contiguous run."""
+        every routed expert is one contiguous run; with ``vision_config`` in the model
+        directory's config.json, also exactly its image tensors (formats/vision.md §3)."""
         cfg = self.config
         problems = inventory.experts_mxfp4_ok(cfg)
         if problems:
@@ -290,6 +298,10 @@ class Checkpoint:
                                       found=f"A_log[{bad}] = {a_log[bad]!r}",
                                       hint="A_log is per head (model.md §3.4)")
         self._expert_table = self._runs_from_scan(scan)
+        vcfg = load_vision_config(self.model_dir, cfg)
+        if vcfg is not None:
+            check_vision_tensors(self._vision_table, vcfg, self.model_dir)
+        self.vision_config = vcfg
 
     def _refuse_missing(self) -> None:
         """Raise for a config that implies more tensors than the shards hold, in time and
@@ -330,6 +342,15 @@ class Checkpoint:
         if ent is None:
             raise CheckpointError("no such tensor in the checkpoint", path=self.model_dir,
                                   tensor=name)
+        return ent
+
+    def vision_entry(self, name: str) -> TensorEntry:
+        """An image tower or projector tensor's entry (kept apart from the language
+        model's table, formats/vision.md §3.3)."""
+        ent = self._vision_table.get(name)
+        if ent is None:
+            raise CheckpointError("no such image tensor in the checkpoint",
+                                  path=self.model_dir, tensor=name)
         return ent
 
     # ---- reading ------------------------------------------------------------------------

@@ -1,13 +1,14 @@
 """Synthetic K3 checkpoints in the released layout (formats/synthetic-checkpoint.md).
 
 Owns: generating a complete model directory from a preset and a seed: nested config.json
-with quantization_config, model.safetensors.index.json, shards laid out as the release
-(one layer per shard, a layer's trunk tensors as one contiguous run, each routed expert as
-one contiguous MXFP4 run, experts NOT in id order), tiktoken.model, tokenizer_config.json
-and tokenization_kimi.py; with ``draft``, the target's synthetic draft in ``draft/``
+with quantization_config and vision_config, model.safetensors.index.json, shards laid out
+as the release (one layer per shard, a layer's trunk tensors as one contiguous run, each
+routed expert as one contiguous MXFP4 run, experts NOT in id order, the image tower and
+projector after the model-level tensors), preprocessor_config.json, tiktoken.model,
+tokenizer_config.json and tokenization_kimi.py; with ``draft``, the target's synthetic draft in ``draft/``
 (``libk3.synth.draft``). Does not own: the safetensors byte format
-(``libk3.io.safetensors``), the per-tensor value streams (``libk3.synth.values``) or BPE
-training (``libk3.synth.bpe``).
+(``libk3.io.safetensors``), the per-tensor value streams (``libk3.synth.values``), the
+image tensors' recipes (``libk3.synth.vision``) or BPE training (``libk3.synth.bpe``).
 
 Why the weight scales below: a synthetic model must exercise real behaviour. Gate and up
 projections are large enough that SiTU's tanh caps engage (some up rows are 10x so the
@@ -37,6 +38,8 @@ from ..io.safetensors import write_shard
 from .draft import DRAFT_DIR, write_draft
 from .presets import PRESETS
 from .values import encode, normal_rows, tensor_rng
+from ..vision_config import PREPROCESSOR_FILE
+from .vision import preprocessor_doc, preset_vision, root_keys, vision_tensors
 
 F32_SUFFIXES = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "A_log",
                 "dt_bias", "o_norm.weight", "e_score_correction_bias")
@@ -144,21 +147,13 @@ def _expert_bytes(cfg: K3Config, L: int, e: int, seed: int) -> np.ndarray:
 
 
 def _shard_plan(cfg: K3Config, real_layout: bool):
-    """[(shard file name, [layer or 'model' or 'projector'/'vision'])]."""
+    """[(shard file name, [layer or 'model' or an image part])]. The real layout gives the
+    projector and the tower a shard each, as released; the others append both to the
+    model-level shard, so the language model's shards keep their names."""
     n = cfg.num_hidden_layers
-    groups = [[L] for L in range(n)] + [["model"]]
-    if real_layout:
-        groups += [["projector"], ["vision"]]
+    groups = [[L] for L in range(n)]
+    groups += [["model"], ["projector"], ["vision"]] if real_layout else [["model", "all"]]
     return [(shard_name(i + 1, len(groups)), g) for i, g in enumerate(groups)]
-
-
-# Unused multimodal tensors in the real layout (model.md §3.3: 168 of them). A text engine must
-# ignore them; we write 8 projector and 160 vision-tower tensors so the count matches.
-def _multimodal_tensors(kind: str):
-    if kind == "projector":
-        return [(f"mm_projector.proj.{i}.weight", "BF16", (1024, 1024)) for i in range(8)]
-    return [(f"vision_tower.encoder.blocks.{i // 6}.p{i % 6}.weight", "BF16", (1024, 1024))
-            for i in range(160)]
 
 
 def _layer_tensors(cfg, L, seed, sparse):
@@ -226,7 +221,7 @@ def nested_config(flat: dict, n_ranks: int) -> dict:
                         "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
                         "symmetric": True, "scale_dtype": "torch.uint8"}}},
                     "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\..*",
-                               "lm_head"]})
+                               "lm_head", "vision_tower", "mm_projector"]})
     return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
             "dtype": "bfloat16", "bos_token_id": n_ranks, "eos_token_id": n_ranks + 2,
             "pad_token_id": flat["vocab_size"] - 1, "tie_word_embeddings": False,
@@ -264,6 +259,7 @@ def _write_checkpoint(tmp: Path, cfg, flat, n_special, sparse, real_layout, pres
     from .bpe import write_tokenizer_files
 
     n_ranks = cfg.vocab_size - n_special
+    vcfg = preset_vision(preset, cfg, n_ranks)
     plan = _shard_plan(cfg, real_layout)
     weight_map, total = {}, 0
     bar = _progress.bar(total=len(plan), desc=f"synth {preset}", unit="shard", show=progress)
@@ -277,8 +273,8 @@ def _write_checkpoint(tmp: Path, cfg, flat, n_special, sparse, real_layout, pres
                     data = None if sparse else (lambda s=spec, d=dtype:
                                                 _encoded_chunks(cfg, s.name, s.shape, d, seed))
                     tensors.append((spec.name, dtype, spec.shape, data))
-            elif g in ("projector", "vision"):
-                tensors += [(n_, d, s, None) for n_, d, s in _multimodal_tensors(g)]
+            elif g in ("projector", "vision", "all"):
+                tensors += vision_tensors(vcfg, seed, sparse, g)
             else:
                 tensors += _layer_tensors(cfg, g, seed, sparse)
         write_shard(tmp / fname, tensors)
@@ -287,7 +283,9 @@ def _write_checkpoint(tmp: Path, cfg, flat, n_special, sparse, real_layout, pres
             total += math.prod(shape) * ITEMSIZE[dtype]
     write_json(tmp / "model.safetensors.index.json",
                {"metadata": {"total_size": total}, "weight_map": weight_map})
-    write_json(tmp / "config.json", nested_config(dict(flat), n_ranks))
+    write_json(tmp / "config.json", dict(nested_config(dict(flat), n_ranks),
+                                         **root_keys(preset, n_ranks)))
+    write_json(tmp / PREPROCESSOR_FILE, preprocessor_doc())
     write_tokenizer_files(tmp, n_ranks=n_ranks, vocab_size=cfg.vocab_size)
 
 

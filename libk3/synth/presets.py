@@ -1,7 +1,8 @@
 """Size presets of synthetic K3 checkpoints (see formats/synthetic-checkpoint.md).
 
 Owns: the architecture of each preset as a flat config dict, plus its tokenizer split and
-shard layout; the dimensions of each preset's DSpark draft (``DRAFTS``). Does not own:
+shard layout; the dimensions of each preset's DSpark draft (``DRAFTS``) and image tower
+(``VISIONS``). Does not own:
 writing files (``libk3.synth.checkpoint``, ``libk3.synth.draft``).
 
 Why these sizes:
@@ -24,7 +25,7 @@ output), so a swapped or misread shape is an error rather than a silent transpos
 
 from __future__ import annotations
 
-from ..k3_dims import REAL
+from ..k3_dims import REAL, VISION
 
 TINY = dict(
     REAL, hidden_size=128, num_hidden_layers=13, vocab_size=512, kda_num_heads=4,
@@ -89,4 +90,29 @@ DRAFTS = {
     "medium": DRAFT_MEDIUM,
     "real-dims": dict(target_layer_ids=[0, 1, 2]),
     "real-sparse": {},
+}
+
+# The image tower of each preset (formats/vision.md §3.3), as the published vision_config
+# with these widths; text_hidden_size is the preset's hidden_size. Smaller presets keep
+# every width apart from the ones it could be mistaken for (D, the attention width, its
+# triple, the MLP, the merged row 4 D, the language model's hidden), a head width that is a
+# multiple of 4 and not D / heads, and a position table with odd, unequal sides (a patch
+# grid is always even, so the table is always resized).
+_VISION_SHRUNK = {
+    "tiny": dict(vt_hidden_size=40, vt_num_attention_heads=2, qkv_hidden_size=48,
+                 vt_num_hidden_layers=2, vt_intermediate_size=88, init_pos_emb_height=5,
+                 init_pos_emb_width=7),
+    "small": dict(vt_hidden_size=96, vt_num_attention_heads=4, qkv_hidden_size=144,
+                  vt_num_hidden_layers=3, vt_intermediate_size=224, init_pos_emb_height=11,
+                  init_pos_emb_width=15),
+    "medium": dict(vt_hidden_size=256, vt_num_attention_heads=8, qkv_hidden_size=384,
+                   vt_num_hidden_layers=4, vt_intermediate_size=640, init_pos_emb_height=23,
+                   init_pos_emb_width=31),
+    "real-dims": {},
+    "real-sparse": {},
+}
+VISIONS = {
+    name: dict(VISION, **over, mm_hidden_size=over.get("vt_hidden_size", VISION["vt_hidden_size"]),
+               text_hidden_size=PRESETS[name][0]["hidden_size"])
+    for name, over in _VISION_SHRUNK.items()
 }
