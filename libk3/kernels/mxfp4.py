@@ -59,6 +59,9 @@ def _scale_table() -> np.ndarray:
 # Groups of a block's eight rows decoded at once for all its token blocks (8 x 4 x 32
 # float64: 8 KB of L1 beside one token block's activations; bench/README.md "Arithmetic").
 CHUNK = 4
+# From this many tokens past a multiple of eight, they take a padded block of lanes (its
+# unused lanes cost less than the tiles would; bench/README.md "Arithmetic").
+PAD_FROM = 7
 
 # Frozen into the compiled code as constants (numba reads module arrays at compile time).
 E2M1_PAIRS = _pair_table()
@@ -186,9 +189,10 @@ def _block_lanes(P, S, XT, Y, r0, C, Wd, acc):
                                    XT, (b * C + 32 * g) * 8)
                 vstore(acc, ia, a[0])
                 vstore(acc, ib, a[1])
+    T = Y.shape[0]
     for r in range(8):
         for b in range(nb):
-            for lane in range(8):
+            for lane in range(min(8, T - 8 * b)):      # a padded last block's extra lanes
                 Y[8 * b + lane, r0 + r] = np.float32(acc[(r * nb + b) * 8 + lane])
 
 
@@ -228,12 +232,13 @@ def _block_tiles(P, S, X, Y, r0, C, t):
 @njit(cache=True)
 def _token_minor(X64, nb):
     """The first 8 * nb tokens of X64 [T, C] as nb blocks of [C, 8]: element (t, j) of
-    block b at (b * C + j) * 8 + t, so one load gives column j of eight tokens."""
-    C = X64.shape[1]
-    XT = np.empty(nb * C * 8)
+    block b at (b * C + j) * 8 + t, so one load gives column j of eight tokens; lanes
+    past T (a padded last block) hold +0.0."""
+    T, C = X64.shape
+    XT = np.zeros(nb * C * 8)
     for b in range(nb):
         for j in range(C):
-            for k in range(8):
+            for k in range(min(8, T - 8 * b)):
                 XT[(b * C + j) * 8 + k] = X64[8 * b + k, j]
     return XT
 
@@ -262,14 +267,14 @@ def _matmul_into(packed, scales, X64, Y):
     P = packed.reshape(-1)
     S = scales.reshape(-1)
     X = X64.reshape(-1)
-    nb = T // 8 if blocks else 0
+    nb = (T // 8 + (T % 8 >= PAD_FROM)) if blocks else 0
     XT = _token_minor(X64, nb)
     nt = team.narrow(packed.nbytes * 2 * T)
     for b in prange(blocks + 1):
         if b < blocks:
             if nb:
                 _block_lanes(P, S, XT, Y, 8 * b, C, np.empty(8 * CHUNK * 32), np.empty(64 * nb))
-            _block_tiles(P, S, X, Y, 8 * b, C, 8 * nb)
+            _block_tiles(P, S, X, Y, 8 * b, C, min(8 * nb, T))
         else:
             _rows_one_by_one(packed, scales, X64, Y, 8 * blocks, R)
     team.widen(nt)
