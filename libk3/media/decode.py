@@ -24,8 +24,8 @@ from ..vision_config import MediaProcConfig
 from .size_rule import pixel_limit
 
 INSTALL_HINT = "pip install 'k3[image]'"
-# Pillow's names of the formats k3 opens (MPO: the multi-picture JPEG many cameras write).
-FORMATS = ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP", "TIFF")
+# Pillow's names of the formats k3 opens (JPEG includes the multi-picture JPEG of cameras).
+FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
 
 
 def pillow():
@@ -57,7 +57,8 @@ def open_image(data: bytes, media: MediaProcConfig, name: str = "<image>"):
         with warnings.catch_warnings():
             # k3's own limit, checked below, is lower than the size Pillow warns at.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data), formats=FORMATS)
+            Image.init()              # registers every plugin, so OPEN lists what is built
+            im = Image.open(io.BytesIO(data), formats=[f for f in FORMATS if f in Image.OPEN])
     except Image.DecompressionBombError as e:
         raise refuse(name, f"image has more pixels than k3 decodes (at most {limit})",
                      e) from None
