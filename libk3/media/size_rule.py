@@ -2,7 +2,7 @@
 (formats/vision.md §4.2).
 
 Owns: the resized size, the padding, the patch grid of an image of a given size, and the
-largest image k3 decodes (§4.3). Does not own: decoding, resizing or pixels
+largest image k3 decodes (§4.1). Does not own: decoding, resizing or pixels
 (``libk3.media.preprocess``).
 
 Why written in exactly the release's float form: ``int(W * s)`` truncates, and the area
@@ -19,7 +19,7 @@ from ..errors import FormatError
 from ..vision_config import MediaProcConfig
 
 # Decoded pixels are never more than this, whatever the config: 256 MiB as 4-byte pixels,
-# the widest a decoded Pillow pixel is (formats/vision.md §4.3).
+# the widest a decoded Pillow pixel is (formats/vision.md §4.1).
 PIXEL_CEILING = 1 << 26
 
 
@@ -66,6 +66,6 @@ def plan_size(width: int, height: int, media: MediaProcConfig, name: str = "<ima
 
 def pixel_limit(media: MediaProcConfig) -> int:
     """The most pixels k3 decodes for one image: the square of the longest side the rule
-    keeps, (S p)^2, capped by ``PIXEL_CEILING`` (§4.3)."""
+    keeps, (S p)^2, capped by ``PIXEL_CEILING`` (§4.1)."""
     side = media.patch_limit_on_one_side * media.patch_size
     return min(side * side, PIXEL_CEILING)
