@@ -117,6 +117,7 @@ def images():
     return [
         ("rgb-13x9", encode(Image.fromarray(noise(rng, (13, 9), 3)))),
         ("rgba-37x23", encode(Image.fromarray(rgba, "RGBA"))),
+        ("rgba-tall-11x700", encode(Image.fromarray(noise(rng, (11, 700), 4), "RGBA"))),
         ("la-29x29", encode(Image.fromarray(rgba[:, :, 2:], "LA"))),
         ("palette-19x31", encode(pal)),
         ("palette-trns", encode(pal_t, transparency=5)),
@@ -159,7 +160,7 @@ def test_preprocess_follows_the_config_not_the_published_values(changes):
     cfg["transparent_bg_config"].update(changes.pop("board", {}))
     cfg.update(changes)
     rng = np.random.default_rng(3)
-    rgba = noise(rng, (7300, 30), 4)
+    rgba = noise(rng, (30, 7300), 4)          # resized to 29 x 7168: many composited strips
     data = encode(Image.fromarray(rgba, "RGBA"))
     media = media_from_dict({"media_proc_cfg": cfg})
     want, _ = ref_pixels(data, cfg)

@@ -39,12 +39,13 @@ class ImagePixels:
         return self.plan.grid
 
 
-def chessboard(height: int, width: int, board: Chessboard) -> np.ndarray:
-    """The background of §4.4, uint8 (height, width): white where the square index
-    (y // size + x // size) is even (odd if ``on_top_left`` is false), gray elsewhere."""
-    rows = np.arange(height) // board.square_size
-    cols = np.arange(width) // board.square_size
-    odd = (rows[:, None] + cols[None, :]) % 2 == 1
+def chessboard(rows: range, width: int, board: Chessboard) -> np.ndarray:
+    """Rows ``rows`` of the background of §4.4, uint8 (len(rows), width): white where the
+    square index (y // size + x // size) is even (odd if ``on_top_left`` is false), gray
+    elsewhere; the squares are anchored at the image's top-left pixel whatever ``rows``."""
+    ys = np.arange(rows.start, rows.stop) // board.square_size
+    xs = np.arange(width) // board.square_size
+    odd = (ys[:, None] + xs[None, :]) % 2 == 1
     if not board.on_top_left:
         odd = ~odd
     return np.where(odd, np.uint8(board.gray_value), np.uint8(board.white_value))
@@ -58,7 +59,7 @@ def composite(rgba: np.ndarray, board: Chessboard) -> np.ndarray:
     one, full = np.float32(1), np.float32(255)
     for y0 in range(0, h, _STRIP_ROWS):
         part = rgba[y0:y0 + _STRIP_ROWS]
-        bg = chessboard(h, w, board)[y0:y0 + _STRIP_ROWS, :, None].astype(np.float32)
+        bg = chessboard(range(y0, y0 + len(part)), w, board)[:, :, None].astype(np.float32)
         a = part[..., 3:4].astype(np.float32) / full
         mixed = a * part[..., :3].astype(np.float32) + (one - a) * bg
         out[y0:y0 + _STRIP_ROWS] = mixed.astype(np.uint8)
