@@ -116,6 +116,7 @@ def images():
     wide = noise(rng, (7300, 30), 4)
     return [
         ("rgb-13x9", encode(Image.fromarray(noise(rng, (13, 9), 3)))),
+        ("rgb-trns", encode(Image.fromarray(rgba[:, :, :3] // 64 * 64), transparency=(0, 64, 128))),
         ("rgba-37x23", encode(Image.fromarray(rgba, "RGBA"))),
         ("rgba-tall-11x700", encode(Image.fromarray(noise(rng, (11, 700), 4), "RGBA"))),
         ("la-29x29", encode(Image.fromarray(rgba[:, :, 2:], "LA"))),

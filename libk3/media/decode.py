@@ -67,6 +67,16 @@ def open_image(data: bytes, media: MediaProcConfig, name: str = "<image>"):
             from None
     except Exception as e:            # hostile bytes: see the module docstring
         raise refuse(name, "not a readable image", e) from None
+    try:
+        _check_and_load(im, limit, name)
+    except FormatError:
+        im.close()
+        raise
+    return im
+
+
+def _check_and_load(im, limit: int, name: str) -> None:
+    """Refuse ``im`` from its header size, then decode its first frame."""
     width, height = im.size
     if width < 1 or height < 1:
         raise refuse(name, f"{im.format} image is {width}x{height} pixels: nothing to see")
@@ -80,4 +90,3 @@ def open_image(data: bytes, media: MediaProcConfig, name: str = "<image>"):
     except Exception as e:            # hostile bytes: see the module docstring
         raise refuse(name, f"{im.format} image does not decode (truncated or corrupt)",
                      e) from None
-    return im
