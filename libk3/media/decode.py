@@ -53,12 +53,18 @@ def open_image(data: bytes, media: MediaProcConfig, name: str = "<image>"):
     decoding), or does not decode (truncated or corrupt)."""
     Image = pillow()
     limit = pixel_limit(media)
+    with warnings.catch_warnings():
+        # Pillow warns of damaged metadata and of large images; k3 answers with the pixels
+        # or one error, and its own pixel limit is below the size Pillow warns at.
+        warnings.simplefilter("ignore")
+        return _open_checked(Image, data, limit, name)
+
+
+def _open_checked(Image, data: bytes, limit: int, name: str):
+    """``open_image`` without its warning filter (``Image``: Pillow's module)."""
     try:
-        with warnings.catch_warnings():
-            # k3's own limit, checked below, is lower than the size Pillow warns at.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            Image.init()              # registers every plugin, so OPEN lists what is built
-            im = Image.open(io.BytesIO(data), formats=[f for f in FORMATS if f in Image.OPEN])
+        Image.init()                  # registers every plugin, so OPEN lists what is built
+        im = Image.open(io.BytesIO(data), formats=[f for f in FORMATS if f in Image.OPEN])
     except Image.DecompressionBombError as e:
         raise refuse(name, f"image has more pixels than k3 decodes (at most {limit})",
                      e) from None
