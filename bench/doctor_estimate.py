@@ -17,7 +17,7 @@ Intended input: the ``medium`` synthetic checkpoint (~5 GB; never inside the rep
 
 On medium the laptop preset pins the whole 1.0 GB trunk and caches 238 of 2,304
 experts, so the comparison exercises the expert-read path. Read the result against the
-noise floor: single runs of the C engine spread 33 % (PRIOR-ART 11), so use --gen >= 16.
+noise floor: single runs of the C engine spread 33 % (its published measurements), so use --gen >= 16.
 The estimate is for the steady state; after an 8-token prompt the decode still fills a
 cold expert cache (measured 0.120 s/token against 0.108 after a 64-token prompt), so the
 default prompt is 64 tokens.
