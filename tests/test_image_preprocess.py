@@ -1,5 +1,5 @@
 """Image preprocessing (formats/vision.md §4): libk3.media against an independent numpy
-reading of the release's rules written here, the worked sizes of §4.2, and hostile files.
+reading of the release's rules written here, the worked sizes of vision.md §4.2, and hostile files.
 
 The reference below shares only Pillow with the module (decoding, mode conversion and the
 bicubic resize are Pillow's own, as in the release); the size rule, the chessboard, the

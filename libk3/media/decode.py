@@ -92,7 +92,7 @@ def _check_and_load(im, limit: int, name: str) -> None:
                           path=name, expected=f"<= {limit} pixels",
                           found=f"{width * height} pixels")
     try:
-        im.load()                     # the first frame only: k3 never seeks (§4.1)
+        im.load()                     # the first frame only: k3 never seeks (vision.md §4.1)
     except Exception as e:            # hostile bytes: see the module docstring
         raise refuse(name, f"{im.format} image does not decode (truncated or corrupt)",
                      e) from None

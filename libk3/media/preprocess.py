@@ -9,7 +9,7 @@ tower that consumes the patches.
 Why Pillow does the resizing and mode conversions: they are the release's own steps
 (bicubic, with Pillow's premultiplied alpha and its nearest-neighbour for palette images),
 so calling Pillow is the only way to equal them bit for bit. Everything after, compositing
-and normalization, is numpy in the release's float32/float64 steps (§4.4, §4.6), because a
+and normalization, is numpy in the release's float32/float64 steps (vision.md §4.4, vision.md §4.6), because a
 single rounding instead of two changes about half the byte values.
 """
 
@@ -40,7 +40,7 @@ class ImagePixels:
 
 
 def chessboard(rows: range, width: int, board: Chessboard) -> np.ndarray:
-    """Rows ``rows`` of the background of §4.4, uint8 (len(rows), width): white where the
+    """Rows ``rows`` of the background of vision.md §4.4, uint8 (len(rows), width): white where the
     square index (y // size + x // size) is even (odd if ``on_top_left`` is false), gray
     elsewhere; the squares are anchored at the image's top-left pixel whatever ``rows``."""
     ys = np.arange(rows.start, rows.stop) // board.square_size
@@ -53,7 +53,7 @@ def chessboard(rows: range, width: int, board: Chessboard) -> np.ndarray:
 
 def composite(rgba: np.ndarray, board: Chessboard) -> np.ndarray:
     """uint8 (h, w, 3): ``rgba`` (uint8 (h, w, 4)) over the chessboard, each operation in
-    float32 and the result truncated toward zero, as the release does (§4.4)."""
+    float32 and the result truncated toward zero, as the release does (vision.md §4.4)."""
     h, w = rgba.shape[:2]
     out = np.empty((h, w, 3), np.uint8)
     one, full = np.float32(1), np.float32(255)
@@ -69,7 +69,7 @@ def composite(rgba: np.ndarray, board: Chessboard) -> np.ndarray:
 def to_rgb(im, board: Chessboard, name: str) -> np.ndarray:
     """uint8 (h, w, 3) of a Pillow image, as the release's ``fill_transparent_bg_with``:
     RGB as is; no alpha band and no transparency key: Pillow's RGB conversion; otherwise
-    Pillow's RGBA conversion composited over the chessboard (§4.4)."""
+    Pillow's RGBA conversion composited over the chessboard (vision.md §4.4)."""
     try:
         if im.mode == "RGB":
             return np.asarray(im, dtype=np.uint8)
@@ -83,7 +83,7 @@ def to_rgb(im, board: Chessboard, name: str) -> np.ndarray:
 
 def normalization_table(media: MediaProcConfig) -> np.ndarray:
     """float32 (3, 256): the normalized value of each byte in each channel,
-    f32(f32(f32(u / 255) - mean) * (1 / std)), each step in float64 then rounded (§4.6)."""
+    f32(f32(f32(u / 255) - mean) * (1 / std)), each step in float64 then rounded (vision.md §4.6)."""
     scaled = (np.arange(256) / 255.0).astype(np.float32)
     table = np.empty((3, 256), np.float32)
     for c in range(3):
@@ -96,7 +96,7 @@ def normalization_table(media: MediaProcConfig) -> np.ndarray:
 def patchify(rgb: np.ndarray, plan: SizePlan, media: MediaProcConfig) -> np.ndarray:
     """float32 (L, 3, p, p) of the resized uint8 image ``rgb`` (H', W', 3): zero-padded at
     the bottom and right, normalized, cut into patches in raster order, channel-major
-    inside each (§4.5-§4.7)."""
+    inside each (vision.md §4.5 to vision.md §4.7)."""
     p = media.patch_size
     gh, gw = plan.grid
     padded = np.zeros((gh * p, gw * p, 3), np.uint8)
@@ -112,7 +112,7 @@ def patchify(rgb: np.ndarray, plan: SizePlan, media: MediaProcConfig) -> np.ndar
 
 def resize(im, size: tuple, name: str):
     """Pillow's bicubic resize of ``im`` to ``size`` = (W', H') in the image's own mode
-    (§4.3); the image itself when the size is kept (Pillow's resize would copy it)."""
+    (vision.md §4.3); the image itself when the size is kept (Pillow's resize would copy it)."""
     if im.size == tuple(size):
         return im
     Image = pillow()
@@ -123,7 +123,7 @@ def resize(im, size: tuple, name: str):
 
 
 def preprocess_image(data: bytes, media: MediaProcConfig, name: str = "<image>") -> ImagePixels:
-    """The release's pixels of the image file ``data`` (§4): first frame, no EXIF
+    """The release's pixels of the image file ``data`` (vision.md §4): first frame, no EXIF
     rotation, size rule, Pillow bicubic resize only when the rule changes the size,
     chessboard compositing at ``transparent_bg_fill_stage``, padding, normalization, patch
     order. FormatError naming ``name`` for anything that is not such an image."""

@@ -2,7 +2,7 @@
 (formats/vision.md §4.2).
 
 Owns: the resized size, the padding, the patch grid of an image of a given size, and the
-largest image k3 decodes (§4.1). Does not own: decoding, resizing or pixels
+largest image k3 decodes (vision.md §4.1). Does not own: decoding, resizing or pixels
 (``libk3.media.preprocess``).
 
 Why written in exactly the release's float form: ``int(W * s)`` truncates, and the area
@@ -42,7 +42,7 @@ class SizePlan:
 
 
 def plan_size(width: int, height: int, media: MediaProcConfig, name: str = "<image>") -> SizePlan:
-    """The size plan of a ``width`` x ``height`` image (§4.2); FormatError naming ``name``
+    """The size plan of a ``width`` x ``height`` image (vision.md §4.2); FormatError naming ``name``
     when the padded grid is wider or taller than the config allows."""
     p, m = media.patch_size, media.merge_kernel_size
     limit_area, limit_side = media.in_patch_limit, media.patch_limit_on_one_side
@@ -66,6 +66,6 @@ def plan_size(width: int, height: int, media: MediaProcConfig, name: str = "<ima
 
 def pixel_limit(media: MediaProcConfig) -> int:
     """The most pixels k3 decodes for one image: the square of the longest side the rule
-    keeps, (S p)^2, capped by ``PIXEL_CEILING`` (§4.1)."""
+    keeps, (S p)^2, capped by ``PIXEL_CEILING`` (vision.md §4.1)."""
     side = media.patch_limit_on_one_side * media.patch_size
     return min(side * side, PIXEL_CEILING)
