@@ -46,7 +46,7 @@ from .protocol import (ApiError, chat_logprobs, check_model, completion_logprobs
 from . import anthropic
 from .access import USAGE, Access, Usage, access_middleware
 from .reader import ReaderProcess, ReaderSpec
-from .replies import ReplyReader
+from ..engine.replies import ReplyReader
 from .worker import Job, Worker
 
 MAX_BODY_BYTES = 32 * 2 ** 20        # a larger request body is refused with 413
