@@ -580,9 +580,11 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     base = run.chunked(base)
     done = batchfile.open_results(out_path)
     summary["other_shard"] = 0
-    lines = list(batchfile.read_lines(batch_path))       # read once: counted, then run
-    accepted = _accepted_lines(run, lines, base, batch_path, warn, summary, done)
-    width = min(run.width, max(1, sum(1 for _, ln in lines if ln.strip())))
+    tok = run.session.tokenizer
+    bound = batchfile.line_bound(run.context, tok.longest_rank_bytes if tok else None)
+    lines = batchfile.read_lines(batch_path, bound)     # one at a time, each at most bound
+    accepted, given = _accepted_lines(run, lines, base, batch_path, warn, summary, done)
+    width = min(run.width, max(1, given))
     summary["width_reasons"] = list(run.width_reasons) + (
         [f"capped at {width} (the batch's lines)"] if width < run.width else [])
     left_for_time = False               # a prompt not started: it would not finish in time
@@ -645,18 +647,24 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     return summary
 
 
-def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
-    """(line number, job, prompt ids) of each line to run: malformed lines are reported
-    and counted, ids already in the results counted as skipped."""
+def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> tuple:
+    """(line number, job, prompt ids) of each line to run, and the count of lines that
+    are not blank: malformed lines (one over the line bound among them) are reported and
+    counted, ids already in the results counted as skipped."""
     context = run.context
     name = "the model's context" if run.opts.context_limit is None else \
         "--ctx-size's context"
     seen = set()
-    out = []
+    out, given = [], 0
     for lineno, line in lines:
-        if not line.strip():
+        if isinstance(line, bytes) and not line.strip():
             continue
+        given += 1
         try:
+            if not isinstance(line, bytes):
+                raise batchfile.BatchLineError(
+                    f"the line is {line.size:,} bytes, more than the {line.limit:,} a "
+                    f"line that fits {name} of {context:,} tokens can take: it was not read")
             job = batchfile.parse_line(line, run.cfg.vocab_size)
             key = batchfile.id_key(job["id"])
             if key in seen:
@@ -679,7 +687,7 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
             summary["skipped"] += 1
             continue
         out.append((lineno, job, [int(i) for i in prompt_ids]))
-    return out
+    return out, given
 
 
 def _line_ids(run, job: dict, warn, context: int, name: str) -> list:
