@@ -240,6 +240,18 @@ class Run:
         limit = self.opts.context_limit
         return model if limit is None else min(model, limit)
 
+    @property
+    def ctx_size(self) -> int | None:
+        """--ctx-size when it sets ``context`` (it is not above the model's), else None."""
+        limit = self.opts.context_limit
+        return limit if limit is not None and limit == self.context else None
+
+    @property
+    def context_name(self) -> str:
+        """What a refusal calls ``context``: the model's, or the one --ctx-size set."""
+        return "the model's context" if self.ctx_size is None else \
+            "the context set by --ctx-size"
+
     def check_fits(self, n_prompt: int, gen: int) -> None:
         """UsageError when --ctx-size is given and a prompt of ``n_prompt`` tokens and
         ``gen`` tokens after it (-1: until the end, nothing to add) do not fit in it."""
@@ -399,7 +411,8 @@ class Run:
         if state is None:
             state = _load_state(self, load_state)
         tail = list(prompt_ids)[reused:]
-        why = room_problem(state.pos - reused, len(prompt_ids), settings.gen, self.context)
+        why = room_problem(state.pos - reused, len(prompt_ids), settings.gen, self.context,
+                           self.context_name)
         if why:
             raise UsageError(why)
         progress = _prefill_bar(len(tail), self.opts.progress)
@@ -429,22 +442,23 @@ class Run:
             self.session.ckpt.close()
 
 
-def room_problem(held: int, n_prompt: int, gen: int, context: int) -> str | None:
+def room_problem(held: int, n_prompt: int, gen: int, context: int,
+                 name: str = "the model's context") -> str | None:
     """Why a prompt of ``n_prompt`` tokens after a state holding ``held`` and ``gen`` more
-    (-1: until the end; 0: the prompt alone) do not fit the model's ``context``, with the
-    sizes, or None."""
+    (-1: until the end; 0: the prompt alone) do not fit ``context`` (``name``: what set
+    it, ``Run.context_name``), with the sizes, or None."""
     after = f" after the {held:,} the state holds" if held else ""
     if not n_prompt and held >= context and gen:
-        return f"the state's {held:,} tokens fill the model's context of {context:,}"
+        return f"the state's {held:,} tokens fill {name} of {context:,}"
     if held + n_prompt > context:
-        return (f"the prompt is {n_prompt:,} tokens{after}, over the model's context of "
+        return (f"the prompt is {n_prompt:,} tokens{after}, over {name} of "
                 f"{context:,}")
     if held + n_prompt >= context and gen:
-        return (f"the prompt's {n_prompt:,} tokens{after} fill the model's context of "
+        return (f"the prompt's {n_prompt:,} tokens{after} fill {name} of "
                 f"{context:,}: nothing can be generated")
     if gen >= 0 and held + n_prompt + gen > context:
-        return (f"the prompt's {n_prompt:,} tokens{after} and --gen {gen:,} run past the "
-                f"model's context of {context:,} (--gen {context - held - n_prompt:,} fits)")
+        return (f"the prompt's {n_prompt:,} tokens{after} and --gen {gen:,} run past "
+                f"{name} of {context:,} (--gen {context - held - n_prompt:,} fits)")
     return None
 
 
