@@ -254,27 +254,41 @@ def open_results(results_path) -> set:
     result is a write a crash tore: it is dropped, so appends stay line-aligned (its id
     runs again). Any other last line is refused as above."""
     p = Path(results_path)
+    done, lineno, kept, tail = set(), 0, 0, b""
     try:
-        data = p.read_bytes() if p.exists() else b""
+        if not p.exists():
+            return done
+        with open(p, "rb") as f:            # one line at a time: the file is never held
+            for line in f:
+                lineno += 1
+                if not line.endswith(b"\n"):
+                    tail = line
+                    break
+                row = _json(line[:-1])
+                if not _is_result(row):
+                    raise _not_results(p, lineno)
+                done.add(id_key(row["id"]))
+                kept += len(line)
     except OSError as e:
         raise K3IOError(f"cannot read the results file: {e.strerror}", path=p) from None
-    lines = data.split(b"\n")
-    tail = lines.pop()                        # b"" when the file ends with a newline
-    rows = [_json(line) for line in lines]
-    bad = next((i for i, row in enumerate(rows, 1) if not _is_result(row)), None)
-    tail_row = _json(tail)
-    torn = tail.startswith(b'{"') and (_is_result(tail_row) or tail_row is _BAD)
-    if bad is not None or (tail and not torn):
-        where = f"line {bad}" if bad is not None else f"line {len(lines) + 1}"
-        raise FormatError(f"not a k3 results file ({where} is not a k3 result); refusing "
-                          "to append to it", path=p,
-                          hint="give --out a new file or an earlier results file")
     if tail:
-        with open(p, "r+b") as f:
-            f.truncate(len(data) - len(tail))
-            f.flush()
-            os.fsync(f.fileno())
-    return {id_key(row["id"]) for row in rows}
+        tail_row = _json(tail)
+        if not (tail.startswith(b'{"') and (_is_result(tail_row) or tail_row is _BAD)):
+            raise _not_results(p, lineno)
+        try:
+            with open(p, "r+b") as f:
+                f.truncate(kept)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise write_error(p, e) from None
+    return done
+
+
+def _not_results(p, lineno: int) -> FormatError:
+    return FormatError(f"not a k3 results file (line {lineno} is not a k3 result); refusing "
+                       "to append to it", path=p,
+                       hint="give --out a new file or an earlier results file")
 
 
 def id_key(job_id) -> str:
