@@ -252,3 +252,24 @@ def test_documented_crontab_line_runs_under_cron_environment(tiny_dir, tmp_path,
     if "q.log" in command:
         log = (work / "q.log").read_text()
         assert "\r" not in log and log.splitlines()[-2].startswith("batch: 3 done"), log
+
+
+def test_open_results_reads_a_large_results_file_a_line_at_a_time(tmp_path):
+    """Catches the results file read and parsed whole before a rerun (20 MB of results
+    then take several times that): every id is found and a torn last line dropped
+    (control), with Python's peak near one line's size."""
+    import tracemalloc
+    from libk3.run import batch as batchfile
+    out = tmp_path / "r.jsonl"
+    row = {"line": 1, "prompt_ids": [1], "generated_ids": list(range(10_000))}
+    with open(out, "w") as f:
+        for i in range(400):
+            f.write(json.dumps(dict(row, id=i)) + "\n")
+        f.write('{"id": 400, "line": 1, "prompt_')                 # a crash tore it
+    tracemalloc.start()
+    done = batchfile.open_results(out)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert done == {str(i) for i in range(400)}
+    assert out.read_bytes().endswith(b'"id": 399}\n')
+    assert out.stat().st_size > 20 * 2 ** 20 and peak < 8 * 2 ** 20, peak

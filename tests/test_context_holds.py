@@ -173,3 +173,58 @@ def test_chat_system_option_too_long_for_the_context_is_refused_at_start(short, 
     assert r.returncode == 2 and "--system" in r.stderr and "bytes" in r.stderr, r.stderr
     r = k3_here(short, "--chat", "--gen", "2", "--system", "Be brief.", input="Hi\n")
     assert r.returncode == 0, r.stderr
+
+
+def test_ctx_size_counts_the_positions_a_loaded_state_holds(tiny_dir, tmp_path):
+    """Catches --ctx-size checked against the prompt alone after --load-state: a state of
+    31 tokens, 10 more and --gen 10 do not fit --ctx-size 40 (refused, exit 2, naming it
+    and the state's tokens); the same under --ctx-size 60 runs (control)."""
+    st = tmp_path / "s.k3state"
+    ids = ",".join(str(i) for i in range(1, 31))
+    r = k3_here(tiny_dir, "--ids", ids, "-n", "1", "--save-state", st, "--json", "-q")
+    assert r.returncode == 0, r.stderr
+    more = ",".join(str(i) for i in range(1, 11))
+    r = k3_here(tiny_dir, "--load-state", st, "--ids", more, "-n", "10", "--ctx-size", "40")
+    assert r.returncode == 2, r.stderr
+    assert "the context set by --ctx-size of 40" in r.stderr and "31" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = k3_here(tiny_dir, "--load-state", st, "--ids", more, "-n", "10", "--ctx-size", "60",
+                "--json", "-q")
+    assert r.returncode == 0 and len(json.loads(r.stdout)["generated_ids"]) == 10, r.stderr
+
+
+def test_serve_prompt_over_ctx_size_is_refused_naming_ctx_size(tiny_dir):
+    """Catches the server's refusal of a prompt over --ctx-size saying "the model's
+    context" (the model's is far larger): it names --ctx-size; without --ctx-size it
+    names the model's context (control)."""
+    from libk3.serve.protocol import ApiError
+    from libk3.serve.reader import Reader
+    from .test_serve_reader import _spec
+    import dataclasses
+    spec = dataclasses.replace(_spec(tiny_dir), context=8, ctx_size=8)
+    body = json.dumps({"model": "tiny", "prompt": "word " * 40}).encode()
+    with pytest.raises(ApiError, match=r"over the context set by --ctx-size of 8 tokens") as e:
+        Reader(spec).completion(body)
+    assert e.value.status == 413
+    model = dataclasses.replace(spec, ctx_size=None)
+    with pytest.raises(ApiError, match=r"the model's context of 8 tokens"):
+        Reader(model).completion(body)
+
+
+def test_serve_live_refusal_names_ctx_size(tiny_dir, tmp_path):
+    """Catches a server started with --ctx-size whose reader is not told (the refusal
+    naming the model's context): a prompt over 8 tokens gets 413 naming --ctx-size; a
+    prompt that fits is answered (control)."""
+    pytest.importorskip("aiohttp")
+    from .test_serve import _post, _start, _stop
+    srv = _start(tiny_dir, tmp_path / "serve.log", "--ctx-size", 8)
+    try:
+        status, body = _post(srv, "/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": "word " * 40, "max_tokens": 1}).encode())
+        assert status == 413, body
+        assert "the context set by --ctx-size of 8 tokens" in body["error"]["message"]
+        status, body = _post(srv, "/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": [1, 2], "max_tokens": 1}).encode())
+        assert status == 200, body
+    finally:
+        _stop(srv)

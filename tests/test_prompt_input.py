@@ -123,7 +123,7 @@ def test_batch_parse_line_decodes_strictly(tmp_path):
     offset in the line, and read_lines splits on b"\n" and nothing else."""
     f = tmp_path / "b.jsonl"
     f.write_bytes("a\u2028b\u2029c\x85d\x0ce\rf\ng".encode())
-    assert [n for n, _ in batchfile.read_lines(f)] == [1, 2]
+    assert [n for n, _ in batchfile.read_lines(f, 100)] == [1, 2]
     assert batchfile.parse_line(b'{"id": 1, "ids": [3]}', 10)["ids"] == [3]
     with pytest.raises(batchfile.BatchLineError, match="byte offset 5"):
         batchfile.parse_line(b'{"id"\x80: 1}', 10)

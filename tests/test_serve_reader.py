@@ -26,7 +26,7 @@ MSGS = [{"role": "system", "content": "Be brief. " * 40}, {"role": "user", "cont
 def _spec(model_dir, min_preamble=16) -> ReaderSpec:
     vocab = load_config(model_dir).vocab_size
     return ReaderSpec(str(model_dir), True, None, DEFAULT_LIMITS, vocab,
-                      context_length(model_dir), "tiny", min_preamble)
+                      context_length(model_dir), "tiny", min_preamble, None)
 
 
 @pytest.fixture

@@ -130,7 +130,7 @@ def test_server_replies_use_the_shared_rule(tok):
     """Catches the server cutting its reply by its own rule: a completion's text and a
     plain chat reply end where ``returned_text`` ends them, and a stop string inside a
     special token's text cuts nothing."""
-    from libk3.serve.replies import ReplyReader
+    from libk3.engine.replies import ReplyReader
     end = tok.id_of("<|end_of_msg|>")
     ids = tok.encode("Hello") + [end] + tok.encode(" world end_of it")
     for stops in (["end_of"], ["wor"], ["o"]):

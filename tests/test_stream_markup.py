@@ -5,7 +5,7 @@ as content on either API; a call cut off by the token limit is never content."""
 from __future__ import annotations
 
 from libk3.serve.anthropic import Blocks
-from libk3.serve.replies import ReplyReader
+from libk3.engine.replies import ReplyReader
 from libk3.text.chat_parse import parse_reply, pieces
 
 
@@ -71,3 +71,45 @@ def test_reply_cut_in_a_tool_call_keeps_no_half_call_in_content(tok):
     reply = parse_reply(pieces(tok, two))
     assert reply.content == "" and len(reply.tool_calls) == 1
     assert "<|open|>" not in "".join(d.get("content", "") for d in _stream(tok, cut))
+
+
+def _chat_replying(monkeypatch, tiny_dir, tok, reply, *args):
+    """A --chat turn in this process whose model writes ``reply`` (ids), token by token
+    through the printer as generation would."""
+    from libk3.engine.generate import GenResult
+    from libk3.run import chat_session
+    from .scripts import k3_here
+
+    def scripted(forward, state, ids, settings, *, on_token=None, **kw):
+        for t in reply:
+            on_token(t)
+        return GenResult(list(ids), list(reply), "stop_id", 0.0, 0.0)
+    monkeypatch.setattr(chat_session, "generate", scripted)
+    return k3_here(tiny_dir, "--chat", *args, input="Hi there\n\n")
+
+
+def test_chat_repl_reply_prints_no_markup(tiny_dir, tok, monkeypatch):
+    """Catches the REPL printing the model's raw tokens (``<|open|>think``, the tools
+    channel, the turn's end): stdout holds the answer and the call, the reasoning goes to
+    stderr after "thinking:"; the same ids printed raw hold the markup (control)."""
+    end = tok.id_of("<|end_of_msg|>")
+    reply = _ids(tok, *THINK, "The sum", *CALL) + [end]
+    p = _chat_replying(monkeypatch, tiny_dir, tok, reply)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == 'The sum\ntool call add({"a":1})\n', p.stdout
+    assert "thinking: let me see\n" in p.stderr and "<|" not in p.stderr
+    from libk3.engine.stops import returned_text
+    assert "<|open|>think<|sep|>" in returned_text(tok, reply, ())       # control: raw
+
+
+def test_chat_repl_reply_cut_in_its_reasoning_prints_no_markup(tiny_dir, tok, monkeypatch):
+    """Catches a reply cut by --gen inside its think channel ending with the channel's
+    raw markup as the answer (the parser keeps an unclosed channel as text at the end):
+    the reasoning stays reasoning, and a tag half written at the cut is left out."""
+    reply = _ids(tok, *THINK[:4], "<|open|>", "res")
+    p = _chat_replying(monkeypatch, tiny_dir, tok, reply)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "\n" and "thinking: let me see\n" in p.stderr, (p.stdout, p.stderr)
+    assert "<|" not in p.stderr
+    whole = parse_reply(pieces(tok, reply))
+    assert whole.content.startswith("<|open|>think")                     # control

@@ -1,15 +1,18 @@
-"""Reading a small file a user names (``-f``, ``--system @FILE``, ``--response-format
-@FILE``) in bounded time and memory.
+"""Reading a file a user names (``-f``, ``--system @FILE``, ``--response-format @FILE``,
+the lines of ``--batch``) in bounded time and memory.
 
 Owns: refusing what is not a regular file before opening it (a FIFO would block the
 open, ``/dev/zero`` never ends), refusing a file larger than the caller's bound from its
 size, and reading at most the bound plus one byte (a file growing meanwhile is caught
-there). Does not own: decoding the bytes, or what the bound is (the callers: the context
-for prompts, the schema size for schemas).
+there); for a file of lines, reading one line at a time and measuring a line over the
+bound in chunks that are dropped as they are read, so no line longer than the bound is
+ever held. Does not own: decoding the bytes, or what the bound is (the callers: the
+context for prompts and batch lines, the schema size for schemas).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 
@@ -40,3 +43,39 @@ def read_bounded(path, max_bytes: int, what: str) -> bytes:
         raise FormatError(too_big, path=path, expected=f"<= {max_bytes} bytes",
                           found=f"more than {max_bytes} bytes")
     return data
+
+
+@dataclasses.dataclass(frozen=True)
+class Oversize:
+    """A line longer than the bound: its size in bytes (without its newline) and the
+    bound, never its bytes."""
+    size: int
+    limit: int
+
+
+def bounded_lines(f, max_bytes: int, chunk: int = 1 << 20):
+    """(line number from 1, bytes or ``Oversize``) of every line of the binary file
+    ``f``, split on b"\\n" only, the newline dropped; a line of more than ``max_bytes``
+    bytes is measured in ``chunk``-byte reads and dropped. A file ending in a newline has
+    an empty last line, as ``bytes.split`` gives."""
+    lineno = 0
+    while True:
+        lineno += 1
+        line = f.readline(max_bytes + 1)
+        if line.endswith(b"\n"):
+            yield lineno, line[:-1]
+            continue
+        if len(line) <= max_bytes:                  # the end of the file
+            yield lineno, line
+            return
+        size = len(line)
+        del line
+        while True:
+            part = f.readline(chunk)
+            if not part or part.endswith(b"\n"):
+                size += len(part) - (1 if part else 0)
+                break
+            size += len(part)
+        yield lineno, Oversize(size, max_bytes)
+        if not part:
+            return

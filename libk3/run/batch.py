@@ -44,6 +44,7 @@ from pathlib import Path
 
 from ..errors import FormatError, K3IOError
 from ..io.atomic import write_error
+from ..io.bounded import bounded_lines
 from ..text.chat_request import conversation_problem
 from ..text.encodable import TextError, decode_text, field_problem
 from ..engine.generate import GenSettings
@@ -74,16 +75,40 @@ class BatchLineError(ValueError):
     pass
 
 
-def read_lines(path):
-    """(line number from 1, raw bytes) of every line of a batch file, split on b"\n" only.
-    A path that is not a regular file (``/dev/zero``, a FIFO) is refused at once
-    (FormatError): it could grow without end or block. ``-`` is standard input, read to
-    its end (the user chose to pipe it)."""
+# a batch line's bound (``line_bound``): a byte of its text takes at most 6 bytes of JSON
+# ("\u0001"), an id of "ids" at most 16 (digits, a comma, spaces), and its other fields
+# (settings, tools, a schema of at most 64 KiB) get room
+JSON_BYTES_PER_BYTE = 6
+JSON_BYTES_PER_ID = 16
+LINE_ROOM = 1 << 20
+
+
+def line_bound(context: int, longest_token_bytes: int | None) -> int:
+    """The most bytes a batch line can hold and still fit ``context`` tokens: a text of
+    more than context x the longest token's bytes cannot (every token covers at least one
+    byte), nor more than context ids, written as JSON, plus room for the line's other
+    fields. ``longest_token_bytes`` None: a model without a tokenizer (ids only)."""
+    per = max(JSON_BYTES_PER_BYTE * (longest_token_bytes or 0), JSON_BYTES_PER_ID)
+    return per * context + LINE_ROOM
+
+
+def read_lines(path, max_bytes: int):
+    """(line number from 1, raw bytes or ``bounded.Oversize``) of every line of a batch
+    file, split on b"\\n" only, read one line at a time: a line over ``max_bytes`` is
+    measured and dropped, never held (``bounded.bounded_lines``). A path that is not a
+    regular file (``/dev/zero``, a FIFO) is refused at once (FormatError): it could grow
+    without end or block. ``-`` is standard input (the user chose to pipe it)."""
     if path == "-":
-        return enumerate(sys.stdin.buffer.read().split(b"\n"), start=1)
+        yield from bounded_lines(sys.stdin.buffer, max_bytes)
+        return
     p = Path(path)
     _check_regular(p, "the batch file", "the batch file")
-    return enumerate(p.read_bytes().split(b"\n"), start=1)
+    try:
+        f = open(p, "rb")
+    except OSError as e:
+        raise K3IOError(f"cannot read the batch file: {e.strerror or e}", path=p) from None
+    with f:
+        yield from bounded_lines(f, max_bytes)
 
 
 def parse_line(line: bytes, vocab_size: int) -> dict:
@@ -229,27 +254,41 @@ def open_results(results_path) -> set:
     result is a write a crash tore: it is dropped, so appends stay line-aligned (its id
     runs again). Any other last line is refused as above."""
     p = Path(results_path)
+    done, lineno, kept, tail = set(), 0, 0, b""
     try:
-        data = p.read_bytes() if p.exists() else b""
+        if not p.exists():
+            return done
+        with open(p, "rb") as f:            # one line at a time: the file is never held
+            for line in f:
+                lineno += 1
+                if not line.endswith(b"\n"):
+                    tail = line
+                    break
+                row = _json(line[:-1])
+                if not _is_result(row):
+                    raise _not_results(p, lineno)
+                done.add(id_key(row["id"]))
+                kept += len(line)
     except OSError as e:
         raise K3IOError(f"cannot read the results file: {e.strerror}", path=p) from None
-    lines = data.split(b"\n")
-    tail = lines.pop()                        # b"" when the file ends with a newline
-    rows = [_json(line) for line in lines]
-    bad = next((i for i, row in enumerate(rows, 1) if not _is_result(row)), None)
-    tail_row = _json(tail)
-    torn = tail.startswith(b'{"') and (_is_result(tail_row) or tail_row is _BAD)
-    if bad is not None or (tail and not torn):
-        where = f"line {bad}" if bad is not None else f"line {len(lines) + 1}"
-        raise FormatError(f"not a k3 results file ({where} is not a k3 result); refusing "
-                          "to append to it", path=p,
-                          hint="give --out a new file or an earlier results file")
     if tail:
-        with open(p, "r+b") as f:
-            f.truncate(len(data) - len(tail))
-            f.flush()
-            os.fsync(f.fileno())
-    return {id_key(row["id"]) for row in rows}
+        tail_row = _json(tail)
+        if not (tail.startswith(b'{"') and (_is_result(tail_row) or tail_row is _BAD)):
+            raise _not_results(p, lineno)
+        try:
+            with open(p, "r+b") as f:
+                f.truncate(kept)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise write_error(p, e) from None
+    return done
+
+
+def _not_results(p, lineno: int) -> FormatError:
+    return FormatError(f"not a k3 results file (line {lineno} is not a k3 result); refusing "
+                       "to append to it", path=p,
+                       hint="give --out a new file or an earlier results file")
 
 
 def id_key(job_id) -> str:

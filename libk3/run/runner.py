@@ -240,6 +240,18 @@ class Run:
         limit = self.opts.context_limit
         return model if limit is None else min(model, limit)
 
+    @property
+    def ctx_size(self) -> int | None:
+        """--ctx-size when it sets ``context`` (it is not above the model's), else None."""
+        limit = self.opts.context_limit
+        return limit if limit is not None and limit == self.context else None
+
+    @property
+    def context_name(self) -> str:
+        """What a refusal calls ``context``: the model's, or the one --ctx-size set."""
+        return "the model's context" if self.ctx_size is None else \
+            "the context set by --ctx-size"
+
     def check_fits(self, n_prompt: int, gen: int) -> None:
         """UsageError when --ctx-size is given and a prompt of ``n_prompt`` tokens and
         ``gen`` tokens after it (-1: until the end, nothing to add) do not fit in it."""
@@ -399,7 +411,8 @@ class Run:
         if state is None:
             state = _load_state(self, load_state)
         tail = list(prompt_ids)[reused:]
-        why = room_problem(state.pos - reused, len(prompt_ids), settings.gen, self.context)
+        why = room_problem(state.pos - reused, len(prompt_ids), settings.gen, self.context,
+                           self.context_name)
         if why:
             raise UsageError(why)
         progress = _prefill_bar(len(tail), self.opts.progress)
@@ -429,22 +442,23 @@ class Run:
             self.session.ckpt.close()
 
 
-def room_problem(held: int, n_prompt: int, gen: int, context: int) -> str | None:
+def room_problem(held: int, n_prompt: int, gen: int, context: int,
+                 name: str = "the model's context") -> str | None:
     """Why a prompt of ``n_prompt`` tokens after a state holding ``held`` and ``gen`` more
-    (-1: until the end; 0: the prompt alone) do not fit the model's ``context``, with the
-    sizes, or None."""
+    (-1: until the end; 0: the prompt alone) do not fit ``context`` (``name``: what set
+    it, ``Run.context_name``), with the sizes, or None."""
     after = f" after the {held:,} the state holds" if held else ""
     if not n_prompt and held >= context and gen:
-        return f"the state's {held:,} tokens fill the model's context of {context:,}"
+        return f"the state's {held:,} tokens fill {name} of {context:,}"
     if held + n_prompt > context:
-        return (f"the prompt is {n_prompt:,} tokens{after}, over the model's context of "
+        return (f"the prompt is {n_prompt:,} tokens{after}, over {name} of "
                 f"{context:,}")
     if held + n_prompt >= context and gen:
-        return (f"the prompt's {n_prompt:,} tokens{after} fill the model's context of "
+        return (f"the prompt's {n_prompt:,} tokens{after} fill {name} of "
                 f"{context:,}: nothing can be generated")
     if gen >= 0 and held + n_prompt + gen > context:
-        return (f"the prompt's {n_prompt:,} tokens{after} and --gen {gen:,} run past the "
-                f"model's context of {context:,} (--gen {context - held - n_prompt:,} fits)")
+        return (f"the prompt's {n_prompt:,} tokens{after} and --gen {gen:,} run past "
+                f"{name} of {context:,} (--gen {context - held - n_prompt:,} fits)")
     return None
 
 
@@ -580,9 +594,11 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     base = run.chunked(base)
     done = batchfile.open_results(out_path)
     summary["other_shard"] = 0
-    lines = list(batchfile.read_lines(batch_path))       # read once: counted, then run
-    accepted = _accepted_lines(run, lines, base, batch_path, warn, summary, done)
-    width = min(run.width, max(1, sum(1 for _, ln in lines if ln.strip())))
+    tok = run.session.tokenizer
+    bound = batchfile.line_bound(run.context, tok.longest_rank_bytes if tok else None)
+    lines = batchfile.read_lines(batch_path, bound)     # one at a time, each at most bound
+    accepted, given = _accepted_lines(run, lines, base, batch_path, warn, summary, done)
+    width = min(run.width, max(1, given))
     summary["width_reasons"] = list(run.width_reasons) + (
         [f"capped at {width} (the batch's lines)"] if width < run.width else [])
     left_for_time = False               # a prompt not started: it would not finish in time
@@ -645,18 +661,24 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     return summary
 
 
-def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
-    """(line number, job, prompt ids) of each line to run: malformed lines are reported
-    and counted, ids already in the results counted as skipped."""
+def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> tuple:
+    """(line number, job, prompt ids) of each line to run, and the count of lines that
+    are not blank: malformed lines (one over the line bound among them) are reported and
+    counted, ids already in the results counted as skipped."""
     context = run.context
     name = "the model's context" if run.opts.context_limit is None else \
         "--ctx-size's context"
     seen = set()
-    out = []
+    out, given = [], 0
     for lineno, line in lines:
-        if not line.strip():
+        if isinstance(line, bytes) and not line.strip():
             continue
+        given += 1
         try:
+            if not isinstance(line, bytes):
+                raise batchfile.BatchLineError(
+                    f"the line is {line.size:,} bytes, more than the {line.limit:,} a "
+                    f"line that fits {name} of {context:,} tokens can take: it was not read")
             job = batchfile.parse_line(line, run.cfg.vocab_size)
             key = batchfile.id_key(job["id"])
             if key in seen:
@@ -679,7 +701,7 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> list:
             summary["skipped"] += 1
             continue
         out.append((lineno, job, [int(i) for i in prompt_ids]))
-    return out
+    return out, given
 
 
 def _line_ids(run, job: dict, warn, context: int, name: str) -> list:

@@ -46,7 +46,7 @@ from .protocol import (ApiError, chat_logprobs, check_model, completion_logprobs
 from . import anthropic
 from .access import USAGE, Access, Usage, access_middleware
 from .reader import ReaderProcess, ReaderSpec
-from .replies import ReplyReader
+from ..engine.replies import ReplyReader
 from .worker import Job, Worker
 
 MAX_BODY_BYTES = 32 * 2 ** 20        # a larger request body is refused with 413
@@ -718,7 +718,8 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
         str(run.opts.model), tok is not None,
         None if tok is None or tok.cache is None else str(tok.cache), run.opts.template_limits,
         run.cfg.vocab_size, run.context, model_name,
-        base_settings.prefill_chunk if turns is not None else 0))
+        base_settings.prefill_chunk if turns is not None else 0,
+        run.ctx_size))
     worker = Worker(run, run.width, log, turns, chunk=base_settings.prefill_chunk)
     server = Server(run, worker, reader, base_settings, api_key=api_key, log=log,
                     model_name=model_name, access=Access(log, log_json))

@@ -62,6 +62,7 @@ class ReaderSpec:
     context: int                 # the model's context in tokens
     model_name: str              # the served model's name (a request may name only it)
     min_preamble: int            # preambles shorter are not shared; 0: none is
+    ctx_size: int | None         # --ctx-size when it set ``context`` (refusals name it)
 
 
 class Reader:
@@ -134,10 +135,12 @@ class Reader:
         return req, np.asarray(ids, np.int32), preamble
 
     def _check_context(self, req, ids) -> None:
-        """413 for a prompt over the model's context (``ids`` may stop short past it)."""
+        """413 for a prompt over the context (``ids`` may stop short past it): the
+        model's, or the one --ctx-size set."""
         if len(ids) > self.spec.context:
-            raise ApiError(413, f"the prompt is over the model's context of "
-                                f"{self.spec.context} tokens",
+            name = "the model's context" if self.spec.ctx_size is None else \
+                "the context set by --ctx-size"
+            raise ApiError(413, f"the prompt is over {name} of {self.spec.context} tokens",
                            param="messages" if req.chat else "prompt",
                            code="context_length_exceeded")
 

@@ -26,7 +26,7 @@ from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
 from . import params
 from .llama import refused_options, serve_address
 from . import scoring
-from .printer import Printer
+from .printer import Printer, ReplyPrinter
 
 
 # Which options go together (k3cli.constraints), checked in this order before any work.
@@ -395,10 +395,14 @@ def _chat_mode(a, run, settings) -> None:
     """--chat: turns and commands from the terminal or stdin until /exit or end of input."""
     from libk3.run import chat_session, repl
     tok = run.session.tokenizer
+
+    def printer():                  # a model without a template continues text: raw
+        if run.chat().template is None:
+            return Printer(tok, settings.stop_strings)
+        return ReplyPrinter(tok, settings.stop_strings)
     with repl.Console(history=a.history) as console:
         chat_session.run_chat(run, settings, load_state=a.load_state,
-                              save_state=a.save_state,
-                              emit_factory=lambda: Printer(tok, settings.stop_strings),
+                              save_state=a.save_state, emit_factory=printer,
                               console=console, warn=lambda m: click.echo(m, err=True),
                               template_kwargs=a.template_kwargs, system=a.system)
 

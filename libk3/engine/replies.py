@@ -2,14 +2,15 @@
 
 Owns: the assistant message of a chat reply (parsed from its channels when the model
 has a template, its text otherwise), a completion's text, and the deltas a stream sends
-as tokens arrive (what changed since the last delta). Does not own: the parsing rules
-(``libk3.text.chat_parse``), where a stop sequence ends the text (``libk3.engine.stops``,
-the rule k3-run and batch results follow too) or HTTP.
+as tokens arrive (what changed since the last delta), for the server's streams and the
+chat REPL's printer alike. Does not own: the parsing rules (``libk3.text.chat_parse``),
+where a stop sequence ends the text (``libk3.engine.stops``, the rule k3-run and batch
+results follow too), HTTP or the terminal.
 """
 
 from __future__ import annotations
 
-from ..engine.stops import returned_pieces, returned_text
+from .stops import returned_pieces, returned_text
 from ..text.chat_parse import Reply, parse_reply
 
 REPLACEMENT = "\ufffd"          # a UTF-8 character whose last bytes have not arrived yet
@@ -35,12 +36,15 @@ class ReplyReader:
         holds no stop."""
         return returned_text(self.tokenizer, ids, self.stops, self.end_ids)
 
-    def delta(self, ids, final: bool = False) -> dict:
+    def delta(self, ids, final: bool = False, cut: bool = False) -> dict:
         """What a stream sends now: new reasoning and content text (``reasoning_content``,
         ``content``) and newly closed tool calls (``tool_calls`` with their index); {} when
         nothing is new. Text that would change what was already sent (an incomplete
-        character, a stop sequence still being written) waits."""
-        now = self.read(ids, final)
+        character, a stop sequence still being written) waits. ``cut``: the reply ends
+        here as it stands (a display's last delta): nothing waits, a channel still open
+        stays what it was streamed as, and a tag still being written is left out."""
+        now = self.read(ids, final and not cut)
+        final = final or cut
         out = {}
         for key, attr in (("reasoning_content", "reasoning"), ("content", "content")):
             grown = self._grown(getattr(self.sent, attr) or "", getattr(now, attr) or "", final)
