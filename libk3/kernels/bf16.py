@@ -28,7 +28,7 @@ from ._simd import vstore, vwiden
 
 # Columns of a block of rows widened to float64 at once, then applied to every token of
 # the call; GROUPS four-row groups share each span of the tokens (bench/README.md
-# "Kernels at the real dimensions").
+# "Arithmetic").
 SPAN = 256
 GROUPS = 4
 # From this many tokens on, matmul widens each weight once for all of them.
@@ -63,29 +63,29 @@ def matvec(W, x, y):
 
 
 @njit(cache=True, inline="always")
-def _rows_widened(W, X64, Xf, Y, g0, mg, Wb, acc, span):
+def _rows_widened(W, X64, Xf, Y, g0, mg, Wb, acc):
     """Rows 4 * g0 .. 4 * (g0 + mg) - 1 (mg four-row groups) for every token: each SPAN of
     these rows is widened to float64 once into Wb and applied to all tokens, two at a
-    time and every four-row group in turn (the tokens' span stays in L1 across the
+    time and every four-row group in turn (the tokens' SPAN stays in L1 across the
     groups); lane vectors wait in acc between spans; then the reduction and the tail of
     ``dot16`` per (token, row)."""
     T, I = Xf.shape
     n16 = I - I % 16
     pairs = T // 2
     acc[:] = 0.0
-    for k0 in range(0, n16, span):
-        n = min(span, n16 - k0)
+    for k0 in range(0, n16, SPAN):
+        n = min(SPAN, n16 - k0)
         for r in range(4 * mg):
             row = W[4 * g0 + r]
             for i in range(0, n, 8):
-                vstore(Wb, r * span + i, vwiden(row, k0 + i))
+                vstore(Wb, r * SPAN + i, vwiden(row, k0 + i))
         for p in range(pairs):
             for m in range(mg):
-                span_x4_t2(Wb[4 * m * span:], span, X64, 2 * p * I + k0, (2 * p + 1) * I + k0,
+                span_x4_t2(Wb[4 * m * SPAN:], SPAN, X64, 2 * p * I + k0, (2 * p + 1) * I + k0,
                            n, acc, 128 * (p * mg + m))
         if T % 2:
             for m in range(mg):
-                span_x4_t1(Wb[4 * m * span:], span, X64, (T - 1) * I + k0, n, acc,
+                span_x4_t1(Wb[4 * m * SPAN:], SPAN, X64, (T - 1) * I + k0, n, acc,
                            128 * pairs * mg + 64 * m)
     for t in range(T):
         for r in range(4 * mg):
@@ -98,7 +98,7 @@ def _rows_widened(W, X64, Xf, Y, g0, mg, Wb, acc, span):
             Y[t, o] = np.float32(finish16(acc, at, W[o], Xf[t], n16, I))
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def matmul(W, X, Y):
     """Y[t, o] = matvec(W, X[t])[o] for every token t, bit for bit.
 
@@ -111,28 +111,18 @@ def matmul(W, X, Y):
     T = X.shape[0]
     if X.shape[1] != I or Y.shape[0] != T or Y.shape[1] != O:
         raise ValueError("matmul: W is [O, I], X must be [T, I] and Y [T, O]")
-    _matmul(W, X, Y, SPAN, GROUPS)
-
-
-@njit(cache=True, parallel=True)
-def _matmul(W, X, Y, span, per_block):
-    """``matmul`` with its blocking as arguments (``bench/accumulation.py`` tries others):
-    ``span`` columns (a multiple of 16) of ``per_block`` four-row groups widened at once."""
-    O, I = W.shape
-    T = X.shape[0]
     groups = O // 4
-    once = T >= WIDEN_ONCE_FROM
-    X64 = X.astype(np.float64).reshape(-1) if once else np.empty(0)
     nt = team.narrow(W.nbytes * T)
-    blocks = (groups + per_block - 1) // per_block if once else 0
-    for b in prange(blocks):
-        mg = min(per_block, groups - per_block * b)
-        _rows_widened(W, X64, X, Y, per_block * b, mg, np.empty(4 * per_block * span),
-                      np.empty(64 * per_block * (T + 1)), span)
-    for g in prange(groups + 1):
-        if g < groups and once:
-            continue
-        elif g < groups:
+    first = 0                                  # the first four-row group the pair path takes
+    if T >= WIDEN_ONCE_FROM:
+        X64 = X.astype(np.float64).reshape(-1)
+        for b in prange((groups + GROUPS - 1) // GROUPS):
+            mg = min(GROUPS, groups - GROUPS * b)
+            _rows_widened(W, X64, X, Y, GROUPS * b, mg, np.empty(4 * GROUPS * SPAN),
+                          np.empty(64 * GROUPS * (T + 1)))
+        first = groups                         # only the rows past the last group are left
+    for g in prange(first, groups + 1):
+        if g < groups:
             o = 4 * g
             for t in range(0, T - 1, 2):
                 a0, a1, a2, a3, b0, b1, b2, b3 = dot16_x4_t2(W[o], W[o + 1], W[o + 2],

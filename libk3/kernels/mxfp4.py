@@ -261,8 +261,6 @@ def _matmul_into(packed, scales, X64, Y):
     the tokens eight at a time in the lanes (``_block_lanes``), the rest in tiles."""
     R = packed.shape[0]
     T, C = X64.shape
-    G = C // MXFP4_GROUP
-    half = C // 2
     blocks = R // 8 if HAVE_PSHUFB else 0
     P = packed.reshape(-1)
     S = scales.reshape(-1)
