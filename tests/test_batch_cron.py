@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from libk3.run import runner
+from libk3.run import batch_run, runner
 from libk3.io.filelock import FileLock, holder_pid
 from .scripts import k3, k3_here
 
@@ -197,17 +197,17 @@ def test_batch_deadline_abandons_prompt_in_flight_and_rerun_completes(tiny_dir, 
         clock.tick()
         return real(self, segments)
     monkeypatch.setattr(forward_mod.Forward, "run", timed)
-    limits = runner.BatchLimits(deadline=30.0, clock=clock, started=0.0)
-    s = runner.run_batch(opts, batch, r, base, warn, limits)
+    limits = batch_run.BatchLimits(deadline=30.0, clock=clock, started=0.0)
+    s = batch_run.run_batch(opts, batch, r, base, warn, limits)
     assert s["stopped"] == "deadline" and 0 < s["done"] < 4 and s["cut_off"] > 0
     assert s["done"] + s["remaining"] == 4
     monkeypatch.setattr(forward_mod.Forward, "run", real)
     first = result_ids(r)
     assert sorted(first) == [f"p{i}" for i in range(s["done"])]
-    s2 = runner.run_batch(opts, batch, r, base, warn)
+    s2 = batch_run.run_batch(opts, batch, r, base, warn)
     assert (s2["done"], s2["skipped"], s2["stopped"]) == (4 - len(first), len(first), None)
     ref = tmp_path / "ref.jsonl"
-    runner.run_batch(opts, batch, ref, base, warn)
+    batch_run.run_batch(opts, batch, ref, base, warn)
     gen_ids = lambda p: {json.loads(x)["id"]: json.loads(x)["generated_ids"]  # noqa: E731
                          for x in p.read_text().splitlines()}
     assert gen_ids(r) == gen_ids(ref)

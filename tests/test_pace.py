@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libk3.run import runner
+from libk3.run import batch_run, runner
 from libk3.engine.generate import GenSettings
 from libk3.engine.lockstep import Job, Lockstep
 from libk3.engine.pace import SAFETY, Pace, Work
@@ -129,8 +129,8 @@ def test_deadline_ticks_always_finish_prompts(tiny_dir, tmp_path, monkeypatch, w
     span = 12 * 12 * 1.3 / 3 / (1 if width == 1 else 2)
     ticks = []
     while len(ticks) < 6:
-        limits = runner.BatchLimits(deadline=clock.t + span, clock=clock, started=clock.t)
-        s = runner.run_batch(opts, batch, r, base, [].append, limits)
+        limits = batch_run.BatchLimits(deadline=clock.t + span, clock=clock, started=clock.t)
+        s = batch_run.run_batch(opts, batch, r, base, [].append, limits)
         ticks.append((s["done"], s["cut_off"], s["discarded_tokens"]))
         assert clock.t <= limits.deadline
         if s["stopped"] is None:
@@ -138,7 +138,7 @@ def test_deadline_ticks_always_finish_prompts(tiny_dir, tmp_path, monkeypatch, w
     assert all(done > 0 and cut == 0 and lost == 0 for done, cut, lost in ticks), ticks
     assert 2 <= len(ticks) <= 4, ticks
     ref = tmp_path / "ref.jsonl"
-    runner.run_batch(opts, batch, ref, base, [].append)
+    batch_run.run_batch(opts, batch, ref, base, [].append)
     assert _gen_ids(r) == _gen_ids(ref)
 
 
@@ -151,8 +151,8 @@ def test_deadline_too_short_for_one_prompt_says_what_it_would_need(tiny_dir, tmp
     clock = Clock()
     _fake_time(monkeypatch, clock, 1.0, 0.0)
     said = []
-    s = runner.run_batch(opts, batch, r, base, said.append,
-                         runner.BatchLimits(deadline=60.0, clock=clock, started=0.0))
+    s = batch_run.run_batch(opts, batch, r, base, said.append,
+                         batch_run.BatchLimits(deadline=60.0, clock=clock, started=0.0))
     assert (s["done"], s["stopped"], s["remaining"]) == (0, "deadline", 2)
     assert len(said) == 1 and "'p0'" in said[0] and "at least 4 min" in said[0], said
 
@@ -171,8 +171,8 @@ def test_deadline_tick_too_short_to_measure_says_what_would_fit(tiny_dir, tmp_pa
     clock = Clock()
     _fake_time(monkeypatch, clock, 1.0, 0.0)
     said = []
-    s = runner.run_batch(opts, batch, r, base, said.append,
-                         runner.BatchLimits(deadline=2.5, clock=clock, started=0.0))
+    s = batch_run.run_batch(opts, batch, r, base, said.append,
+                         batch_run.BatchLimits(deadline=2.5, clock=clock, started=0.0))
     assert (s["done"], s["stopped"], s["remaining"]) == (0, "deadline", 2), s
     assert s["cut_off"] == 1, s
     assert len(said) == 1 and "'p0'" in said[0] and "at least 4 min" in said[0], said
@@ -191,7 +191,7 @@ def test_deadline_admission_widens_one_lane_at_a_time_until_the_width_is_priced(
     base = runner.settings_from(gen=12, temperature=0.0, top_p=1.0, seed=0)
     clock = Clock()
     _fake_time(monkeypatch, clock, 0.1, 1.0)             # a pass costs its tokens
-    limits = runner.BatchLimits(deadline=60.0, clock=clock, started=0.0)
-    s = runner.run_batch(opts, batch, r, base, [].append, limits)
+    limits = batch_run.BatchLimits(deadline=60.0, clock=clock, started=0.0)
+    s = batch_run.run_batch(opts, batch, r, base, [].append, limits)
     assert (s["cut_off"], s["discarded_tokens"]) == (0, 0), s
     assert s["done"] >= 2 and clock.t <= 60.0, (s["done"], clock.t)

@@ -5,7 +5,7 @@ would, or in a ``Lockstep`` of the run's width), writing its result line as it f
 the progress bar, and the batch's aggregate figures (width, tokens/s, trunk and expert
 bytes read per generated token, expert union per MoE layer, per-prompt tokens and times).
 Does not own: reading or validating the batch file, skipping finished ids, sharding
-(``runner.run_batch``, ``batch``), the scheduler (``lockstep``), the run report
+(``batch_run.run_batch``, ``batch``), the scheduler (``lockstep``), the run report
 (``report``).
 """
 
@@ -26,7 +26,7 @@ STARTED, ABANDONED, NO_TIME = "started", "abandoned", "no time"
 
 
 class BatchSink:
-    """``limits`` (``runner.BatchLimits``) with a deadline: admit a prompt only when this
+    """``limits`` (``batch_run.BatchLimits``) with a deadline: admit a prompt only when this
     run's pace says it and every prompt in flight finish before it (``pace``), and drop
     what is still in flight once it has passed; such a run goes through the lockstep
     scheduler even at width 1, which is how its passes are timed."""

@@ -433,11 +433,11 @@ def _prompt_mode(a, run, settings) -> None:
 
 def _batch_mode(a, opts, settings, started: float) -> None:
     """--batch: the whole file (or what the limits allow), then its summary."""
-    from libk3.run import runner
-    limits = runner.BatchLimits(
+    from libk3.run import batch_run
+    limits = batch_run.BatchLimits(
         max_prompts=a.max_prompts, wait=a.wait, started=started,
         deadline=None if a.deadline is None else started + 60.0 * a.deadline)
-    summary = runner.run_batch(opts, a.batch, a.out_path, settings,
+    summary = batch_run.run_batch(opts, a.batch, a.out_path, settings,
                                warn=lambda m: click.echo(m, err=True), limits=limits,
                                shard=a.shard)
     _verbose(a, summary)
