@@ -224,9 +224,9 @@ def test_doctor_recommends_the_width_that_reads_least_trunk_per_token():
     """Catches a batch recommendation that follows the single-prompt pick (the largest
     preset, where few sequences fit and each token streams most of the trunk): with 32 GB
     for Kimi K3 it is the laptop budget at the width that fits beside it."""
-    from libk3.doctor import report as doctor
+    from libk3.doctor import advice
     sizes = _real()
-    d = doctor.decide(sizes, 32 * 10 ** 9)
+    d = advice.decide(sizes, 32 * 10 ** 9)
     laptop = d["presets"]["laptop"]
     budget = Budget(laptop["budget"]["trunk_bytes"], laptop["budget"]["cache_bytes"], None, ())
     w = batch_width(budget, sizes, 32 * 10 ** 9, "auto", held=BATCH_SNAPSHOTS)[0]

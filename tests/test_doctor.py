@@ -18,7 +18,9 @@ import yaml
 
 from libk3 import budget
 from libk3.machine import cpus as hwcpus, memory as hwmem, storage as hwstore
+from libk3.doctor import advice
 from libk3.doctor import report as doctor
+from libk3.doctor.render import render_text
 from libk3.doctor import timing
 from libk3.errors import BudgetError, FormatError, UsageError
 from libk3.io.checkpoint import Checkpoint
@@ -354,7 +356,7 @@ def test_doctor_small_measures_disk_and_estimates_every_preset(small_dir, tmp_pa
     assert _probe_files(small_dir) == [] and not (tmp_path / "pack").exists()
     assert _probe_files(probe_tmp) == []
     json.dumps(rep)                                   # JSON-ready
-    assert "== verdict: this machine can run" in doctor.render_text(rep)
+    assert "== verdict: this machine can run" in render_text(rep)
 
 
 def test_doctor_missing_shard_fails_naming_the_shard(tiny_copy, tmp_path):
@@ -457,7 +459,7 @@ def test_doctor_refuses_4gb_for_real_sparse_but_not_for_tiny(real_sparse):
     """Catches a memory check that passes any machine, or one that refuses models that
     do fit (the tiny control)."""
     _, diag = real_sparse
-    dec = doctor.decide(diag.sizes, hwmem.assumed_memory(4 * 10**9))
+    dec = advice.decide(diag.sizes, hwmem.assumed_memory(4 * 10**9))
     assert dec["pick"] is None
     assert [p for p in dec["problems"] if p.startswith("memory:") and "smallest working" in p]
     tiny = doctor.diagnose(FIXTURE, quick=True, memory=hwmem.assumed_memory(4 * 10**9))
@@ -479,7 +481,7 @@ def test_doctor_estimate_follows_the_stated_formula(real_sizes):
     """Catches an estimate that ignores pinning, the cache, or the kernels."""
     b = budget.resolve_budget("laptop", model_sizes=real_sizes)
     k = {"bf16_bytes_per_s": 1e10, "mxfp4_bytes_per_s": 2e10, "source": "test"}
-    est = doctor.estimate(real_sizes, b, 2e9, 1e9, k)
+    est = advice.estimate(real_sizes, b, 2e9, 1e9, k)
     hit = (b.cache_bytes // real_sizes.expert_slot_bytes) / 82_432
     assert est["expert_hit_rate"] == pytest.approx(hit)
     assert est["trunk_io_s"] == pytest.approx(real_sizes.trunk_bytes / 2e9)
@@ -487,10 +489,10 @@ def test_doctor_estimate_follows_the_stated_formula(real_sizes):
     want_compute = ((real_sizes.bf16_trunk_bytes + real_sizes.lm_head_bytes) / 1e10
                     + 92 * 16 * 17_547_264 / 2e10)
     assert est["compute_s"] == pytest.approx(want_compute)
-    srv = doctor.estimate(real_sizes, budget.resolve_budget("server", model_sizes=real_sizes),
+    srv = advice.estimate(real_sizes, budget.resolve_budget("server", model_sizes=real_sizes),
                           2e9, 1e9, k)
     assert srv["trunk_io_s"] == 0 and srv["seconds_per_token"] < est["seconds_per_token"]
-    assert doctor.estimate(real_sizes, b, None, None, k) is None
+    assert advice.estimate(real_sizes, b, None, None, k) is None
 
 
 def _wait_for_probe(d: Path, proc, full_size=None, timeout=60.0) -> Path:
@@ -704,7 +706,7 @@ def test_doctor_kernel_timings_far_apart_are_unreliable_with_a_range(monkeypatch
     assert "kernel timings are unreliable: two bf16 timings 1.00 and 3.00 GB/s" \
         in rep["warnings"]
     assert json.loads(json.dumps(rep))["kernels"]["unreliable"] == k["unreliable"]
-    text = doctor.render_text(rep)
+    text = render_text(rep)
     assert ("unreliable (two bf16 timings 1.00 and 3.00 GB/s): measured twice, BF16 "
             "1,000 MB/s to 3,000 MB/s, MXFP4 2,000 MB/s to 2,100 MB/s") in text
     assert "load: the CPUs were free" in text and "busy" not in text
@@ -718,7 +720,7 @@ def test_doctor_idle_machine_and_close_timings_say_nothing(monkeypatch):
     rep = doctor.diagnose(None, memory=hwmem.assumed_memory(16 * 10**9)).report
     assert rep["kernels"]["unreliable"] is None and rep["machine"]["load"]["busy"] == []
     assert not [w for w in rep["warnings"] if "busy" in w or "unreliable" in w]
-    text = doctor.render_text(rep)
+    text = render_text(rep)
     assert "load: the CPUs were free" in text
     assert "unreliable" not in text and "busy" not in text
 
@@ -745,21 +747,21 @@ def test_doctor_compression_advice_both_ways(real_sizes):
     k = {"bf16_bytes_per_s": 1e10, "mxfp4_bytes_per_s": 2e10, "source": "test"}
     dec = {"decode_bytes_per_s": 4e9, "fraction": 0.67}
 
-    def advice(mem_gb, seq_bps):
-        d = doctor.decide(real_sizes, hwmem.assumed_memory(int(mem_gb * 1e9)),
+    def advice_at(mem_gb, seq_bps):
+        d = advice.decide(real_sizes, hwmem.assumed_memory(int(mem_gb * 1e9)),
                           seq_bps=seq_bps, rand_bps=1e9, kernels=k)
-        return doctor.compression_advice(d["presets"][d["pick"]]["estimate"], seq_bps, dec)
+        return advice.compression_advice(d["presets"][d["pick"]]["estimate"], seq_bps, dec)
 
-    slow = advice(8, 1e9)
+    slow = advice_at(8, 1e9)
     assert slow["recommend"] is True
     streamed = slow["trunk_streamed_bytes"]
     assert slow["seconds_per_token_raw"] - slow["seconds_per_token_compressed"] == \
         pytest.approx(streamed / 1e9 - max(0.67 * streamed / 1e9, streamed / 4e9))
-    fast = advice(8, 8e9)
+    fast = advice_at(8, 8e9)
     assert fast["recommend"] is False and "would not beat" in fast["why"]
-    pinned = advice(2000, 1e9)
+    pinned = advice_at(2000, 1e9)
     assert pinned["recommend"] is False and pinned["trunk_streamed_bytes"] == 0
-    assert doctor.compression_advice(None, 1e9, dec)["recommend"] is None
+    assert advice.compression_advice(None, 1e9, dec)["recommend"] is None
 
 
 def test_doctor_cli_recommends_compressing_with_a_slow_disk_override(small_dir, tmp_path,
@@ -809,8 +811,8 @@ def test_doctor_counts_a_draft_and_says_whether_drafting_pays(tmp_path):
                    "expert_compute_s": 1.0, "seconds_per_token": 26.0}
     expert_bound = dict(trunk_bound, trunk_io_s=0.0, dense_compute_s=0.2, expert_io_s=9.0,
                         seconds_per_token=10.2)
-    yes = doctor.drafting_advice(trunk_bound, 10**9, 10**9, kernels, 7)
-    no = doctor.drafting_advice(expert_bound, 10**9, 10**9, kernels, 7)
+    yes = advice.drafting_advice(trunk_bound, 10**9, 10**9, kernels, 7)
+    no = advice.drafting_advice(expert_bound, 10**9, 10**9, kernels, 7)
     assert yes["pays"] and yes["rows"][1]["proposals"] > 0 and yes["rows"][1]["vs_plain"] < 0.6
     assert [r["vs_plain"] for r in yes["rows"]] == sorted(r["vs_plain"] for r in yes["rows"])[::-1]
     assert no["rows"][1]["vs_plain"] > yes["rows"][1]["vs_plain"]

@@ -59,7 +59,8 @@ def main(model, pack_dir, draft, json_out, quick, compile_only, assume_memory_gb
         return
     precompile.prepare(["probe"], show=not quiet)
 
-    from libk3.doctor.report import diagnose, render_text
+    from libk3.doctor.render import render_text
+    from libk3.doctor.report import diagnose
     from libk3.machine.memory import probe_memory
 
     mem = probe_memory(None if assume_memory_gb is None else int(assume_memory_gb * 1e9))
