@@ -22,6 +22,7 @@ LAYERS = (
     ("libk3.trace",),
     ("libk3.synth",),
     ("libk3.engine",),
+    ("libk3.request",),
     ("libk3.run",),
     ("libk3.doctor", "libk3.serve"),
 )

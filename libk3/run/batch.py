@@ -10,10 +10,12 @@ with the model's chat template, formats/chat.md), optional "gen", "stop" (str or
 str), "stop_ids" ([int]) and the sampling fields "temperature", "top_p", "top_k",
 "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
 "logit_bias" ({"id": bias}) and "response_format" (OpenAI's: {"type": "json_object"} or
-{"type": "json_schema", "json_schema": {"schema": {...}}}, ``grammar``)}. The settings follow the same rules as the options
+{"type": "json_schema", "json_schema": {"schema": {...}}}, ``grammar``)}: a
+``request.model.Generation`` with an id (``BatchLine``), each field checked by its rule
 (``settings.gen_or_until_end_problem``, ``settings.SAMPLING_RULES``,
-``settings.logit_bias_problem``). A malformed line, or one with a bad setting, is reported
-with its line number and skipped; it never stops the batch.
+``settings.logit_bias_problem``); any other field is refused with the wording every
+surface gives it (``request.fields.refusal``). A malformed line, or one with a bad
+setting, is reported with its line number and skipped; it never stops the batch.
 Lines are split on b"\n" only (U+2028 and U+2029 are legal inside a JSON string, and a
 trailing \r is JSON whitespace) and each is decoded as strict UTF-8: invalid bytes are
 that line's error, never replaced; so is a string the JSON escapes into a lone surrogate
@@ -34,41 +36,36 @@ escaped) is also the key that finished ids are matched by: "7" and 7 are differe
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import sys
 import os
 import stat
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
 
 from ..errors import FormatError, K3IOError
 from ..io.atomic import write_error
 from ..io.bounded import bounded_lines
-from ..text.chat_request import conversation_problem
 from ..text.encodable import TextError, decode_text, field_problem
 from ..engine.generate import GenSettings
-from ..engine.grammar import response_format_problem
-from ..engine.schema_check import request_vendor_key
-from ..engine.settings import (SAMPLING_RULES, gen_or_until_end_problem, logit_bias_pairs,
-                               logit_bias_problem, stop_strings_problem, token_ids_problem)
+from ..request.model import Generation, Problem, _rule, check
+from ..request.settings import settings_over
 
-_RULES = {"gen": gen_or_until_end_problem, **SAMPLING_RULES}
 RESULT_KEYS = ("id", "line", "prompt_ids", "generated_ids")
-# every field a line may hold (formats/batch.md); any other skips the line, naming it
-FIELDS = ("id", "prompt", "ids", "messages", "tools", "template_kwargs", "stop", "stop_ids",
-          "logit_bias", "response_format", *_RULES)
-# the server's fields a batch line does not implement: why, and what to write instead
-NOT_IN_BATCH = {
-    "max_tokens": "the batch field is \"gen\"",
-    "max_completion_tokens": "the batch field is \"gen\"",
-    "n": "one result per line: give each choice a line of its own with its \"seed\"",
-    "logprobs": "result lines carry no log-probabilities (--logits-out gives a prompt's)",
-    "top_logprobs": "result lines carry no log-probabilities (--logits-out gives a prompt's)",
-    "tool_choice": "batch lines do not enforce tool calls (the server does)",
-    "parallel_tool_calls": "batch lines do not enforce tool calls (the server does)",
-    "chat_template_kwargs": "the batch field is \"template_kwargs\"",
-}
+
+
+def _id_problem(value):
+    ok = isinstance(value, (str, int)) and not isinstance(value, bool)
+    return None if ok else "must be a string or an integer"
+
+
+class BatchLine(Generation):
+    """A batch line: a generation request (``Generation``, k3's field names) with its
+    ``id``; no other field (``request.fields.BATCH``)."""
+    id: Annotated[str | int, _rule(_id_problem, (str, int))] = Field(None, validate_default=True)
 
 
 class BatchLineError(ValueError):
@@ -127,75 +124,20 @@ def parse_line(line: bytes, vocab_size: int) -> dict:
     bad = field_problem(obj)            # a "\ud800" escape: refused here, not mid-batch
     if bad:
         raise BatchLineError(bad[1])
-    unknown = field_refused(obj)
-    if unknown:
-        raise BatchLineError(unknown)
-    if "id" not in obj or not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
-        raise BatchLineError("missing or invalid \"id\" (a string or integer)")
-    has_prompt, has_ids = "prompt" in obj, "ids" in obj
-    if has_prompt + has_ids + ("messages" in obj) != 1:
+    try:
+        line = check(BatchLine, obj, "batch", vocab_size=vocab_size, until_end=True)
+    except Problem as e:
+        raise BatchLineError(e.message) from None
+    if (line.prompt is not None) + (line.ids is not None) + ("messages" in obj) != 1:
         raise BatchLineError("give exactly one of \"prompt\", \"ids\" and \"messages\"")
-    why = conversation_problem(obj) if "messages" in obj else None
-    if why:
-        raise BatchLineError(why)
-    if has_prompt and (not isinstance(obj["prompt"], str) or not obj["prompt"]):
-        raise BatchLineError("\"prompt\" must be a non-empty string")
-    if has_ids and (not obj["ids"] or token_ids_problem(obj["ids"], vocab_size)):
-        raise BatchLineError(f"\"ids\" must be a non-empty list of ids in 0..{vocab_size - 1}")
-    for key, problem in _RULES.items():
-        why = problem(obj[key]) if key in obj else None
-        if why:
-            raise BatchLineError(f"\"{key}\": {why}")
-    stop = obj.get("stop", [])
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or stop_strings_problem(stop):
-        raise BatchLineError("\"stop\" must be a non-empty string or a list of them")
-    obj["stop"] = stop
-    if "stop_ids" in obj and (not isinstance(obj["stop_ids"], list)
-                              or token_ids_problem(obj["stop_ids"], vocab_size)):
-        raise BatchLineError(f"\"stop_ids\" must be a list of ids in 0..{vocab_size - 1}")
-    why = logit_bias_problem(obj["logit_bias"], vocab_size, json_only=True) \
-        if "logit_bias" in obj else None
-    if why:
-        raise BatchLineError(f"\"logit_bias\": {why}")
-    why = response_format_problem(obj["response_format"]) \
-        if obj.get("response_format") is not None else None
-    if why:
-        raise BatchLineError(f"\"response_format\": {why}")
-    vendor = request_vendor_key(None, obj.get("tools"))
-    if vendor:
-        raise BatchLineError(f"\"{vendor[0]}\": {vendor[1]}")
-    return obj
-
-
-def field_refused(obj: dict) -> str | None:
-    """Why a line's first field k3 would not use is refused (naming it, and what to write
-    instead when it is the server's or looks misspelt), or None: no field is ignored."""
-    import difflib
-    for key in obj:
-        if key in FIELDS:
-            continue
-        if key in NOT_IN_BATCH:
-            return f"\"{key}\" is not implemented in batch lines: {NOT_IN_BATCH[key]}"
-        near = difflib.get_close_matches(str(key), FIELDS, n=1, cutoff=0.8)
-        hint = f" (did you mean \"{near[0]}\"?)" if near else ""
-        return f"unknown field {json.dumps(key)}{hint}; formats/batch.md lists the fields"
-    return None
+    return {**obj, "stop": list(line.stop)}
 
 
 def job_settings(job: dict, base: GenSettings) -> GenSettings:
-    """A parsed line's settings over the run's: each field the line gives replaces the
-    option's (a "logit_bias" the whole of --logit-bias, {} none; a "response_format" that
-    of --response-format, {"type": "text"} none)."""
-    given = {key: job[key] for key in _RULES if key in job}
-    if "logit_bias" in job:
-        given["logit_bias"] = logit_bias_pairs(job["logit_bias"])
-    if job.get("response_format") is not None:
-        given["response_format"], given["grammar"] = job["response_format"], None
-    return dataclasses.replace(
-        base, **given, stop_strings=tuple(job["stop"]) or base.stop_strings,
-        stop_ids=tuple(job.get("stop_ids", base.stop_ids)))
+    """A parsed line's settings over the run's (``request.settings.settings_over``): each
+    field the line gives replaces the option's (a "logit_bias" the whole of --logit-bias,
+    {} none; a "response_format" that of --response-format, {"type": "text"} none)."""
+    return settings_over(job, base)
 
 
 _BAD = object()        # what _json returns for a line that is not JSON
