@@ -8,8 +8,8 @@ of reasoning, text or a tool call) and Anthropic's error body. Does not own: rou
 queueing and generation (``app``, ``worker``), rendering and parsing conversations
 (``libk3.text``), the stop rule (``libk3.engine.stops``), the OpenAI shapes (``protocol``).
 
-The rules are ``protocol``'s: a field k3 does not implement is refused naming it (400),
-never silently ignored, unless it cannot change the reply (``metadata``; ``cache_control``
+The rules are ``protocol``'s: a field k3 does not implement is refused naming it (400,
+in the words of ``request.fields.refusal``), never silently ignored, unless it cannot change the reply (``metadata``; ``cache_control``
 on a block or tool: k3 reuses prompt prefixes by itself, formats/chat.md "Reuse of
 earlier turns"); a field k3 uses with the wrong type or range is refused (422).
 docs/serve.md "Anthropic's Messages API" lists the fields and the mapping.
@@ -22,14 +22,17 @@ import json
 
 from ..engine.tool_grammar import tool_choice_problem
 from ..engine.schema_check import request_vendor_key
-from ..engine.settings import SAMPLING_RULES, gen_problem, temperature_problem, top_p_problem
 from ..engine.stops import StopText
-from .protocol import MAX_STOP, ApiError, Request, _field, _is_int, _rule
+from ..request.fields import ANTHROPIC as READ
+from ..request.fields import ANTHROPIC_IGNORED as IGNORED
+from ..request.fields import refusal
+from ..request.model import Generation, Problem, check, named
+from .protocol import MAX_STOP, ApiError, Request, _field, _is_int, api_error
 
 PATH = "/v1/messages"
-READ = {"model", "max_tokens", "messages", "system", "tools", "tool_choice",
-        "stop_sequences", "temperature", "top_p", "top_k", "stream", "thinking"}
-IGNORED = {"metadata"}               # bookkeeping: never changes the reply
+# the sampling and length fields, checked by ``request.model.Generation``: theirs -> k3's
+GENERATION = {"max_tokens": "gen", "temperature": "temperature", "top_p": "top_p",
+              "top_k": "top_k", "stop_sequences": "stop"}
 # Keys each block or tool may carry; "cache_control" is a caching hint (ignored: k3
 # reuses prefixes by itself), "citations" null is a text block's "none".
 BLOCK_KEYS = {"text": {"type", "text", "cache_control", "citations"},
@@ -299,17 +302,21 @@ def check_request(body: dict) -> MessagesRequest:
     """The body of POST /v1/messages, checked and converted (ApiError when refused)."""
     for name, value in body.items():
         if name not in READ and name not in IGNORED and value is not None:
-            _refuse(f"'{name}' is not implemented by k3; leave it out (docs/serve.md "
-                    "\"Anthropic's Messages API\" lists the fields)", name)
+            _refuse(refusal(name, "anthropic"), name)
     req = MessagesRequest(chat=True)
     req.model = _field(body, "model", lambda v: isinstance(v, str), "a string")
     if body.get("max_tokens") is None:
         raise ApiError(400, "'max_tokens' is required", param="max_tokens",
                        code="missing_field")
-    req.max_tokens = _field(body, "max_tokens", _is_int, "an integer")
-    why = gen_problem(req.max_tokens) or (req.max_tokens < 1 and "max_tokens must be >= 1")
-    if why:
-        raise ApiError(422, f"'max_tokens': {why}", param="max_tokens", code="invalid_value")
+    _field(body, "stop_sequences", lambda v: isinstance(v, list), "a list of strings")
+    given = {k3: body[theirs] for theirs, k3 in GENERATION.items()
+             if body.get(theirs) is not None}
+    try:
+        gen = check(Generation, given, "anthropic", max_stop=MAX_STOP, min_gen=1)
+    except Problem as e:
+        raise api_error(named(e, {k3: theirs for theirs, k3 in GENERATION.items()})) from None
+    req.max_tokens, req.stop = gen.gen, gen.stop
+    req.generation = {**{k: v for k, v in given.items() if k != "stop"}, "stop": gen.stop}
     req.messages = _messages(body)
     req.tools = _tools(body.get("tools"))
     vendor = request_vendor_key(None, req.tools)
@@ -318,15 +325,6 @@ def check_request(body: dict) -> MessagesRequest:
                 "tools")
     _tool_choice(body.get("tool_choice"), req)
     req.reasoning_effort, req.think_budget = _thinking(body, req.max_tokens)
-    req.temperature = _rule(body, "temperature", temperature_problem)
-    req.top_p = _rule(body, "top_p", top_p_problem)
-    top_k = _rule(body, "top_k", SAMPLING_RULES["top_k"])
-    if top_k is not None:
-        req.sampling["top_k"] = top_k
-    stop = _field(body, "stop_sequences", lambda v: isinstance(v, list) and len(v) <= MAX_STOP
-                  and all(isinstance(s, str) and s for s in v),
-                  f"a list of at most {MAX_STOP} non-empty strings")
-    req.stop = tuple(stop or ())
     req.stream = bool(_field(body, "stream", lambda v: isinstance(v, bool), "a boolean"))
     return req
 

@@ -38,7 +38,7 @@ import signal
 import time
 import uuid
 
-from ..run.batch import job_settings
+from ..request.settings import settings_over
 from ..errors import K3Error, UsageError
 from ..text.encodable import text_problem
 from .protocol import (ApiError, chat_logprobs, check_model, completion_logprobs, envelope,
@@ -404,20 +404,13 @@ class Server:
         return settings if grammar is None else dataclasses.replace(settings, grammar=grammar)
 
     def _settings(self, req):
-        fields = {"gen": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                  "seed": req.seed}
-        job = {k: v for k, v in fields.items() if v is not None}
-        job.update(req.sampling)
-        job["stop"] = list(req.stop)
-        if req.response_format is not None:
-            job["response_format"] = req.response_format
         if req.stop and self.run.session.tokenizer is None:
             raise ApiError(422, "'stop' needs the model's tokenizer", param="stop")
         if (req.logprobs is not None or req.echo) and self.run.session.tokenizer is None:
             raise ApiError(422, "'logprobs' and 'echo' need the model's tokenizer (a token's "
                                 "text)", param="logprobs" if req.logprobs is not None else "echo")
         # a format is compiled once per schema text (on this CPU thread) and enforced
-        return self.run.structured(self.run.until_end(job_settings(job, self.base)))
+        return self.run.structured(self.run.until_end(settings_over(req.generation, self.base)))
 
     async def _answer(self, request, req, ids, settings, reader, preamble):
         loop = asyncio.get_running_loop()

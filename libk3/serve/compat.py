@@ -15,6 +15,7 @@ import datetime
 import json
 
 from .. import __version__
+from ..request.fields import refusal
 from .protocol import ApiError
 
 # llama-server /completion field -> OpenAI field (n_predict and seed below)
@@ -53,9 +54,12 @@ def served_name(name, served: str):
     return name
 
 
-def _refuse(field: str, why: str = "is not supported by k3"):
-    raise ApiError(400, f"{field!r} {why} (docs/serve.md lists the fields)", param=field,
-                   code="unsupported_field")
+def _refuse(field: str, why: str | None = None):
+    """400 naming ``field``; without a ``why``, in the words every surface refuses a field
+    with (``request.fields.refusal``)."""
+    message = refusal(field, "openai") if why is None else \
+        f"{field!r} {why} (docs/serve.md lists the fields)"
+    raise ApiError(400, message, param=field, code="unsupported_field")
 
 
 def _seed(value, out: dict) -> None:

@@ -5,10 +5,12 @@ OpenAI-style error body), and building the response objects and stream chunks.
 Does not own: sockets and routing (``app``), queueing and generation (``worker``),
 rendering and parsing conversations (``libk3.engine.chat_*``).
 
-A field k3 does not implement is refused (400 naming it, ``unsupported_field``), unless
-it cannot change the reply: ``IGNORED`` fields, and ``NEUTRAL`` fields given their
-do-nothing value (``logprobs`` false, ``best_of`` 1, ...). A field k3 uses with
-the wrong type or range is refused (422). Either way a request never runs with settings
+A field k3 does not implement is refused (400 naming it, ``unsupported_field``, in the
+words every surface uses: ``request.fields.refusal``), unless it cannot change the reply:
+``IGNORED`` fields, and ``NEUTRAL`` fields given their do-nothing value (``logprobs``
+false, ``best_of`` 1, ...). The fields a generation request shares with batch lines are
+checked by ``request.model.Generation`` (one rule per field); a field k3 uses with the
+wrong type or range is refused (422). Either way a request never runs with settings
 other than those asked for. The sampling fields beyond OpenAI's (``top_k``, ``min_p``,
 ``repetition_penalty``) mean what vLLM's do, and ``logit_bias`` is applied as vLLM
 applies it, to the raw logits before the penalties (formats/numerics.md section 12).
@@ -22,33 +24,20 @@ import os
 import time
 
 from ..errors import K3Error, UsageError
-from ..text.chat_request import conversation_problem
 from ..text.encodable import field_problem
-from ..engine.grammar import response_format_problem
-from ..engine.schema_check import request_vendor_key
 from ..engine.tool_grammar import tool_choice_problem
 from ..engine.logprobs import MAX_TOP
-from ..engine.settings import (SAMPLING_RULES, gen_problem, logit_bias_problem, seed_problem,
-                               temperature_problem, token_ids_problem, top_p_problem)
+from ..request.fields import OPENAI_CHAT as READ_CHAT
+from ..request.fields import OPENAI_COMPLETION as READ_COMPLETION
+from ..request.fields import OPENAI_IGNORED as IGNORED
+from ..request.fields import OPENAI_NEUTRAL as NEUTRAL
+from ..request.fields import SAMPLING, refusal
+from ..request.model import Generation, Problem, check, named
 
 MAX_STOP = 4                     # stop sequences per request (as the OpenAI API)
 MAX_N = 16                       # choices per request (each a lane of its own)
-# Sampling fields passed to the engine as given (each checked by its settings rule).
-SAMPLED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-# The fields each endpoint reads; any other is refused unless IGNORED or NEUTRAL below.
-READ = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-        "stop", "stream", "stream_options", "n", "logit_bias", "response_format", *SAMPLED}
-READ_CHAT = READ | {"messages", "tools", "chat_template_kwargs", "logprobs", "top_logprobs",
-                    "reasoning_effort", "tool_choice", "parallel_tool_calls"}
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")   # OpenAI's values
-READ_COMPLETION = READ | {"prompt", "logprobs", "echo"}
 MAX_COMPLETION_LOGPROBS = 5      # a completion's ``logprobs`` (alternatives), at most
-# Bookkeeping a client may attach; it never changes the reply.
-IGNORED = {"user", "metadata", "store", "service_tier"}
-# Fields k3 does not implement, accepted only with the value that asks for nothing (a chat
-# request reads tool_choice and parallel_tool_calls: ``_tool_choice``).
-NEUTRAL = {"tool_choice": ("auto",), "parallel_tool_calls": (True,),
-           "best_of": (1,), "suffix": ("",)}
 
 
 class ApiError(Exception):
@@ -82,10 +71,8 @@ class Request:
     prompt: str | None = None
     prompt_ids: list | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    sampling: dict = dataclasses.field(default_factory=dict)   # top_k, ..., logit_bias
+    # the generation fields given (k3's names, ``request.settings.settings_over``)
+    generation: dict = dataclasses.field(default_factory=dict)
     stop: tuple = ()
     stream: bool = False
     include_usage: bool = False
@@ -173,18 +160,6 @@ def _field(body, name, check, expected):
     return value
 
 
-def _rule(body, name, problem):
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ApiError(422, f"'{name}' must be a number", param=name, code="invalid_type")
-    why = problem(value)
-    if why:
-        raise ApiError(422, f"'{name}': {why}", param=name, code="invalid_value")
-    return value
-
-
 def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -206,21 +181,17 @@ def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
     """The body of POST /v1/chat/completions (``chat``) or /v1/completions, checked."""
     bad = unsupported_field(body, chat)
     if bad is not None:
-        raise ApiError(400, f"'{bad}' is not implemented by k3 (with this value); leave it "
-                            "out (docs/serve.md lists the fields)", param=bad,
-                       code="unsupported_field")
+        raise ApiError(400, refusal(bad, "openai"), param=bad, code="unsupported_field")
     req = Request(chat=chat)
     req.model = _field(body, "model", lambda v: isinstance(v, str), "a string")
     req.n = _field(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_N,
                    f"an integer 1..{MAX_N}") or 1
+    given, names = _generation(body, chat, vocab_size)
+    try:
+        gen = check(Generation, given, "openai", vocab_size=vocab_size, max_stop=MAX_STOP)
+    except Problem as e:
+        raise api_error(named(e, names)) from None
     if chat:
-        why = conversation_problem({"messages": body.get("messages"),
-                                    "tools": body.get("tools"),
-                                    "template_kwargs": body.get("chat_template_kwargs")})
-        if why:                                  # the field is named first, in quotes
-            param = why.split('"')[1].replace("template_kwargs", "chat_template_kwargs")
-            raise ApiError(422, why.replace("template_kwargs", "chat_template_kwargs"),
-                           param=param, code="invalid_value")
         _check_parts(body["messages"])
         req.messages, req.tools = body["messages"], body.get("tools")
         req.template_kwargs = body.get("chat_template_kwargs")
@@ -228,64 +199,51 @@ def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
                                       lambda v: v in REASONING_EFFORTS,
                                       "one of " + ", ".join(REASONING_EFFORTS))
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str) and prompt:
-            req.prompt = prompt
-        elif isinstance(prompt, list) and prompt and not token_ids_problem(prompt, vocab_size):
-            req.prompt_ids = list(prompt)
-        else:
-            raise ApiError(422, "'prompt' must be a non-empty string or a non-empty list of "
-                                f"token ids 0..{vocab_size - 1}", param="prompt",
-                           code="invalid_value")
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = _field(body, name, _is_int, "an integer")
-        if value is not None:
-            why = gen_problem(value)
-            if why:
-                raise ApiError(422, f"'{name}': {why}", param=name, code="invalid_value")
-            req.max_tokens = value
-            break
-    req.temperature = _rule(body, "temperature", temperature_problem)
-    req.top_p = _rule(body, "top_p", top_p_problem)
-    req.seed = _field(body, "seed", _is_int, "an integer")
-    if req.seed is not None and seed_problem(req.seed):
-        raise ApiError(422, f"'seed': {seed_problem(req.seed)}", param="seed",
-                       code="invalid_value")
-    for name in SAMPLED:
-        value = _rule(body, name, SAMPLING_RULES[name])
-        if value is not None:
-            req.sampling[name] = value
-    bias = body.get("logit_bias")
-    if bias is not None:
-        why = logit_bias_problem(bias, vocab_size, json_only=True)
-        if why:
-            raise ApiError(422, f"'logit_bias': {why}", param="logit_bias",
-                           code="invalid_value" if isinstance(bias, dict) else "invalid_type")
-        req.sampling["logit_bias"] = bias
-    stop = _field(body, "stop", lambda v: (isinstance(v, str) and v) or (
-        isinstance(v, list) and len(v) <= MAX_STOP and all(isinstance(s, str) and s for s in v)),
-        f"a string or a list of at most {MAX_STOP} non-empty strings")
-    req.stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        req.prompt, req.prompt_ids = gen.prompt, gen.ids
+    req.max_tokens, req.stop, req.response_format = gen.gen, gen.stop, gen.response_format
+    req.generation = {**{k: v for k, v in given.items() if k in (*SAMPLING, "gen")},
+                      "stop": gen.stop, "response_format": gen.response_format}
     _logprobs(body, chat, req)
-    fmt = body.get("response_format")
-    vendor = request_vendor_key(fmt, req.tools)
-    if vendor:
-        raise ApiError(400, f"'{vendor[0]}': {vendor[1]}", param=vendor[0],
-                       code="unsupported_field")
-    if fmt is not None:
-        why = response_format_problem(fmt)
-        if why:
-            raise ApiError(422, f"'response_format': {why}", param="response_format",
-                           code="invalid_value")
-        req.response_format = fmt
     if chat:
         _tool_choice(body, req)
     req.stream = bool(_field(body, "stream", lambda v: isinstance(v, bool), "a boolean"))
     options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
     req.include_usage = options.get("include_usage") is True
     return req
+
+
+def api_error(problem: Problem) -> ApiError:
+    """The ApiError of a request model's refusal."""
+    return ApiError(problem.status, problem.message, param=problem.field, code=problem.code)
+
+
+def _generation(body: dict, chat: bool, vocab_size: int) -> tuple:
+    """(the body's generation fields in k3's names, k3's name -> the body's) for
+    ``request.model.Generation``; a null field is one not given."""
+    given = {k: body[k] for k in (*SAMPLING, "stop", "response_format")
+             if body.get(k) is not None}
+    names = {}
+    for name in ("max_completion_tokens", "max_tokens"):
+        if body.get(name) is not None:
+            given["gen"], names["gen"] = body[name], name
+            break
+    if chat:
+        given.update(messages=body.get("messages"), tools=body.get("tools"),
+                     template_kwargs=body.get("chat_template_kwargs"))
+        names["template_kwargs"] = "chat_template_kwargs"
+        return given, names
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        given["prompt"] = prompt
+    elif isinstance(prompt, list):
+        given["ids"], names["ids"] = prompt, "prompt"
+    else:
+        raise ApiError(422, "\"prompt\" must be a non-empty string or a non-empty list of "
+                            f"token ids 0..{vocab_size - 1}", param="prompt",
+                       code="invalid_value")
+    return given, names
 
 
 def finish_reason(stop_reason: str, tool_calls: bool) -> str:
