@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from libk3.request.fields import refusal
 from libk3.run.batch import BatchLineError, parse_line
 
 from .scripts import k3_here
@@ -71,5 +72,6 @@ def test_batch_misspelt_field_and_oversized_prompt_skip_their_lines_alone(tiny_d
     assert r.returncode == 0, r.stderr
     errors = json.loads(r.stdout)["errors"]
     assert [e["line"] for e in errors] == [1, 2]
-    assert "temprature" in errors[0]["error"] and "100,000 bytes" in errors[1]["error"]
+    assert errors[0]["error"] == refusal("temprature", "batch")     # the server's words too
+    assert "100,000 bytes" in errors[1]["error"]
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["ok"]

@@ -545,6 +545,25 @@ def test_serve_refuses_fields_it_would_ignore_and_models_it_does_not_serve(serve
         c.models.retrieve("other")
 
 
+def test_serve_refuses_a_misspelt_field_in_the_words_a_batch_line_is_skipped_with(server):
+    """Catches the server and batch lines wording one unknown field differently (or the
+    server running the request without it): each route answers 400 with the sentence
+    ``parse_line`` skips the line with, in its API's error shape."""
+    from libk3.run.batch import BatchLineError, parse_line
+    with pytest.raises(BatchLineError) as skipped:
+        parse_line(b'{"id": 1, "prompt": "x", "temprature": 0.9}', 512)
+    said = str(skipped.value)
+    assert said.startswith('unknown field "temprature" (did you mean "temperature"?)')
+    msgs = [{"role": "user", "content": "hi"}]
+    for path, body in (("/v1/chat/completions", {"messages": msgs}),
+                       ("/v1/completions", {"prompt": "x"}),
+                       ("/v1/messages", {"messages": msgs, "max_tokens": 1})):
+        status, err = _post(server, path, json.dumps({**body, "temprature": 0.9}).encode())
+        assert status == 400 and err["error"]["message"] == said, (path, err)
+        assert err.get("type") == "error" if path == "/v1/messages" else \
+            err["error"]["param"] == "temprature", (path, err)
+
+
 def test_serve_preamble_survives_a_restart_through_the_prefix_cache(tiny_dir, tmp_path):
     """Catches a server whose kept states die with it: after a restart on the same
     --prefix-cache, a new conversation with the same long system prompt resumes from the

@@ -123,6 +123,11 @@ def _stop_ids(value, vocab_size: int):
 
 
 def _response_format(value):
+    """The format's rule, after its schema's vendor keys (400 on the server: the key is
+    llguidance's setting, not a schema k3 cannot enforce)."""
+    vendor = request_vendor_key(value, None)
+    if vendor:
+        raise PydanticCustomError("vendor_key", "{why}", {"why": vendor[1], "field": vendor[0]})
     return None if value is None else response_format_problem(value)
 
 
