@@ -94,7 +94,8 @@ def test_a_field_another_surface_reads_says_so_where_it_is_not_read():
 @pytest.mark.parametrize("field,value,code", [
     ("temperature", "hot", "invalid_type"), ("temperature", -1, "invalid_value"),
     ("temperature", 10 ** 400, "invalid_value"), ("top_p", 0, "invalid_value"),
-    ("top_k", 1.5, "invalid_type"), ("seed", -3, "invalid_value"), ("min_p", 2, "invalid_value"),
+    ("top_k", 1.5, "invalid_type"), ("seed", -3, "invalid_value"),
+    ("min_p", 2, "invalid_value"),
     ("logit_bias", [[5, 1]], "invalid_type"), ("logit_bias", {"600": 1}, "invalid_value"),
     ("stop", ["a", ""], "invalid_value"), ("gen", -2, "invalid_value"),
 ])

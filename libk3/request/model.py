@@ -58,7 +58,7 @@ def _said(name: str, why: str) -> str:
     return f"\"{name}\" {why}" if why.startswith("must ") else f"\"{name}\": {why}"
 
 
-def _rule(problem, types: tuple, vocab: bool = False):
+def ruled(problem, types: tuple, vocab: bool = False):
     """A field's validator: ``problem`` (``*_problem``) on the value as given."""
     def check(value, info):
         why = problem(value, info.context["vocab_size"]) if vocab else problem(value)
@@ -77,7 +77,9 @@ def _finite_rule(problem):
         try:
             return problem(value)
         except OverflowError:
-            return problem(float("inf"))
+            digits = str(value)
+            return problem(float("inf")).replace(
+                "got inf", f"got {digits[:12]}... ({len(digits):,} digits)")
     return check
 
 
@@ -127,7 +129,8 @@ def _response_format(value):
     llguidance's setting, not a schema k3 cannot enforce)."""
     vendor = request_vendor_key(value, None)
     if vendor:
-        raise PydanticCustomError("vendor_key", "{why}", {"why": vendor[1], "field": vendor[0]})
+        raise PydanticCustomError("vendor_key", "{why}",
+                                  {"why": vendor[1], "field": vendor[0]})
     return None if value is None else response_format_problem(value)
 
 
@@ -139,34 +142,34 @@ class Sampling(BaseModel):
     """How each token is drawn; a field left out is the run's (its option's default)."""
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    temperature: Annotated[float, _rule(_finite_rule(temperature_problem), NUMBER)] = None
-    top_p: Annotated[float, _rule(_finite_rule(top_p_problem), NUMBER)] = None
-    top_k: Annotated[int, _rule(top_k_problem, INTEGER)] = None
-    min_p: Annotated[float, _rule(_finite_rule(min_p_problem), NUMBER)] = None
+    temperature: Annotated[float, ruled(_finite_rule(temperature_problem), NUMBER)] = None
+    top_p: Annotated[float, ruled(_finite_rule(top_p_problem), NUMBER)] = None
+    top_k: Annotated[int, ruled(top_k_problem, INTEGER)] = None
+    min_p: Annotated[float, ruled(_finite_rule(min_p_problem), NUMBER)] = None
     repetition_penalty: Annotated[
-        float, _rule(_finite_rule(repetition_penalty_problem), NUMBER)] = None
+        float, ruled(_finite_rule(repetition_penalty_problem), NUMBER)] = None
     presence_penalty: Annotated[
-        float, _rule(_finite_rule(presence_penalty_problem), NUMBER)] = None
+        float, ruled(_finite_rule(presence_penalty_problem), NUMBER)] = None
     frequency_penalty: Annotated[
-        float, _rule(_finite_rule(frequency_penalty_problem), NUMBER)] = None
-    seed: Annotated[int, _rule(seed_problem, INTEGER)] = None
+        float, ruled(_finite_rule(frequency_penalty_problem), NUMBER)] = None
+    seed: Annotated[int, ruled(seed_problem, INTEGER)] = None
     # {"token id": bias}, OpenAI's shape (``settings.logit_bias_pairs`` turns it into pairs)
-    logit_bias: Annotated[dict, _rule(_logit_bias, (dict,), vocab=True)] = None
+    logit_bias: Annotated[dict, ruled(_logit_bias, (dict,), vocab=True)] = None
 
 
 class Generation(Sampling):
     """One generation: from a text, token ids or a conversation (messages, tools and the
     template's arguments: formats/chat.md), ``gen`` tokens at most, stopped by a stop
     string or id, shaped by a response format (OpenAI's)."""
-    prompt: Annotated[str, _rule(_prompt, (str,))] = None
-    ids: Annotated[list, _rule(_ids, (list,), vocab=True)] = None
-    messages: Any = None                  # the three checked together: ``conversation_problem``
+    prompt: Annotated[str, ruled(_prompt, (str,))] = None
+    ids: Annotated[list, ruled(_ids, (list,), vocab=True)] = None
+    messages: Any = None          # the three checked together: ``conversation_problem``
     tools: Any = None
     template_kwargs: Any = None
     gen: Annotated[int, BeforeValidator(_gen)] = None
     stop: Annotated[tuple, BeforeValidator(_stop)] = ()
-    stop_ids: Annotated[list, _rule(_stop_ids, (list,), vocab=True)] = None
-    response_format: Annotated[dict | None, _rule(_response_format, (dict,))] = None
+    stop_ids: Annotated[list, ruled(_stop_ids, (list,), vocab=True)] = None
+    response_format: Annotated[dict | None, ruled(_response_format, (dict,))] = None
 
     @model_validator(mode="after")
     def _together(self, info):

@@ -51,7 +51,7 @@ from ..io.atomic import write_error
 from ..io.bounded import bounded_lines
 from ..text.encodable import TextError, decode_text, field_problem
 from ..engine.generate import GenSettings
-from ..request.model import Generation, Problem, _rule, check
+from ..request.model import Generation, Problem, check, ruled
 from ..request.settings import settings_over
 
 RESULT_KEYS = ("id", "line", "prompt_ids", "generated_ids")
@@ -65,7 +65,8 @@ def _id_problem(value):
 class BatchLine(Generation):
     """A batch line: a generation request (``Generation``, k3's field names) with its
     ``id``; no other field (``request.fields.BATCH``)."""
-    id: Annotated[str | int, _rule(_id_problem, (str, int))] = Field(None, validate_default=True)
+    id: Annotated[str | int, ruled(_id_problem, (str, int))] = Field(
+        None, validate_default=True)
 
 
 class BatchLineError(ValueError):
