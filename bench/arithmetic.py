@@ -42,7 +42,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, base_tree, checkpoint, table  # noqa: E402
+from common import LOCKSTEP_DRIVER, ROOT, base_tree, checkpoint, table  # noqa: E402
 
 _RUN = r"""
 import json, sys, time
@@ -51,16 +51,27 @@ import numba
 numba.set_num_threads(1)
 from libk3.engine.session import open_session
 from libk3.engine.generate import GenSettings, generate
-from libk3.engine.lockstep import Job, run_lockstep
+""" + LOCKSTEP_DRIVER + r"""
 from libk3.model.state import State
 s = open_session(sys.argv[2])
 cpu = {}
-def fwd(*a, **kw):
-    c0 = time.process_time()
-    out = s.forward(*a, **kw)
-    ph = kw.get("phase", "prefill")
-    cpu[ph] = cpu.get(ph, 0.0) + time.process_time() - c0
-    return out
+class Cpu:
+    # s.forward with CPU time kept by phase: called (a tree from before the engine core)
+    # or run over segments (the core)
+    def __call__(self, *a, **kw):
+        c0 = time.process_time()
+        out = s.forward(*a, **kw)
+        ph = kw.get("phase", "prefill")
+        cpu[ph] = cpu.get(ph, 0.0) + time.process_time() - c0
+        return out
+    def run(self, segs):
+        c0 = time.process_time()
+        out = s.forward.run(segs)
+        cpu[segs[0].phase] = cpu.get(segs[0].phase, 0.0) + time.process_time() - c0
+        return out
+    def __getattr__(self, name):
+        return getattr(s.forward, name)
+fwd = Cpu()
 prompt = [(37 * i) % 150000 + 11 for i in range(64)]
 r = generate(fwd, s.new_state(), prompt, GenSettings(gen=8))
 out = {"prefill_cpu_per_token": cpu["prefill"] / len(prompt),

@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, ROOT, run, table  # noqa: E402
+from common import DATA, LOCKSTEP_DRIVER, ROOT, run, table  # noqa: E402
 
 from libk3.budget import (GB, ModelSizes, expert_slots, load_presets, load_rules,  # noqa: E402
                           overhead_bytes, plan_trunk, sequence_bytes)
@@ -214,7 +214,7 @@ def modelled_compute(sizes: ModelSizes, width: int, counts, kt: KernelTimes,
 _LAYERS = r"""
 import json, sys
 from libk3.engine.generate import GenSettings
-from libk3.engine.lockstep import Job, run_lockstep
+""" + LOCKSTEP_DRIVER + r"""
 from libk3.engine.session import open_session
 from libk3.model.state import State
 s = open_session(sys.argv[1])                      # every weight resident

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, checkpoint, packed, run, table  # noqa: E402
+from common import LOCKSTEP_DRIVER, ROOT, checkpoint, packed, run, table  # noqa: E402
 
 from libk3.io.checkpoint import Checkpoint  # noqa: E402
 from libk3.budget import ModelSizes, minimum_budget  # noqa: E402
@@ -86,7 +86,7 @@ sys.path.insert(0, sys.argv[1])
 import numba
 if int(sys.argv[6]): numba.set_num_threads(int(sys.argv[6]))
 from libk3.engine.session import open_session
-from libk3.engine.lockstep import Job, run_lockstep
+""" + LOCKSTEP_DRIVER + r"""
 from libk3.engine.generate import GenSettings
 from libk3.model.state import State
 s = open_session(sys.argv[2], pack=sys.argv[3], trunk_bytes=int(sys.argv[4]),
@@ -133,12 +133,24 @@ else:
                      cache_bytes=int(sys.argv[4].split(",")[1]))
 ids = [int(x) for x in sys.stdin.read().split(",")]
 cpu = [0.0]
-def forward(*a, **kw):                             # process CPU time of the decode steps
-    c0 = time.process_time()
-    out = s.forward(*a, **kw)
-    if kw.get("phase") == "decode":
-        cpu[0] += time.process_time() - c0
-    return out
+class Cpu:
+    # process CPU time of the decode steps: called (a tree from before the engine core)
+    # or run over segments (the core)
+    def __call__(self, *a, **kw):
+        c0 = time.process_time()
+        out = s.forward(*a, **kw)
+        if kw.get("phase") == "decode":
+            cpu[0] += time.process_time() - c0
+        return out
+    def run(self, segs):
+        c0 = time.process_time()
+        out = s.forward.run(segs)
+        if segs[0].phase == "decode":
+            cpu[0] += time.process_time() - c0
+        return out
+    def __getattr__(self, name):
+        return getattr(s.forward, name)
+forward = Cpu()
 r = generate(forward, s.new_state(), ids, GenSettings(gen=32))
 print(r.seconds_per_token, cpu[0] / len(r.generated_ids), r.generated_ids)
 """

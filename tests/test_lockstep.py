@@ -1,4 +1,5 @@
-"""Lockstep decoding (issue 12): every prompt's ids and logits equal running it alone,
+"""The engine core in lockstep (issues 12, 45): every prompt's ids and logits equal running
+it alone (an independent loop of plain forward calls, ``core_drive.reference_generate``),
 whatever the width, its neighbours, when it joined, the budget or the thread count."""
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ import numba
 import numpy as np
 import pytest
 
+from libk3.engine.core import Request, plan_pass
 from libk3.engine.generate import GenSettings, generate
-from libk3.engine.lockstep import Job, plan_pass, run_lockstep
 from libk3.engine.session import open_session
 from libk3.io.checkpoint import Checkpoint
 from libk3.model.forward import Segment
 from libk3.model.state import State
 from libk3.budget import ModelSizes, minimum_budget
+
+from .core_drive import reference_generate, run_core
 
 CHUNK = 4          # small, so long prompts take several passes and share them
 
@@ -34,7 +37,7 @@ def _jobs(vocab: int, stop_early: int | None = None) -> list:
         s = GenSettings(gen=g, temperature=temp, top_p=top_p, seed=seed, prefill_chunk=CHUNK)
         if i == 4 and stop_early is not None:
             s = dataclasses.replace(s, stop_ids=(stop_early,))
-        jobs.append(Job(i, rng.integers(0, vocab, n).tolist(), s))
+        jobs.append(Request(i, rng.integers(0, vocab, n).tolist(), s, logits=True))
     return jobs
 
 
@@ -44,11 +47,10 @@ def _alone(sess, job):
 
 
 def _lockstep(sess, jobs, width, join_prefill=True):
-    done = {}
-    stats = run_lockstep(sess.forward, lambda n: State(sess.cfg, capacity=n), jobs, width,
-                         lambda job, res: done.__setitem__(job.tag, res), chunk=CHUNK,
-                         keep_logits=True, join_prefill=join_prefill)
-    return done, stats
+    for job in jobs:
+        job.state = None                    # a fresh State for each run
+    return run_core(sess.forward, lambda n: State(sess.cfg, capacity=n), jobs, width,
+                    chunk=CHUNK, join_prefill=join_prefill)
 
 
 def _streamed(model_dir):
@@ -85,6 +87,18 @@ def jobs_and_alone(sess):
     probe = _alone(sess, _jobs(sess.cfg.vocab_size)[4])
     jobs = _jobs(sess.cfg.vocab_size, stop_early=probe.generated_ids[2])
     return jobs, [_alone(sess, j) for j in jobs]
+
+
+def test_core_at_width_one_equals_an_independent_loop(sess, jobs_and_alone):
+    """Catches the core's one-prompt driver (``generate``) drifting from a plain loop of
+    forward calls: a chunk fed twice, a sampler seeded at the wrong position, the last
+    token not fed, a stop not honoured. Ids, stop reasons and logits bytes are equal."""
+    jobs, alone = jobs_and_alone
+    for job, got in zip(jobs, alone):
+        ids, reason, logits = reference_generate(sess.forward, sess.new_state(),
+                                                 job.prompt_ids, job.settings)
+        assert got.generated_ids == ids and got.stop_reason == reason, job.tag
+        assert np.array_equal(got.logits.view(np.uint32), logits.view(np.uint32))
 
 
 @pytest.mark.parametrize("width", [1, 2, 3, 5])
@@ -141,7 +155,8 @@ def test_lockstep_finished_prompt_leaves_and_next_takes_its_slot(tiny_dir):
     the long one is still decoding."""
     s = open_session(tiny_dir)
     g = lambda n: GenSettings(gen=n, prefill_chunk=CHUNK)  # noqa: E731
-    jobs = [Job("long", [1, 2, 3], g(12)), Job("short", [4, 5], g(1)), Job("queued", [6], g(2))]
+    jobs = [Request("long", [1, 2, 3], g(12)), Request("short", [4, 5], g(1)),
+            Request("queued", [6], g(2))]
     order, started = [], []
     pos = lambda: s.forward.passes  # noqa: E731
 
@@ -149,8 +164,8 @@ def test_lockstep_finished_prompt_leaves_and_next_takes_its_slot(tiny_dir):
         started.append(pos())
         return State(s.cfg, capacity=n)
 
-    run_lockstep(s.forward, new_state, jobs, 2,
-                 lambda job, res: order.append((job.tag, pos())), chunk=CHUNK)
+    run_core(s.forward, new_state, jobs, 2, chunk=CHUNK,
+             on_done=lambda job, res: order.append((job.tag, pos())))
     assert [t for t, _ in order] == ["short", "queued", "long"]
     assert started[2] == dict(order)["short"]          # took the freed slot at once
 
@@ -190,7 +205,7 @@ def test_plan_pass_shares_one_chunk_among_newcomers():
     class L:
         def __init__(self, n, fed, nxt=None, keep_at=()):
             self.prompt, self.fed, self.next = list(range(n)), fed, nxt
-            self.job = types.SimpleNamespace(keep_at=keep_at)
+            self.req = types.SimpleNamespace(keep_at=keep_at)
 
         @property
         def prefilling(self):
@@ -246,10 +261,10 @@ def test_lockstep_with_drafting_equals_alone(sess, jobs_and_alone, width):
     truths = [j.prompt_ids + a.generated_ids for j, a in zip(jobs, alone)]
     drafting = Drafting(_Oracle(truths, sess.cfg.vocab_size), 4)
     drafting.width = Every(4)
-    done = {}
-    run_lockstep(sess.forward, lambda n: State(sess.cfg, capacity=n), jobs, width,
-                 lambda job, res: done.__setitem__(job.tag, res), chunk=CHUNK,
-                 keep_logits=True, drafting=drafting)
+    for job in jobs:
+        job.state = None
+    done, _ = run_core(sess.forward, lambda n: State(sess.cfg, capacity=n), jobs, width,
+                       chunk=CHUNK, drafting=drafting)
     for job, want in zip(jobs, alone):
         got = done[job.tag]
         assert got.generated_ids == want.generated_ids, job.tag

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from libk3.run import batch_run, runner
 from libk3.engine.generate import GenSettings
-from libk3.engine.lockstep import Job, Lockstep
+from libk3.engine.core import EngineCore, Request
 from libk3.engine.pace import SAFETY, Pace, Work
 from libk3.model import forward as forward_mod
 
@@ -80,17 +80,18 @@ def test_finish_is_the_time_lockstep_takes(works, chunk, a, b):
     order, the last chunk's logits giving the first token, one token per decoder)."""
     clock = Clock()
     fwd = FakeForward(clock, a, b)
-    ls = Lockstep(fwd, lambda n: types.SimpleNamespace(pos=0, ids=[]), len(works),
-                  lambda job, res: None, chunk=chunk, clock=clock)
+    ls = EngineCore(fwd, lambda n: types.SimpleNamespace(pos=0, ids=[]), len(works),
+                    chunk=chunk, clock=clock)
     for i, (p, g) in enumerate(works):
-        ls.submit(Job(i, list(range(1, p + 1)), GenSettings(gen=g)))
+        ls.add(Request(i, list(range(1, p + 1)), GenSettings(gen=g)))
     pace = Pace()
     pace.record(0, 1, 0.0)               # warm-up slot
     for w in (1, 2):
         pace.record(0, w, a + b * w)
     pace.record(chunk, 1, a + b * (chunk + 1))
     est = pace.finish([Work(p, g) for p, g in works], chunk) / SAFETY
-    ls.drain()
+    while ls.lanes:
+        ls.step()
     assert est == pytest.approx(clock.t, rel=1e-6, abs=1e-9)
 
 

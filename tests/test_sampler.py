@@ -16,11 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libk3.engine.generate import GenSettings, generate
-from libk3.engine.lockstep import Job, run_lockstep
+from libk3.engine.core import Request
 from libk3.engine.sampler import Sampler
 from libk3.engine.session import open_session
 from libk3.model.state import State
 
+from .core_drive import run_core
 from .test_speculative import assert_draws_follow
 
 REPETITIVE = [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12, 13]
@@ -473,12 +474,12 @@ def test_lockstep_with_new_settings_equals_alone(tiny, width):
     jobs = []
     for i, s in enumerate(_settings_list() * 2):
         s = dataclasses.replace(s, gen=5 + i, prefill_chunk=4)
-        jobs.append(Job(i, REPETITIVE[:3 + i] + rng.integers(0, 400, i).tolist(), s))
+        jobs.append(Request(i, REPETITIVE[:3 + i] + rng.integers(0, 400, i).tolist(), s,
+                            logits=True))
     alone = [generate(tiny.forward, tiny.new_state(), j.prompt_ids, j.settings,
                       keep_logits=True) for j in jobs]
-    done = {}
-    run_lockstep(tiny.forward, lambda n: State(tiny.cfg, capacity=n), jobs, width,
-                 lambda job, res: done.__setitem__(job.tag, res), chunk=4, keep_logits=True)
+    done, _ = run_core(tiny.forward, lambda n: State(tiny.cfg, capacity=n), jobs, width,
+                       chunk=4)
     for job, want in zip(jobs, alone):
         got = done[job.tag]
         assert got.generated_ids == want.generated_ids, job.tag

@@ -64,6 +64,10 @@ class _Noise:
             rows.append(np.random.default_rng([self.seed, state.pos]).normal(0, 2, self.vocab))
         return np.array(rows, np.float32)
 
+    def run(self, segments):
+        """A pass over several sequences, as ``Forward.run`` (the engine core's call)."""
+        return [self(seg.ids, seg.state) for seg in segments]
+
 
 def _text(tok, res, grammar) -> str:
     """The reply's text without its end token."""

@@ -1,8 +1,10 @@
-"""The generation loop: prefill in chunks, then decode token by token, with stop rules.
+"""One prompt through the engine core: ``generate`` (a one-prompt run, a chat turn, a batch
+line at width 1) and ``prefill`` (feeding ids into a state without generating).
 
-Owns: turning a prompt into generated ids with a Forward, a State and a Sampler; timing;
-collecting logits for ``--logits-out``. Does not own: weights, printing, the CLI, or the
-stop rule (``stops``).
+Owns: driving an ``EngineCore`` of width 1 for one Request and handing its events to the
+caller's callbacks (tokens as they are sampled, prefill progress, the state once the
+prompt is in); feeding a prefix on its own (``prefill``: a batch's shared prefixes).
+Does not own: the loop, sampling and stop rules (``core``), weights, printing, the CLI.
 
 Every generated token is fed back (its logits row is produced), so the state after a
 call holds the whole conversation and a later turn continues without re-prefill, and
@@ -14,82 +16,17 @@ kept of its last position (``State.logits``).
 
 from __future__ import annotations
 
-import dataclasses
-import time
-
 import numpy as np
 
 from typing import TYPE_CHECKING
 
-from ..config import K3_CONTEXT
-from ..errors import UsageError
-from .defaults import PREFILL_CHUNK
-from .settings import UNTIL_END
+from .core import EngineCore, Request
+from .core import Abandoned, GenResult, GenSettings
 
 if TYPE_CHECKING:                  # the model is not imported by option parsing (start-up)
     from ..model.state import State
-from .sampler import Sampler
-from .stops import Stops
 
-
-class Abandoned(Exception):
-    """Raised inside generation when a batch's deadline passes (the prompts in flight are
-    dropped, to be redone by the next run)."""
-
-
-@dataclasses.dataclass
-class GenSettings:
-    """A request's settings (the rules of each: ``settings``). ``gen``: tokens to
-    generate, or UNTIL_END (-1): until a stop or the sequence holds ``context``
-    positions (the model's max_position_embeddings). The sampling fields are
-    ``Sampler``'s; ``logit_bias``: (token id, bias) pairs sorted by id (empty: none;
-    ``settings.logit_bias_pairs``); ``stop_strings`` follow ``stops``;
-    ``response_format``: the request's (OpenAI's shape, ``grammar.response_format_problem``;
-    None: free text) and ``grammar`` its compiled form for the run's tokenizer
-    (``grammar.compile_grammar``; each sequence's Sampler gets its own matcher), which the
-    engine reads."""
-    gen: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_ids: tuple = ()
-    stop_strings: tuple = ()
-    prefill_chunk: int = PREFILL_CHUNK
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    context: int = K3_CONTEXT
-    logit_bias: tuple = ()
-    response_format: object = None
-    grammar: object = None
-
-    def limit(self, positions: int) -> int:
-        """Tokens to generate after a sequence of ``positions`` (its prompt in): ``gen``,
-        or for UNTIL_END the room the context has left; never past the context (a
-        generation that reaches it stops there, "length")."""
-        room = max(self.context - positions, 0)
-        return room if self.gen == UNTIL_END else min(self.gen, room)
-
-
-@dataclasses.dataclass
-class GenResult:
-    prompt_ids: list
-    generated_ids: list
-    stop_reason: str
-    prefill_seconds: float
-    decode_seconds: float
-    logits: np.ndarray | None = None
-    spec: dict | None = None
-    stop_strings: tuple = ()       # what the text ends at (``stops.returned_text``)
-    reused_tokens: int = 0         # of prompt_ids, resumed from a kept state, not prefilled
-    grammar_seconds: float | None = None   # computing the grammar's masks (None: no grammar)
-
-    @property
-    def seconds_per_token(self) -> float:
-        n = len(self.generated_ids)
-        return self.decode_seconds / n if n else 0.0
+__all__ = ["Abandoned", "GenResult", "GenSettings", "generate", "prefill"]
 
 
 def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=None,
@@ -120,76 +57,31 @@ def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokeni
              on_token=None, keep_logits: bool = False, progress=None,
              after_prefill=None, feed_last: bool = True, drafting=None,
              interrupted=None) -> GenResult:
-    """Run one prompt. ``on_token(id)`` is called as each token is produced;
-    ``after_prefill(state)`` once the prompt is in the state (reuse of earlier turns).
-    ``interrupted()`` is asked before each token joins the reply: True ends generation
-    there (stop reason "interrupted") with every token so far fed, the state a ``gen``
-    ending at that token leaves (a chat's Ctrl-C; a prefill runs to its end first).
-    With ``feed_last`` False (and no ``keep_logits``), the token that ends generation by
-    length or stop id is not fed: nothing would use its pass (at the floor, a whole trunk
-    read), and the state then ends before it. ``drafting`` (``speculative.Drafting``)
-    proposes tokens to verify several per pass: the tokens and logits are the same."""
-    prompt_ids = [int(i) for i in prompt_ids]
-    if not prompt_ids and state.pos and state.logits is None:
-        raise UsageError("this state does not hold its last position's logits; give a "
-                         "prompt to continue it")
-    sampler = Sampler.of(settings, state.pos + len(prompt_ids))
-    spec = drafting.speculator() if drafting is not None else None
-    t0 = time.perf_counter()
-    all_rows, last = prefill(forward, state, prompt_ids, settings.prefill_chunk, keep_logits,
-                             progress, observe=spec.observe if spec is not None else None)
-    if after_prefill is not None:
-        after_prefill(state)
-    t1 = time.perf_counter()
-    rows = [all_rows] if keep_logits else []
-    generated: list[int] = []
-    reason = "length"
-    stops = Stops(settings, tokenizer, sampler.grammar)
-    limit = settings.limit(state.pos)
-    tok = None if last is None or limit <= 0 else sampler(last, state.pos, state.ids)
-    if tok is not None and interrupted is not None and interrupted():
-        tok, reason = None, "interrupted"
-    while tok is not None:
-        generated.append(tok)
-        if on_token is not None:
-            on_token(tok)
-        reason = stops.see(tok) or reason
-        ends = reason != "length" or len(generated) >= limit
-        if ends and not feed_last and not keep_logits:
-            break                        # the unfed last token: generation ends here
-        if spec is None:
-            logits = forward([tok], state, all_logits=True, phase="decode")
-            kept = []
-        else:
-            room = 0 if ends else limit - len(generated)
-            seg = spec.plan(state, tok, room, stops.ids, sampler)
-            t = time.perf_counter()
-            logits = forward.run([seg])[0]
-            kept = []
-            for d in spec.accept(seg, logits, sampler):
-                kept.append(d)
-                generated.append(d)
+    """Run one prompt: an ``EngineCore`` of width 1 (``core.Request`` says what each
+    argument means). ``on_token(id)`` is called as each token is produced;
+    ``after_prefill(state)`` once the prompt is in the state (reuse of earlier turns);
+    ``progress(n)`` as each chunk of n prompt ids is fed. A lane's own failure (its
+    grammar gave up) is raised here."""
+    core = EngineCore(forward, None, 1, chunk=settings.prefill_chunk, tokenizer=tokenizer,
+                      drafting=drafting)
+    req = Request(None, [int(i) for i in prompt_ids], settings, state, logits=keep_logits,
+                  feed_last=feed_last or keep_logits, interrupted=interrupted)
+    core.add(req)
+    while True:
+        for ev in core.step():
+            if ev.kind == "token":
                 if on_token is not None:
-                    on_token(d)
-                reason = stops.see(d) or reason
-                if reason != "length" or len(generated) >= limit:
-                    break
-            spec.commit(seg, len(kept), time.perf_counter() - t)
-            spec.width.record(len(seg.ids), time.perf_counter() - t,   # the commit's too
-                              not seg.verify)
-            logits = logits[:len(kept) + 1]
-        if keep_logits:
-            rows.append(logits)
-        if ends or reason != "length" or len(generated) >= limit:
-            break
-        if interrupted is not None and interrupted():
-            reason = "interrupted"
-            break
-        tok = sampler(logits[-1], state.pos, state.ids)
-    t2 = time.perf_counter()
-    return GenResult(prompt_ids, generated, reason, t1 - t0, t2 - t1,
-                     np.concatenate(rows).astype(np.float32) if keep_logits else None,
-                     spec.stats.to_json() if spec is not None else None,
-                     tuple(settings.stop_strings),
-                     grammar_seconds=None if sampler.grammar is None else
-                     sampler.grammar.seconds)
+                    on_token(ev.data[0])
+            elif ev.kind == "fed":
+                if progress is not None:
+                    progress(ev.data)
+            elif ev.kind == "prefilled":
+                if after_prefill is not None:
+                    after_prefill(ev.data)
+            elif ev.kind == "failed":
+                raise ev.data
+            elif ev.kind == "done":
+                res = ev.data
+                if drafting is not None:
+                    res.spec = drafting.stats.to_json()
+                return res

@@ -2,8 +2,8 @@
 
 Owns: turning one logits row into the log-probability of the token chosen from it and
 of the likeliest alternatives (what ``logprobs``/``top_logprobs`` and ``echo`` answer on
-the server). Does not own: where rows come from (``lockstep``'s ``on_row`` and
-``on_prompt_rows``) or the wire format (``libk3.serve.protocol``).
+the server). Does not own: which rows are scored (``core``, for the requests that ask)
+or the wire format (``libk3.serve.protocol``).
 
 Which distribution: the model's own, the log-softmax of the raw logits row, before
 temperature, penalties and truncation (vLLM's default, "raw logprobs"), so a value is the

@@ -3,8 +3,8 @@
 Owns: the cost model of one pass (a fixed part, a part per decoding sequence and a part
 per prompt token, fitted to this run's recent passes and stretched by how far they strayed
 from the fit) and the finish time of sequences sharing passes, simulated pass by pass
-the way ``lockstep.plan_pass`` fills them. Does not own: whether a prompt is admitted
-(``batch_sink``), the passes themselves (``lockstep``, ``generate``).
+the way ``core.plan_pass`` fills them. Does not own: whether a prompt is admitted
+(``batch_sink``), the passes themselves (``core``).
 
 Why a fit and not one s/token: a pass that carries a newcomer's prefill chunk costs
 several decode passes, and a wider pass costs more than a narrow one; the fit learns both

@@ -6,7 +6,7 @@ the measured cost of a pass of that width), building the verify ``Segment``, acc
 the proposals that equal what the sampler picks from the target's rows, and committing
 the anchor and the accepted ones (``forward.commit``: no second pass over any weight).
 Also the counters a run reports (``SpecStats``). Does not own: the proposers
-(``libk3.engine.proposers``), the passes (``generate``, ``lockstep``), sampling
+(``libk3.engine.proposers``), the passes (``core``), sampling
 (``sampler``: the pick at a position depends only on that position's logits and the
 tokens before it, which for a verify row are the anchor and the proposals before it).
 

@@ -2,7 +2,7 @@
 k3-run, batch results and the server (docs/run.md "Stop strings").
 
 Owns: ``Stops`` (after each generated token: stop at a stop id or a stop string?, the
-loop's question in ``generate`` and ``lockstep``) and ``StopText`` (the stop-string rule
+loop's question in ``core``) and ``StopText`` (the stop-string rule
 itself, token by token, and the returned text: whole, or streamed as it becomes final),
 with ``returned_text`` and ``returned_pieces`` for a finished id list. Does not own:
 tokenizing, the length limit (the loop's), or parsing a reply into channels

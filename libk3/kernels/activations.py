@@ -7,9 +7,9 @@ Does not own: where the betas come from (config ``situ_beta``, ``situ_linear_bet
 
 WHY scalar ``math.exp``/``math.tanh`` on float32 inside numba: they call the C library's
 ``expf`` and ``tanhf`` (as the public C engine does; tested against libm); numpy's
-vectorised float32 ``np.exp``/``np.tanh`` differ by 1-3 ulp on about a third of inputs, and
-``conformance/ops/moe.json`` then fails (1.2-1.3x tolerance) where the libm form passes
-(0.53x). Never fastmath, never a float64 SiTU (1.15x, fails).
+vectorised float32 ``np.exp``/``np.tanh`` differ from libm by a few ulp, and the MoE
+conformance vectors then fail where the libm form passes (tests/test_kernels_conformance.py).
+Never fastmath, never a float64 SiTU (it fails them too).
 
 All kernels take 1-D float32 arrays; pass ``a.reshape(-1)`` of a contiguous [T, n] array.
 Elements are independent, so ``prange`` cannot change a result.

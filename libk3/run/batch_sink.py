@@ -5,7 +5,7 @@ would, or in a ``Lockstep`` of the run's width), writing its result line as it f
 the progress bar, and the batch's aggregate figures (width, tokens/s, trunk and expert
 bytes read per generated token, expert union per MoE layer, per-prompt tokens and times).
 Does not own: reading or validating the batch file, skipping finished ids, sharding
-(``batch_run.run_batch``, ``batch``), the scheduler (``lockstep``), the run report
+(``batch_run.run_batch``, ``batch``), the loop (``libk3.engine.core``), the run report
 (``report``).
 """
 
@@ -17,8 +17,8 @@ import time
 from ..errors import K3Error, UsageError
 from ..model.state import State
 from . import batch as batchfile
-from ..engine.generate import Abandoned
-from ..engine.lockstep import Job, Lockstep
+from ..engine.core import EngineCore, Request
+from ..engine.core import Abandoned
 from ..engine.pace import Pace, Work
 
 
@@ -55,16 +55,14 @@ class BatchSink:
         self.chats = set()                  # lines given as "messages"
         self.prompt_ids = {}                # line -> its whole prompt
         self.reused = {}                    # line -> prompt ids resumed from a snapshot
-        self.lockstep = None
+        self.core = None
         if width > 1 or self.pace is not None:
             cfg = run.cfg
-            self.lockstep = Lockstep(fwd, lambda n: State(cfg, capacity=n), width,
-                                     self._done, chunk=chunk,
-                                     tokenizer=run.session.tokenizer, on_token=self._token,
-                                     should_stop=self.should_stop,
-                                     on_pass=self.pace.record if self.pace else None,
-                                     clock=self.clock, drafting=run.drafting,
-                                     on_failed=self._failed)
+            self.core = EngineCore(fwd, lambda n: State(cfg, capacity=n), width,
+                                       chunk=chunk, tokenizer=run.session.tokenizer,
+                                       should_stop=self.should_stop,
+                                       on_pass=self.pace.record if self.pace else None,
+                                       clock=self.clock, drafting=run.drafting)
 
     def submit(self, lineno: int, job_id, prompt_ids, settings, chat: bool = False,
                starts=None) -> str:
@@ -74,10 +72,10 @@ class BatchSink:
         asked once the prompt is let in. ABANDONED when the deadline passed meanwhile:
         this prompt and every one in flight are dropped; NO_TIME when it would not finish
         before the deadline (nothing of it was run)."""
-        job = Job(lineno, prompt_ids, settings)          # the tag is the trace's seq
+        job = Request(lineno, prompt_ids, settings)      # the tag is the trace's seq
         started = False
         try:
-            if self.lockstep is None:
+            if self.core is None:
                 self._expect(job_id, lineno, chat, prompt_ids)
                 self.run.seq = lineno
                 state, n = starts() if starts is not None else (None, 0)
@@ -92,7 +90,7 @@ class BatchSink:
                 self._done(job, res)
                 return STARTED
             self.run.check_stop_strings(settings)
-            self.lockstep.make_room()
+            self._make_room()
             if self.pace is not None and not self._fits(job_id, job):
                 return NO_TIME
             self._expect(job_id, lineno, chat, prompt_ids)
@@ -100,15 +98,29 @@ class BatchSink:
             if starts is not None:
                 state, n = starts()
                 self.reused[lineno] = n
-                job = Job(lineno, prompt_ids[n:], settings, state)
+                job = Request(lineno, prompt_ids[n:], settings, state)
             try:
-                self.lockstep.submit(job)
+                self.core.add(job)
             except UsageError as e:     # its own settings cannot start (a grammar)
                 self._failed(job, e)
         except Abandoned:             # this prompt counts as cut off only if it began
             self.abandoned += started + self._drop_lanes()
             return ABANDONED if started else NO_TIME
         return STARTED
+
+    def _step(self) -> None:
+        """One pass of the core; its events to this sink."""
+        for ev in self.core.step():
+            if ev.kind == "token":
+                self._token(ev.request, ev.data[0])
+            elif ev.kind == "done":
+                self._done(ev.request, ev.data)
+            elif ev.kind == "failed":
+                self._failed(ev.request, ev.data)
+
+    def _make_room(self) -> None:
+        while self.core.full:
+            self._step()
 
     def _expect(self, job_id, lineno: int, chat: bool, prompt_ids) -> None:
         self.ids[lineno] = job_id
@@ -122,9 +134,9 @@ class BatchSink:
         finishes leaves room). Until the pace is measured, the first prompt is let in
         alone; until a pass as wide as the lanes in flight is priced (``Pace.knows``),
         no other is (the width grows one lane at a time)."""
-        ls = self.lockstep
+        ls = self.core
         while ls.lanes and not (self.pace.measured and self.pace.knows(len(ls.lanes))):
-            ls.step()
+            self._step()
         if not self.pace.measured:
             return True
         new = Work(len(job.prompt_ids), job.settings.limit(len(job.prompt_ids)))
@@ -135,7 +147,7 @@ class BatchSink:
             if not ls.lanes:
                 self._short(job_id, self.pace.finish([new], self.chunk), "needs")
                 return False
-            ls.step()
+            self._step()
 
     def _short(self, job_id, need: float, verb: str) -> None:
         """Remember the first prompt the deadline was too short for (``unfit``)."""
@@ -145,13 +157,13 @@ class BatchSink:
                           f"run's pace; a --deadline of at least {minutes} min would fit it")
 
     def _drop_lanes(self) -> int:
-        if self.lockstep is None:
+        if self.core is None:
             return 0
-        lanes, self.lockstep.lanes = self.lockstep.lanes, []
+        lanes, self.core.lanes = self.core.lanes, []
         self.discarded += sum(len(lane.generated) for lane in lanes)
         if lanes and self.pace is not None and self.pace.seen:
             lane = lanes[0]
-            self._short(self.ids.get(lane.job.tag, lane.job.tag),
+            self._short(self.ids.get(lane.req.tag, lane.req.tag),
                         self.pace.finish([_work_left(lane)], self.chunk),
                         "was cut off at the deadline; it needed")
         return len(lanes)
@@ -170,7 +182,7 @@ class BatchSink:
             self.chats.discard(lineno)
             rep["message"] = self.run.reply_message(res.generated_ids, res.stop_strings)
         batchfile.append_result(self.out_path, rep)
-        if self.lockstep is None:
+        if self.core is None:
             self.generated += len(res.generated_ids)
         self.prompts.append({"id": job_id, "line": lineno,
                              "prompt_tokens": len(res.prompt_ids),
@@ -194,9 +206,10 @@ class BatchSink:
 
     def close(self) -> dict:
         """Finish every prompt in flight; the batch's aggregate figures."""
-        if self.lockstep is not None:
+        if self.core is not None:
             try:
-                self.lockstep.drain()
+                while self.core.lanes:
+                    self._step()
             except Abandoned:
                 self.abandoned += self._drop_lanes()
         self.bar.close()
@@ -214,7 +227,7 @@ class BatchSink:
             "width": self.width, "generated_tokens": n, "seconds": round(secs, 6),
             "tokens_per_second": round(n / secs, 6) if secs > 0 else None,
             "passes": passes,
-            "max_in_flight": self.lockstep.stats.max_active if self.lockstep else min(1, n),
+            "max_in_flight": self.core.stats.max_active if self.core else min(1, n),
             "trunk_bytes_per_token": per_token("trunk"),
             "expert_bytes_per_token": per_token("experts"),
             "expert_union_per_layer": {
@@ -225,7 +238,7 @@ class BatchSink:
 
 
 def _work_left(lane) -> Work:
-    """What a lockstep lane still has to do: prompt tokens to feed, tokens to generate."""
+    """What a lane still has to do: prompt tokens to feed, tokens to generate."""
     return Work(len(lane.prompt) - lane.fed, lane.limit - len(lane.generated))
 
 

@@ -2,7 +2,7 @@
 
 Owns: naming and typing the figures (prometheus_client, the serve extra) and reading
 them at each scrape from where they are kept (the worker's counters and totals, the
-lockstep's, the weights' bytes read, the turn cache's, the access log's histograms and
+core's, the weights' bytes read, the turn cache's, the access log's histograms and
 responses by status class). Does not own: counting anything
 (a scrape reads the figures ``/health`` reports, so the two never disagree) or HTTP.
 """
@@ -35,7 +35,7 @@ class _Collector:
             ("k3_decode_seconds", "Seconds served requests spent decoding",
              w.totals["decode_seconds"]),
             ("k3_passes", "Forward passes (each reads the trunk once for every lane)",
-             w.lockstep.stats.passes)]
+             w.core.stats.passes)]
         stats = self.run.session.weights.stats()
         for part in ("trunk", "experts"):
             counters.append((f"k3_{part}_read_bytes", f"Bytes of {part} read from disk",

@@ -1,13 +1,13 @@
-"""The server's one engine: queued requests decoded together, in lockstep, on one thread.
+"""The server's driver of the engine core: queued requests decoded together, on one thread.
 
 Owns: the request queue, the engine thread that keeps up to ``width`` requests in the
-lanes of one ``Lockstep`` (continuous batching: a request queued while others decode
+lanes of one ``EngineCore`` (continuous batching: a request queued while others decode
 joins at the next pass; one that finishes, or whose client went away, leaves at once and
 frees its lane), starting a lane from a kept state and offering states back (reuse of
 earlier turns), handing each lane's tokens back to the event loop as they are sampled,
 and the counters ``/health`` reports. Does not own: HTTP (``app``), the wire format
-(``protocol``), the scheduler and its same-tokens-as-alone rule
-(``libk3.engine.lockstep``), or the width (``libk3.budget.batch_width``, through
+(``protocol``), the loop, sampling, log-probabilities and its same-tokens-as-alone rule
+(``libk3.engine.core``), or the width (``libk3.budget.batch_width``, through
 ``Run.width``).
 
 Why one thread: the model's weights, caches and scratch buffers belong to one pass at a
@@ -24,8 +24,7 @@ import queue
 import threading
 import time
 
-from ..engine import lockstep
-from ..engine.logprobs import token_logprob
+from ..engine.core import EngineCore, Request
 from ..engine.defaults import PREFILL_CHUNK
 
 _RUN_FIGURES = ("cache_hit_rate", "expert_requests", "trunk_bytes_read", "expert_bytes_read",
@@ -95,11 +94,9 @@ class Worker:
         self._tags = itertools.count()
         self.ready: collections.deque = collections.deque()   # released followers
         self.last = dict.fromkeys(_RUN_FIGURES)     # Run.report's, at the last request
-        self.lockstep = lockstep.Lockstep(
-            run.session.forward, lambda n: run.session.new_state(), width, self._done,
-            chunk=chunk, tokenizer=run.session.tokenizer, on_token=self._token,
-            drafting=run.drafting, on_keep=self._keep,
-            on_row=self._row, on_prompt_rows=self._prompt_rows, on_failed=self._lane_failed)
+        self.core = EngineCore(run.session.forward, lambda n: run.session.new_state(), width,
+                               chunk=chunk, tokenizer=run.session.tokenizer,
+                               drafting=run.drafting)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
@@ -123,12 +120,12 @@ class Worker:
     def _loop(self) -> None:
         while not self._closing.is_set():
             self._admit(wait=not self.jobs and not self.ready)
-            for lj in self.lockstep.leave(lambda lj: self.jobs[lj.tag].cancelled.is_set()):
-                self._cancelled(self.jobs.pop(lj.tag))
+            for req in self.core.abort(lambda req: self.jobs[req.tag].cancelled.is_set()):
+                self._cancelled(self.jobs.pop(req.tag))
             if self.jobs:
                 self._step()
-        for lj in self.lockstep.leave(lambda lj: True):
-            job = self.jobs.pop(lj.tag)
+        for req in self.core.abort(lambda req: True):
+            job = self.jobs.pop(req.tag)
             job._send(("cancelled", None))
             self._drop_followers(job, ("cancelled", None))
         while self.ready:
@@ -177,11 +174,10 @@ class Worker:
                 job.fork_at = 0
         keep_at = tuple(sorted({job.preamble_at, job.fork_at} - {0}))
         try:
-            self.lockstep.submit(lockstep.Job(
+            self.core.add(Request(
                 tag, job.prompt_ids[reused:], job.settings,
                 state if state is not None else self.run.session.new_state(), keep_at,
-                rows=job.logprobs is not None,
-                prompt_rows=job.echo and job.logprobs is not None and job.fork is None))
+                logprobs=job.logprobs, echo=job.echo and job.fork is None))
         except Exception as e:            # a bad request must not stop the server
             self._failed(job, e)
             return
@@ -189,17 +185,33 @@ class Worker:
 
     def _step(self) -> None:
         try:
-            self.lockstep.step()
+            events = self.core.step()
         except Exception as e:            # the pass failed for every lane in it
-            self.lockstep.leave(lambda lj: True)
+            self.core.abort(lambda req: True)
             jobs, self.jobs = list(self.jobs.values()), {}
             for job in jobs:
                 self._failed(job, e)
+            return
+        for ev in events:
+            req = ev.request
+            if ev.kind == "token":
+                tok, lp = ev.data
+                if lp is not None:        # before the token: the loop finds its entry
+                    self.jobs[req.tag].token_logprobs.append(lp)
+                self._token(req, tok)
+            elif ev.kind == "prompt_logprobs":
+                self.jobs[req.tag].prompt_logprobs.extend(ev.data)
+            elif ev.kind == "kept":
+                self._keep(req, *ev.data)
+            elif ev.kind == "done":
+                self._done(req, ev.data)
+            elif ev.kind == "failed":
+                self._lane_failed(req, ev.data)
 
-    def _keep(self, lj, state, fed: int) -> None:
+    def _keep(self, req, state, fed: int) -> None:
         """A lane's prompt reached one of its Job's kept counts: the followers' fork
         point, a preamble worth keeping, or both."""
-        job = self.jobs[lj.tag]
+        job = self.jobs[req.tag]
         if fed == job.preamble_at:
             self.turns.keep(state)
         if fed == job.fork_at:
@@ -221,31 +233,18 @@ class Worker:
                 f.forked = True
                 f._send(item)
 
-    def _row(self, lj, tok, row) -> None:
-        job = self.jobs[lj.tag]
-        job.token_logprobs.append(token_logprob(row, tok, job.logprobs))
-
-    def _prompt_rows(self, lj, start: int, rows) -> None:
-        """Each row but one scores the prompt id after its position; the prompt's last
-        row scores the first generated token (``_row``)."""
-        job = self.jobs[lj.tag]
-        ids = job.prompt_ids
-        for i, row in enumerate(rows):
-            if start + i + 1 < len(ids):
-                job.prompt_logprobs.append(token_logprob(row, ids[start + i + 1], job.logprobs))
-
-    def _token(self, lj, tok) -> None:
-        job = self.jobs[lj.tag]
+    def _token(self, req, tok) -> None:
+        job = self.jobs[req.tag]
         if job.generated == 0 and self.turns:
-            self.turns.offer(lj.state)    # the prompt is in: keep it for a later request
+            self.turns.offer(req.state)    # the prompt is in: keep it for a later request
         job.generated += 1
         job._send(tok)
 
-    def _done(self, lj, res) -> None:
-        job = self.jobs.pop(lj.tag)
+    def _done(self, req, res) -> None:
+        job = self.jobs.pop(req.tag)
         res.prompt_ids = list(job.prompt_ids)        # what the client sent, reused or not
         if self.turns:
-            self.turns.offer(lj.state)               # the conversation with this reply
+            self.turns.offer(req.state)               # the conversation with this reply
         self.counts["served"] += 1
         self.counts["generated_tokens"] += len(res.generated_ids)
         self.totals["prompt_tokens"] += len(res.prompt_ids)
@@ -270,9 +269,9 @@ class Worker:
             self.log(f"request cancelled by its client after "
                      f"{time.monotonic() - job.started:.2f} s")
 
-    def _lane_failed(self, lj, e: Exception) -> None:
+    def _lane_failed(self, req, e: Exception) -> None:
         """One lane failed on its own (its grammar gave up): that request alone ends."""
-        self._failed(self.jobs.pop(lj.tag), e)
+        self._failed(self.jobs.pop(req.tag), e)
 
     def _failed(self, job: Job, e: Exception) -> None:
         """Counted here; logged once, with the request's id, where its answer is made."""
@@ -281,11 +280,11 @@ class Worker:
         self._drop_followers(job, ("error", e))
 
     def figures(self) -> dict:
-        """What ``/health`` reports of the engine: the lockstep's width, passes, tokens and
+        """What ``/health`` reports of the engine: the core's width, passes, tokens and
         most requests in flight, seconds in passes per generated token, and the run's
         figures as of the last finished request (expert cache hits, bytes, peak RSS); with
         drafting, its counters (``speculative.SpecStats``)."""
-        st = self.lockstep.stats
+        st = self.core.stats
         n = st.generated_tokens
         drafting = self.run.drafting
         return {"width": self.width, "in_flight": len(self.jobs), "passes": st.passes,
