@@ -3,7 +3,9 @@
 Owns: allocating aligned arenas (private anonymous mmap: page-aligned, counted in RSS only
 when touched, so the budget is what we allocate), opening a file for direct reads with a
 buffered fallback, and reading the 4096-aligned window that encloses an unaligned byte
-range. Does not own: what to read (``trunk``, ``experts``).
+range, and the per-drive read queues every read goes through (``DriveQueue``: its own
+requests in flight and, with a throttle, its own token bucket). Does not own: what to read
+(``trunk``, ``experts``) or a striped trunk's layout (``libk3.pack.stripes``).
 
 Why O_DIRECT: streamed bytes are used once per token; through the page cache they would
 evict each other and count against the machine, not against k3's budget, and under a
@@ -27,6 +29,9 @@ import contextlib
 import mmap
 import os
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -36,6 +41,7 @@ ALIGN = 4096
 HUGE_PAGE = 2 << 20            # x86-64 and arm64 (4 KiB base pages) transparent huge page
 YIELD_CHUNK = 4 << 20          # trunk read-ahead yields to expert reads every 4 MiB
 FOLD_CHUNK = 32 << 20          # a foreground read hands over pieces this size (on_piece)
+DRIVE_DEPTH = 16               # a drive queue's requests in flight unless k3-doctor measured one
 
 
 def align_down(n: int) -> int:
@@ -101,11 +107,69 @@ class ReadGate:
                 self._cond.wait_for(lambda: self._busy == 0, timeout)
 
 
-class DirectFile:
-    """One read-only file; ``direct`` tells whether O_DIRECT is in use."""
+class TokenBucket:
+    """Caps a queue's read rate at ``rate`` bytes/s: a read of n bytes takes n tokens,
+    refilled at ``rate`` up to ``burst``; a read finding too few waits for the debt to be
+    refilled (so a read larger than the burst still passes, and the long-run rate is
+    ``rate``). ``clock`` and ``sleep`` are injectable so the arithmetic tests with a fake
+    clock."""
 
-    def __init__(self, path, use_direct: bool = True):
+    def __init__(self, rate: float, burst: float | None = None, clock=time.monotonic,
+                 sleep=time.sleep):
+        self.rate = float(rate)
+        self.burst = float(burst if burst is not None else max(rate / 10, 1 << 20))
+        self.clock, self.sleep = clock, sleep
+        self.tokens = self.burst
+        self.last = clock()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> float:
+        """Take ``n`` tokens, sleeping as long as the rate requires; returns the wait."""
+        with self._lock:
+            now = self.clock()
+            self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+            self.last = now
+            self.tokens -= n
+            wait = -self.tokens / self.rate if self.tokens < 0 else 0.0
+        if wait > 0:
+            self.sleep(wait)
+        return wait
+
+
+class DriveQueue:
+    """One drive's reads: a pool of ``depth`` threads (its requests in flight) and, with
+    ``throttle_mbps``, a token bucket capping its read rate. Reads of files on different
+    drives go through different queues, so they proceed at once."""
+
+    def __init__(self, name: str, depth: int = DRIVE_DEPTH, throttle_mbps: float | None = None):
+        self.name, self.depth = name, max(1, int(depth))
+        self.bucket = TokenBucket(throttle_mbps * 1e6) if throttle_mbps else None
+        self.pool = ThreadPoolExecutor(max_workers=self.depth,
+                                       thread_name_prefix="k3-drive")
+        self.bytes_read = 0
+        self.throttle_seconds = 0.0
+
+    def _run(self, n: int, fn, args):
+        if self.bucket is not None:
+            self.throttle_seconds += self.bucket.take(n)
+        got = fn(*args)
+        self.bytes_read += got
+        return got
+
+    def submit(self, n: int, fn, *args) -> Future:
+        return self.pool.submit(self._run, n, fn, args)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class DirectFile:
+    """One read-only file; ``direct`` tells whether O_DIRECT is in use. With a ``queue``
+    (its drive's ``DriveQueue``), every read goes through that queue."""
+
+    def __init__(self, path, use_direct: bool = True, queue: DriveQueue | None = None):
         self.path = str(path)
+        self.queue = queue
         self.size = os.stat(self.path).st_size
         self.direct = False
         self.fd = -1
@@ -170,7 +234,24 @@ class DirectFile:
                                   tensor=what, expected=f"{nbytes} bytes at offset {offset}")
         return offset - start
 
+    def submit(self, piece, off: int, what: str = "") -> Future:
+        """A future of ``_pread``: on the drive's queue, or done now without one."""
+        if self.queue is not None:
+            return self.queue.submit(len(piece), self._pread_now, piece, off, what)
+        fut: Future = Future()
+        try:
+            fut.set_result(self._pread_now(piece, off, what))
+        except BaseException as e:
+            fut.set_exception(e)
+        return fut
+
     def _pread(self, piece, off: int, what: str) -> int:
+        """Fill ``piece`` from ``off`` (through the drive's queue when there is one)."""
+        if self.queue is not None:
+            return self.queue.submit(len(piece), self._pread_now, piece, off, what).result()
+        return self._pread_now(piece, off, what)
+
+    def _pread_now(self, piece, off: int, what: str) -> int:
         """Fill ``piece`` from ``off``; fewer bytes only at the end of the file."""
         got = 0
         while got < len(piece):
@@ -216,13 +297,34 @@ def _check(cancel) -> None:
 
 
 class FileSet:
-    """DirectFile per path, opened lazily, once (reader threads ask at the same time)."""
+    """DirectFile per path, opened lazily, once (reader threads ask at the same time),
+    each bound to the queue of its drive: one ``DriveQueue`` per directory (a pack's
+    directory, each stripe directory, the checkpoint's shard directory), of ``depth``
+    (or ``depths[directory]``, k3-doctor's measurement) requests in flight, each capped
+    at ``throttle_mbps`` when given. ``register`` puts a file-like object (a striped
+    trunk) under a path that is not a file of its own."""
 
-    def __init__(self, use_direct: bool = True):
+    def __init__(self, use_direct: bool = True, depth: int = DRIVE_DEPTH,
+                 throttle_mbps: float | None = None, depths: dict | None = None):
         self.use_direct = use_direct
+        self.depth, self.throttle_mbps, self.depths = depth, throttle_mbps, depths or {}
         self.files: dict = {}
+        self.queues: dict = {}
         self.gate = ReadGate()          # shared by the trunk ring and the expert cache
         self._lock = threading.Lock()
+
+    def queue_for(self, path) -> DriveQueue:
+        """The queue of ``path``'s directory (made on first use, under the set's lock)."""
+        key = str(Path(path).resolve().parent)
+        q = self.queues.get(key)
+        if q is None:
+            q = self.queues[key] = DriveQueue(key, self.depths.get(key, self.depth),
+                                              self.throttle_mbps)
+        return q
+
+    def register(self, path, f) -> None:
+        with self._lock:
+            self.files[str(path)] = f
 
     def get(self, path) -> DirectFile:
         f = self.files.get(str(path))
@@ -230,11 +332,25 @@ class FileSet:
             with self._lock:
                 f = self.files.get(str(path))
                 if f is None:
-                    f = self.files[str(path)] = DirectFile(path, self.use_direct)
+                    f = self.files[str(path)] = DirectFile(path, self.use_direct,
+                                                           self.queue_for(path))
         return f
+
+    def where(self, path, off: int, n: int) -> str:
+        """The file holding bytes [off, off + n) of ``path`` (a stripe file, striped)."""
+        f = self.files.get(str(path))
+        return f.where(off, n) if hasattr(f, "where") else str(path)
+
+    def drive_stats(self) -> dict:
+        return {k: {"depth": q.depth, "bytes_read": q.bytes_read,
+                    "throttle_seconds": round(q.throttle_seconds, 6)}
+                for k, q in self.queues.items()}
 
     def close(self) -> None:
         with self._lock:
             files, self.files = self.files, {}
+            queues, self.queues = self.queues, {}
         for f in files.values():
             f.close()
+        for q in queues.values():
+            q.close()
