@@ -213,8 +213,8 @@ class StripedOut:
     """Writing a striped trunk: one ``.partial`` file per stripe (header written when it
     is created), ``pwrite`` / ``preadv`` at logical offsets, ``finish`` renames them."""
 
-    def __init__(self, lay: Layout, direct: bool = True):
-        self.lay = lay
+    def __init__(self, lay: Layout, direct: bool = True, header_now: bool = True):
+        self.lay, self.header_now = lay, header_now
         self.partial = [p.with_name(p.name + ".partial") for p in lay.paths]
         self.fds: list = []
         self.rfds: list = []            # buffered: resume reads any length at any offset
@@ -227,10 +227,11 @@ class StripedOut:
 
     def _open(self, p: Path, i: int, direct: bool) -> int:
         try:
-            if not p.is_file() or not self.header_ok(i):
+            if not p.is_file() or (self.header_now and not self.header_ok(i)):
                 fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
-                    os.pwrite(fd, self.lay.header(i), 0)
+                    os.pwrite(fd, self.lay.header(i) if self.header_now else
+                              bytes(HEADER_BYTES), 0)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -284,6 +285,20 @@ class StripedOut:
                           lambda i, v, a: os.preadv(self.rfds[i], [v], a),
                           "read the stripe file")
 
+    def truncate(self, total: int) -> None:
+        """The trunk ends at ``total`` (a compressed one, known only now): each file cut
+        to its share, and its header (``header_now`` False) written."""
+        self.lay.sizes = [data_bytes(total, self.lay.count, i, self.lay.stripe_bytes)
+                          for i in range(self.lay.count)]
+        for i, fd in enumerate(self.fds):
+            os.ftruncate(fd, HEADER_BYTES + self.lay.sizes[i])
+            os.pwrite(fd, self.lay.header(i), 0)
+
+    def field(self, old: dict) -> dict:
+        """The manifest's ``stripes`` field for these files (directories as ``old``)."""
+        return {**old, "files": [{**e, "name": p.name, "data_bytes": n} for e, p, n
+                                 in zip(old["files"], self.lay.paths, self.lay.sizes)]}
+
     def fsync(self) -> None:
         for fd in self.fds:
             os.fsync(fd)
@@ -313,6 +328,7 @@ class StripedFile:
         self.lay = lay
         self.path = str(logical_path)
         self.size = sum(lay.sizes)
+        self.files, self.owned = files, False
         self.parts = [files.get(p) for p in lay.paths]
         self.direct = all(p.direct for p in self.parts)
         self._plain = None
@@ -368,11 +384,24 @@ class StripedFile:
         for fd in self._plain or ():
             os.close(fd)
         self._plain = None
+        if self.owned:
+            self.files.close()
+
+
+def renamed(lay: Layout, trunk_file: str) -> Layout:
+    """The same pack's stripes of another trunk file (trunk.kz beside trunk.bin), in the
+    same directories; their sizes are set when written (``StripedOut.truncate``)."""
+    return Layout(lay.pack_id, lay.stripe_bytes,
+                  [p.with_name(stripe_name(trunk_file, lay.pack_id, i))
+                   for i, p in enumerate(lay.paths)], [0] * lay.count, trunk_file)
 
 
 def open_reader(lay: Layout, logical_path, use_direct: bool = True):
-    """A StripedFile over its own FileSet (for verify and compress, outside a run)."""
+    """A StripedFile over its own FileSet (for verify and compress, outside a run),
+    closing it when closed."""
     from ..io.direct import FileSet
 
-    return StripedFile(lay, FileSet(use_direct=use_direct), logical_path)
+    f = StripedFile(lay, FileSet(use_direct=use_direct), logical_path)
+    f.owned = True
+    return f
 
