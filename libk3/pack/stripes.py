@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import secrets
+import zlib
 from pathlib import Path
 
 from ..errors import FormatError, K3IOError, UsageError
@@ -87,7 +88,8 @@ class Layout:
                "index": index, "count": self.count, "stripe_bytes": self.stripe_bytes,
                "data_bytes": self.sizes[index], "trunk_file": self.trunk_file}
         blob = json.dumps(doc, sort_keys=True).encode()
-        head = STRIPE_MAGIC + len(blob).to_bytes(4, "little") + blob
+        head = STRIPE_MAGIC + len(blob).to_bytes(4, "little") + \
+            zlib.crc32(blob).to_bytes(4, "little") + blob
         return head + bytes(HEADER_BYTES - len(head))
 
     def holding(self, off: int, n: int) -> str:
@@ -175,10 +177,12 @@ def check_stripe_file(path: Path, lay: Layout, i: int) -> None:
     except OSError as e:
         raise K3IOError(f"cannot read stripe file: {e.strerror}", path=path) from None
     doc = None
-    if head[:8] == STRIPE_MAGIC:
-        n = int.from_bytes(head[8:12], "little")
+    n = int.from_bytes(head[8:12], "little")
+    blob = head[16:16 + n]
+    if head[:8] == STRIPE_MAGIC and 16 + n <= len(head) \
+            and zlib.crc32(blob) == int.from_bytes(head[12:16], "little"):
         try:
-            doc = json.loads(head[12:12 + n]) if 12 + n <= len(head) else None
+            doc = json.loads(blob)
         except (ValueError, RecursionError):
             doc = None
     if type(doc) is not dict or sorted(doc) != sorted(_HEADER_KEYS) \
