@@ -1,4 +1,4 @@
-"""Striped packs (formats/pack.md §Striped trunk) and per-drive read queues: same logits
+"""Striped packs (formats/pack.md "Striped trunk") and per-drive read queues: same logits
 as an unstriped pack, every refusal (missing directory, damaged, truncated or foreign
 stripe, read-only or full target), resume after kill -9, and the throttle's arithmetic."""
 
@@ -67,11 +67,12 @@ def tiny_plain(tiny_dir, tmp_path_factory):
 def test_stripes_same_logits_as_unstriped_through_the_console_script(tiny_dir, tiny_plain,
                                                                      tmp_path):
     """Catches a stripe segment read from the wrong file or offset: k3-run --pack on a
-    pack striped over three directories gives the logits bytes of the unstriped pack at
-    the floor (one slot, every layer read every token), throttled queues included; the
-    stripes put back together are trunk.bin byte for byte and the second drive holds
-    bytes (tiny's 2.9 MB trunk spans two 2 MiB stripes)."""
-    out, dirs = _striped(tiny_dir, tmp_path, n=2)
+    pack striped over two directories gives the logits bytes of the unstriped pack at
+    the floor (one slot, every layer read every token), throttled queues included, and
+    each drive's queue read its share; the stripes put back together are trunk.bin byte
+    for byte (tiny's 2.9 MB trunk spans two 2 MiB stripes; a third file would be empty,
+    which the layout test covers)."""
+    out, dirs = _striped(tiny_dir, tmp_path, n=1)
     assert _logical_trunk(out) == (tiny_plain / TRUNK_FILE).read_bytes()
     assert any(p.stat().st_size > stripes.HEADER_BYTES for p in dirs[0].iterdir())
     runs = {}
@@ -82,6 +83,10 @@ def test_stripes_same_logits_as_unstriped_through_the_console_script(tiny_dir, t
                "--logits-out", lo, "--report-json", rep, "--quiet")
         assert p.returncode == 0, p.stderr
         runs[name] = np.load(lo)
+        drives = json.loads(rep.read_text())["drives"]
+        if name == "striped":        # a queue per drive, each reading its share
+            for d in (out, *dirs, tiny_dir):
+                assert drives[str(d.resolve())]["bytes_read"] > 0, (d, drives)
     assert np.array_equal(runs["plain"].view(np.uint32), runs["striped"].view(np.uint32))
     ok = k3pack_here("verify", out, "--against", tiny_dir, "--quiet")
     assert ok.returncode == 0, ok.stderr

@@ -178,15 +178,6 @@ def load_expert_index(pack_dir):
     return _load_expert_index(d, man, cfg)
 
 
-def manifest_version(pack_dir):
-    """The ``version`` a finished pack's trunk.json states (None when unreadable)."""
-    try:
-        doc = json.loads((Path(pack_dir) / MANIFEST_FILE).read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return None
-    return doc.get("version") if isinstance(doc, dict) else None
-
-
 class _Fields:
     """Typed access to a parsed JSON document; every refusal names the file and field."""
 
@@ -314,7 +305,7 @@ def _load_manifest(d: Path):
     _check_version(f, doc.get("version"), "version", (PACK_VERSION, COMPRESSED_VERSION))
     compressed = doc["version"] == COMPRESSED_VERSION
     f.obj(doc, "trunk.json", _MANIFEST_KEYS + (("trunk_codec",) if compressed else ())
-          + (("stripes",) if "stripes" in doc else ()))      # formats/pack.md §Striped trunk
+          + (("stripes",) if "stripes" in doc else ()))      # formats/pack.md "Striped trunk"
     f.eq(doc["align"], ALIGN, "align")
     f.eq(doc["trunk_file"], COMPRESSED_TRUNK_FILE if compressed else TRUNK_FILE, "trunk_file")
     if compressed:

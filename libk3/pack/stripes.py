@@ -1,4 +1,4 @@
-"""A trunk laid over several drives (formats/pack.md §Striped trunk): the stripe layout,
+"""A trunk laid over several drives (formats/pack.md "Striped trunk"): the stripe layout,
 each stripe file's identity header, and the objects that write and read the striped
 trunk as if it were one file.
 
@@ -31,7 +31,7 @@ from ..errors import FormatError, K3IOError, UsageError
 from ..io.atomic import fsync_dir
 from ..io.direct import ALIGN, HUGE_PAGE
 
-STRIPE_BYTES = HUGE_PAGE              # formats/pack.md §Striped trunk: why 2 MiB
+STRIPE_BYTES = HUGE_PAGE              # formats/pack.md "Striped trunk": why 2 MiB
 HEADER_BYTES = ALIGN                  # the identity header; data starts aligned after it
 STRIPE_MAGIC = b"K3STRIPE"
 STRIPE_FORMAT, STRIPE_VERSION = "k3-stripe", 1

@@ -1,12 +1,13 @@
 """Packing a checkpoint for streaming: trunk.bin, trunk.json and experts.idx (formats/pack.md).
 
-Owns: copying every layer's trunk run verbatim into one page-aligned file (checksumming
-it and scanning it for NaN/Inf on the way), writing the manifest and the compact expert
-index, resuming after an interruption, ``verify`` (re-reading every layer, decoding a
-compressed trunk's blocks), and the short probe of the source disk's read rate that a
-pack's MB/s is reported against. Does not own: what the files must say and the checks
-before use (``libk3.pack.schema``), compressing a pack (``libk3.pack.compress``), reading
-safetensors (``libk3.io``) or streaming at run time (``libk3.stream``).
+Owns: copying every layer's trunk run verbatim into one page-aligned file, or over the
+stripe files of several drives (checksumming it and scanning it for NaN/Inf on the way),
+writing the manifest and the compact expert index, resuming after an interruption, and
+the short probe of the source disk's read rate that a pack's MB/s is reported against.
+Does not own: what the files must say and the checks before use (``libk3.pack.schema``),
+the stripe layout (``libk3.pack.stripes``), ``verify`` (``libk3.pack.verify``, re-exported
+here), compressing a pack (``libk3.pack.compress``), reading safetensors (``libk3.io``) or
+streaming at run time (``libk3.stream``).
 
 Why this shape: one positioned read (O_DIRECT-capable: 4096-aligned offset and length)
 loads one whole layer; the experts stay in the shards and are located through a
@@ -37,7 +38,7 @@ from .nonfinite import RunScan
 from .schema import (COMPRESSED_VERSION, EXPERT_INDEX_FILE, EXPERT_INDEX_MAGIC,
                      MANIFEST_FILE, PACK_FORMAT, PACK_VERSION, REPACK_HINT, TRUNK_FILE,
                      expert_index_contents, load_expert_index, load_manifest,  # noqa: F401
-                     manifest_version, model_level_entries, open_pack, plan_pack)
+                     model_level_entries, open_pack, plan_pack)
 from . import stripes
 from ..io.direct import ALIGN, FileSet, align_up, aligned_empty, window_bytes
 from ..io.identity import source_identity
@@ -67,6 +68,15 @@ def pack_state(out_dir, ckpt=None) -> str:
     if (d / PARTIAL_FILE).exists() or (d / JOURNAL_FILE).exists():
         return "partial"
     return "missing"
+
+
+def manifest_version(pack_dir):
+    """The ``version`` a finished pack's trunk.json states (None when unreadable)."""
+    try:
+        doc = json.loads((Path(pack_dir) / MANIFEST_FILE).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return doc.get("version") if isinstance(doc, dict) else None
 
 
 def _journal_read(d: Path, ident: dict, dirs: list | None = None) -> tuple:
