@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 from libk3.budget import ModelSizes, minimum_budget
 from libk3.errors import K3IOError
 from libk3.io.checkpoint import Checkpoint
-from libk3.io.direct import HUGE_PAGE, DriveQueue, FileSet, TokenBucket
+from libk3.io.direct import HUGE_PAGE, DriveQueue, FileSet, ReadGate, TokenBucket
 from libk3.pack import stripes
 from libk3.pack.writer import JOURNAL_FILE, MANIFEST_FILE, TRUNK_FILE, pack
 
@@ -294,3 +294,18 @@ def test_drive_queues_one_per_directory(tmp_path):
         assert fs.drive_stats()[str((tmp_path / "b").resolve())]["bytes_read"] >= 1000
     finally:
         fs.close()
+
+
+def test_read_gate_holds_back_only_reads_of_the_busy_drive():
+    """Catches trunk reads of one drive waiting for expert reads of another (the two
+    would then never overlap): an urgent read on drive a blocks a's read-ahead and a
+    read-ahead that does not say its drive, never b's."""
+    gate = ReadGate()
+    assert not gate._blocked(None)
+    with gate.urgent("a"):
+        assert gate._blocked(("a",)) and gate._blocked(None) and gate._blocked(("b", "a"))
+        assert not gate._blocked(("b",))
+        with gate.urgent():
+            assert gate._blocked(("b",))        # an urgent read of no known drive: all wait
+        assert not gate._blocked(("b",))
+    assert not gate._blocked(("a",)) and not gate._blocked(None)

@@ -89,6 +89,8 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
                              "(--trunk-gb and --cache-gb, or --preset)")
         if pack is not None:
             pk = open_pack(pack, ckpt, stripe_dirs)
+            if stripe_dirs and pk.stripes is None:
+                raise UsageError(f"{pack}: --stripe-dir is for a striped pack; this one is not")
             runs = runs_from_pack(pack, pk.manifest, pk.blocks)
             pack_source = pk.manifest["source"]
             pack_identity = hashlib.sha256(json.dumps(

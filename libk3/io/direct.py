@@ -81,30 +81,37 @@ def window_bytes(nbytes: int) -> int:
 
 class ReadGate:
     """Lets reads on the critical path go first. Expert reads (the layer being computed
-    waits for them) run inside ``urgent()``; the trunk read-ahead (needed only when this
-    layer is done) reads in chunks and waits at each chunk boundary while any urgent read
-    is in flight. Only the order of reads changes, never their bytes."""
+    waits for them) run inside ``urgent(drive)``; the trunk read-ahead (needed only when
+    this layer is done) reads in chunks and waits at each chunk boundary while an urgent
+    read is in flight on one of its ``drives`` (any drive when not given: reads of other
+    drives do not compete, so they do not wait). Only the order of reads changes, never
+    their bytes."""
 
     def __init__(self):
-        self._busy = 0
+        self._busy: dict = {}              # drive (a DriveQueue's name, or None) -> count
         self._cond = threading.Condition()
 
     @contextlib.contextmanager
-    def urgent(self):
+    def urgent(self, drive=None):
         with self._cond:
-            self._busy += 1
+            self._busy[drive] = self._busy.get(drive, 0) + 1
         try:
             yield
         finally:
             with self._cond:
-                self._busy -= 1
-                if self._busy == 0:
+                self._busy[drive] -= 1
+                if not self._busy[drive]:
+                    del self._busy[drive]
                     self._cond.notify_all()
 
-    def wait_clear(self, timeout: float = 1.0) -> None:
+    def _blocked(self, drives) -> bool:
+        return bool(self._busy) if drives is None else \
+            any(d in self._busy for d in (None, *drives))
+
+    def wait_clear(self, timeout: float = 1.0, drives=None) -> None:
         with self._cond:
-            if self._busy:
-                self._cond.wait_for(lambda: self._busy == 0, timeout)
+            if self._blocked(drives):
+                self._cond.wait_for(lambda: not self._blocked(drives), timeout)
 
 
 class TokenBucket:
@@ -219,7 +226,7 @@ class DirectFile:
                 piece = (view[got:got + YIELD_CHUNK] if yield_to is not None else
                          view[got:got + FOLD_CHUNK] if on_piece is not None else view[got:])
                 if yield_to is not None:
-                    yield_to.wait_clear()
+                    yield_to.wait_clear(drives=self.drives)
                     _check(cancel)
                 n = self._pread(piece, start + got, what)
                 if n == 0:
@@ -233,6 +240,11 @@ class DirectFile:
             raise CheckpointError("file ends early (truncated shard?)", path=self.path,
                                   tensor=what, expected=f"{nbytes} bytes at offset {offset}")
         return offset - start
+
+    @property
+    def drives(self):
+        """The drives this file's reads go to (its queue's name), for ``ReadGate``."""
+        return None if self.queue is None else (self.queue.name,)
 
     def submit(self, piece, off: int, what: str = "") -> Future:
         """A future of ``_pread``: on the drive's queue, or done now without one."""
@@ -275,7 +287,7 @@ class DirectFile:
             for o, n in pieces:
                 while len(flight) >= depth:
                     counts.append(flight.popleft().result())
-                gate.wait_clear()
+                gate.wait_clear(drives=self.drives)
                 _check(cancel)
                 flight.append(pool.submit(self._pread, view[o:o + n], start + o, what))
             while flight:

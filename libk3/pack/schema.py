@@ -341,11 +341,13 @@ def _load_manifest(d: Path):
         end = _check_layer(f, i, lay, cfg, sizes, end, compressed)
     f.eq(doc["trunk_bytes"], end, "trunk_bytes", "is not where the last layer ends")
     if "stripes" in doc:            # its files are checked by open_pack (stripes.open_layout)
-        return stripes.check_field(f, doc["stripes"], doc["trunk_file"], end) or doc, cfg
+        stripes.check_field(f, doc["stripes"], doc["trunk_file"], end)
+        return doc, cfg
     trunk = d / doc["trunk_file"]
     size = trunk.stat().st_size if trunk.is_file() else None
     if size is None:
-        raise FormatError(f"{doc['trunk_file']} is missing or not a file", path=trunk, hint=REPACK_HINT)
+        raise FormatError(f"{doc['trunk_file']} is missing or not a file", path=trunk,
+                          hint=REPACK_HINT)
     if size != end:
         raise FormatError(f"{doc['trunk_file']} size does not match the manifest", path=trunk,
                           expected=end, found=size)

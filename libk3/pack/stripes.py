@@ -335,6 +335,7 @@ class StripedFile:
         self.files, self.owned = files, False
         self.parts = [files.get(p) for p in lay.paths]
         self.direct = all(p.direct for p in self.parts)
+        self.drives = tuple(d for p in self.parts for d in (p.drives or ()))
         self._plain = None
 
     def where(self, off: int, n: int) -> str:
@@ -349,7 +350,7 @@ class StripedFile:
                               tensor=what, expected=f"<= {self.size}", found=offset + nbytes)
         view = memoryview(buf)[:end - start]
         if yield_to is not None:
-            yield_to.wait_clear()
+            yield_to.wait_clear(drives=self.drives)
         if cancel is not None and cancel.is_set():
             from ..io.direct import ReadCancelled
             raise ReadCancelled()

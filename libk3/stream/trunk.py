@@ -517,7 +517,7 @@ class _FloorTrunk(TrunkStreamer):
                 self._space.wait(1.0)
         if use is None or use is fill:
             return depth
-        self.files.gate.wait_clear()
+        self.files.gate.wait_clear(drives=self.files.get(self.runs[fill.layer].path).drives)
         return min(depth, self._pieces.shapes["bg"][1])
 
     def _end_fill(self, fill: "_Fill") -> None:

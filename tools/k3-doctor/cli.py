@@ -49,8 +49,8 @@ from k3cli.support import handle_errors, print_json
 @quiet_option
 @click.version_option(__version__, prog_name="k3-doctor")
 @handle_errors
-def main(model, pack_dir, stripes, draft, json_out, quick, compile_only, assume_memory_gb, assume_read_mbps,
-         assume_decode_mbps, probe_size_mb, threads, quiet):
+def main(model, pack_dir, stripes, draft, json_out, quick, compile_only, assume_memory_gb,
+         assume_read_mbps, assume_decode_mbps, probe_size_mb, threads, quiet):
     from libk3.engine import precompile
 
     if compile_only:
