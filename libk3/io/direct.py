@@ -155,12 +155,14 @@ class DriveQueue:
                                        thread_name_prefix="k3-drive")
         self.bytes_read = 0
         self.throttle_seconds = 0.0
+        self._lock = threading.Lock()
 
     def _run(self, n: int, fn, args):
-        if self.bucket is not None:
-            self.throttle_seconds += self.bucket.take(n)
+        waited = self.bucket.take(n) if self.bucket is not None else 0.0
         got = fn(*args)
-        self.bytes_read += got
+        with self._lock:
+            self.bytes_read += got
+            self.throttle_seconds += waited
         return got
 
     def submit(self, n: int, fn, *args) -> Future:
