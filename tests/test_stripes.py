@@ -23,7 +23,7 @@ from libk3.io.direct import HUGE_PAGE, DriveQueue, FileSet, ReadGate, TokenBucke
 from libk3.pack import stripes
 from libk3.pack.writer import JOURNAL_FILE, MANIFEST_FILE, TRUNK_FILE, pack
 
-from .scripts import k3, k3_here, k3pack, k3pack_here
+from .scripts import k3, k3_here, k3pack_here
 
 PROMPT = "5,17,300,42,7,99,128,3"
 

@@ -33,12 +33,11 @@ from pathlib import Path
 from .. import names
 from ..errors import BudgetError, FormatError, K3IOError
 from ..io.atomic import fsync_dir, write_bytes
-from ..io.dtypes import ITEMSIZE
 from .nonfinite import RunScan
 from .schema import (COMPRESSED_VERSION, EXPERT_INDEX_FILE, EXPERT_INDEX_MAGIC,
-                     MANIFEST_FILE, PACK_FORMAT, PACK_VERSION, REPACK_HINT, TRUNK_FILE,
+                     MANIFEST_FILE, PACK_FORMAT, PACK_VERSION, TRUNK_FILE,
                      expert_index_contents, load_expert_index, load_manifest,  # noqa: F401
-                     model_level_entries, open_pack, plan_pack)
+                     model_level_entries, plan_pack)
 from . import stripes
 from ..io.direct import ALIGN, FileSet, align_up, aligned_empty, window_bytes
 from ..io.identity import source_identity
@@ -136,8 +135,8 @@ def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = 
     """Pack ``ckpt`` into ``out_dir``: resumable, never rewrites a finished pack. Refuses
     (FormatError) a trunk tensor holding NaN or Inf unless ``allow_nonfinite``; the
     layer is journaled first, so a rerun that allows them resumes. With ``stripe_dirs``
-    the trunk is striped over ``out_dir`` and each of them (formats/pack.md §Striped
-    trunk); a missing, read-only or full one is refused naming it."""
+    the trunk is striped over ``out_dir`` and each of them (formats/pack.md "Striped
+    trunk"); a missing, read-only or full one is refused naming it."""
     from .. import progress as _progress
 
     d = Path(out_dir)
