@@ -299,13 +299,20 @@ def test_drive_queues_one_per_directory(tmp_path):
 def test_read_gate_holds_back_only_reads_of_the_busy_drive():
     """Catches trunk reads of one drive waiting for expert reads of another (the two
     would then never overlap): an urgent read on drive a blocks a's read-ahead and a
-    read-ahead that does not say its drive, never b's."""
+    read-ahead that does not say its drive, never b's; two directories of one device
+    are one drive to the gate."""
     gate = ReadGate()
     assert not gate._blocked(None)
-    with gate.urgent("a"):
+    with gate.urgent(("a",)):
         assert gate._blocked(("a",)) and gate._blocked(None) and gate._blocked(("b", "a"))
         assert not gate._blocked(("b",))
         with gate.urgent():
             assert gate._blocked(("b",))        # an urgent read of no known drive: all wait
         assert not gate._blocked(("b",))
     assert not gate._blocked(("a",)) and not gate._blocked(None)
+    fs = FileSet(use_direct=False)
+    try:
+        q1, q2 = fs.queue_for(__file__), fs.queue_for(ReadGate.__init__.__code__.co_filename)
+        assert q1 is not q2 and q1.device == q2.device is not None
+    finally:
+        fs.close()

@@ -81,28 +81,32 @@ def window_bytes(nbytes: int) -> int:
 
 class ReadGate:
     """Lets reads on the critical path go first. Expert reads (the layer being computed
-    waits for them) run inside ``urgent(drive)``; the trunk read-ahead (needed only when
+    waits for them) run inside ``urgent(drives)``; the trunk read-ahead (needed only when
     this layer is done) reads in chunks and waits at each chunk boundary while an urgent
     read is in flight on one of its ``drives`` (any drive when not given: reads of other
-    drives do not compete, so they do not wait). Only the order of reads changes, never
+    drives do not compete, so they do not wait). A drive is a device (st_dev), not a
+    queue: two directories of one disk compete. Only the order of reads changes, never
     their bytes."""
 
     def __init__(self):
-        self._busy: dict = {}              # drive (a DriveQueue's name, or None) -> count
+        self._busy: dict = {}              # device (st_dev, or None: unknown) -> count
         self._cond = threading.Condition()
 
     @contextlib.contextmanager
-    def urgent(self, drive=None):
+    def urgent(self, drives=None):
+        keys = (None,) if drives is None else tuple(drives)
         with self._cond:
-            self._busy[drive] = self._busy.get(drive, 0) + 1
+            for k in keys:
+                self._busy[k] = self._busy.get(k, 0) + 1
         try:
             yield
         finally:
             with self._cond:
-                self._busy[drive] -= 1
-                if not self._busy[drive]:
-                    del self._busy[drive]
-                    self._cond.notify_all()
+                for k in keys:
+                    self._busy[k] -= 1
+                    if not self._busy[k]:
+                        del self._busy[k]
+                        self._cond.notify_all()
 
     def _blocked(self, drives) -> bool:
         return bool(self._busy) if drives is None else \
@@ -150,6 +154,7 @@ class DriveQueue:
 
     def __init__(self, name: str, depth: int = DRIVE_DEPTH, throttle_mbps: float | None = None):
         self.name, self.depth = name, max(1, int(depth))
+        self.device = os.stat(name).st_dev if os.path.isdir(name) else None
         self.bucket = TokenBucket(throttle_mbps * 1e6) if throttle_mbps else None
         self.pool = ThreadPoolExecutor(max_workers=self.depth,
                                        thread_name_prefix="k3-drive")
@@ -246,7 +251,7 @@ class DirectFile:
     @property
     def drives(self):
         """The drives this file's reads go to (its queue's name), for ``ReadGate``."""
-        return None if self.queue is None else (self.queue.name,)
+        return None if self.queue is None else (self.queue.device,)
 
     def submit(self, piece, off: int, what: str = "") -> Future:
         """A future of ``_pread``: on the drive's queue, or done now without one."""

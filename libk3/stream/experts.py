@@ -76,7 +76,7 @@ class ExpertCache:
         path = self.table.paths[int(self.table.shard[L, e])]
         buf = self.arena[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
         f = self.files.get(path)
-        with self.files.gate.urgent(f.queue and f.queue.name):  # the layer waits: first
+        with self.files.gate.urgent(f.drives):   # the layer waits for these: they go first
             return f.read_window(int(self.table.offset[L, e]), int(self.table.nbytes[L, e]),
                                  buf, what=f"layer {L} expert {e}")
 
