@@ -316,3 +316,20 @@ def test_read_gate_holds_back_only_reads_of_the_busy_drive():
         assert q1 is not q2 and q1.device == q2.device is not None
     finally:
         fs.close()
+
+
+def test_stripes_prefix_cache_resumes_on_a_striped_pack(tiny_dir, tiny_plain, tmp_path):
+    """Catches the prefix cache missing a striped pack (its identity, its default
+    folder): a saved prompt is resumed by a longer one; --stripe-dir on an unstriped
+    pack is a usage error (exit 2)."""
+    out, _ = _striped(tiny_dir, tmp_path)
+    base = ("--gen", 1, "--preset", "max", "--pack", out, "--prefix-cache", "auto")
+    p = k3_here(tiny_dir, "--ids", PROMPT, *base, "--save-prefix")
+    assert p.returncode == 0, p.stderr
+    rep = tmp_path / "r.json"
+    p = k3_here(tiny_dir, "--ids", PROMPT + ",9,10", *base, "--report-json", rep)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(rep.read_text())["reused_tokens"] == len(PROMPT.split(","))
+    p = k3_here(tiny_dir, "--ids", "1", "--preset", "max", "--pack", tiny_plain,
+                "--stripe-dir", tmp_path)
+    assert p.returncode == 2 and "not" in p.stderr, p.stderr
