@@ -333,3 +333,24 @@ def test_stripes_prefix_cache_resumes_on_a_striped_pack(tiny_dir, tiny_plain, tm
     p = k3_here(tiny_dir, "--ids", "1", "--preset", "max", "--pack", tiny_plain,
                 "--stripe-dir", tmp_path)
     assert p.returncode == 2 and "not" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("field, change", [
+    ("stripes.pack_id", lambda s: s.update(pack_id="XYZ")),
+    ("stripes.stripe_bytes", lambda s: s.update(stripe_bytes=HUGE_PAGE + 4096)),
+    ("stripes.header_bytes", lambda s: s.update(header_bytes=512)),
+    ("stripes.files", lambda s: s.update(files=s["files"][:1])),
+    ("stripes.files[0].dir", lambda s: s["files"][0].update(dir="elsewhere")),
+    ("stripes.files[1].name", lambda s: s["files"][1].update(name="trunk.bin.0.1")),
+    ("stripes.files[1].data_bytes", lambda s: s["files"][1].update(data_bytes=4096)),
+    ("stripes", lambda s: s.update(extra=1)),
+])
+def test_stripes_manifest_field_refused_naming_it(tiny_dir, tmp_path, field, change):
+    """Catches a stripes field that turns into a wrong offset or file: each bad value is
+    exit 3 from verify naming trunk.json and the field, before any trunk byte is read."""
+    out, _ = _striped(tiny_dir, tmp_path)
+    man = json.loads((out / MANIFEST_FILE).read_text())
+    change(man["stripes"])
+    (out / MANIFEST_FILE).write_text(json.dumps(man))
+    p = k3pack_here("verify", out, "--quiet")
+    assert p.returncode == 3 and "trunk.json" in p.stderr and field in p.stderr, p.stderr
