@@ -468,7 +468,7 @@ def test_compress_and_verify_in_small_pieces_give_the_same_result(small_raw, sma
     """Catches piece boundaries that change the stored bytes, the index, a layer's CRC or
     the NaN/Inf scan: compressing and verifying in pieces of a few blocks (odd offsets
     included) gives the same pack, and verify still passes it."""
-    import libk3.pack.writer as pack_mod
+    import libk3.pack.verify as pack_mod
     from libk3.pack import compress as pack_compress
 
     monkeypatch.setattr(pack_compress, "ENCODE_BYTES", 300_000)

@@ -2,7 +2,8 @@
 preset to run, at what batch width, the s/token it should give, and whether a compressed
 trunk or a draft pays (the formula in ``report``'s module docstring).
 
-Owns: ``decide``, ``estimate``, ``hit_rate``, ``drafting_advice``,
+Owns: ``decide``, ``estimate`` (and ``placement_estimate``, the same over several
+drives), ``hit_rate``, ``drafting_advice``,
 ``compression_advice`` and the figures they rest on. Does not own: measuring
 (``libk3.machine``, ``timing``), the budget rules (``libk3.budget``), gathering the
 report (``report``).
@@ -58,6 +59,25 @@ def estimate(sizes: ModelSizes, split: budget.Budget, seq_bps, rand_bps,
             "ring_bytes": plan.ring_bytes, "trunk_streamed_bytes": plan.streamed_bytes,
             "expert_hit_rate": hit, "expert_misses": misses,
             "kernels": kernels.get("source")}
+
+
+def placement_estimate(est: dict, trunk_drives: dict, expert_drive: tuple,
+                       expert_bytes: int) -> dict:
+    """``est`` (one drive's ``estimate``) with the trunk striped evenly over
+    ``trunk_drives`` (device -> sequential B/s) and the experts read from ``expert_drive``
+    (device, random B/s): each drive's reads add up, the drives read at once (a queue
+    each), so the I/O takes the busiest drive's time; compute as in ``estimate``. On one
+    drive holding both it is ``estimate``'s figure."""
+    work: dict = {}
+    share = est["trunk_streamed_bytes"] / len(trunk_drives)
+    for dev, bps in trunk_drives.items():
+        work[dev] = work.get(dev, 0.0) + share / bps
+    dev, rand_bps = expert_drive
+    if est["expert_misses"]:
+        work[dev] = work.get(dev, 0.0) + est["expert_misses"] * expert_bytes / rand_bps
+    io = max(work.values(), default=0.0)
+    return {"seconds_per_token": io + est["compute_s"], "io_s": io,
+            "drive_seconds": {str(k): v for k, v in work.items()}}
 
 
 def drafting_advice(est: dict | None, draft_bytes: int, lm_head_bytes: int,

@@ -154,6 +154,12 @@ def _render_decision(report: dict, w) -> None:
           f"{_gb(dr['streamed_bytes'])})")
         if dr.get("advice"):
             w(f"  {dr['advice']['why']} at {d['pick']}")
+    pl = d.get("placement")
+    if pl:
+        for o in pl["options"]:
+            w(f"trunk over {' + '.join(o['trunk_dirs'])}: {o['seconds_per_token']:.2f} s/token "
+              f"(busiest drive {o['io_s']:.2f} s of reads)")
+        w(f"placement: the trunk over {' + '.join(pl['pick']['trunk_dirs'])} at {d['pick']}")
     c = d.get("compression") or {}
     if c.get("recommend") is not None:
         w(f"compressed trunk (k3-pack compress): {c['why']}; expected "

@@ -37,7 +37,7 @@ from ..errors import CheckpointError, ConfigError
 from ..k3_dims import real_config
 from ..machine import memory as _memory, storage
 from ..units import size_texts
-from . import facts
+from . import drives, facts
 from .advice import compression_advice, decide, drafting_advice
 
 EXAMPLE_PROMPT = "The capital of France is"
@@ -165,7 +165,8 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
              probe_bytes: int = storage.DEFAULT_PROBE_BYTES, progress: bool = False,
              seq_seconds: float = 3.0, rand_seconds: float = 1.5,
              pack_free_bytes: int | None = None, read_bps: float | None = None,
-             decode_bps: float | None = None, probe_tmp=None, draft=None) -> Diagnosis:
+             decode_bps: float | None = None, probe_tmp=None, draft=None,
+             stripes=()) -> Diagnosis:
     """Probe, inspect and decide. ``memory`` overrides the memory probe (simulated
     machines); ``pack_free_bytes`` overrides the free space seen at the pack directory
     (tests); ``read_bps`` the measured sequential read rate and ``decode_bps`` the
@@ -173,7 +174,9 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
     first (``storage.probe_dir``; default the temporary directory). ``quick`` skips the
     disk, kernel and decode measurements (no estimates). ``draft``: a DSpark draft
     directory for ``model``, checked, counted in every budget and judged (does drafting
-    pay at the pick?)."""
+    pay at the pick?). ``stripes``: more drives the trunk could go on (each measured, the
+    placement compared: ``drives``); an existing striped pack's stripe directories are
+    measured too."""
     mem = memory if memory is not None else _memory.probe_memory()
     machine = facts.probe_machine(mem)
     problems, warnings = list(), list(machine["warnings"])
@@ -191,6 +194,11 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
         targets.append(("model", Path(model)))
     if pack_dir is not None:
         targets.append(("pack" if pack is not None else "pack (suggested)", pack_dir))
+    stripe_dirs = [Path(s) for s in stripes] or \
+        (drives.pack_stripe_dirs(pack_dir) if pack_dir is not None else [])
+    targets += [("stripe", s) for s in stripe_dirs]
+    if stripe_dirs:
+        warnings += drives.shared_device_warnings([pack_dir, *stripe_dirs])
     avoid = [d for _, d in targets]
     for role, d in targets:
         dev = os.stat(storage.existing_ancestor(d)).st_dev
@@ -251,6 +259,9 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
     decision["compression"] = compression_advice(
         decision["presets"][pick]["estimate"] if pick else None, seq_bps, decode)
     decision["sizes_of"] = "Kimi K3 (reference config)" if reference else str(model)
+    decision["placement"] = drives.placement(
+        stores, decision["presets"][pick]["estimate"] if pick else None, sizes.expert_bytes,
+        model, pack_dir, stripe_dirs) if stripe_dirs else None
     problems += decision["problems"]
     disk = None
     if model_sec is not None and model_sec.get("pack"):
@@ -328,8 +339,12 @@ def _next_steps(model, pack, pack_dir, model_sec, decision, problems) -> dict:
         if os.path.abspath(target) == os.path.abspath(pack_dir):
             target = Path(str(pack_dir) + "-2")
     compress = (decision.get("compression") or {}).get("recommend")
+    place = decision.get("placement")
+    if state != "complete" and place:        # the drives compared: the trunk where it is fastest
+        target = Path(place["pack_dir"])
     if state != "complete":
         cmds.append(f"k3-pack {q(str(model))} {q(str(target))}"
+                    + "".join(f" --stripe {q(s)}" for s in (place or {}).get("stripe_args", ()))
                     + (" --compress-trunk" if compress else ""))
     elif compress and not (target / "trunk.kz").is_file():
         cmds.append(f"k3-pack compress {q(str(target))}")

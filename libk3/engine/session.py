@@ -62,13 +62,16 @@ def load_tokenizer_if_present(model_dir, vocab_size=None, pack=None):
 
 def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_bytes=None,
                  cache_policy: str = DEFAULT_POLICY, io_threads: int = IO_THREADS,
-                 direct_io: bool = True, on_route=None, verify_reads: str = "first") -> Session:
+                 direct_io: bool = True, on_route=None, verify_reads: str = "first",
+                 stripe_dirs=None, io_throttle_mbps: float | None = None) -> Session:
     """Open ``model_dir`` for a run (or use ``ckpt``, its already opened Checkpoint).
     Without budgets every weight is resident; with ``trunk_bytes`` and ``cache_bytes`` the
     trunk streams (from ``pack`` when given, else straight from the shards) and experts go
     through the cache. The arithmetic is the same either way. A pack is checked against
     the checkpoint first (``open_pack``); ``verify_reads`` says when its layers' CRCs are
-    checked ("first" read in this process, or "every" read)."""
+    checked ("first" read in this process, or "every" read). Every read goes through its
+    drive's queue (``libk3.io.direct.FileSet``), capped at ``io_throttle_mbps`` each; a
+    striped pack's stripes are where its manifest says, or in ``stripe_dirs``."""
     if ckpt is None:
         ckpt = Checkpoint.open(model_dir)
     cfg = ckpt.config
@@ -85,14 +88,20 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
             raise UsageError("a streamed run needs both a trunk and a cache budget "
                              "(--trunk-gb and --cache-gb, or --preset)")
         if pack is not None:
-            pk = open_pack(pack, ckpt)
+            pk = open_pack(pack, ckpt, stripe_dirs)
+            if stripe_dirs and pk.stripes is None:
+                raise UsageError(f"{pack}: --stripe-dir is for a striped pack; this one is not")
             runs = runs_from_pack(pack, pk.manifest, pk.blocks)
             pack_source = pk.manifest["source"]
             pack_identity = hashlib.sha256(json.dumps(
                 pk.manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
         else:
             runs = runs_from_checkpoint(ckpt)
-        files = FileSet(use_direct=direct_io)
+        files = FileSet(use_direct=direct_io, throttle_mbps=io_throttle_mbps)
+        if pack is not None and pk.stripes is not None:
+            from ..pack.stripes import StripedFile
+            trunk_path = Path(pack) / pk.manifest["trunk_file"]
+            files.register(trunk_path, StripedFile(pk.stripes, files, trunk_path))
         cache = ExpertCache(cfg, ckpt.expert_table(), cache_bytes, files, io_threads=io_threads,
                             policy=cache_policy)
         trunk = TrunkStreamer(cfg, runs, trunk_bytes, files, verify_reads=verify_reads)

@@ -3,7 +3,9 @@
 Owns: allocating aligned arenas (private anonymous mmap: page-aligned, counted in RSS only
 when touched, so the budget is what we allocate), opening a file for direct reads with a
 buffered fallback, and reading the 4096-aligned window that encloses an unaligned byte
-range. Does not own: what to read (``trunk``, ``experts``).
+range, and the per-drive read queues every read goes through (``DriveQueue``: its own
+requests in flight and, with a throttle, its own token bucket). Does not own: what to read
+(``trunk``, ``experts``) or a striped trunk's layout (``libk3.pack.stripes``).
 
 Why O_DIRECT: streamed bytes are used once per token; through the page cache they would
 evict each other and count against the machine, not against k3's budget, and under a
@@ -27,6 +29,9 @@ import contextlib
 import mmap
 import os
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -36,6 +41,7 @@ ALIGN = 4096
 HUGE_PAGE = 2 << 20            # x86-64 and arm64 (4 KiB base pages) transparent huge page
 YIELD_CHUNK = 4 << 20          # trunk read-ahead yields to expert reads every 4 MiB
 FOLD_CHUNK = 32 << 20          # a foreground read hands over pieces this size (on_piece)
+DRIVE_DEPTH = 16               # a drive queue's requests in flight unless k3-doctor measured one
 
 
 def align_down(n: int) -> int:
@@ -75,37 +81,109 @@ def window_bytes(nbytes: int) -> int:
 
 class ReadGate:
     """Lets reads on the critical path go first. Expert reads (the layer being computed
-    waits for them) run inside ``urgent()``; the trunk read-ahead (needed only when this
-    layer is done) reads in chunks and waits at each chunk boundary while any urgent read
-    is in flight. Only the order of reads changes, never their bytes."""
+    waits for them) run inside ``urgent(drives)``; the trunk read-ahead (needed only when
+    this layer is done) reads in chunks and waits at each chunk boundary while an urgent
+    read is in flight on one of its ``drives`` (any drive when not given: reads of other
+    drives do not compete, so they do not wait). A drive is a device (st_dev), not a
+    queue: two directories of one disk compete. Only the order of reads changes, never
+    their bytes."""
 
     def __init__(self):
-        self._busy = 0
+        self._busy: dict = {}              # device (st_dev, or None: unknown) -> count
         self._cond = threading.Condition()
 
     @contextlib.contextmanager
-    def urgent(self):
+    def urgent(self, drives=None):
+        keys = (None,) if drives is None else tuple(drives)
         with self._cond:
-            self._busy += 1
+            for k in keys:
+                self._busy[k] = self._busy.get(k, 0) + 1
         try:
             yield
         finally:
             with self._cond:
-                self._busy -= 1
-                if self._busy == 0:
-                    self._cond.notify_all()
+                for k in keys:
+                    self._busy[k] -= 1
+                    if not self._busy[k]:
+                        del self._busy[k]
+                        self._cond.notify_all()
 
-    def wait_clear(self, timeout: float = 1.0) -> None:
+    def _blocked(self, drives) -> bool:
+        return bool(self._busy) if drives is None else \
+            any(d in self._busy for d in (None, *drives))
+
+    def wait_clear(self, timeout: float = 1.0, drives=None) -> None:
         with self._cond:
-            if self._busy:
-                self._cond.wait_for(lambda: self._busy == 0, timeout)
+            if self._blocked(drives):
+                self._cond.wait_for(lambda: not self._blocked(drives), timeout)
+
+
+class TokenBucket:
+    """Caps a queue's read rate at ``rate`` bytes/s: a read of n bytes takes n tokens,
+    refilled at ``rate`` up to ``burst``; a read finding too few waits for the debt to be
+    refilled (so a read larger than the burst still passes, and the long-run rate is
+    ``rate``). ``clock`` and ``sleep`` are injectable so the arithmetic tests with a fake
+    clock."""
+
+    def __init__(self, rate: float, burst: float | None = None, clock=time.monotonic,
+                 sleep=time.sleep):
+        self.rate = float(rate)
+        self.burst = float(burst if burst is not None else max(rate / 10, 1 << 20))
+        self.clock, self.sleep = clock, sleep
+        self.tokens = self.burst
+        self.last = clock()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> float:
+        """Take ``n`` tokens, sleeping as long as the rate requires; returns the wait."""
+        with self._lock:
+            now = self.clock()
+            self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+            self.last = now
+            self.tokens -= n
+            wait = -self.tokens / self.rate if self.tokens < 0 else 0.0
+        if wait > 0:
+            self.sleep(wait)
+        return wait
+
+
+class DriveQueue:
+    """One drive's reads: a pool of ``depth`` threads (its requests in flight) and, with
+    ``throttle_mbps``, a token bucket capping its read rate. Reads of files on different
+    drives go through different queues, so they proceed at once."""
+
+    def __init__(self, name: str, depth: int = DRIVE_DEPTH, throttle_mbps: float | None = None):
+        self.name, self.depth = name, max(1, int(depth))
+        self.device = os.stat(name).st_dev if os.path.isdir(name) else None
+        self.bucket = TokenBucket(throttle_mbps * 1e6) if throttle_mbps else None
+        self.pool = ThreadPoolExecutor(max_workers=self.depth,
+                                       thread_name_prefix="k3-drive")
+        self.bytes_read = 0
+        self.throttle_seconds = 0.0
+        self._lock = threading.Lock()
+
+    def _run(self, n: int, fn, args):
+        waited = self.bucket.take(n) if self.bucket is not None else 0.0
+        got = fn(*args)
+        with self._lock:
+            self.bytes_read += got
+            self.throttle_seconds += waited
+        return got
+
+    def submit(self, n: int, fn, *args) -> Future:
+        return self.pool.submit(self._run, n, fn, args)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 class DirectFile:
-    """One read-only file; ``direct`` tells whether O_DIRECT is in use."""
+    """One read-only file; ``direct`` tells whether O_DIRECT is in use. With a ``queue``
+    (its drive's ``DriveQueue``), every read goes through that queue."""
 
-    def __init__(self, path, use_direct: bool = True):
+    def __init__(self, path, use_direct: bool = True, queue: DriveQueue | None = None):
         self.path = str(path)
+        self.queue = queue
         self.size = os.stat(self.path).st_size
         self.direct = False
         self.fd = -1
@@ -155,7 +233,7 @@ class DirectFile:
                 piece = (view[got:got + YIELD_CHUNK] if yield_to is not None else
                          view[got:got + FOLD_CHUNK] if on_piece is not None else view[got:])
                 if yield_to is not None:
-                    yield_to.wait_clear()
+                    yield_to.wait_clear(drives=self.drives)
                     _check(cancel)
                 n = self._pread(piece, start + got, what)
                 if n == 0:
@@ -170,7 +248,29 @@ class DirectFile:
                                   tensor=what, expected=f"{nbytes} bytes at offset {offset}")
         return offset - start
 
+    @property
+    def drives(self):
+        """The drives this file's reads go to (its queue's name), for ``ReadGate``."""
+        return None if self.queue is None else (self.queue.device,)
+
+    def submit(self, piece, off: int, what: str = "") -> Future:
+        """A future of ``_pread``: on the drive's queue, or done now without one."""
+        if self.queue is not None:
+            return self.queue.submit(len(piece), self._pread_now, piece, off, what)
+        fut: Future = Future()
+        try:
+            fut.set_result(self._pread_now(piece, off, what))
+        except BaseException as e:
+            fut.set_exception(e)
+        return fut
+
     def _pread(self, piece, off: int, what: str) -> int:
+        """Fill ``piece`` from ``off`` (through the drive's queue when there is one)."""
+        if self.queue is not None:
+            return self.queue.submit(len(piece), self._pread_now, piece, off, what).result()
+        return self._pread_now(piece, off, what)
+
+    def _pread_now(self, piece, off: int, what: str) -> int:
         """Fill ``piece`` from ``off``; fewer bytes only at the end of the file."""
         got = 0
         while got < len(piece):
@@ -194,7 +294,7 @@ class DirectFile:
             for o, n in pieces:
                 while len(flight) >= depth:
                     counts.append(flight.popleft().result())
-                gate.wait_clear()
+                gate.wait_clear(drives=self.drives)
                 _check(cancel)
                 flight.append(pool.submit(self._pread, view[o:o + n], start + o, what))
             while flight:
@@ -216,13 +316,34 @@ def _check(cancel) -> None:
 
 
 class FileSet:
-    """DirectFile per path, opened lazily, once (reader threads ask at the same time)."""
+    """DirectFile per path, opened lazily, once (reader threads ask at the same time),
+    each bound to the queue of its drive: one ``DriveQueue`` per directory (a pack's
+    directory, each stripe directory, the checkpoint's shard directory), of ``depth``
+    (or ``depths[directory]``, k3-doctor's measurement) requests in flight, each capped
+    at ``throttle_mbps`` when given. ``register`` puts a file-like object (a striped
+    trunk) under a path that is not a file of its own."""
 
-    def __init__(self, use_direct: bool = True):
+    def __init__(self, use_direct: bool = True, depth: int = DRIVE_DEPTH,
+                 throttle_mbps: float | None = None, depths: dict | None = None):
         self.use_direct = use_direct
+        self.depth, self.throttle_mbps, self.depths = depth, throttle_mbps, depths or {}
         self.files: dict = {}
+        self.queues: dict = {}
         self.gate = ReadGate()          # shared by the trunk ring and the expert cache
         self._lock = threading.Lock()
+
+    def queue_for(self, path) -> DriveQueue:
+        """The queue of ``path``'s directory (made on first use, under the set's lock)."""
+        key = str(Path(path).resolve().parent)
+        q = self.queues.get(key)
+        if q is None:
+            q = self.queues[key] = DriveQueue(key, self.depths.get(key, self.depth),
+                                              self.throttle_mbps)
+        return q
+
+    def register(self, path, f) -> None:
+        with self._lock:
+            self.files[str(path)] = f
 
     def get(self, path) -> DirectFile:
         f = self.files.get(str(path))
@@ -230,11 +351,25 @@ class FileSet:
             with self._lock:
                 f = self.files.get(str(path))
                 if f is None:
-                    f = self.files[str(path)] = DirectFile(path, self.use_direct)
+                    f = self.files[str(path)] = DirectFile(path, self.use_direct,
+                                                           self.queue_for(path))
         return f
+
+    def where(self, path, off: int, n: int) -> str:
+        """The file holding bytes [off, off + n) of ``path`` (a stripe file, striped)."""
+        f = self.files.get(str(path))
+        return f.where(off, n) if hasattr(f, "where") else str(path)
+
+    def drive_stats(self) -> dict:
+        return {k: {"depth": q.depth, "bytes_read": q.bytes_read,
+                    "throttle_seconds": round(q.throttle_seconds, 6)}
+                for k, q in self.queues.items()}
 
     def close(self) -> None:
         with self._lock:
             files, self.files = self.files, {}
+            queues, self.queues = self.queues, {}
         for f in files.values():
             f.close()
+        for q in queues.values():
+            q.close()

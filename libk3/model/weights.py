@@ -166,4 +166,5 @@ class StreamedWeights:
         return {"trunk": dict(self.trunk.stats, **self.trunk.describe()),
                 "experts": dict(self.cache.stats, slots=self.cache.n_slots,
                                 slot_bytes=self.cache.slot_bytes,
-                                policy=self.cache.policy.name)}
+                                policy=self.cache.policy.name),
+                "drives": self._files.drive_stats()}

@@ -30,7 +30,8 @@ from ..errors import BudgetError, K3IOError
 from ..io.atomic import fsync_dir, write_bytes
 from .schema import (BLOCK_INDEX_FILE, COMPRESSED_TRUNK_FILE, COMPRESSED_VERSION,
                      MANIFEST_FILE, TRUNK_FILE, layer_block_plan, open_pack)
-from . import codec as trunk_codec
+from . import codec as trunk_codec, stripes
+from .verify import preadv
 from ..io.direct import DirectFile, align_up, aligned_empty, window_bytes
 from .schema import crc_mismatch
 
@@ -67,29 +68,44 @@ def compress(pack_dir, *, threads: int = 1, progress: bool = True,
     man = pk.manifest
     lays = man["layers"]
     raw_total = sum(l["nbytes"] for l in lays)
+    raw_lay = pk.stripes and stripes.renamed(pk.stripes, TRUNK_FILE)
     if pk.compressed:
         (d / TRUNK_FILE).unlink(missing_ok=True)       # an interrupted switch's leftover
+        for p in raw_lay.paths if raw_lay else ():
+            p.unlink(missing_ok=True)
         (d / KZ_JOURNAL_FILE).unlink(missing_ok=True)
         return CompressResult(str(d), len(lays), len(lays), raw_total,
                               sum(l["stored"] for l in lays), 0.0, already_compressed=True)
-    if (d / COMPRESSED_TRUNK_FILE).exists():           # renamed, but trunk.json not switched
-        os.replace(d / COMPRESSED_TRUNK_FILE, d / KZ_PARTIAL_FILE)
+    kz_lay = pk.stripes and stripes.renamed(pk.stripes, COMPRESSED_TRUNK_FILE)
+    for done_p, part in ([(q, q.with_name(q.name + ".partial")) for q in kz_lay.paths]
+                         if kz_lay else [(d / COMPRESSED_TRUNK_FILE, d / KZ_PARTIAL_FILE)]):
+        if done_p.exists():                            # renamed, but trunk.json not switched
+            os.replace(done_p, part)
     plans = [layer_block_plan(l) for l in lays]
     head = {"version": COMPRESSED_VERSION, "source": man["source"],
             "codec": trunk_codec.codec_params(), "crc32": [l["crc32"] for l in lays]}
     t0 = time.perf_counter()
-    done = _resume(d, head, plans)
+    out = stripes.StripedOut(kz_lay, direct=False, header_now=False) if kz_lay else \
+        os.open(d / KZ_PARTIAL_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        done = _resume(d, head, plans, out)
+        for p, share in ([(q.parent, n) for q, n in zip(pk.stripes.paths, pk.stripes.sizes)]
+                         if kz_lay else [(d, man["trunk_bytes"])]):
+            free = shutil.disk_usage(p).free    # stored <= raw for trained weights
+            if share - sum(align_up(int(r["stored"].sum())) for r in done) // \
+                    (pk.stripes.count if kz_lay else 1) > free:
+                raise BudgetError("not enough free disk to compress the trunk beside "
+                                  "trunk.bin", path=p, expected=f"{share} bytes",
+                                  found=f"{free} bytes free")
+    except BaseException:
+        out.close() if kz_lay else os.close(out)
+        raise
     resumed = len(done)
-    have = (d / KZ_PARTIAL_FILE).stat().st_size if (d / KZ_PARTIAL_FILE).exists() else 0
-    free = shutil.disk_usage(d).free
-    if man["trunk_bytes"] - have > free:          # stored <= raw for trained weights
-        raise BudgetError("not enough free disk to compress the trunk beside trunk.bin", path=d,
-                          expected=f"{man['trunk_bytes'] - have} bytes",
-                          found=f"{free} bytes free")
     codec = trunk_codec.Codec(threads)
-    src = DirectFile(d / TRUNK_FILE)
+    src = stripes.open_reader(pk.stripes, d / TRUNK_FILE) if pk.stripes else \
+        DirectFile(d / TRUNK_FILE)
     buf = aligned_empty(window_bytes(ENCODE_BYTES))
-    fd = os.open(d / KZ_PARTIAL_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = out
     off = sum(align_up(int(r["stored"].sum())) for r in done)
     try:
         bar = _progress.bar(total=raw_total, initial=sum(l["nbytes"] for l in lays[:len(done)]),
@@ -109,35 +125,39 @@ def compress(pack_dir, *, threads: int = 1, progress: bool = True,
                 raise crc_mismatch(d / TRUNK_FILE, L, lay["crc32"], crc)
             _write_at(fd, bytes(align_up(off) - off), off, d / KZ_PARTIAL_FILE)
             off = align_up(off)
-            os.fsync(fd)
+            _fsync(fd)
             rec = np.concatenate(recs)
             _journal_append(d, {"layer": L, "index": rec.tobytes().hex()})
             done.append(rec)
         bar.close()
-        os.ftruncate(fd, off)
-        os.fsync(fd)
+        fd.truncate(off) if kz_lay else os.ftruncate(fd, off)
+        _fsync(fd)
     finally:
-        os.close(fd)
+        fd.close() if kz_lay else os.close(fd)
         src.close()
         codec.close()
     if off + sum(r.nbytes for r in done) >= man["trunk_bytes"] and not even_if_no_gain:
-        (d / KZ_PARTIAL_FILE).unlink()
+        out.discard() if kz_lay else (d / KZ_PARTIAL_FILE).unlink()
         (d / KZ_JOURNAL_FILE).unlink(missing_ok=True)
         fsync_dir(d)
         return CompressResult(str(d), len(lays), resumed, raw_total,
                               sum(int(r["stored"].sum()) for r in done),
                               time.perf_counter() - t0, saves_nothing=True)
-    stored = _switch(d, man, done)
+    stored = _switch(d, man, done, out if kz_lay else None, raw_lay)
     return CompressResult(str(d), len(lays), resumed, raw_total, stored,
                           time.perf_counter() - t0)
 
 
-def _switch(d: Path, man: dict, recs: list) -> int:
-    """Make the compressed trunk the pack's: trunk.blocks, trunk.kz, then trunk.json (each
-    durable before the next), then remove trunk.bin and the journal. Returns stored bytes."""
+def _switch(d: Path, man: dict, recs: list, out=None, raw_lay=None) -> int:
+    """Make the compressed trunk the pack's: trunk.blocks, trunk.kz (or its stripes,
+    ``out``), then trunk.json (each durable before the next), then remove trunk.bin (or
+    its stripes, ``raw_lay``) and the journal. Returns stored bytes."""
     index = b"".join(r.tobytes() for r in recs)
     write_bytes(d / BLOCK_INDEX_FILE, index)
-    os.replace(d / KZ_PARTIAL_FILE, d / COMPRESSED_TRUNK_FILE)
+    if out is not None:
+        out.finish()
+    else:
+        os.replace(d / KZ_PARTIAL_FILE, d / COMPRESSED_TRUNK_FILE)
     fsync_dir(d)
     layers, off = [], 0
     for lay, r in zip(man["layers"], recs):
@@ -148,15 +168,25 @@ def _switch(d: Path, man: dict, recs: list) -> int:
            "trunk_bytes": off, "layers": layers,
            "trunk_codec": {**trunk_codec.codec_params(), "block_index": BLOCK_INDEX_FILE,
                            "block_index_bytes": len(index),
-                           "block_index_crc32": zlib.crc32(index)}}
+                           "block_index_crc32": zlib.crc32(index)},
+           **({"stripes": out.field(man["stripes"])} if out is not None else {})}
     write_bytes(d / MANIFEST_FILE, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
     (d / TRUNK_FILE).unlink(missing_ok=True)
+    for p in raw_lay.paths if raw_lay else ():
+        p.unlink(missing_ok=True)
     (d / KZ_JOURNAL_FILE).unlink(missing_ok=True)
     fsync_dir(d)
     return sum(l["stored"] for l in layers)
 
 
-def _write_at(fd: int, data: bytes, off: int, path) -> None:
+def _fsync(fd) -> None:
+    os.fsync(fd) if isinstance(fd, int) else fd.fsync()
+
+
+def _write_at(fd, data: bytes, off: int, path) -> None:
+    if not isinstance(fd, int):                 # a striped trunk.kz (names its own files)
+        fd.pwrite(data, off)
+        return
     mv = memoryview(data)
     while mv:
         try:
@@ -173,22 +203,23 @@ def _journal_append(d: Path, rec: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _resume(d: Path, head: dict, plans: list) -> list:
+def _resume(d: Path, head: dict, plans: list, out) -> list:
     """Index records of the layers an earlier run finished (journaled, and every block's
     bytes in trunk.kz.partial matching its CRC), in layer order from 0; starts the
     journal over when there is nothing to resume."""
     recs: list = []
     p = d / KZ_JOURNAL_FILE
-    if p.is_file() and (d / KZ_PARTIAL_FILE).is_file():
+    if p.is_file() and (not isinstance(out, int) or (d / KZ_PARTIAL_FILE).is_file()):
         lines = p.read_text(encoding="utf-8", errors="replace").splitlines()
         try:
             ok = json.loads(lines[0]) == head if lines else False
         except ValueError:
             ok = False
         if ok:
-            recs = _verified_records(d, lines[1:], plans)
+            recs = _verified_records(lines[1:], plans, out)
     if not recs:
-        (d / KZ_PARTIAL_FILE).unlink(missing_ok=True)
+        if isinstance(out, int):
+            os.ftruncate(out, 0)
         with open(p, "w", encoding="utf-8") as f:
             f.write(json.dumps(head, sort_keys=True) + "\n")
             f.flush()
@@ -204,23 +235,24 @@ def _resume(d: Path, head: dict, plans: list) -> list:
     return recs
 
 
-def _verified_records(d: Path, lines: list, plans: list) -> list:
+def _verified_records(lines: list, plans: list, out) -> list:
     recs: list = []
     off = 0
-    with open(d / KZ_PARTIAL_FILE, "rb") as f:
-        for L, line in enumerate(lines[:len(plans)]):
-            try:
-                j = json.loads(line)
-                rec = np.frombuffer(bytes.fromhex(j["index"]), trunk_codec.INDEX_RECORD)
-                if j["layer"] != L or rec.size != len(plans[L]):
-                    break
-            except (ValueError, KeyError, TypeError):
-                break                                # a torn line ends the journal
-            f.seek(off)
-            good = all(zlib.crc32(f.read(int(n))) == int(c)
-                       for n, c in zip(rec["stored"], rec["crc32"]))
-            if not good:
+    for L, line in enumerate(lines[:len(plans)]):
+        try:
+            j = json.loads(line)
+            rec = np.frombuffer(bytes.fromhex(j["index"]), trunk_codec.INDEX_RECORD)
+            if j["layer"] != L or rec.size != len(plans[L]):
                 break
-            recs.append(rec.copy())
-            off += align_up(int(rec["stored"].sum()))
+        except (ValueError, KeyError, TypeError):
+            break                                # a torn line ends the journal
+        good, at = True, off
+        for n, c in zip(rec["stored"].tolist(), rec["crc32"].tolist()):
+            buf = bytearray(n)
+            good = good and preadv(out, [buf], at) == n and zlib.crc32(buf) == c
+            at += n
+        if not good:
+            break
+        recs.append(rec.copy())
+        off += align_up(int(rec["stored"].sum()))
     return recs

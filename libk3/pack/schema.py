@@ -36,7 +36,7 @@ from ..errors import ConfigError, FormatError
 from ..io import inventory
 from ..io.dtypes import ITEMSIZE
 from ..io.identity import shard_digest
-from . import codec as trunk_codec
+from . import codec as trunk_codec, stripes
 from ..io.direct import ALIGN, align_up
 
 PACK_FORMAT = "k3-pack"
@@ -139,18 +139,20 @@ class PackIndex:
     index_header: dict
     records: np.ndarray
     blocks: list | None = None     # a compressed pack: each layer's BlockPlan, with its index
+    stripes: object = None         # a striped trunk: its checked stripes.Layout
 
     @property
     def compressed(self) -> bool:
         return self.blocks is not None
 
 
-def open_pack(pack_dir, ckpt=None) -> PackIndex:
+def open_pack(pack_dir, ckpt=None, stripe_dirs=None) -> PackIndex:
     """Read and check trunk.json and experts.idx; with ``ckpt``, also require that the pack
     was made from exactly that checkpoint (identity, every layer row and tensor entry,
     every model-level entry, every expert record). Raises FormatError naming the file and
     field of the first problem. Trunk bytes are not read (their CRCs are checked by the
-    reader of each layer: ``libk3.stream.trunk`` and ``libk3.pack.writer.verify``)."""
+    reader of each layer: ``libk3.stream.trunk`` and ``libk3.pack.writer.verify``). A
+    striped trunk's files are checked too (``stripe_dirs``: where they are now)."""
     d = Path(pack_dir)
     man, cfg = _load_manifest(d)
     if ckpt is not None:
@@ -160,7 +162,8 @@ def open_pack(pack_dir, ckpt=None) -> PackIndex:
     if ckpt is not None:
         _check_records(d / EXPERT_INDEX_FILE, rec, ckpt)
     blocks = _load_block_index(d, man) if man["version"] == COMPRESSED_VERSION else None
-    return PackIndex(d, man, cfg, head, rec, blocks)
+    lay = stripes.open_layout(d, man, stripe_dirs) if "stripes" in man else None
+    return PackIndex(d, man, cfg, head, rec, blocks, lay)
 
 
 def load_manifest(pack_dir) -> dict:
@@ -173,15 +176,6 @@ def load_expert_index(pack_dir):
     d = Path(pack_dir)
     man, cfg = _load_manifest(d)
     return _load_expert_index(d, man, cfg)
-
-
-def manifest_version(pack_dir):
-    """The ``version`` a finished pack's trunk.json states (None when unreadable)."""
-    try:
-        doc = json.loads((Path(pack_dir) / MANIFEST_FILE).read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return None
-    return doc.get("version") if isinstance(doc, dict) else None
 
 
 class _Fields:
@@ -310,7 +304,8 @@ def _load_manifest(d: Path):
     f.eq(doc.get("format"), PACK_FORMAT, "format", "not a k3 pack manifest")
     _check_version(f, doc.get("version"), "version", (PACK_VERSION, COMPRESSED_VERSION))
     compressed = doc["version"] == COMPRESSED_VERSION
-    f.obj(doc, "trunk.json", _MANIFEST_KEYS + (("trunk_codec",) if compressed else ()))
+    f.obj(doc, "trunk.json", _MANIFEST_KEYS + (("trunk_codec",) if compressed else ())
+          + (("stripes",) if "stripes" in doc else ()))      # formats/pack.md "Striped trunk"
     f.eq(doc["align"], ALIGN, "align")
     f.eq(doc["trunk_file"], COMPRESSED_TRUNK_FILE if compressed else TRUNK_FILE, "trunk_file")
     if compressed:
@@ -345,6 +340,9 @@ def _load_manifest(d: Path):
     for i, lay in enumerate(layers):
         end = _check_layer(f, i, lay, cfg, sizes, end, compressed)
     f.eq(doc["trunk_bytes"], end, "trunk_bytes", "is not where the last layer ends")
+    if "stripes" in doc:            # its files are checked by open_pack (stripes.open_layout)
+        stripes.check_field(f, doc["stripes"], doc["trunk_file"], end)
+        return doc, cfg
     trunk = d / doc["trunk_file"]
     size = trunk.stat().st_size if trunk.is_file() else None
     if size is None:

@@ -1,12 +1,13 @@
 """Packing a checkpoint for streaming: trunk.bin, trunk.json and experts.idx (formats/pack.md).
 
-Owns: copying every layer's trunk run verbatim into one page-aligned file (checksumming
-it and scanning it for NaN/Inf on the way), writing the manifest and the compact expert
-index, resuming after an interruption, ``verify`` (re-reading every layer, decoding a
-compressed trunk's blocks), and the short probe of the source disk's read rate that a
-pack's MB/s is reported against. Does not own: what the files must say and the checks
-before use (``libk3.pack.schema``), compressing a pack (``libk3.pack.compress``), reading
-safetensors (``libk3.io``) or streaming at run time (``libk3.stream``).
+Owns: copying every layer's trunk run verbatim into one page-aligned file, or over the
+stripe files of several drives (checksumming it and scanning it for NaN/Inf on the way),
+writing the manifest and the compact expert index, resuming after an interruption, and
+the short probe of the source disk's read rate that a pack's MB/s is reported against.
+Does not own: what the files must say and the checks before use (``libk3.pack.schema``),
+the stripe layout (``libk3.pack.stripes``), ``verify`` (``libk3.pack.verify``, re-exported
+here), compressing a pack (``libk3.pack.compress``), reading safetensors (``libk3.io``) or
+streaming at run time (``libk3.stream``).
 
 Why this shape: one positioned read (O_DIRECT-capable: 4096-aligned offset and length)
 loads one whole layer; the experts stay in the shards and are located through a
@@ -32,16 +33,15 @@ from pathlib import Path
 from .. import names
 from ..errors import BudgetError, FormatError, K3IOError
 from ..io.atomic import fsync_dir, write_bytes
-from ..io.dtypes import ITEMSIZE
 from .nonfinite import RunScan
 from .schema import (COMPRESSED_VERSION, EXPERT_INDEX_FILE, EXPERT_INDEX_MAGIC,
-                     MANIFEST_FILE, PACK_FORMAT, PACK_VERSION, REPACK_HINT, TRUNK_FILE,
+                     MANIFEST_FILE, PACK_FORMAT, PACK_VERSION, TRUNK_FILE,
                      expert_index_contents, load_expert_index, load_manifest,  # noqa: F401
-                     manifest_version, model_level_entries, open_pack, plan_pack)
-from . import codec as trunk_codec
+                     model_level_entries, plan_pack)
+from . import stripes
 from ..io.direct import ALIGN, FileSet, align_up, aligned_empty, window_bytes
 from ..io.identity import source_identity
-from .schema import crc_mismatch
+from .verify import crc_of_file_range, nonfinite_error, verify  # noqa: F401
 
 COPY_BLOCK = 16 << 20                # 16 MiB reads and writes
 READERS = 4                          # source reads in flight at once
@@ -69,24 +69,38 @@ def pack_state(out_dir, ckpt=None) -> str:
     return "missing"
 
 
-def _journal_read(d: Path, ident: dict) -> dict:
-    """Finished layers {L: (crc, [suffixes holding NaN/Inf])} from a journal written for
-    this same source, else {}."""
+def manifest_version(pack_dir):
+    """The ``version`` a finished pack's trunk.json states (None when unreadable)."""
+    try:
+        doc = json.loads((Path(pack_dir) / MANIFEST_FILE).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return doc.get("version") if isinstance(doc, dict) else None
+
+
+def _journal_read(d: Path, ident: dict, dirs: list | None = None) -> tuple:
+    """(finished layers {L: (crc, [suffixes holding NaN/Inf])}, the striped pack's id) from
+    a journal written for this same source (and, striped, the same stripe directories,
+    ``dirs`` as the manifest records them), else ({}, None)."""
     p = d / JOURNAL_FILE
-    if not p.is_file() or not (d / PARTIAL_FILE).is_file():
-        return {}
-    done = {}
+    if not p.is_file() or (dirs is None and not (d / PARTIAL_FILE).is_file()):
+        return {}, None
+    done, pack_id = {}, None
     for i, line in enumerate(p.read_text().splitlines()):
         try:
             rec = json.loads(line)
             if i == 0:
-                if rec.get("source") != ident or rec.get("version") != PACK_VERSION:
-                    return {}
+                st = rec.get("stripes")
+                if rec.get("source") != ident or rec.get("version") != PACK_VERSION \
+                        or (st is None) != (dirs is None) \
+                        or (st is not None and st.get("dirs") != dirs):
+                    return {}, None
+                pack_id = st and st.get("pack_id")
                 continue
             done[int(rec["layer"])] = (int(rec["crc32"]), list(rec["nonfinite"]))
         except (ValueError, KeyError, TypeError, AttributeError):
             break                       # a torn last line: ignore it and what follows
-    return done
+    return done, pack_id
 
 
 def _journal_append(d: Path, rec: dict) -> None:
@@ -94,34 +108,6 @@ def _journal_append(d: Path, rec: dict) -> None:
         f.write(json.dumps(rec, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def _crc_of_file_range(fd: int, off: int, n: int, scan: RunScan | None = None,
-                       path=None) -> int:
-    """CRC-32 of ``n`` bytes at ``off``, feeding them to ``scan`` as well."""
-    crc, buf = 0, aligned_empty(COPY_BLOCK)
-    mv = memoryview(buf)
-    while n > 0:
-        k = os.preadv(fd, [mv[:min(n, COPY_BLOCK)]], off)
-        if k <= 0:
-            raise FormatError("pack file ends early", path=path, expected=f"{n} more bytes "
-                              f"at offset {off}", hint=REPACK_HINT)
-        crc = zlib.crc32(mv[:k], crc)
-        if scan is not None:
-            scan.feed(buf[:k])
-        off += k
-        n -= k
-    return crc
-
-
-def nonfinite_error(path, tensors: list, where: str | None = None) -> FormatError:
-    """The one refusal of trunk tensors holding NaN or Inf (k3-pack and verify);
-    ``where``: the first one's place (layer, tensor, element, block)."""
-    return FormatError(f"{len(tensors)} trunk tensor(s) hold NaN or Inf"
-                       + (f", the first at {where}" if where else ""), path=path,
-                       tensor=tensors[0],
-                       hint="a released checkpoint has none: fetch the shard again, or pass "
-                            "--allow-nonfinite to accept them")
 
 
 @dataclasses.dataclass
@@ -145,10 +131,12 @@ def disk_needed(plans) -> int:
 
 
 def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = None,
-         allow_nonfinite: bool = False) -> PackResult:
+         allow_nonfinite: bool = False, stripe_dirs=()) -> PackResult:
     """Pack ``ckpt`` into ``out_dir``: resumable, never rewrites a finished pack. Refuses
     (FormatError) a trunk tensor holding NaN or Inf unless ``allow_nonfinite``; the
-    layer is journaled first, so a rerun that allows them resumes."""
+    layer is journaled first, so a rerun that allows them resumes. With ``stripe_dirs``
+    the trunk is striped over ``out_dir`` and each of them (formats/pack.md "Striped
+    trunk"); a missing, read-only or full one is refused naming it."""
     from .. import progress as _progress
 
     d = Path(out_dir)
@@ -164,66 +152,126 @@ def pack(ckpt, out_dir, *, progress: bool = True, throttle_mbps: float | None = 
                           f"this directory holds a finished pack in format v{old} (this k3 "
                           f"writes v{PACK_VERSION})", path=d,
                           hint="choose another OUT directory (a pack is never rewritten)")
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise K3IOError(f"cannot create the pack directory: {e.strerror}", path=d) from None
-    if not os.access(d, os.W_OK):
-        raise K3IOError("the pack directory is not writable (read-only disk?)", path=d)
+    _writable_dir(d, parents=True)
+    for s in stripe_dirs:
+        _writable_dir(Path(s), parents=False)
     total = disk_needed(plans)
-    done = _journal_read(d, ident)
-    have = (d / PARTIAL_FILE).stat().st_size if (d / PARTIAL_FILE).exists() else 0
-    free = shutil.disk_usage(d).free
-    if total - have > free:
-        raise BudgetError("not enough free disk for the pack", path=d,
-                          expected=f"{total - have} bytes", found=f"{free} bytes free")
+    striped = bool(stripe_dirs)
+    recorded = stripes.plan_layout(d, stripe_dirs, TRUNK_FILE, total, "0" * 16)[1] \
+        if striped else None
+    dirs = [e["dir"] for e in recorded["files"]] if striped else None
+    done, pack_id = _journal_read(d, ident, dirs)
+    lay = None
+    if striped:
+        lay, field = stripes.plan_layout(d, stripe_dirs, TRUNK_FILE, total,
+                                         pack_id or stripes.new_pack_id())
+        targets = list(zip(lay.paths, lay.sizes))
+    else:
+        targets = [(d / TRUNK_FILE, total)]
+    for path, need in targets:
+        part = path.with_name(path.name + ".partial") if striped else d / PARTIAL_FILE
+        have = part.stat().st_size if done and part.exists() else 0
+        free = shutil.disk_usage(path.parent).free
+        if need - have > free:
+            raise BudgetError("not enough free disk for the pack", path=path.parent,
+                              expected=f"{need - have} bytes", found=f"{free} bytes free")
     if not done:
-        _start_fresh(d, ident)
+        _start_fresh(d, ident, {"dirs": dirs, "pack_id": lay.pack_id} if striped else None)
+        if striped:
+            for path, _ in targets:
+                path.with_name(path.name + ".partial").unlink(missing_ok=True)
     t0 = time.perf_counter()
-    fd_out = os.open(d / PARTIAL_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    out = stripes.StripedOut(lay) if striped else _FileOut(d / PARTIAL_FILE)
     resumed, written = 0, 0
+    copies = None
     try:
-        if os.fstat(fd_out).st_size < total:
-            try:      # reserve the blocks now: O_DIRECT writes into holes allocate as they go
-                os.posix_fallocate(fd_out, 0, total)
-            except OSError:
-                os.ftruncate(fd_out, total)
-        # verify what the journal claims, then copy the rest
-        todo = []
+        out.allocate(total)
+        todo = []               # verify what the journal claims, then copy the rest
         for p in plans:
             if p.layer in done and \
-                    _crc_of_file_range(fd_out, p.file_off, p.nbytes) == done[p.layer][0]:
+                    crc_of_file_range(out, p.file_off, p.nbytes) == done[p.layer][0]:
                 resumed += 1
                 _check_nonfinite(ckpt, p, done[p.layer][1], allow_nonfinite)
             else:
                 todo.append(p)
-    finally:
-        os.close(fd_out)
-    fd_out = _open_for_write(d / PARTIAL_FILE)
-    copies = None
-    try:
         bar = _progress.bar(total=sum(p.nbytes for p in todo), unit="B", unit_scale=True,
                             desc="k3-pack", show=progress)
-        copies = _copy_layers(ckpt.model_dir, todo, fd_out, bar, throttle_mbps)
+        copies = _copy_layers(ckpt.model_dir, todo, out, bar, throttle_mbps)
         for p, crc, found in copies:
             _journal_append(d, {"layer": p.layer, "crc32": crc, "nonfinite": sorted(found)})
             written += p.nbytes
             _check_nonfinite(ckpt, p, sorted(found), allow_nonfinite)
         bar.close()
-        os.fsync(fd_out)
+        out.fsync()
     finally:
         if copies is not None:
             copies.close()                  # stops the readers and writers on an error
-        os.close(fd_out)
-    journal = _journal_read(d, ident)
+        out.close()
+    journal = _journal_read(d, ident, dirs)[0]
     _write_expert_index(d, ckpt)
-    os.replace(d / PARTIAL_FILE, d / TRUNK_FILE)
-    _write_manifest(d, ckpt, plans, {L: crc for L, (crc, _) in journal.items()}, ident)
+    out.finish()
+    _write_manifest(d, ckpt, plans, {L: crc for L, (crc, _) in journal.items()}, ident,
+                    field if striped else None)
     (d / JOURNAL_FILE).unlink(missing_ok=True)
     fsync_dir(d)
     return PackResult(str(d), len(plans), len(todo), resumed, written, time.perf_counter() - t0,
                       nonfinite=[names.layer(L, sfx) for L in sorted(journal)
                                  for sfx in journal[L][1]])
+
+
+def _writable_dir(d: Path, parents: bool) -> None:
+    """Create ``d`` (a stripe directory only when its parent exists: a drive that is not
+    mounted is not silently replaced by a directory on another one) and require it
+    writable."""
+    try:
+        d.mkdir(parents=parents, exist_ok=True)
+    except OSError as e:
+        raise K3IOError(f"cannot create the {'pack' if parents else 'stripe'} directory: "
+                        f"{e.strerror}", path=d) from None
+    if not os.access(d, os.W_OK):
+        raise K3IOError(f"the {'pack' if parents else 'stripe'} directory is not writable "
+                        "(read-only disk?)", path=d)
+
+
+class _FileOut:
+    """The unstriped trunk being written: trunk.bin.partial, renamed at the end."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.wfd = -1
+
+    def allocate(self, total: int) -> None:
+        if os.fstat(self.fd).st_size < total:
+            try:      # reserve the blocks now: O_DIRECT writes into holes allocate as they go
+                os.posix_fallocate(self.fd, 0, total)
+            except OSError:
+                os.ftruncate(self.fd, total)
+        self.wfd = _open_for_write(self.path)
+
+    def preadv(self, bufs, off: int) -> int:
+        return os.preadv(self.fd, bufs, off)
+
+    def pwrite(self, view, off: int) -> int:
+        try:
+            w = os.pwrite(self.wfd, view, off)
+        except OSError as e:
+            raise K3IOError(f"cannot write the pack: {e.strerror}") from None
+        if w != len(view):
+            raise K3IOError("short write to the pack (disk full?)")
+        return w
+
+    def fsync(self) -> None:
+        os.fsync(self.wfd)
+
+    def close(self) -> None:
+        for fd in (self.fd, self.wfd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.wfd = -1
+
+    def finish(self) -> None:
+        os.replace(self.path, self.path.parent / TRUNK_FILE)
 
 
 def _check_nonfinite(ckpt, p, suffixes: list, allow: bool) -> None:
@@ -261,10 +309,11 @@ def source_read_rate(ckpt, seconds: float = PROBE_SECONDS) -> float | None:
     return sequential_read_rate(regions, seconds=seconds) if regions else None
 
 
-def _start_fresh(d: Path, ident: dict) -> None:
+def _start_fresh(d: Path, ident: dict, striped: dict | None = None) -> None:
     (d / PARTIAL_FILE).unlink(missing_ok=True)
+    head = {"version": PACK_VERSION, "source": ident, **({"stripes": striped} if striped else {})}
     with open(d / JOURNAL_FILE, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"version": PACK_VERSION, "source": ident}, sort_keys=True) + "\n")
+        f.write(json.dumps(head, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
@@ -353,11 +402,10 @@ class _Pieces:
             self.cv.notify_all()
         for th in self.threads:
             th.join(timeout=5)
-        for f in self.files.files.values():
-            f.close()
+        self.files.close()
 
 
-def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
+def _copy_layers(src_dir, plans, out, bar, throttle_mbps):
     """Yield (plan, crc32, {suffix: first NaN/Inf element}) per layer once all its bytes
     are written.
 
@@ -376,12 +424,7 @@ def _copy_layers(src_dir, plans, fd_out, bar, throttle_mbps):
 
     def write(buf, length, off):
         try:
-            try:
-                w = os.pwrite(fd_out, memoryview(buf)[:length], off)
-            except OSError as e:
-                raise K3IOError(f"cannot write the pack: {e.strerror}") from None
-            if w != length:
-                raise K3IOError("short write to the pack (disk full?)")
+            out.pwrite(memoryview(buf)[:length], off)
         finally:
             pieces.give_back(buf)
 
@@ -432,118 +475,11 @@ def _write_expert_index(d: Path, ckpt) -> None:
                 EXPERT_INDEX_MAGIC + len(blob).to_bytes(4, "little") + blob + rec.tobytes())
 
 
-def _write_manifest(d: Path, ckpt, plans, crcs: dict, ident: dict) -> None:
+def _write_manifest(d: Path, ckpt, plans, crcs: dict, ident: dict, striped=None) -> None:
     doc = {"format": PACK_FORMAT, "version": PACK_VERSION, "align": ALIGN, "source": ident,
            "config": ckpt.config.to_flat_dict(),
            "trunk_file": TRUNK_FILE, "trunk_bytes": disk_needed(plans),
            "expert_index": EXPERT_INDEX_FILE, "model_level": model_level_entries(ckpt),
-           "layers": [p.entry(crcs[p.layer]) for p in plans]}
+           "layers": [p.entry(crcs[p.layer]) for p in plans],
+           **({"stripes": striped} if striped else {})}
     write_bytes(d / MANIFEST_FILE, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
-
-
-# ---- verifying a pack -----------------------------------------------------------------
-
-def verify(out_dir, ckpt=None, progress: bool = True, allow_nonfinite: bool = False) -> dict:
-    """Check a pack the way k3-run opens it (``open_pack``: the schema, the stored config's
-    inventory, and with ``ckpt`` the identity, every layer row, tensor entry and expert
-    record), then read every layer once: its CRC, NaN/Inf in its float tensors, and with
-    ``ckpt`` the CRC of its source bytes. A compressed trunk's layers are decoded, each
-    block checked against its own CRC first (a bad block is named). Raises FormatError
-    naming the first bad file, field, layer or block (NaN/Inf: after the whole pass,
-    naming the first value's layer, tensor and, compressed, block, and the count of
-    tensors, unless ``allow_nonfinite``); returns a summary."""
-    from .. import progress as _progress
-
-    d = Path(out_dir)
-    pk = open_pack(d, ckpt)
-    man = pk.manifest
-    trunk = d / man["trunk_file"]
-    nonfinite: list = []
-    first_at = None                 # where the first NaN/Inf is
-    fd = os.open(trunk, os.O_RDONLY)
-    src_fds = {}
-    decoded = _DecodedLayers(pk, fd, trunk) if pk.compressed else None
-    try:
-        bar = _progress.bar(total=sum(l["nbytes"] for l in man["layers"]), unit="B",
-                            unit_scale=True, desc="verify", show=progress)
-        for lay in man["layers"]:
-            L = lay["layer"]
-            scan = RunScan(lay["tensors"])
-            if decoded is not None:
-                crc = decoded.crc(L, scan)
-            else:
-                crc = _crc_of_file_range(fd, lay["file_off"], lay["nbytes"], scan, path=trunk)
-            if crc != lay["crc32"]:
-                raise crc_mismatch(trunk, L, lay["crc32"], crc)
-            nonfinite += [names.layer(L, sfx) for sfx in sorted(scan.found)]
-            if scan.found and first_at is None:           # the tensor nonfinite[0] names
-                sfx = min(scan.found)
-                first_at = _nonfinite_at(lay, sfx, scan.found[sfx],
-                                         pk.blocks[L] if pk.compressed else None)
-            if ckpt is not None:
-                src = ckpt.model_dir / lay["shard"]        # a plain name (open_pack)
-                if src not in src_fds:
-                    src_fds[src] = os.open(src, os.O_RDONLY)
-                if _crc_of_file_range(src_fds[src], lay["run_start"], lay["nbytes"],
-                                      path=src) != lay["crc32"]:
-                    raise FormatError(f"layer {L}: trunk bytes differ from the source "
-                                      "checkpoint", path=trunk, hint=REPACK_HINT)
-            bar.update(lay["nbytes"])
-        bar.close()
-    finally:
-        os.close(fd)
-        for sfd in src_fds.values():
-            os.close(sfd)
-        if decoded is not None:
-            decoded.codec.close()
-    if nonfinite and not allow_nonfinite:
-        raise nonfinite_error(trunk, nonfinite, first_at)
-    return {"pack": str(d), "layers": len(man["layers"]), "experts": int(pk.records.size),
-            "trunk_bytes": man["trunk_bytes"], "against_checkpoint": ckpt is not None,
-            "compressed": pk.compressed, "nonfinite": nonfinite, "ok": True}
-
-
-def _nonfinite_at(lay: dict, sfx: str, element: int, plan=None) -> str:
-    """The place of NaN/Inf ``element`` of tensor ``sfx`` of layer row ``lay``: layer,
-    tensor and element, and in a compressed trunk (``plan``: the layer's BlockPlan) the
-    block holding it."""
-    L, t = lay["layer"], lay["tensors"][sfx]
-    if plan is None:
-        return f"layer {L} tensor {sfx} element {element}"
-    b = plan.block_at(t["off"] + element * ITEMSIZE[t["dtype"]])
-    return f"{plan.where(L, b)} (element {element} of the tensor)"
-
-
-class _DecodedLayers:
-    """verify's reader of a compressed trunk: COPY_BLOCK of stored bytes at a time, every
-    block checked against its CRC, decoded, and its output fed on in run order."""
-
-    def __init__(self, pk, fd: int, path):
-        import numba
-
-        self.pk, self.fd, self.path = pk, fd, path
-        self.codec = trunk_codec.Codec(numba.get_num_threads())
-        self.groups = [pl.groups(COPY_BLOCK) for pl in pk.blocks]
-        spans = [(pl.span(lo, hi)[1], pl.span(lo, hi, stored=False)[1])
-                 for pl, gs in zip(pk.blocks, self.groups) for lo, hi in gs]
-        self.stored = aligned_empty(max(s for s, _ in spans))
-        self.out = aligned_empty(max(o for _, o in spans) + 1)
-
-    def crc(self, L: int, scan: RunScan) -> int:
-        """CRC-32 of layer L's decoded run (fed to ``scan`` too)."""
-        lay, plan, crc = self.pk.manifest["layers"][L], self.pk.blocks[L], 0
-        for lo, hi in self.groups[L]:
-            a, n = plan.span(lo, hi)
-            got = os.preadv(self.fd, [memoryview(self.stored)[:n]], lay["file_off"] + a)
-            if got != n:
-                raise FormatError(f"layer {L}: the compressed trunk ends early",
-                                  path=self.path, expected=f"{n} bytes at offset "
-                                  f"{lay['file_off'] + a}", found=got, hint=REPACK_HINT)
-            oa, on = plan.span(lo, hi, stored=False)
-            base = oa - oa % 2                    # coded blocks sit at even run offsets
-            self.codec.decode(plan, lo, hi, self.stored, 0, self.out, True, self.path, L,
-                              out_base=base)
-            piece = self.out[oa - base:oa - base + on]
-            scan.feed(piece)
-            crc = zlib.crc32(piece, crc)
-        return crc

@@ -82,6 +82,7 @@ def run_report(result, weights_stats: dict, budget=None, extra: dict | None = No
         "cache_policy": experts.get("policy"),
         "reads_in_flight": experts.get("max_in_flight"),
         "peak_rss_bytes": peak_rss_bytes(),
+        "drives": weights_stats.get("drives"),   # per read queue: depth, bytes, throttle waits
     }
     n = len(result.generated_ids)
     rep["bytes_read_per_token"] = (round((rep["trunk_bytes_read"] + rep["expert_bytes_read"])

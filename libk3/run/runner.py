@@ -60,6 +60,8 @@ class RunOptions:
     load_state: str | None = None          # a state to resume (--load-state): checked first
     prefill_chunk: int | None = None       # prompt tokens per prefill pass (None: the rule's)
     context_limit: int | None = None       # --ctx-size: prompt + generated tokens, at most
+    stripe_dirs: tuple = ()                # a striped pack's stripe directories (--stripe-dir)
+    io_throttle_mbps: float | None = None  # each drive queue's read cap (--io-throttle-mbps)
 
 
 def settings_from(gen, temperature, top_p, seed, stop_strings=(), stop_ids=(),
@@ -196,7 +198,9 @@ class Run:
                 trunk_bytes=None if opts.resident else self.budget.trunk_bytes,
                 cache_bytes=cache_bytes,
                 cache_policy=opts.cache_policy, io_threads=opts.io_threads,
-                direct_io=opts.direct_io, on_route=on_route, verify_reads=opts.verify_reads)
+                direct_io=opts.direct_io, on_route=on_route, verify_reads=opts.verify_reads,
+                stripe_dirs=list(opts.stripe_dirs) or None,
+                io_throttle_mbps=opts.io_throttle_mbps)
             self.drafting = start_drafting(opts, draft, self.session)
         except BaseException:
             if count is not None:

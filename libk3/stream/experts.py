@@ -75,10 +75,10 @@ class ExpertCache:
     def _read_into(self, L: int, e: int, slot: int) -> int:
         path = self.table.paths[int(self.table.shard[L, e])]
         buf = self.arena[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
-        with self.files.gate.urgent():       # the layer waits for these: they go first
-            return self.files.get(path).read_window(int(self.table.offset[L, e]),
-                                                    int(self.table.nbytes[L, e]), buf,
-                                                    what=f"layer {L} expert {e}")
+        f = self.files.get(path)
+        with self.files.gate.urgent(f.drives):   # the layer waits for these: they go first
+            return f.read_window(int(self.table.offset[L, e]), int(self.table.nbytes[L, e]),
+                                 buf, what=f"layer {L} expert {e}")
 
     def start(self, L: int, ids):
         """Begin fetching the distinct experts ``ids`` (at most max_batch): hits are

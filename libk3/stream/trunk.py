@@ -281,8 +281,9 @@ class TrunkStreamer:
         with self._cond:
             tally["crc_checks"] += 1
             tally["crc_seconds"] += seconds
-        if crc != run.crc32:
-            raise crc_mismatch(run.path, run.layer, run.crc32, crc)
+        if crc != run.crc32:      # where: a striped trunk names its stripe files
+            raise crc_mismatch(self.files.where(run.path, run.offset, run.nbytes), run.layer,
+                               run.crc32, crc)
         self._verified.add(run.layer)
 
     def _bind(self, L: int, buf, base: int) -> dict:
@@ -516,7 +517,7 @@ class _FloorTrunk(TrunkStreamer):
                 self._space.wait(1.0)
         if use is None or use is fill:
             return depth
-        self.files.gate.wait_clear()
+        self.files.gate.wait_clear(drives=self.files.get(self.runs[fill.layer].path).drives)
         return min(depth, self._pieces.shapes["bg"][1])
 
     def _end_fill(self, fill: "_Fill") -> None:

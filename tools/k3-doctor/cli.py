@@ -21,6 +21,9 @@ from k3cli.support import handle_errors, print_json
 @click.argument("model", required=False, type=click.Path(exists=True, file_okay=False))
 @click.option("--pack", "pack_dir", type=click.Path(file_okay=False),
               help="Pack directory (existing or to be created) to check and measure.")
+@click.option("--stripe", "stripes", multiple=True, type=click.Path(file_okay=False),
+              help="Another drive's directory the trunk could be striped onto (repeat): "
+                   "measured, and the placement with the best s/token recommended.")
 @click.option("--draft", type=click.Path(exists=True, file_okay=False),
               help="A DSpark draft for MODEL: checked, counted in every budget, and whether "
                    "drafting pays at the pick.")
@@ -46,8 +49,8 @@ from k3cli.support import handle_errors, print_json
 @quiet_option
 @click.version_option(__version__, prog_name="k3-doctor")
 @handle_errors
-def main(model, pack_dir, draft, json_out, quick, compile_only, assume_memory_gb, assume_read_mbps,
-         assume_decode_mbps, probe_size_mb, threads, quiet):
+def main(model, pack_dir, stripes, draft, json_out, quick, compile_only, assume_memory_gb,
+         assume_read_mbps, assume_decode_mbps, probe_size_mb, threads, quiet):
     from libk3.engine import precompile
 
     if compile_only:
@@ -68,7 +71,7 @@ def main(model, pack_dir, draft, json_out, quick, compile_only, assume_memory_gb
                     probe_bytes=int(probe_size_mb * 1e6), progress=not quiet,
                     read_bps=assume_read_mbps and assume_read_mbps * 1e6,
                     decode_bps=assume_decode_mbps and assume_decode_mbps * 1e6,
-                    draft=draft)
+                    draft=draft, stripes=stripes)
     if json_out:
         print_json(diag.report)
     else:

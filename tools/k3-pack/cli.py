@@ -80,13 +80,17 @@ def synth(out, preset, seed, draft, json_out, quiet):
 @click.option("--compress-trunk", is_flag=True,
               help="Then compress the trunk losslessly (as `k3-pack compress OUT`); see "
                    "`k3-doctor` for whether it pays on this machine.")
+@click.option("--stripe", "stripes", multiple=True, type=click.Path(file_okay=False),
+              help="Lay the trunk over OUT and this directory (repeat: one per drive; "
+                   "fixed-size stripes, formats/pack.md). See docs/drives.md.")
 @click.option("--json", "json_out", is_flag=True, help="Print the summary as JSON.")
 @quiet_option
 @threads_option
 @handle_errors
 def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, allow_nonfinite,
-             compress_trunk, json_out, quiet, threads):
-    """Pack CHECKPOINT into OUT (trunk.bin, trunk.json, experts.idx). Resumable."""
+             compress_trunk, stripes, json_out, quiet, threads):
+    """Pack CHECKPOINT into OUT (trunk.bin, trunk.json, experts.idx; with --stripe, the
+    trunk over OUT and each stripe directory). Resumable."""
     import shutil
     from pathlib import Path
 
@@ -115,7 +119,7 @@ def pack_cmd(checkpoint, out, dry_run, throttle_mbps, source_probe, allow_nonfin
                             and sum(p.nbytes for p in plan_pack(ckpt)) >= PROBE_MIN_BYTES)
         src_bps = source_read_rate(ckpt) if source_probe else None
         res = pack(ckpt, out, progress=not quiet, throttle_mbps=throttle_mbps,
-                   allow_nonfinite=allow_nonfinite)
+                   allow_nonfinite=allow_nonfinite, stripe_dirs=stripes)
     comp = _compress(out, quiet) if compress_trunk else None
     of_src = res.mb_per_s * 1e6 / src_bps if src_bps and res.bytes_written else None
     info = {"out": res.out, "layers": res.layers_total, "packed": res.layers_packed,
@@ -193,9 +197,11 @@ def _echo_compress(info: dict) -> None:
               help="Report trunk tensors holding NaN or Inf as a warning, not an error.")
 @click.option("--json", "json_out", is_flag=True)
 @quiet_option
+@click.option("--stripe-dir", "stripe_dirs", multiple=True, type=click.Path(file_okay=False),
+              help="A striped pack's stripe directories where they are now (repeat, in order).")
 @threads_option
 @handle_errors
-def verify_cmd(out, against, allow_nonfinite, json_out, quiet, threads):
+def verify_cmd(out, against, allow_nonfinite, json_out, quiet, threads, stripe_dirs):
     """Check a pack as k3-run opens it (every manifest and index field, the inventory of
     its config), then every layer's checksum and NaN/Inf; with --against, also that it
     belongs to that checkpoint, entry by entry and byte by byte."""
@@ -204,9 +210,11 @@ def verify_cmd(out, against, allow_nonfinite, json_out, quiet, threads):
 
     if against:
         with Checkpoint.open(against) as ckpt:
-            info = verify(out, ckpt, progress=not quiet, allow_nonfinite=allow_nonfinite)
+            info = verify(out, ckpt, progress=not quiet, allow_nonfinite=allow_nonfinite,
+                          stripe_dirs=list(stripe_dirs) or None)
     else:
-        info = verify(out, None, progress=not quiet, allow_nonfinite=allow_nonfinite)
+        info = verify(out, None, progress=not quiet, allow_nonfinite=allow_nonfinite,
+                      stripe_dirs=list(stripe_dirs) or None)
     _warn_nonfinite(info["nonfinite"])
     if json_out:
         print_json(info)

@@ -251,6 +251,11 @@ RULES = (
               show_default=True, help="Expert cache eviction policy (never changes output).")
 @click.option("--io-threads", type=click.IntRange(1, 64), default=IO_THREADS, show_default=True)
 @click.option("--buffered-io", is_flag=True, help="Do not use O_DIRECT.")
+@click.option("--stripe-dir", "stripe_dirs", multiple=True, type=click.Path(file_okay=False),
+              help="With a striped --pack: where its stripe directories are now (repeat, in "
+                   "the order k3-pack got them; default: where its manifest says).")
+@click.option("--io-throttle-mbps", type=Finite(min=0, min_open=True),
+              help="Cap each drive queue's reads at this many MB/s (leave bandwidth to others).")
 @click.option("--verify-reads", type=click.Choice(["first", "every"]), default="first",
               show_default=True, help="With --pack: check a trunk layer's CRC-32 the first "
                                       "time this run reads it, or on every read.")
@@ -352,6 +357,7 @@ def _run_options(ctx, a):
         model=a.model, pack=a.pack, preset=a.preset, trunk_gb=a.trunk_gb, cache_gb=a.cache_gb,
         budget_order=ctx.meta.get("k3_budget_order", []), resident=a.resident,
         cache_policy=a.cache_policy, io_threads=a.io_threads, direct_io=not a.buffered_io,
+        stripe_dirs=tuple(a.stripe_dirs), io_throttle_mbps=a.io_throttle_mbps,
         trace_path=a.trace_path, verify_reads=a.verify_reads, batch_width=width,
         progress=not a.quiet, spec=a.spec, draft=a.draft, draft_max=a.draft_max,
         draft_dump=a.draft_dump, warn=lambda m: click.echo(f"k3-run: {m}", err=True),
