@@ -62,13 +62,16 @@ def load_tokenizer_if_present(model_dir, vocab_size=None, pack=None):
 
 def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_bytes=None,
                  cache_policy: str = DEFAULT_POLICY, io_threads: int = IO_THREADS,
-                 direct_io: bool = True, on_route=None, verify_reads: str = "first") -> Session:
+                 direct_io: bool = True, on_route=None, verify_reads: str = "first",
+                 prefetch_experts: int | None = None) -> Session:
     """Open ``model_dir`` for a run (or use ``ckpt``, its already opened Checkpoint).
     Without budgets every weight is resident; with ``trunk_bytes`` and ``cache_bytes`` the
     trunk streams (from ``pack`` when given, else straight from the shards) and experts go
     through the cache. The arithmetic is the same either way. A pack is checked against
     the checkpoint first (``open_pack``); ``verify_reads`` says when its layers' CRCs are
-    checked ("first" read in this process, or "every" read)."""
+    checked ("first" read in this process, or "every" read). ``prefetch_experts`` experts
+    per MoE layer are read ahead from a prediction (None: top_k; 0: none), only when the
+    budget pins a MoE layer's trunk (the prediction needs its router at hand)."""
     if ckpt is None:
         ckpt = Checkpoint.open(model_dir)
     cfg = ckpt.config
@@ -92,9 +95,13 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
                 pk.manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
         else:
             runs = runs_from_checkpoint(ckpt)
+        from ..budget import plan_trunk
         files = FileSet(use_direct=direct_io)
+        pinned = plan_trunk([r.held_bytes for r in runs], trunk_bytes).pinned
+        ahead = cfg.num_experts_per_token if prefetch_experts is None else prefetch_experts
         cache = ExpertCache(cfg, ckpt.expert_table(), cache_bytes, files, io_threads=io_threads,
-                            policy=cache_policy)
+                            policy=cache_policy, prefetch=ahead if any(
+                                not cfg.is_dense(L) for L in pinned) else 0)
         trunk = TrunkStreamer(cfg, runs, trunk_bytes, files, verify_reads=verify_reads)
         weights = StreamedWeights(ckpt, trunk, cache, files)
     return Session(ckpt, tok, weights, Forward(cfg, weights, on_route=on_route), pack_source,

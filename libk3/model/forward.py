@@ -33,6 +33,7 @@ from . import ops as K
 from ..config import K3Config, L2NORM_EPS, MLA_LATENT_NORM_EPS
 from ..errors import NonFiniteError
 from ..machine import threads
+from .predict import predict_experts, ranked
 from .provider import WeightProvider
 from .state import State
 
@@ -275,7 +276,8 @@ class Forward:
 
     ``weights`` is a ``WeightProvider`` (libk3.model.provider).
     ``on_route(L, positions, ids, phase, tag)`` if given is called with each MoE layer's
-    routing, once per sequence of the pass.
+    routing, once per sequence of the pass, and with its predicted routing (phase
+    "predicted", before the layer runs) when the provider reads experts ahead.
     ``expert_union[L]`` sums, over passes, the distinct experts layer L fetched
     (``passes`` counts the passes): the union the sequences of a pass share.
     """
@@ -359,6 +361,8 @@ class Forward:
             if mixed and L - 1 in tap_at:
                 captured.append(x_a)
             _require_finite(prefix, L, "its output")
+            if L + 1 < cfg.num_hidden_layers and not cfg.is_dense(L + 1):
+                self._predict(L + 1, blocks, prefix, live)
             if L in tap_at and not mixed:
                 captured.append(prefix)
             self.layer_seconds[L] += time.perf_counter() - t0
@@ -434,6 +438,19 @@ class Forward:
         distinct = flat[np.sort(np.unique(flat, return_index=True)[1])]   # first-use order
         self.expert_union[L] += distinct.size
         return latent_moe(self.cfg, lw, x, ids, w, self._expert_batches(L, distinct))
+
+    def _predict(self, L, blocks, prefix, segs):
+        """Start reading MoE layer L's predicted experts (libk3.model.predict) when the
+        provider holds L's trunk and reads ahead; ``on_route`` gets them with the phase
+        "predicted" before L's real routing."""
+        lw = self.weights.experts_ahead(L)
+        ids = None if lw is None else predict_experts(self.cfg, lw, blocks, prefix)
+        if ids is None:
+            return
+        if self.on_route is not None:
+            for s in segs:
+                self.on_route(L, s.positions, ids[s.r0:s.r1], "predicted", s.tag)
+        self.weights.experts_prefetch(L, ranked(ids))
 
     def _expert_batches(self, L, distinct):
         """Start reading the first batch of ``distinct`` now (it overlaps the pure compute
