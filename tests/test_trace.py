@@ -1,4 +1,4 @@
-"""Trace format v1 (formats/trace.md, libk3/trace/format.py), the C-trace import, the stats and
+"""Trace formats v1 and v2 (formats/trace.md, libk3/trace/format.py), the C-trace import, the stats and
 replay reports, and the k3-trace console script end to end.
 
 Each damage test makes one mutation of a good file and first checks that the good file
