@@ -361,8 +361,6 @@ class Forward:
             if mixed and L - 1 in tap_at:
                 captured.append(x_a)
             _require_finite(prefix, L, "its output")
-            if L + 1 < cfg.num_hidden_layers and not cfg.is_dense(L + 1):
-                self._predict(L + 1, blocks, prefix, live)
             if L in tap_at and not mixed:
                 captured.append(prefix)
             self.layer_seconds[L] += time.perf_counter() - t0
@@ -423,13 +421,17 @@ class Forward:
                          lw["mlp_res_proj.weight"]), eps)
         h = K.rmsnorm(x_m, lw["post_attention_layernorm.weight"], eps)
         if cfg.is_dense(L):
+            self._predict(L + 1, blocks, prefix, segs)
             m = dense_mlp(cfg, lw, h)
         else:
-            m = self._moe(L, lw, h, segs)
+            m = self._moe(L, lw, h, segs, (blocks, prefix))
         return x_a, prefix + m
 
-    def _moe(self, L, lw, x, segs):
-        """Route, report the routing, start fetching the routed experts, run the block."""
+    def _moe(self, L, lw, x, segs, ahead):
+        """Route, report the routing, start fetching the routed experts, start reading
+        the next layer's predicted ones behind them (``ahead``: the AttnRes blocks and
+        running sum after this layer's attention) unless this layer's experts need more
+        than one batch, run the block."""
         ids, w = route(self.cfg, lw, x, L)                                  # (T, k)
         if self.on_route is not None:
             for s in segs:
@@ -437,12 +439,17 @@ class Forward:
         flat = ids.reshape(-1)
         distinct = flat[np.sort(np.unique(flat, return_index=True)[1])]   # first-use order
         self.expert_union[L] += distinct.size
-        return latent_moe(self.cfg, lw, x, ids, w, self._expert_batches(L, distinct))
+        batches = self._expert_batches(L, distinct)        # this layer's reads go first
+        if distinct.size <= self.weights.max_batch:      # else its later batches would
+            self._predict(L + 1, *ahead, segs)           # meet the next layer's guess
+        return latent_moe(self.cfg, lw, x, ids, w, batches)
 
     def _predict(self, L, blocks, prefix, segs):
         """Start reading MoE layer L's predicted experts (libk3.model.predict) when the
         provider holds L's trunk and reads ahead; ``on_route`` gets them with the phase
         "predicted" before L's real routing."""
+        if L >= self.cfg.num_hidden_layers or self.cfg.is_dense(L):
+            return
         lw = self.weights.experts_ahead(L)
         ids = None if lw is None else predict_experts(self.cfg, lw, blocks, prefix)
         if ids is None:

@@ -155,20 +155,21 @@ class ExpertCache:
         """Begin fetching the distinct experts ``ids`` (at most max_batch): hits are
         resolved now, misses get their slots reserved and their reads submitted to the
         I/O pool in (shard, offset) order (or take over the staging slot their predicted
-        read lands in). Returns a handle for ``finish``; the caller computes meanwhile
+        read lands in). A guess for a later layer is kept for it. Returns a handle for ``finish``; the caller computes meanwhile
         (the shared expert, the latent down-projection)."""
         if self.broken is not None:
             raise self.broken
         ids = [int(e) for e in ids]
         assert len(ids) <= self.n_slots
-        if self._ahead_layer is not None and self._ahead_layer != L:
-            self._retire()
+        if self._ahead_layer is not None and self._ahead_layer < L:
+            self._retire()                   # a stale guess (a pass that stopped early)
+        ahead = self._ahead if self._ahead_layer == L else {}
         keys = [self.key(L, e) for e in ids]
         where, misses, futs = {}, [], []
         for e, k, (s, evicted, hit) in zip(ids, keys, self.policy.access(keys)):
             self.stats["requests"] += 1
             where[e] = s
-            guess = self._ahead.pop(e, None) if e in self._ahead else False
+            guess = ahead.pop(e, None) if e in ahead else False
             if guess is not False:
                 self.stats["prefetch_hits"] += 1
             if hit:
@@ -188,8 +189,8 @@ class ExpertCache:
                 self.stats["prefetch_used"] += 1
             else:
                 misses.append(e)
-        if len(ids) < self.n_slots:         # the layer's last batch: the rest was a miss
-            self._retire()
+        if self._ahead_layer == L and len(ids) < self.n_slots:
+            self._retire()                   # the layer's last batch: the rest was wrong
         t0 = time.perf_counter()
         futs += [(int(self.phys[where[e]]), self.pool.submit(
             self._read_into, L, e, int(self.phys[where[e]]))) for e in self._in_order(L, misses)]
