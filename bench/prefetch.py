@@ -3,8 +3,8 @@
 Part 1 (the model): on the `medium` checkpoint at a budget where the whole trunk is held
 and experts stream through a cache of ``--cache-share`` of their bytes, k3-run with
 ``--prefetch-experts 0`` against the default (one token's worth), in alternating rounds:
-expert wait seconds per generated token (the time the forward blocks on expert reads; the
-prompt's prefill included), s/token, prediction hit rate, reads used, bytes wasted,
+expert wait seconds per forward pass (the time the forward blocks on expert reads; a
+one-token prompt, so every pass carries one token and the first, cold one is included), s/token, prediction hit rate, reads used, bytes wasted,
 whether every run's logits are byte-identical. The last run with prediction records a
 trace, which ``k3-trace predict`` then prices (without / with / keep).
 
@@ -39,7 +39,7 @@ from libk3.synth.traces import synth_routing  # noqa: E402
 from libk3.trace import format as tr  # noqa: E402
 from libk3.trace.prediction import format_prediction, price_prediction  # noqa: E402
 
-PROMPT = ",".join(str(7 * i % 30000 + 5) for i in range(8))
+PROMPT = "5"       # one prompt token: the prefill pass waits like a decode step
 
 
 def _budget(ckpt_dir, share):
@@ -69,7 +69,7 @@ def model_rounds(a) -> None:
                                      trunk_gb, "--cache-gb", cache_gb, "--logits-out",
                                      tmp / f"{name}.npy", *extra], tmp, name)
                 logits.append(np.load(tmp / f"{name}.npy").view(np.uint32))
-                n = max(1, len(rep["generated_ids"]))
+                n = max(1, len(rep["generated_ids"]))      # passes: the prompt + n - 1 fed
                 wait = rep["expert_wait_seconds"] / n
                 (ons if mode == "on" else offs).append(wait)
                 rate = rep["prefetch_hit_rate"]
@@ -81,12 +81,12 @@ def model_rounds(a) -> None:
                              f"{rep['expert_bytes_read'] / 1e6 / n:.1f}"])
                 if mode == "on":        # what k3-trace predict replays the trace at
                     slots, ahead = rep["cache_slots"] + rep["prefetch_slots"], rep["prefetch_slots"]
-        print(table(rows, ["round", "predict", "s/token", "wait s/token", "cache hit %",
+        print(table(rows, ["round", "predict", "s/token", "wait s/pass", "cache hit %",
                            "pred hit %", "used/reads", "MB wasted", "expert MB/token"]))
         same = all(np.array_equal(x, logits[0]) for x in logits)
         print(f"logits identical in every run: {'yes' if same else 'NO'}")
         off_w, on_w = float(np.mean(offs)), float(np.mean(ons))
-        print(f"expert wait per token: off {off_w:.4f} s, on {on_w:.4f} s, ratio "
+        print(f"expert wait per pass: off {off_w:.4f} s, on {on_w:.4f} s, ratio "
               f"{on_w / off_w if off_w else float('nan'):.2f} (target <= 0.5)")
         p = run(["k3-trace", "predict", trace, "--slots", slots, "--prefetch", ahead])
         print(p.stdout)
@@ -141,7 +141,7 @@ def _recorded_small() -> Path:
         ckpt = checkpoint("small")
         trunk_gb, cache_gb = _budget(ckpt, 0.15)
         print(f"[setup] recording {path} ...", flush=True)
-        run(["k3-run", ckpt, "--ids", PROMPT, "--gen", 150, "--temperature", 0.8, "--seed", 1,
+        run(["k3-run", ckpt, "--ids", "5,12,19,26", "--gen", 150, "--temperature", 0.8, "--seed", 1,
              "--trunk-gb", trunk_gb, "--cache-gb", cache_gb, "--trace", path, "--quiet"])
     return path
 
@@ -156,7 +156,7 @@ def replays(a) -> None:
         for name, path in traces:
             h = tr.TraceReader(path).header
             slot = window_bytes(h.expert_bytes)
-            caps = [(f"{gb} GB", int(gb * 1e9 // slot)) for gb in (8, 32)] \
+            caps = [(f"{gb} GB", int(gb * 1e9 // slot)) for gb in (8, 64, 128)] \
                 if h.n_experts == N_EXPERTS else [("15%", None)]
             for label, slots in caps:
                 if slots is None:       # the recorded run's own cache: slots from its size

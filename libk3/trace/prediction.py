@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import FormatError
+from ..errors import FormatError, UsageError
 from ..model.predict import ranked
 from ..policies.online import make_cache_policy
 from .format import PHASE_PREDICTED, TraceReader
@@ -98,8 +98,8 @@ def price_prediction(reader: TraceReader, slots: int, *, policy: str, cap: int) 
                           path=reader.path)
     need = h.top_k + 1
     if slots < need:
-        raise FormatError(f"{slots} slots hold fewer than top_k + 1 = {need} experts",
-                          path=reader.path)
+        raise UsageError(f"--slots {slots} holds fewer than this trace's top_k + 1 = {need} "
+                         "experts")
     cap = max(0, min(cap, slots - need))
     eb = h.expert_bytes
     base = _replay(vis, h.n_layers, h.n_experts, slots, policy, 0, False)
