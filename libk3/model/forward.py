@@ -5,7 +5,8 @@ state), written in the order of model.md §5 (``kda``, ``mla``, ``route``,
 ``latent_moe``, ``dense_mlp``), and ``Forward``, which runs them: the layer loop, the
 AttnRes bookkeeping, several sequences in one pass (``Forward.run``: one ``Segment`` per
 sequence, each with its own State), and fetching each layer's trunk and routed experts
-from a weight provider (``libk3.model.provider``). Does not own: where weights come from
+from a weight provider (``libk3.model.provider``), with the next MoE layer's predicted
+experts asked for early (``libk3.model.predict``). Does not own: where weights come from
 (resident, streamed, cached: ``libk3.model.weights``, ``libk3.stream``), the math inside
 each op (``libk3.kernels``), sampling or scheduling.
 

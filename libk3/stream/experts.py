@@ -126,16 +126,24 @@ class ExpertCache:
         self._ahead_layer = L
         self._ahead = {e: None for e in ids}
         for e in self._in_order(L, [e for e in ids if self.key_slot[self.key(L, e)] < 0]):
-            p, last = self._spare.pop()
-            if last is not None:             # a given-up guess may still be landing here
-                _settle(last)
+            p = self._take_spare()
             self._ahead[e] = (p, self.pool.submit(self._read_into, L, e, p, False))
             self.stats["prefetch_reads"] += 1
 
-    def _retire(self, keep=()) -> None:
-        """Give up the pending guess except the experts ``keep``: unstarted reads are
+    def _take_spare(self) -> int:
+        """A staging slot no read is landing in; failing that (every spare slot holds a
+        given-up guess still in flight), the oldest, once its read is over."""
+        for i, (p, last) in enumerate(self._spare):
+            if last is None or last.done():
+                return self._spare.pop(i)[0]
+        p, last = self._spare.pop(0)
+        _settle(last)
+        return p
+
+    def _retire(self) -> None:
+        """Give up what is left of the pending guess: unstarted reads are
         cancelled, started ones count as wasted bytes; their slots become spare."""
-        for e in [e for e in self._ahead if e not in keep]:
+        for e in list(self._ahead):
             got = self._ahead.pop(e)
             if got is None:
                 continue
@@ -147,8 +155,7 @@ class ExpertCache:
                 self.stats["prefetch_bytes_wasted"] += self.expert_bytes
                 self.stats["bytes_read"] += self.expert_bytes
                 self._spare.append((p, fut))
-        if not self._ahead:
-            self._ahead_layer = None
+        self._ahead_layer = None
 
     # ---- fetching what the router chose ----------------------------------------------
     def start(self, L: int, ids):
