@@ -77,6 +77,7 @@ OPTIONS = [
     ("run", "--trunk-gb", FLOAT_JUNK + ["-1", "1e300", str(MAX_GB * 10)], ["0", "1.5"]),
     ("run", "--cache-gb", FLOAT_JUNK + ["-1", "1e300"], ["0", "1.5"]),
     ("run", "--io-threads", ["0", "65", "-1", "nan"], ["1", "64"]),
+    ("run", "--prefetch-experts", ["-1", "4097", "nan", "1.5"], ["0", "16", "4096"]),
     ("run", "--prefill-chunk", ["0", "-1", "nan"], ["1", "64"]),
     ("run", "--spec", ["-1", "17"], ["0", "16"]),
     ("run", "--threads", ["0", "-1"], ["1"]),

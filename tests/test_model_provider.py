@@ -37,8 +37,8 @@ def _gaps(cls) -> list:
 def test_provider_real_classes_have_every_protocol_member():
     """Catches a provider that lacks a member Forward calls (or takes other arguments):
     it would fail only when a pass first reaches that call, perhaps on one budget only."""
-    assert MEMBERS == ["embed", "experts_finish", "experts_start", "layer", "max_batch",
-                       "model", "release"]
+    assert MEMBERS == ["embed", "experts_ahead", "experts_finish", "experts_prefetch",
+                       "experts_start", "layer", "max_batch", "model", "release"]
     for cls in (ResidentWeights, StreamedWeights):
         assert _gaps(cls) == [], cls.__name__
 
@@ -80,6 +80,15 @@ def test_provider_protocol_is_exactly_what_forward_uses(tiny_dir):
     assert isinstance(sess.weights, WeightProvider)
     rec = _Recording(sess.weights)
     got = Forward(sess.cfg, rec)([5, 17, 300, 42], sess.new_state())
-    assert sorted(rec.used) == MEMBERS
+    # resident weights read nothing ahead: experts_ahead says so, nothing is prefetched
+    assert sorted(rec.used) == [m for m in MEMBERS if m != "experts_prefetch"]
     want = sess.forward([5, 17, 300, 42], sess.new_state())
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    streamed = open_session(tiny_dir, trunk_bytes=10 ** 9, cache_bytes=10 ** 7)
+    try:
+        rec = _Recording(streamed.weights)
+        got = Forward(streamed.cfg, rec)([5, 17, 300, 42], streamed.new_state())
+        assert sorted(rec.used) == MEMBERS
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    finally:
+        streamed.weights.close()

@@ -1,4 +1,4 @@
-"""Trace format v1 (formats/trace.md, libk3/trace/format.py), the C-trace import, the stats and
+"""Trace formats v1 and v2 (formats/trace.md, libk3/trace/format.py), the C-trace import, the stats and
 replay reports, and the k3-trace console script end to end.
 
 Each damage test makes one mutation of a good file and first checks that the good file
@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from libk3.trace import format as tr
+from libk3.trace import raw_import
 from libk3.errors import FormatError, K3Error
 from libk3.policies.registry import POLICIES
 from libk3.trace.report import capacity_ladder, replay_report, trace_stats
@@ -118,7 +119,7 @@ def test_trace_writer_refuses_out_of_range_records(tmp_path):
         with pytest.raises(FormatError, match="out of range"):
             w.append(0, tr.PHASE_DECODE, layer, experts)
     bad = records(3)
-    bad["phase"][1] = 3
+    bad["phase"][1] = 4
     with pytest.raises(FormatError, match="out-of-range record 1"):
         w.append_records(bad)
     w.abort()
@@ -214,7 +215,7 @@ def test_trace_corrupt_last_frame_of_a_crashed_file_is_tolerated(tmp_path):
 
 @pytest.mark.parametrize("mutation,message", [
     (lambda d: b"K3TRACX\0" + d[8:], "bad magic"),
-    (lambda d: d[:8] + struct.pack("<I", 2) + d[12:], "version"),
+    (lambda d: d[:8] + struct.pack("<I", 3) + d[12:], "version"),
     (lambda d: d[:tr.FILE_HEAD.size + 5] + bytes([d[tr.FILE_HEAD.size + 5] ^ 1])
      + d[tr.FILE_HEAD.size + 6:], "header checksum"),
     (lambda d: d[:8] + struct.pack("<I", 1) + struct.pack("<I", 1 << 30) + d[16:],
@@ -311,7 +312,7 @@ def test_import_raw_c_trace_round_trips_pairs_with_unknown_positions(tmp_path):
     pairs = np.array([[1, 2], [3, 4], [0, 895], [92, 0]], "<i4")
     raw = tmp_path / "expert_trace.bin"
     pairs.tofile(raw)
-    info = tr.import_raw_c_trace(raw, tmp_path / "i.k3trace", n_layers=93, n_experts=896,
+    info = raw_import.import_raw_c_trace(raw, tmp_path / "i.k3trace", n_layers=93, n_experts=896,
                                  expert_bytes=17547264, top_k=16, created_by="t")
     assert info["requests"] == 4
     r = tr.TraceReader(tmp_path / "i.k3trace")
@@ -323,12 +324,12 @@ def test_import_raw_c_trace_round_trips_pairs_with_unknown_positions(tmp_path):
 
 def test_import_streams_in_chunks_without_losing_pairs(tmp_path, monkeypatch):
     """Catches an off-by-one at chunk boundaries."""
-    monkeypatch.setattr(tr, "IMPORT_CHUNK_PAIRS", 7)
+    monkeypatch.setattr(raw_import, "IMPORT_CHUNK_PAIRS", 7)
     rng = np.random.default_rng(3)
     pairs = np.stack([rng.integers(0, 9, 100), rng.integers(0, 20, 100)], 1).astype("<i4")
     raw = tmp_path / "r.bin"
     pairs.tofile(raw)
-    tr.import_raw_c_trace(raw, tmp_path / "o.k3trace", n_layers=9, n_experts=20,
+    raw_import.import_raw_c_trace(raw, tmp_path / "o.k3trace", n_layers=9, n_experts=20,
                           expert_bytes=1, top_k=2, created_by="t")
     keys = tr.TraceReader(tmp_path / "o.k3trace").layer_expert_keys()
     assert np.array_equal(keys, pairs[:, 0] * 20 + pairs[:, 1])
@@ -344,13 +345,13 @@ def test_import_rejects_malformed_raw_traces_and_leaves_no_output(tmp_path, raw_
     """Catches importing half a pair or an impossible expert, or leaving a partial file."""
     good = tmp_path / "good.bin"
     np.array([1, 2, 3, 4], "<i4").tofile(good)                       # control
-    tr.import_raw_c_trace(good, tmp_path / "g.k3trace", n_layers=93, n_experts=896,
+    raw_import.import_raw_c_trace(good, tmp_path / "g.k3trace", n_layers=93, n_experts=896,
                           expert_bytes=1, top_k=16, created_by="t")
     raw = tmp_path / "bad.bin"
     raw.write_bytes(raw_bytes)
     out = tmp_path / "b.k3trace"
     with pytest.raises(FormatError, match=message):
-        tr.import_raw_c_trace(raw, out, n_layers=93, n_experts=896, expert_bytes=1,
+        raw_import.import_raw_c_trace(raw, out, n_layers=93, n_experts=896, expert_bytes=1,
                               top_k=16, created_by="t")
     assert not out.exists() and not (tmp_path / "b.k3trace.partial").exists()
 

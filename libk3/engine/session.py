@@ -63,7 +63,8 @@ def load_tokenizer_if_present(model_dir, vocab_size=None, pack=None):
 def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_bytes=None,
                  cache_policy: str = DEFAULT_POLICY, io_threads: int = IO_THREADS,
                  direct_io: bool = True, on_route=None, verify_reads: str = "first",
-                 stripe_dirs=None, io_throttle_mbps: float | None = None) -> Session:
+                 stripe_dirs=None, io_throttle_mbps: float | None = None,
+                 prefetch_experts: int | None = None) -> Session:
     """Open ``model_dir`` for a run (or use ``ckpt``, its already opened Checkpoint).
     Without budgets every weight is resident; with ``trunk_bytes`` and ``cache_bytes`` the
     trunk streams (from ``pack`` when given, else straight from the shards) and experts go
@@ -71,7 +72,10 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
     the checkpoint first (``open_pack``); ``verify_reads`` says when its layers' CRCs are
     checked ("first" read in this process, or "every" read). Every read goes through its
     drive's queue (``libk3.io.direct.FileSet``), capped at ``io_throttle_mbps`` each; a
-    striped pack's stripes are where its manifest says, or in ``stripe_dirs``."""
+    striped pack's stripes are where its manifest says, or in ``stripe_dirs``.
+    ``prefetch_experts`` experts per MoE layer are read ahead from a prediction (None:
+    top_k; 0: none), only when the budget pins a MoE layer's trunk (the prediction needs
+    its router at hand)."""
     if ckpt is None:
         ckpt = Checkpoint.open(model_dir)
     cfg = ckpt.config
@@ -97,13 +101,17 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
                 pk.manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
         else:
             runs = runs_from_checkpoint(ckpt)
+        from ..budget import plan_trunk
         files = FileSet(use_direct=direct_io, throttle_mbps=io_throttle_mbps)
         if pack is not None and pk.stripes is not None:
             from ..pack.stripes import StripedFile
             trunk_path = Path(pack) / pk.manifest["trunk_file"]
             files.register(trunk_path, StripedFile(pk.stripes, files, trunk_path))
+        pinned = plan_trunk([r.held_bytes for r in runs], trunk_bytes).pinned
+        ahead = cfg.num_experts_per_token if prefetch_experts is None else prefetch_experts
         cache = ExpertCache(cfg, ckpt.expert_table(), cache_bytes, files, io_threads=io_threads,
-                            policy=cache_policy)
+                            policy=cache_policy, prefetch=ahead if any(
+                                not cfg.is_dense(L) for L in pinned) else 0)
         trunk = TrunkStreamer(cfg, runs, trunk_bytes, files, verify_reads=verify_reads)
         weights = StreamedWeights(ckpt, trunk, cache, files)
     return Session(ckpt, tok, weights, Forward(cfg, weights, on_route=on_route), pack_source,

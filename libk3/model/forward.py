@@ -5,7 +5,8 @@ state), written in the order of model.md §5 (``kda``, ``mla``, ``route``,
 ``latent_moe``, ``dense_mlp``), and ``Forward``, which runs them: the layer loop, the
 AttnRes bookkeeping, several sequences in one pass (``Forward.run``: one ``Segment`` per
 sequence, each with its own State), and fetching each layer's trunk and routed experts
-from a weight provider (``libk3.model.provider``). Does not own: where weights come from
+from a weight provider (``libk3.model.provider``), with the next MoE layer's predicted
+experts asked for early (``libk3.model.predict``). Does not own: where weights come from
 (resident, streamed, cached: ``libk3.model.weights``, ``libk3.stream``), the math inside
 each op (``libk3.kernels``), sampling or scheduling.
 
@@ -33,6 +34,7 @@ from . import ops as K
 from ..config import K3Config, L2NORM_EPS, MLA_LATENT_NORM_EPS
 from ..errors import NonFiniteError
 from ..machine import threads
+from .predict import predict_experts, ranked
 from .provider import WeightProvider
 from .state import State
 
@@ -275,7 +277,8 @@ class Forward:
 
     ``weights`` is a ``WeightProvider`` (libk3.model.provider).
     ``on_route(L, positions, ids, phase, tag)`` if given is called with each MoE layer's
-    routing, once per sequence of the pass.
+    routing, once per sequence of the pass, and with its predicted routing (phase
+    "predicted", before the layer runs) when the provider reads experts ahead.
     ``expert_union[L]`` sums, over passes, the distinct experts layer L fetched
     (``passes`` counts the passes): the union the sequences of a pass share.
     """
@@ -419,13 +422,17 @@ class Forward:
                          lw["mlp_res_proj.weight"]), eps)
         h = K.rmsnorm(x_m, lw["post_attention_layernorm.weight"], eps)
         if cfg.is_dense(L):
+            self._predict(L + 1, blocks, prefix, segs)
             m = dense_mlp(cfg, lw, h)
         else:
-            m = self._moe(L, lw, h, segs)
+            m = self._moe(L, lw, h, segs, (blocks, prefix))
         return x_a, prefix + m
 
-    def _moe(self, L, lw, x, segs):
-        """Route, report the routing, start fetching the routed experts, run the block."""
+    def _moe(self, L, lw, x, segs, ahead):
+        """Route, report the routing, start fetching the routed experts, start reading
+        the next layer's predicted ones behind them (``ahead``: the AttnRes blocks and
+        running sum after this layer's attention) unless this layer's experts need more
+        than one batch, run the block."""
         ids, w = route(self.cfg, lw, x, L)                                  # (T, k)
         if self.on_route is not None:
             for s in segs:
@@ -433,7 +440,25 @@ class Forward:
         flat = ids.reshape(-1)
         distinct = flat[np.sort(np.unique(flat, return_index=True)[1])]   # first-use order
         self.expert_union[L] += distinct.size
-        return latent_moe(self.cfg, lw, x, ids, w, self._expert_batches(L, distinct))
+        batches = self._expert_batches(L, distinct)        # this layer's reads go first
+        if distinct.size <= self.weights.max_batch:      # else its later batches would
+            self._predict(L + 1, *ahead, segs)           # meet the next layer's guess
+        return latent_moe(self.cfg, lw, x, ids, w, batches)
+
+    def _predict(self, L, blocks, prefix, segs):
+        """Start reading MoE layer L's predicted experts (libk3.model.predict) when the
+        provider holds L's trunk and reads ahead; ``on_route`` gets them with the phase
+        "predicted" before L's real routing."""
+        if L >= self.cfg.num_hidden_layers or self.cfg.is_dense(L):
+            return
+        lw = self.weights.experts_ahead(L)
+        ids = None if lw is None else predict_experts(self.cfg, lw, blocks, prefix)
+        if ids is None:
+            return
+        if self.on_route is not None:
+            for s in segs:
+                self.on_route(L, s.positions, ids[s.r0:s.r1], "predicted", s.tag)
+        self.weights.experts_prefetch(L, ranked(ids))
 
     def _expert_batches(self, L, distinct):
         """Start reading the first batch of ``distinct`` now (it overlaps the pure compute

@@ -42,6 +42,16 @@ class WeightProvider(Protocol):
     def experts_finish(self, handle) -> dict:
         """Wait for a fetch: {expert id: six uint8 arrays}, valid until the next start."""
 
+    def experts_ahead(self, L: int):
+        """Layer L's trunk (as ``layer``) when the provider reads experts ahead and holds
+        that trunk without waiting for a read, else None: ``Forward`` then predicts
+        nothing for layer L."""
+
+    def experts_prefetch(self, L: int, ids) -> None:
+        """Begin reading the experts MoE layer L is predicted to route to (distinct, best
+        first) in the background. Only ``experts_start`` decides what a layer uses: a
+        wrong guess costs bytes, never a value."""
+
     def model(self) -> dict:
         """Model-level tensors: lm_head [V, E] matrix; norm, output_attn_res_norm,
         output_attn_res_proj float32. Asked for after the first pass's layers."""

@@ -102,6 +102,12 @@ class ResidentWeights:
         L, ids = handle
         return {int(e): self._experts[(L, int(e))] for e in ids}
 
+    def experts_ahead(self, L: int):
+        return None                          # every expert is in RAM: nothing to read ahead
+
+    def experts_prefetch(self, L: int, ids) -> None:
+        pass
+
 
 class StreamedWeights:
     """Model-level tensors resident; trunk layers from a TrunkStreamer (pinned + ring);
@@ -151,6 +157,16 @@ class StreamedWeights:
 
     def experts_finish(self, handle) -> dict:
         return self.cache.finish(handle)
+
+    def experts_ahead(self, L: int):
+        """Layer L's trunk if it is pinned (read now if this is its first use: the pass
+        reads it next anyway) and the cache reads ahead; a ring layer is not waited for."""
+        if self.cache.prefetch_slots == 0 or L not in self.trunk.pinned_plan:
+            return None
+        return self.trunk.layer(L)
+
+    def experts_prefetch(self, L: int, ids) -> None:
+        self.cache.prefetch(L, ids)
 
     def model_bytes(self) -> int:
         return sum(a.nbytes for a in self.model().values())

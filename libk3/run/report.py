@@ -81,6 +81,8 @@ def run_report(result, weights_stats: dict, budget=None, extra: dict | None = No
         "cache_slots": experts.get("slots"),
         "cache_policy": experts.get("policy"),
         "reads_in_flight": experts.get("max_in_flight"),
+        "expert_wait_seconds": round(experts.get("wait_seconds", 0.0), 6),
+        **prefetch_report(experts),
         "peak_rss_bytes": peak_rss_bytes(),
         "drives": weights_stats.get("drives"),   # per read queue: depth, bytes, throttle waits
     }
@@ -92,6 +94,23 @@ def run_report(result, weights_stats: dict, budget=None, extra: dict | None = No
     if extra:
         rep.update(extra)
     return rep
+
+
+def prefetch_report(experts: dict) -> dict:
+    """The read-ahead's figures (libk3.stream.experts): staging slots, predictions made,
+    experts predicted, hits (predicted, then routed by the same layer), their rate, reads
+    started, reads the router then used, unstarted reads cancelled and bytes wasted."""
+    pred = experts.get("prefetch_predicted", 0)
+    return {"prefetch_slots": experts.get("prefetch_slots", 0),
+            "prefetch_predictions": experts.get("prefetch_predictions", 0),
+            "prefetch_predicted": pred,
+            "prefetch_hits": experts.get("prefetch_hits", 0),
+            "prefetch_hit_rate": (round(experts.get("prefetch_hits", 0) / pred, 6)
+                                  if pred else None),
+            "prefetch_reads": experts.get("prefetch_reads", 0),
+            "prefetch_used": experts.get("prefetch_used", 0),
+            "prefetch_cancelled": experts.get("prefetch_cancelled", 0),
+            "prefetch_bytes_wasted": experts.get("prefetch_bytes_wasted", 0)}
 
 
 def _rate(n: int, seconds: float):
@@ -117,6 +136,13 @@ def short_text(rep: dict) -> str:
                     f"{rep['trunk_decode_seconds']:.2f} s)" if rep.get("trunk_bytes_decoded")
                     else "")
                  + f", experts {rep['expert_bytes_read'] / 1e6:.1f} MB")
+    if rep.get("cache_slots") is not None:
+        ahead = (f"; prefetch: {rep['prefetch_hits']} of {rep['prefetch_predicted']} predicted "
+                 f"experts routed ({100 * rep['prefetch_hit_rate']:.1f}%), "
+                 f"{rep['prefetch_used']} reads used, "
+                 f"{rep['prefetch_bytes_wasted'] / 1e6:.1f} MB wasted"
+                 if rep.get("prefetch_predicted") else "")
+        parts.append(f"expert wait {rep['expert_wait_seconds']:.3f} s" + ahead)
     spec = rep.get("speculative")
     if spec and spec.get("passes"):
         parts.append(f"drafting: {spec['tokens_per_pass']:.2f} tokens per pass over "

@@ -24,7 +24,7 @@ from ..model.state import State
 from ..policies.registry import DEFAULT_POLICY
 from ..text.chat_template import DEFAULT_LIMITS, RenderLimits
 from ..text.prompts import Prompts
-from ..trace.format import PHASE_DECODE, PHASE_PREFILL, RECORD_DTYPE
+from ..trace.format import PHASE_DECODE, PHASE_PREDICTED, PHASE_PREFILL, RECORD_DTYPE
 from .drafting import draft_cap, start_drafting
 from .report import run_report, startup_seconds
 
@@ -40,6 +40,7 @@ class RunOptions:
     resident: bool = False
     cache_policy: str = DEFAULT_POLICY
     io_threads: int = IO_THREADS
+    prefetch_experts: int | None = None    # experts read ahead per layer (None: top_k)
     direct_io: bool = True
     trace_path: str | None = None
     memory_override: int | None = None
@@ -200,7 +201,7 @@ class Run:
                 cache_policy=opts.cache_policy, io_threads=opts.io_threads,
                 direct_io=opts.direct_io, on_route=on_route, verify_reads=opts.verify_reads,
                 stripe_dirs=list(opts.stripe_dirs) or None,
-                io_throttle_mbps=opts.io_throttle_mbps)
+                io_throttle_mbps=opts.io_throttle_mbps, prefetch_experts=opts.prefetch_experts)
             self.drafting = start_drafting(opts, draft, self.session)
         except BaseException:
             if count is not None:
@@ -294,7 +295,8 @@ class Run:
         rec["seq"] = self.seq if tag is None else tag
         rec["layer"] = L
         rec["expert"] = ids.reshape(-1)
-        rec["phase"] = PHASE_PREFILL if phase == "prefill" else PHASE_DECODE
+        rec["phase"] = {"prefill": PHASE_PREFILL, "predicted": PHASE_PREDICTED}.get(
+            phase, PHASE_DECODE)
         self.trace.append_records(rec)
 
     def _tokenizer(self):

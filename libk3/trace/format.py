@@ -1,9 +1,9 @@
-"""Expert-routing trace files, format v1 (formats/trace.md): writer, reader, raw import.
+"""Expert-routing trace files, formats v1 and v2 (formats/trace.md): writer and reader.
 
 Owns: the byte layout of ``.k3trace`` files, enforcing every numbered invariant of
-formats/trace.md on read, the crash-tolerant writer, and importing the public C engine's
-headerless int32 traces. Does not own: replaying (``libk3.trace.replay``), statistics and
-reports (``libk3.trace.report``) or recording a run (k3-run).
+formats/trace.md on read, and the crash-tolerant writer (v2). Does not own: importing the
+public C engine's traces (``libk3.trace.raw_import``), replaying (``libk3.trace.replay``),
+statistics and reports (``libk3.trace.report``) or recording a run (k3-run).
 
 Why independent zstd frames with their own checksum: a long run must not hold its trace
 in memory, and a crash must cost at most the frame being written. Each frame is flushed
@@ -34,7 +34,8 @@ from ..errors import FormatError
 from ..io.atomic import fsync_dir, write_error
 
 MAGIC = b"K3TRACE\0"
-VERSION = 1
+VERSION = 2                                  # written; read: READ_VERSIONS
+READ_VERSIONS = (1, 2)
 FILE_HEAD = struct.Struct("<8sIII")          # magic, version, header bytes, header crc32
 FRAME_HEAD = struct.Struct("<4sIII")         # b"K3TF", records, payload bytes, crc32
 END_MARK = struct.Struct("<4sIQ")            # b"K3TE", frames, records
@@ -53,16 +54,14 @@ PARTIAL_SUFFIX = ".partial"
 # Record layout (formats/trace.md, "Records"): packed, little-endian.
 RECORD_DTYPE = np.dtype([("pos", "<i4"), ("seq", "<i4"), ("layer", "<u2"),
                          ("expert", "<u2"), ("phase", "u1")])
-PHASE_PREFILL, PHASE_DECODE, PHASE_UNKNOWN = 0, 1, 2
-PHASE_NAMES = {PHASE_PREFILL: "prefill", PHASE_DECODE: "decode", PHASE_UNKNOWN: "unknown"}
+PHASE_PREFILL, PHASE_DECODE, PHASE_UNKNOWN, PHASE_PREDICTED = 0, 1, 2, 3
+PHASE_NAMES = {PHASE_PREFILL: "prefill", PHASE_DECODE: "decode", PHASE_UNKNOWN: "unknown",
+               PHASE_PREDICTED: "predicted"}
+MAX_PHASE = {1: PHASE_UNKNOWN, 2: PHASE_PREDICTED}   # by version: v2 adds predictions
 SOURCES = ("k3-run", "import")
 _HEADER_KEYS = ("checkpoint", "expert_bytes", "n_layers", "n_experts", "top_k", "source",
                 "created_by")
 _OPTIONAL_KEYS = ("meta",)
-
-# The public C engine's headerless trace (formats/trace.md): int32 (layer, expert) pairs.
-RAW_PAIR_BYTES = 8
-IMPORT_CHUNK_PAIRS = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,17 +138,18 @@ def _check_header(doc, path) -> TraceHeader:
                        created_by=doc["created_by"], meta=meta)
 
 
-def _bad_records(records, header: TraceHeader) -> str | None:
+def _bad_records(records, header: TraceHeader, version: int = VERSION) -> str | None:
     """Invariant 9, vectorised: the first out-of-range record, described, or None."""
+    top = MAX_PHASE[version]
     bad = ((records["layer"] >= header.n_layers) | (records["expert"] >= header.n_experts)
-           | (records["phase"] > PHASE_UNKNOWN) | (records["pos"] < -1)
+           | (records["phase"] > top) | (records["pos"] < -1)
            | (records["seq"] < -1))
     if not bad.any():
         return None
     i = int(np.argmax(bad))
     r = records[i]
     return (f"record {i}: layer {r['layer']} (< {header.n_layers}), expert {r['expert']} "
-            f"(< {header.n_experts}), phase {r['phase']} (0..2), pos {r['pos']} (>= -1), "
+            f"(< {header.n_experts}), phase {r['phase']} (0..{top}), pos {r['pos']} (>= -1), "
             f"seq {r['seq']} (>= -1)")
 
 
@@ -321,9 +321,10 @@ class TraceReader:
                                   hint="raw C-engine traces are converted with "
                                        "`k3-trace import RAW OUT`")
             _, version, hlen, hcrc = FILE_HEAD.unpack(head)
-            if version != VERSION:
+            if version not in READ_VERSIONS:
                 raise FormatError("unsupported trace format version", path=self.path,
-                                  expected=VERSION, found=version)
+                                  expected=" or ".join(map(str, READ_VERSIONS)), found=version)
+            self.version = version
             if hlen > MAX_HEADER_BYTES or FILE_HEAD.size + hlen > self._size:
                 raise FormatError("trace header length runs past the file", path=self.path,
                                   tensor="header", expected=f"<= {self._size - FILE_HEAD.size}",
@@ -363,8 +364,9 @@ class TraceReader:
             return
         raise err
 
-    def iter_frames(self):
-        """Yield each frame's records (RECORD_DTYPE arrays), checked (invariants 6-11)."""
+    def iter_frames(self, predictions: bool = False):
+        """Yield each frame's records (RECORD_DTYPE arrays), checked (invariants 6-11):
+        the requests only, or with ``predictions`` the predicted records too."""
         self.tail_error = None
         dctx = zstandard.ZstdDecompressor()
         frames = records = 0
@@ -427,19 +429,19 @@ class TraceReader:
                                  "frame)", at_tail)
                     break
                 rec = np.frombuffer(raw, RECORD_DTYPE)
-                why = _bad_records(rec, self.header)
+                why = _bad_records(rec, self.header, self.version)
                 if why:
                     raise FormatError(f"frame {frames} at byte offset {off}: out-of-range "
                                       f"{why}", path=self.path, tensor=f"frame {frames}")
-                yield rec
+                yield rec if predictions else rec[rec["phase"] != PHASE_PREDICTED]
                 frames += 1
                 records += n
                 off = end
         self.n_frames, self.n_records = frames, records
 
-    def read_all(self) -> np.ndarray:
-        """Every record (RECORD_DTYPE), in request order."""
-        parts = list(self.iter_frames())
+    def read_all(self, predictions: bool = False) -> np.ndarray:
+        """Every request (RECORD_DTYPE; with ``predictions`` every record), in order."""
+        parts = list(self.iter_frames(predictions))
         return np.concatenate(parts) if parts else np.empty(0, RECORD_DTYPE)
 
     def layer_expert_keys(self) -> np.ndarray:
@@ -447,59 +449,3 @@ class TraceReader:
         ne = self.header.n_experts
         parts = [r["layer"].astype(np.int64) * ne + r["expert"] for r in self.iter_frames()]
         return np.concatenate(parts) if parts else np.empty(0, np.int64)
-
-
-def import_raw_c_trace(raw_path, out_path, *, n_layers: int, n_experts: int,
-                       expert_bytes: int, top_k: int, created_by: str) -> dict:
-    """Convert the public C engine's ``expert_trace.bin`` (headerless little-endian int32
-    (layer, expert) pairs, one per cache request) into a trace
-    file. Position, sequence and phase are unknown there: -1, -1, unknown. Streams in
-    chunks; an odd number of int32s or an out-of-range pair is a FormatError naming the
-    pair and its byte offset, and leaves no output. -> {requests, frames, path}."""
-    raw_path, out_path = Path(raw_path), Path(out_path)
-    size = raw_path.stat().st_size
-    if size % 4:
-        raise FormatError("raw trace is not a whole number of int32s", path=raw_path,
-                          expected="a multiple of 4 bytes", found=f"{size} bytes")
-    if size % RAW_PAIR_BYTES:
-        raise FormatError("raw trace holds an odd number of int32s (pairs are layer, "
-                          "expert)", path=raw_path, expected="an even count",
-                          found=f"{size // 4} int32s")
-    if size == 0:
-        raise FormatError("raw trace is empty", path=raw_path)
-    header = TraceHeader(checkpoint=None, expert_bytes=expert_bytes, n_layers=n_layers,
-                         n_experts=n_experts, top_k=top_k, source="import",
-                         created_by=created_by, meta={"imported_from": raw_path.name})
-    writer = TraceWriter(out_path, header)
-    try:
-        pairs_done = 0
-        with open(raw_path, "rb") as f:
-            while True:
-                pairs = np.fromfile(f, dtype="<i4", count=2 * IMPORT_CHUNK_PAIRS)
-                if pairs.size == 0:
-                    break
-                pairs = pairs.reshape(-1, 2)
-                layer, expert = pairs[:, 0], pairs[:, 1]
-                bad = (layer < 0) | (layer >= n_layers) | (expert < 0) | (expert >= n_experts)
-                if bad.any():
-                    i = int(np.argmax(bad))
-                    raise FormatError(
-                        f"pair {pairs_done + i} at byte offset {(pairs_done + i) * RAW_PAIR_BYTES}"
-                        f": layer {layer[i]}, expert {expert[i]} out of range",
-                        path=raw_path, expected=f"layer 0..{n_layers - 1}, expert "
-                                                f"0..{n_experts - 1}",
-                        found=f"({layer[i]}, {expert[i]})",
-                        hint="check --n-layers and --n-experts")
-                rec = np.empty(layer.size, RECORD_DTYPE)
-                rec["pos"] = -1
-                rec["seq"] = -1
-                rec["layer"] = layer
-                rec["expert"] = expert
-                rec["phase"] = PHASE_UNKNOWN
-                writer.append_records(rec)
-                pairs_done += layer.size
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    return {"requests": pairs_done, "frames": writer.n_frames, "path": str(out_path)}

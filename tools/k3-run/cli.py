@@ -250,6 +250,9 @@ RULES = (
 @click.option("--cache-policy", type=click.Choice(ONLINE_OBJECT_POLICIES), default=DEFAULT_POLICY,
               show_default=True, help="Expert cache eviction policy (never changes output).")
 @click.option("--io-threads", type=click.IntRange(1, 64), default=IO_THREADS, show_default=True)
+@click.option("--prefetch-experts", type=click.IntRange(0, 4096),
+              help="Experts per MoE layer read ahead from a prediction (never changes "
+                   "output; 0: off) [default: the model's experts per token]")
 @click.option("--buffered-io", is_flag=True, help="Do not use O_DIRECT.")
 @click.option("--stripe-dir", "stripe_dirs", multiple=True, type=click.Path(file_okay=False),
               help="With a striped --pack: where its stripe directories are now (repeat, in "
@@ -358,7 +361,8 @@ def _run_options(ctx, a):
         budget_order=ctx.meta.get("k3_budget_order", []), resident=a.resident,
         cache_policy=a.cache_policy, io_threads=a.io_threads, direct_io=not a.buffered_io,
         stripe_dirs=tuple(a.stripe_dirs), io_throttle_mbps=a.io_throttle_mbps,
-        trace_path=a.trace_path, verify_reads=a.verify_reads, batch_width=width,
+        prefetch_experts=a.prefetch_experts, trace_path=a.trace_path,
+        verify_reads=a.verify_reads, batch_width=width,
         progress=not a.quiet, spec=a.spec, draft=a.draft, draft_max=a.draft_max,
         draft_dump=a.draft_dump, warn=lambda m: click.echo(f"k3-run: {m}", err=True),
         template_limits=RenderLimits(a.template_timeout, a.template_max_bytes),

@@ -19,7 +19,7 @@ from k3cli.support import handle_errors, print_json
 from libk3.config import MAX_EXPERTS, MAX_LAYERS
 from libk3.errors import UsageError
 from libk3.trace.format import MAX_EXPERT_BYTES
-from libk3.policies.registry import DEFAULT_POLICY
+from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
 
 # The real model's shape: defaults for importing C-engine traces, which carry no header.
 from libk3.k3_dims import EXPERT_BYTES as REAL_EXPERT_BYTES  # noqa: E402
@@ -59,7 +59,7 @@ def main():
 def import_cmd(raw, out, n_layers, n_experts, top_k, expert_bytes, json_out):
     """Convert the public C engine's expert_trace.bin (headerless int32 layer, expert
     pairs) into a k3 trace OUT. Token positions are unknown there and recorded as such."""
-    from libk3.trace.format import import_raw_c_trace
+    from libk3.trace.raw_import import import_raw_c_trace
 
     if top_k > n_experts:
         raise UsageError(f"--top-k {top_k} exceeds --n-experts {n_experts}")
@@ -166,6 +166,27 @@ def record(ctx, model, out, prompt_file, batch, run_args):
     if code:
         sys.exit(code)
     click.echo(f"recorded {out}", err=True)
+
+
+@main.command("predict")
+@click.argument("trace", type=click.Path(exists=True, dir_okay=False))
+@click.option("--slots", type=click.IntRange(1), required=True,
+              help="The cache's slots (k3-run's cache_slots plus prefetch_slots).")
+@click.option("--prefetch", type=click.IntRange(0), required=True,
+              help="Experts read ahead per layer (k3-run --prefetch-experts).")
+@click.option("--policy", default=DEFAULT_POLICY, show_default=True,
+              type=click.Choice(ONLINE_OBJECT_POLICIES))
+@click.option("--json", "json_out", is_flag=True)
+@handle_errors
+def predict(trace, slots, prefetch, policy, json_out):
+    """Price expert prediction on TRACE (recorded with predictions): hit rate, bytes
+    wasted and bytes taken off the wait path, without it, with it, and with the unused
+    guesses kept in the cache."""
+    from libk3.trace.format import TraceReader
+    from libk3.trace.prediction import format_prediction, price_prediction
+
+    rep = price_prediction(TraceReader(trace), slots, policy=policy, cap=prefetch)
+    _emit(rep, json_out, format_prediction)
 
 
 @main.command("size")
