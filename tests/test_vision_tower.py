@@ -1,5 +1,5 @@
 """The image tower, merger and projector on the numba kernels against the float64
-reference (formats/vision.md §5 – §7): fixtures/tiny's tower and the small synthetic
+reference (formats/vision.md §5-§7): fixtures/tiny's tower and the small synthetic
 preset, odd and smallest grids, thread counts, misshapen tensors, and the pieces (position
 table resize, rotary angles, merge order, GELUs, attention) on their own."""
 
@@ -23,7 +23,7 @@ from libk3.model.vision import (VisionTower, merge, read_vision_tensors, resize_
                                 rope_tables)
 
 # Max |engine - reference| / max |reference| allowed for the tower rows and the projected
-# rows (formats/vision.md §7.3, where the measured errors are).
+# rows (formats/vision.md §7.3; the measured errors: bench/README.md, "Vision tower").
 REL_BOUND = 4e-6
 
 

@@ -1,5 +1,5 @@
 """The image tower, patch merger and projector on the numba kernels: one image's patches
-in, the rows that enter the language model out (formats/vision.md §5 – §7).
+in, the rows that enter the language model out (formats/vision.md §5-§7).
 
 Owns: ``VisionTower`` (the 3 + 6 B + 3 image tensors bound and checked, held in memory,
 and ``encode``), ``read_vision_tensors`` (those tensors from a validated checkpoint), and
@@ -93,7 +93,7 @@ def rope_tables(gh: int, gw: int, hd: int) -> tuple:
 
 
 def merge(t: np.ndarray, grid: tuple, m: int) -> np.ndarray:
-    """[N, m m D]: m × m blocks row-major, inside a block patches row by row (§6.1)."""
+    """[N, m m D]: m × m blocks row-major, inside a block patches row by row (vision.md §6.1)."""
     gh, gw = grid
     D = t.shape[1]
     blocks = t.reshape(gh // m, m, gw // m, m, D).transpose(0, 2, 1, 3, 4)
