@@ -5,6 +5,7 @@ table resize, rotary angles, merge order, GELUs, attention) on their own."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import numba
@@ -21,6 +22,8 @@ from libk3.kernels import activations, vit
 from libk3.model import vision_reference as ref
 from libk3.model.vision import (VisionTower, merge, read_vision_tensors, resize_table,
                                 rope_tables)
+
+from .test_kernels_props import _bits, _libm, _order16
 
 # Max |engine - reference| / max |reference| allowed for the tower rows and the projected
 # rows (formats/vision.md §7.3; the measured errors: bench/README.md, "Vision tower").
@@ -224,3 +227,63 @@ def test_attention_kernel_against_float64(L):
     p /= p.sum(axis=2, keepdims=True)
     want = np.einsum("hls,hsd->lhd", p, v.astype(np.float64)).reshape(L, H * hd)
     assert np.abs(out - want).max() < 1e-5 * np.abs(want).max()
+
+
+def _libm_f32(name):
+    lib = _libm()
+    fn = getattr(lib, name)
+    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+    return lambda a: np.array([fn(float(v)) for v in np.ravel(a)], np.float32).reshape(np.shape(a))
+
+
+def test_gelus_are_the_documented_float32_order():
+    """Catches a float64 or numpy-vectorised GELU, or another operation order: both
+    equal the C library's tanhf / erff evaluation of formats/vision.md §7.2 bit for bit."""
+    tanhf, erff = _libm_f32("tanhf"), _libm_f32("erff")
+    rng = np.random.default_rng(5)
+    u = (rng.standard_normal(2000) * 10.0 ** rng.uniform(-2, 1, 2000)).astype(np.float32)
+    f = np.float32
+    inner = f(math.sqrt(2 / math.pi)) * (u + f(0.044715) * ((u * u) * u))
+    want_tanh = (f(0.5) * u) * (f(1) + tanhf(inner))
+    want_erf = (f(0.5) * u) * (f(1) + erff(u * f(1 / math.sqrt(2))))
+    got = np.empty_like(u)
+    activations.gelu_tanh(u, got)
+    assert np.array_equal(_bits(got), _bits(want_tanh))
+    activations.gelu_erf(u, got)
+    assert np.array_equal(_bits(got), _bits(want_erf))
+
+
+def test_split_heads_and_attention_are_the_documented_order():
+    """Catches another rounding or summation order in the rotation, the scores, the
+    softmax or the mix (formats/vision.md §7.2): bit for bit against a numpy emulation."""
+    expf = _libm_f32("expf")
+    rng = np.random.default_rng(9)
+    H, L, hd = 2, 9, 20
+    qkv = rng.normal(size=(L, 3 * H * hd)).astype(np.float32)
+    cos, sin = rope_tables(3, 3, hd)
+    q, k, v = (np.empty((H, L, hd), np.float32) for _ in range(3))
+    vit.split_heads(qkv, 0, cos, sin, True, q)
+    vit.split_heads(qkv, 1, cos, sin, True, k)
+    vit.split_heads(qkv, 2, cos, sin, False, v)
+    part = qkv[:, H * hd:2 * H * hd].reshape(L, H, hd).transpose(1, 0, 2)
+    a, b = part[..., 0::2], part[..., 1::2]
+    want_k = np.empty_like(k)
+    want_k[..., 0::2] = a * cos[None] - b * sin[None]
+    want_k[..., 1::2] = a * sin[None] + b * cos[None]
+    assert np.array_equal(_bits(k), _bits(want_k))
+    assert np.array_equal(v, qkv[:, 2 * H * hd:].reshape(L, H, hd).transpose(1, 0, 2))
+    scale = 1 / math.sqrt(hd)
+    out = np.empty((L, H * hd), np.float32)
+    vit.attention(q, k, v, scale, out)
+    for h in range(H):
+        prod = q[h].astype(np.float64)[:, None, :] * k[h].astype(np.float64)[None, :, :]
+        s = _order16(prod).astype(np.float32) * np.float32(scale)       # (L, L)
+        e = expf(s - s.max(axis=1, keepdims=True))
+        z = np.zeros(L)
+        for j in range(L):
+            z = z + e[:, j].astype(np.float64)
+        p = (e.astype(np.float64) / z[:, None]).astype(np.float32)
+        mix = np.zeros((L, hd))
+        for j in range(L):
+            mix = mix + p[:, j:j + 1].astype(np.float64) * v[h, j].astype(np.float64)[None]
+        assert np.array_equal(_bits(out[:, h * hd:(h + 1) * hd]), _bits(mix.astype(np.float32)))
