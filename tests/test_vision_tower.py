@@ -161,6 +161,8 @@ def test_patches_must_fill_the_grid(tiny_tower):
     tower, _ = tiny_tower
     with pytest.raises(ValueError, match="do not fill grid"):
         tower.tower(_patches((2, 4), tower.vcfg.patch_size), (4, 4))
+    with pytest.raises(ValueError, match="multiple of the merge"):
+        tower.tower(_patches((3, 4), tower.vcfg.patch_size), (3, 4))
 
 
 @given(n_in=st.integers(1, 70), n_out=st.integers(1, 80))

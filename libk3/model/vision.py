@@ -164,6 +164,9 @@ class VisionTower:
         L, D = gh * gw, v.vt_hidden_size
         if patches.shape != (L, 3, v.patch_size, v.patch_size):
             raise ValueError(f"tower: patches {patches.shape} do not fill grid {grid}")
+        m = v.merge_kernel_size[0]
+        if gh % m or gw % m:
+            raise ValueError(f"tower: grid {grid} is not a multiple of the merge {m}")
         pixels = np.ascontiguousarray(patches, np.float32).reshape(L, v.patch_inputs)
         x = np.empty((L, D), np.float32)
         bf16.matmul(self.w[names.VISION_PATCH_EMBED], pixels, x)
