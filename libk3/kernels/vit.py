@@ -15,7 +15,7 @@ sees every patch of its image and keys are plain per-head vectors.
 Numerics (formats/vision.md §7.2): scores are ``dot16`` sums (formats/numerics.md section 2) of
 the float32 q and k, rounded once, times f32(scale); ``softmax_f32`` (numerics.md section 5); the
 mix a[j] = f32(sum over keys s in increasing order of f64(p_s) · f64(v[s, j])). Tasks
-are (head, four queries); sums never split, so results are identical at any thread count.
+are (head, QUERIES queries); sums never split, so results are identical at any thread count.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from numba import njit, prange
 from . import team
 from ._dot import dot16_x4
 from .activations import softmax_f32
+
+# Queries per task (a multiple of 4): each key and value row is read once for all of them.
+QUERIES = 16
 
 
 @njit(cache=True, parallel=True)
@@ -81,27 +84,31 @@ def attention(q, k, v, scale, out):
             or out.shape[1] != H * hd:
         raise ValueError("attention: q, k, v are [H, L, hd] and out [L, H hd]")
     sc = np.float32(scale)
-    blocks = (L + 3) // 4
+    blocks = (L + QUERIES - 1) // QUERIES
     nt = team.narrow(H * L * L * hd * 4)
     for task in prange(H * blocks):
         h = task // blocks
-        l0 = 4 * (task - h * blocks)
+        l0 = QUERIES * (task - h * blocks)
         # A short last block repeats its last query; the repeat is computed, never written.
-        ls = (min(l0, L - 1), min(l0 + 1, L - 1), min(l0 + 2, L - 1), min(l0 + 3, L - 1))
-        qw = np.empty((4, hd), dtype=np.float64)          # queries widened once
-        prob = np.empty((4, L), dtype=np.float32)
-        acc = np.zeros((4, hd), dtype=np.float64)
-        for i in range(4):
+        ls = np.empty(QUERIES, dtype=np.int64)
+        for i in range(QUERIES):
+            ls[i] = min(l0 + i, L - 1)
+        qw = np.empty((QUERIES, hd), dtype=np.float64)          # queries widened once
+        prob = np.empty((QUERIES, L), dtype=np.float32)
+        acc = np.zeros((QUERIES, hd), dtype=np.float64)
+        for i in range(QUERIES):
             for j in range(hd):
                 qw[i, j] = np.float64(q[h, ls[i], j])
         kh = k[h]
         for s in range(L):
-            a0, a1, a2, a3 = dot16_x4(qw[0], qw[1], qw[2], qw[3], kh[s])
-            prob[0, s] = np.float32(a0) * sc
-            prob[1, s] = np.float32(a1) * sc
-            prob[2, s] = np.float32(a2) * sc
-            prob[3, s] = np.float32(a3) * sc
-        for i in range(4):
+            ks = kh[s]
+            for g in range(0, QUERIES, 4):
+                a0, a1, a2, a3 = dot16_x4(qw[g], qw[g + 1], qw[g + 2], qw[g + 3], ks)
+                prob[g, s] = np.float32(a0) * sc
+                prob[g + 1, s] = np.float32(a1) * sc
+                prob[g + 2, s] = np.float32(a2) * sc
+                prob[g + 3, s] = np.float32(a3) * sc
+        for i in range(QUERIES):
             softmax_f32(prob[i], L)
         # Four keys per pass over each accumulator row (the same additions in the same
         # order, s increasing): a quarter of the accumulator loads and stores.
@@ -109,7 +116,7 @@ def attention(q, k, v, scale, out):
         L4 = L - L % 4
         for s in range(0, L4, 4):
             v0, v1, v2, v3 = vh[s], vh[s + 1], vh[s + 2], vh[s + 3]
-            for i in range(4):
+            for i in range(QUERIES):
                 pr = prob[i]
                 p0, p1 = np.float64(pr[s]), np.float64(pr[s + 1])
                 p2, p3 = np.float64(pr[s + 2]), np.float64(pr[s + 3])
@@ -119,12 +126,12 @@ def attention(q, k, v, scale, out):
                              + p2 * np.float64(v2[j])) + p3 * np.float64(v3[j])
         for s in range(L4, L):
             vs = vh[s]
-            for i in range(4):
+            for i in range(QUERIES):
                 p = np.float64(prob[i, s])
                 ai = acc[i]
                 for j in range(hd):
                     ai[j] += p * np.float64(vs[j])
-        for i in range(4):
+        for i in range(QUERIES):
             if l0 + i < L:
                 for j in range(hd):
                     out[ls[i], h * hd + j] = np.float32(acc[i, j])
