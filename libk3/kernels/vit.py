@@ -12,10 +12,11 @@ row, with float32 angles (the release's), so the per-patch cos and sin come in a
 WHY not ``mla.mla_attention``: that one is causal over a latent cache; here every patch
 sees every patch of its image and keys are plain per-head vectors.
 
-Numerics (formats/vision.md §7.2): scores are ``dot16`` sums (formats/numerics.md section 2) of
-the float32 q and k, rounded once, times f32(scale); ``softmax_f32`` (numerics.md section 5); the
-mix a[j] = f32(sum over keys s in increasing order of f64(p_s) · f64(v[s, j])). Tasks
-are (head, QUERIES queries); sums never split, so results are identical at any thread count.
+Numerics (formats/vision.md §7.2, formats/numerics.md section 13): scores are ``dot16``
+sums (numerics.md section 2) of the float32 q and k, rounded once, times f32(scale);
+``softmax_f32`` (numerics.md section 5); the mix a[j] = f32(sum over keys s in increasing
+order of f64(p_s) · f64(v[s, j])). Tasks are (head, QUERIES queries); sums never split,
+so results are identical at any thread count.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ QUERIES = 16
 def split_heads(qkv, part, cos, sin, rotate, out):
     """out[h, l, :] = rotated slice ``part`` (0 q, 1 k, 2 v) of qkv[l] for head h.
 
-    qkv: [L, 3 Q] float32 (the ``wqkv`` output, q | k | v, head h at 128 h … in each).
+    qkv: [L, 3 Q] float32 (the ``wqkv`` output, q | k | v, head h at columns hd h … of each).
     cos, sin: [L, hd / 2] float32, pair k of patch l turns by the angle whose cos and sin
     they hold (vision.md §5.3). rotate: False copies (v). out: [H, L, hd] float32, written.
     For pair k, a = x[2k], b = x[2k + 1]: out[2k] = f32(f32(a c) − f32(b s)),
