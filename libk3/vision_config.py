@@ -28,6 +28,9 @@ PREPROCESSOR_FILE = "preprocessor_config.json"
 # be more patches wide or tall (vision.md §2.4).
 MAX_PATCHES_ONE_SIDE = 512
 FILL_STAGES = ("after_resize", "before_resize")
+# The epsilon of the tower's 2 B + 1 RMS norms: the release builds them without one, and
+# PyTorch then uses float32's machine epsilon for BF16 and float32 input (formats/vision.md §7.1).
+VIT_NORM_EPS = 2.0 ** -23
 
 # The one value k3 accepts for each of these keys (formats/vision.md §2.1).
 _FIXED = {"pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",

@@ -1,7 +1,8 @@
 """Elementwise activations in float32 with libm semantics (model.md §5.0, §7.3).
 
 Owns: ``sigmoid``/``silu`` as scalar device functions, ``sigmoid``, ``situ`` (K3's
-SiTU-GLU product) and ``silu_mul`` (the DSpark draft's SiLU-gated product) as array
+SiTU-GLU product), ``silu_mul`` (the DSpark draft's SiLU-gated product) and the image
+tower's two GELUs ``gelu_tanh`` and ``gelu_erf`` (formats/vision.md §5.5) as array
 kernels, ``softmax_f32``.
 Does not own: where the betas come from (config ``situ_beta``, ``situ_linear_beta``).
 
@@ -113,4 +114,43 @@ def silu_mul(gate, up, out):
     nt = team.narrow(n * team.TRANSCENDENTAL)
     for i in prange(n):
         out[i] = silu1(gate[i]) * up[i]
+    team.widen(nt)
+
+
+_HALF = np.float32(0.5)
+_TANH_K = np.float32(math.sqrt(2.0 / math.pi))
+_TANH_C = np.float32(0.044715)
+_RSQRT2 = np.float32(1.0 / math.sqrt(2.0))
+
+
+@njit(cache=True, parallel=True)
+def gelu_tanh(x, out):
+    """out[i] = f32 0.5 u (1 + tanhf(k (u + c u³))), u = x[i], k = f32(sqrt(2 / pi)),
+    c = f32(0.044715), each operation f32, left to right: u³ = (u u) u, inner = k (u + c u³),
+    out = (0.5 u) (1 + tanhf(inner)). The tower's MLP (formats/vision.md §5.5).
+
+    x, out: [n] float32 (out may be x). Must not become: the erf GELU (the projector's;
+    they differ by up to 4.7e-4), a float64 evaluation, or numpy's vectorised tanh."""
+    if out.shape[0] != x.shape[0]:
+        raise ValueError("gelu_tanh: x and out must have the same length")
+    nt = team.narrow(x.shape[0] * team.TRANSCENDENTAL)
+    for i in prange(x.shape[0]):
+        u = x[i]
+        inner = _TANH_K * (u + _TANH_C * ((u * u) * u))
+        out[i] = (_HALF * u) * (_ONE + math.tanh(inner))
+    team.widen(nt)
+
+
+@njit(cache=True, parallel=True)
+def gelu_erf(x, out):
+    """out[i] = f32 (0.5 u) (1 + erff(u · f32(1 / sqrt 2))), u = x[i], each operation f32:
+    the exact GELU of the projector (formats/vision.md §6.2).
+
+    x, out: [n] float32 (out may be x). Must not become: the tanh GELU (the tower's)."""
+    if out.shape[0] != x.shape[0]:
+        raise ValueError("gelu_erf: x and out must have the same length")
+    nt = team.narrow(x.shape[0] * team.TRANSCENDENTAL)
+    for i in prange(x.shape[0]):
+        u = x[i]
+        out[i] = (_HALF * u) * (_ONE + math.erf(u * _RSQRT2))
     team.widen(nt)
