@@ -16,7 +16,7 @@ import numpy as np
 
 from ..engine.defaults import IO_THREADS, PREFILL_CHUNK, PREFIX_CACHE_BYTES
 from ..engine.generate import Abandoned, GenSettings, generate
-from ..engine.session import open_session, parse_ids  # noqa: F401  (re-exported for the CLI)
+from ..engine.session import open_session
 from ..engine.settings import UNTIL_END, token_ids_problem
 from ..engine.stops import returned_text
 from ..errors import BudgetError, FormatError, UsageError

@@ -422,7 +422,8 @@ def _prompt_mode(a, run, settings) -> None:
     none (--load-state alone): the state's generation continues."""
     from libk3.run import runner
     if a.ids is not None:
-        prompt_ids = runner.parse_ids(a.ids, run.cfg.vocab_size)
+        from libk3.engine.session import parse_ids
+        prompt_ids = parse_ids(a.ids, run.cfg.vocab_size)
     elif a.prompt_file is not None:
         prompt_ids = run.encode_file(a.prompt_file)
     elif a.prompt is not None:
