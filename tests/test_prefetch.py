@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
 
 import numba
 import numpy as np
@@ -177,3 +178,37 @@ def test_old_traces_still_read_and_replay_and_v1_cannot_hold_predictions(tmp_pat
         price_prediction(old, 5, policy="lru", cap=2)
     with pytest.raises(FormatError, match="out-of-range record"):
         tr.TraceReader(_v1(mixed, tmp_path / "bad.k3trace")).read_all()
+
+
+def test_trace_size_prices_prediction_per_split(tiny_dir, tmp_path):
+    """Catches `k3-trace size --prefetch` pricing a split unlike `k3-trace predict` at the
+    same slots (another replay, another cap), losing the read-ahead's extra reads, or
+    sizing a trace without predictions as if it had them (it must refuse)."""
+    cfg, slots, flags = _flags(tiny_dir)
+    pk = tmp_path / "pack"
+    assert subprocess.run(["k3-pack", str(tiny_dir), str(pk), "-q"], capture_output=True,
+                          timeout=600).returncode == 0
+    for name, extra in (("on", []), ("off", ["--prefetch-experts", 0])):
+        p = k3(tiny_dir, "--ids", "4,8,15,16,23,42", "--gen", 6, *flags, "--pack", pk,
+               "--trace", tmp_path / f"{name}.k3trace", *extra)
+        assert p.returncode == 0, p.stderr
+    k = cfg.num_experts_per_token
+    budget = 2 * slots * window_bytes(cfg.expert_bytes) + 10 ** 7
+    q = k3trace("size", tmp_path / "on.k3trace", "--budget-gb", f"{budget / 1e9:.9f}",
+                "--pack", pk, "--seq-mbps", 1000, "--rand-mbps", 500, "--prefetch", k, "--json")
+    assert q.returncode == 0, q.stderr
+    rep = json.loads(q.stdout)
+    rows = [r for r in rep["splits"] if r["feasible"]]
+    assert rows and rep["prefetch"] == k
+    for r in rows[:3]:
+        pr = r["prefetch"]
+        want = price_prediction(tr.TraceReader(tmp_path / "on.k3trace"), r["cache_slots"],
+                                policy=rep["policy"], cap=k)["with"]
+        assert pr["expert_bytes_per_token"] * rep["tokens"] == pytest.approx(want["bytes_read"])
+        assert pr["expert_wait_bytes_per_token"] * rep["tokens"] == \
+            pytest.approx(want["wait_bytes"])
+        assert pr["expert_wait_bytes_per_token"] <= pr["expert_bytes_per_token"]
+    q = k3trace("size", tmp_path / "off.k3trace", "--budget-gb", f"{budget / 1e9:.9f}",
+                "--pack", pk, "--seq-mbps", 1000, "--rand-mbps", 500, "--prefetch", k)
+    assert q.returncode != 0 and "no predicted records" in q.stderr
+    assert len(q.stderr.strip().splitlines()) == 1

@@ -1,6 +1,7 @@
 """Pricing expert prediction offline: what k3-run's read-ahead would read, use and waste.
 
-Owns: ``price_prediction``, which replays a v2 trace's requests together with its
+Owns: ``price_prediction`` (and ``split_with_prediction``, its figures for one split of
+``k3-trace size``), which replays a v2 trace's requests together with its
 predicted records (formats/trace.md, "Predictions") through the online policy object
 k3-run's cache drives, the way ``libk3.stream.experts`` runs it: the budget's slots less
 the staging slots go to the policy, a layer visit's guess (``libk3.model.predict.ranked``,
@@ -83,12 +84,10 @@ def _replay(vis, n_layers, n_experts, slots, policy, cap, keep):
     return c
 
 
-def price_prediction(reader: TraceReader, slots: int, *, policy: str, cap: int) -> dict:
-    """Replay ``reader``'s trace at ``slots`` cache slots without and with a read-ahead of
-    ``cap`` experts per layer (as ``libk3.stream.experts``: staging slots come out of the
-    budget, never leaving fewer than top_k + 1), and with the ``keep`` variant."""
+def predicted_visits(reader: TraceReader) -> list:
+    """``visits`` of every record of a replayable trace that holds predictions (a one-line
+    refusal otherwise)."""
     reader.require_replayable()
-    h = reader.header
     vis = visits(reader.read_all(predictions=True))
     if not vis:
         raise FormatError("trace holds no requests", path=reader.path)
@@ -96,6 +95,28 @@ def price_prediction(reader: TraceReader, slots: int, *, policy: str, cap: int) 
         raise FormatError("trace holds no predicted records (record it with k3-run "
                           "--trace at a budget that pins the trunk, prefetch on)",
                           path=reader.path)
+    return vis
+
+
+def split_with_prediction(vis, header, slots: int, *, policy: str, cap: int,
+                          tokens: int) -> dict:
+    """For ``k3-trace size``: one split's expert bytes read and waited for per token with a
+    read-ahead of ``cap`` experts per layer (capped as k3-run caps it at ``slots``)."""
+    cap = max(0, min(cap, slots - (header.top_k + 1)))
+    c = _replay(vis, header.n_layers, header.n_experts, slots, policy, cap, False)
+    eb = header.expert_bytes
+    return {"staging_slots": cap,
+            "hit_rate": c["hits"] / c["predicted"] if c["predicted"] else None,
+            "expert_bytes_per_token": (c["misses"] + c["reads"] - c["used"]) * eb / tokens,
+            "expert_wait_bytes_per_token": (c["misses"] - c["used"]) * eb / tokens}
+
+
+def price_prediction(reader: TraceReader, slots: int, *, policy: str, cap: int) -> dict:
+    """Replay ``reader``'s trace at ``slots`` cache slots without and with a read-ahead of
+    ``cap`` experts per layer (as ``libk3.stream.experts``: staging slots come out of the
+    budget, never leaving fewer than top_k + 1), and with the ``keep`` variant."""
+    vis = predicted_visits(reader)
+    h = reader.header
     need = h.top_k + 1
     if slots < need:
         raise UsageError(f"--slots {slots} holds fewer than this trace's top_k + 1 = {need} "

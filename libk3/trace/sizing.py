@@ -25,6 +25,7 @@ from ..io.direct import window_bytes
 from ..stream.trunk import runs_from_pack
 from ..units import gb_option, size_text, size_texts, unit_of
 from .format import TraceReader
+from .prediction import predicted_visits, split_with_prediction
 
 
 def disk_speeds_from_doctor(path) -> tuple:
@@ -54,9 +55,14 @@ def _speed(v):
 
 
 def size_budget(trace_path, pack_dir, budget: float, seq_bps: float, rand_bps: float, *,
-                policy: str = DEFAULT_POLICY, steps: int = 12) -> dict:
+                policy: str = DEFAULT_POLICY, steps: int = 12, prefetch: int = 0) -> dict:
+    """Every split's figures (module doc); with ``prefetch`` (k3-run --prefetch-experts)
+    on a trace recorded with predictions, each split also prices the read-ahead: expert
+    bytes read (guesses included) and waited for per token, and the seconds of that wait
+    at the random read speed."""
     reader = TraceReader(trace_path)
     reader.require_replayable()
+    vis = predicted_visits(reader) if prefetch else None
     h = reader.header
     keys = reader.layer_expert_keys()
     layers = [r.held_bytes for r in runs_from_pack(pack_dir, load_manifest(pack_dir))]
@@ -84,12 +90,16 @@ def size_budget(trace_path, pack_dir, budget: float, seq_bps: float, rand_bps: f
                          trunk_streamed_per_token=streamed, hit_rate=r["hit_rate"],
                          expert_bytes_per_token=expert_read,
                          predicted_io_s_per_token=streamed / seq_bps + expert_read / rand_bps))
+        if vis is not None:
+            pr = split_with_prediction(vis, h, slots, policy=policy, cap=prefetch, tokens=tokens)
+            pr["wait_s_per_token"] = pr["expert_wait_bytes_per_token"] / rand_bps
+            rows[-1]["prefetch"] = pr
     ok = [r for r in rows if r["feasible"]]
     if not ok:
         raise BudgetError("no split of this budget can run the model", expected="a larger --budget-gb")
     best = min(ok, key=lambda r: r["predicted_io_s_per_token"])
     return {"trace": str(trace_path), "pack": str(pack_dir), "budget_bytes": int(budget),
-            "policy": policy, "tokens": tokens, "requests": int(keys.size),
+            "policy": policy, "prefetch": prefetch, "tokens": tokens, "requests": int(keys.size),
             "seq_bps": seq_bps, "rand_bps": rand_bps, "splits": rows, "best": best}
 
 
@@ -111,10 +121,15 @@ def format_sizing(rep: dict) -> str:
             out.append(f"{head}   -- {r['why']}")
             continue
         mark = "  <- best" if r is rep["best"] or r == rep["best"] else ""
+        pr = r.get("prefetch")
+        ahead = "" if pr is None else (
+            f"   ahead: {pr['expert_bytes_per_token'] / e_scale:.1f} {e_unit}/tok read, "
+            f"{pr['expert_wait_bytes_per_token'] / e_scale:.1f} waited "
+            f"({pr['wait_s_per_token']:.3f} s)")
         out.append(f"{head} {r['pinned_layers']:6d} {100 * r['hit_rate']:6.1f} "
                    f"{r['trunk_streamed_per_token'] / t_scale:13.1f} "
                    f"{r['expert_bytes_per_token'] / e_scale:14.1f} "
-                   f"{r['predicted_io_s_per_token']:9.3f}{mark}")
+                   f"{r['predicted_io_s_per_token']:9.3f}{mark}{ahead}")
     b = rep["best"]
     out.append(f"recommended: --trunk-gb {gb_option(b['trunk_bytes'])} --cache-gb "
                f"{gb_option(b['cache_bytes'])} (predicted I/O "

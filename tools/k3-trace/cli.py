@@ -204,11 +204,14 @@ def predict(trace, slots, prefetch, policy, json_out):
 @click.option("--policy", default=DEFAULT_POLICY, show_default=True,
               help="The cache policy whose replayed misses size the split.")
 @click.option("--steps", type=click.IntRange(2, 64), default=12, show_default=True)
+@click.option("--prefetch", type=click.IntRange(0, 4096), default=0, show_default=True,
+              help="Also price reading this many predicted experts ahead per layer (k3-run "
+                   "--prefetch-experts; a trace recorded with predictions).")
 @click.option("--json", "json_out", is_flag=True)
 @quiet_option
 @handle_errors
-def size(trace, budget_gb, pack_dir, seq_mbps, rand_mbps, doctor_json, policy, steps, json_out,
-         quiet):
+def size(trace, budget_gb, pack_dir, seq_mbps, rand_mbps, doctor_json, policy, steps, prefetch,
+         json_out, quiet):
     """Recommend the trunk/cache split of a total budget, from the pack's layer sizes, the
     trace's replayed miss curve and the disk's speeds, with predicted s/token per split."""
     from libk3.trace.sizing import disk_speeds_from_doctor, format_sizing, size_budget
@@ -224,7 +227,7 @@ def size(trace, budget_gb, pack_dir, seq_mbps, rand_mbps, doctor_json, policy, s
     TraceReader(trace).require_replayable()   # a hostile header is refused before compiling
     prepare(["replay"], show=not quiet)
     rep = size_budget(trace, pack_dir, budget_gb * 1e9, seq_mbps * 1e6, rand_mbps * 1e6,
-                      policy=policy, steps=steps)
+                      policy=policy, steps=steps, prefetch=prefetch)
     _emit(rep, json_out, format_sizing)
 
 
