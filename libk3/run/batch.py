@@ -48,8 +48,8 @@ from ..io.bounded import bounded_lines
 from ..text.chat_request import conversation_problem
 from ..text.encodable import TextError, decode_text, field_problem
 from ..engine.generate import GenSettings
-from ..engine.grammar import response_format_problem
-from ..engine.schema_check import request_vendor_key
+from ..constrain.grammar import response_format_problem
+from ..constrain.schema_check import request_vendor_key
 from ..engine.settings import (SAMPLING_RULES, gen_or_until_end_problem, logit_bias_pairs,
                                logit_bias_problem, stop_strings_problem, token_ids_problem)
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from ..engine.tool_grammar import tool_choice_problem
-from ..engine.schema_check import request_vendor_key
+from ..constrain.tool_grammar import tool_choice_problem
+from ..constrain.schema_check import request_vendor_key
 from ..engine.settings import SAMPLING_RULES, gen_problem, temperature_problem, top_p_problem
 from ..engine.stops import StopText
 from .protocol import MAX_STOP, ApiError, Request, _field, _is_int, _rule

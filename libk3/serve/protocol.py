@@ -24,9 +24,9 @@ import time
 from ..errors import K3Error, UsageError
 from ..text.chat_request import conversation_problem
 from ..text.encodable import field_problem
-from ..engine.grammar import response_format_problem
-from ..engine.schema_check import request_vendor_key
-from ..engine.tool_grammar import tool_choice_problem
+from ..constrain.grammar import response_format_problem
+from ..constrain.schema_check import request_vendor_key
+from ..constrain.tool_grammar import tool_choice_problem
 from ..engine.logprobs import MAX_TOP
 from ..engine.settings import (SAMPLING_RULES, gen_problem, logit_bias_problem, seed_problem,
                                temperature_problem, token_ids_problem, top_p_problem)
