@@ -92,7 +92,8 @@ def _writable(path: Path) -> bool:
 def inspect_model(model_dir, pack_dir) -> tuple:
     """(section, sizes or None, problems, warnings) for one model directory. Problems
     are one line each and name the file (and tensor) at fault."""
-    from ..io.checkpoint import Checkpoint, survey_shards
+    from ..io.checkpoint import Checkpoint
+    from ..io.shards import survey_shards
     from ..pack.writer import PARTIAL_FILE, disk_needed, pack_state, plan_pack
 
     d = Path(model_dir)
