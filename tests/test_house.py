@@ -27,7 +27,6 @@ LONG_MODULES = {
 # "module:function" -> its parameters today (self and cls not counted)
 MANY_PARAMETERS = {
     "libk3/engine/lockstep.py:Lockstep.__init__": 17,     # the engine core replaces it
-    "libk3/doctor/report.py:diagnose": 13,
 }
 # room -> its modules today (kernels/ is exempt: one numba kernel family per module)
 BIG_ROOMS = {}
