@@ -11,8 +11,9 @@ Does not own: the policies (one module each here in ``libk3.policies``), replayi
 Adding a policy is adding one module here with a top-level ``POLICY = PolicyInfo(...)``
 (keyword arguments, literals only) and the functions of the protocol below; replay,
 k3-run's cache and k3-trace find it through this table. Why the declarations are read
-from the modules' source rather than imported: the modules import numba, and the click
-front ends build their choices from this table at start-up without it.
+from the modules' source (that statement only) rather than imported: the modules import
+numba, and the click front ends build their choices from this table at start-up without
+it.
 
 The protocol of a policy module (``load(name)``):
   ``replay(rk, slots) -> (hits, extra)``  hits over ``rk.keys`` (a ``ReplayKeys``) with
@@ -59,19 +60,37 @@ def _declarations(folder: Path = _HERE) -> dict:
     """name -> PolicyInfo of every module in ``folder`` (this package) declaring ``POLICY``."""
     found = []
     for path in sorted(folder.glob("*.py")):
-        text = path.read_text(encoding="utf-8")
-        if _MARK not in text:
-            continue
-        for node in ast.parse(text).body:
-            if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                    and getattr(node.targets[0], "id", None) == "POLICY"):
-                kw = {k.arg: ast.literal_eval(k.value) for k in node.value.keywords}
-                found.append(PolicyInfo(**kw, module=path.stem))
+        node = _declaration(path.read_text(encoding="utf-8"))
+        if node is not None:
+            kw = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            found.append(PolicyInfo(**kw, module=path.stem))
     names = [p.name for p in found]
     if len(set(names)) != len(names) or sum(p.default for p in found) != 1:
         raise RuntimeError(f"libk3.policies: policy names must be unique and exactly one "
                            f"the default: {names}")
     return {p.name: p for p in sorted(found, key=lambda p: (p.rank, p.name))}
+
+
+def _declaration(text: str):
+    """The ``PolicyInfo(...)`` call of a module's top-level ``POLICY = PolicyInfo(...)``, or
+    None. Only that statement is parsed (its first lines that parse), not the module."""
+    if text.startswith(_MARK):
+        start = 0
+    else:
+        start = text.find("\n" + _MARK) + 1
+        if start == 0:
+            return None
+    end = start
+    while True:
+        end = text.find("\n", end + 1)
+        chunk = text[start:] if end < 0 else text[start:end]
+        try:
+            tree = ast.parse(chunk)
+        except SyntaxError:
+            if end < 0:
+                raise
+            continue
+        return tree.body[0].value
 
 
 POLICIES = _declarations()
