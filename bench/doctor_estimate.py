@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     mem = hwprobe.probe_memory(None if args.assume_memory_gb is None
                                else int(args.assume_memory_gb * 1e9))
     diag = doctor.diagnose(args.model, args.pack, memory=mem,
-                           probe_bytes=int(args.probe_size_mb * 1e6), progress=True)
+                           disk=doctor.DiskProbe(probe_bytes=int(args.probe_size_mb * 1e6)),
+                           progress=True)
     dec = diag.report["decision"]
     preset = args.preset or dec["pick"]
     if preset is None:

@@ -76,7 +76,7 @@ def _read_bytes(sess) -> int:
 def spoil_rate(mean: float, cap: int = CAP) -> float:
     """The per-proposal failure probability q with which verifying all ``cap`` proposals
     commits ``mean`` tokens per pass."""
-    from libk3.engine.speculative import acceptance_for
+    from libk3.speculate.speculative import acceptance_for
     return 1.0 - acceptance_for(mean, cap)
 
 
@@ -92,7 +92,7 @@ class Oracle:
         self.truth, self.q, self.vocab = truth, q, vocab
 
     def propose(self, state, anchor, n, pick):
-        from libk3.engine.speculative import Proposal
+        from libk3.speculate.speculative import Proposal
         at = state.pos + 1
         out = []
         for j, t in enumerate(self.truth[at:at + n]):
@@ -118,7 +118,7 @@ def _decode(sess, gen, drafting=None):
 
 
 def section_oracle(gen: int = 96):
-    from libk3.engine.speculative import Drafting, SpecStats
+    from libk3.speculate.speculative import Drafting, SpecStats
     print(f"oracle proposals on medium, {gen} tokens after a {len(PROMPT)}-token prompt "
           f"(decode only, after {WARM} tokens that measure the pass costs), up to {CAP} "
           "proposals per pass")
@@ -151,7 +151,7 @@ def section_oracle(gen: int = 96):
 
 
 def section_spec(gen: int = 24):
-    from libk3.engine.speculative import Drafting, Width
+    from libk3.speculate.speculative import Drafting, Width
 
     class Wrong(Oracle):
         def __init__(self, truth, vocab):
@@ -305,7 +305,7 @@ def lru_hit_rate(keys, slots: int) -> float:
 
 def section_model():
     from libk3.budget import plan_trunk
-    from libk3.engine.speculative import acceptance_for, best_width
+    from libk3.speculate.speculative import acceptance_for, best_width
     from libk3.k3_dims import real_config
     cfg = real_config()
     sizes = ModelSizes.from_config(cfg)

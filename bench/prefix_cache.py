@@ -232,7 +232,7 @@ def health(url) -> dict:
 
 def system_text(ckpt, tokens: int) -> str:
     """A system prompt of about ``tokens`` tokens in the model's tokenizer."""
-    from libk3.io.tokenizer import K3Tokenizer
+    from libk3.text.tokenizer import K3Tokenizer
     tok = K3Tokenizer.from_dir(ckpt, vocab_size=load_config(ckpt).vocab_size)
     words = ("You are a careful assistant who answers questions about geography, history "
              "and languages. Keep answers short, name your sources and say when you are "

@@ -1,4 +1,4 @@
-"""Schema admission (libk3/engine/schema_check.py): how long the checks a schema passes
+"""Schema admission (libk3/constrain/schema_check.py): how long the checks a schema passes
 before it is admitted take, for ordinary schemas, schemas no value satisfies, and large
 ones near and past SCHEMA_MAX_BYTES. Prints one row per schema: its JSON size, seconds,
 and the verdict. Run: python bench/schema_admission.py"""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import time
 
-from libk3.engine.grammar import JSON_OPTIONS
-from libk3.engine.schema_check import schema_problem
+from libk3.constrain.grammar import JSON_OPTIONS
+from libk3.constrain.schema_check import schema_problem
 
 
 def _props(n: int) -> dict:

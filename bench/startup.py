@@ -67,7 +67,7 @@ def med(xs) -> float:
 
 def tokenizer_rows(model: Path, runs: int) -> list:
     """The real vocabulary's tokenizer ready to encode: derived in memory vs cache hit."""
-    code = ("import sys, time; from libk3.io.tokenizer import K3Tokenizer; "
+    code = ("import sys, time; from libk3.text.tokenizer import K3Tokenizer; "
             "c = None if sys.argv[2] == 'none' else sys.argv[2]; t = time.perf_counter(); "
             "tok = K3Tokenizer.from_dir(sys.argv[1], 163840, cache=c); tok.encode('Hi'); "
             "print(time.perf_counter() - t, tok.cache_status)")

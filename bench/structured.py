@@ -55,7 +55,7 @@ def model(preset: str) -> Path:
 
 def validity(seeds: int, gen: int) -> None:
     import jsonschema
-    from libk3.io.tokenizer import K3Tokenizer
+    from libk3.text.tokenizer import K3Tokenizer
     d = model("small")
     tok = K3Tokenizer.from_dir(d)
     with tempfile.TemporaryDirectory() as tmp:

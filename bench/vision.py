@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table  # noqa: E402
 
 from libk3.io.dtypes import bf16_to_f32, f32_to_bf16  # noqa: E402
-from libk3.io.vision_inventory import vision_specs  # noqa: E402
+from libk3.io.inventory import vision_specs  # noqa: E402
 from libk3.k3_dims import MEDIA_PROC, real_config  # noqa: E402
 from libk3.media.preprocess import preprocess_image  # noqa: E402
 from libk3.model import vision_reference as ref  # noqa: E402

@@ -2,7 +2,7 @@
 
 Owns: the tensor-name templates and the tensor inventory per layer kind, for the language
 model and for the image tower and projector (formats/vision.md §3). Does not own: shapes
-(``libk3.io.inventory``, ``libk3.io.vision_inventory``) or reading.
+(``libk3.io.inventory``) or reading.
 """
 
 from __future__ import annotations

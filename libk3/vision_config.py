@@ -3,7 +3,7 @@
 Owns: reading ``vision_config`` (in config.json, beside ``text_config``), the root key
 ``media_placeholder_token_id`` and ``preprocessor_config.json``'s ``media_proc_cfg``
 (formats/vision.md §2), and checking their structure (formats/vision.md §2.4). Does not own:
-the language-model keys (``libk3.config``), tensor shapes (``libk3.io.vision_inventory``),
+the language-model keys (``libk3.config``), tensor shapes (``libk3.io.inventory``),
 preprocessing or the tower's arithmetic.
 
 Why as strict as the language-model reader: a tower read with a guessed head count or a

@@ -31,7 +31,7 @@ def tiny_dir() -> Path:
 @pytest.fixture(scope="session")
 def tok(tiny_dir):
     """The tiny checkpoint's tokenizer."""
-    from libk3.io.tokenizer import K3Tokenizer
+    from libk3.text.tokenizer import K3Tokenizer
     return K3Tokenizer.from_dir(tiny_dir)
 
 

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from libk3.io.identity import weights_identity
-from libk3.io.tokenizer import K3Tokenizer
+from libk3.text.tokenizer import K3Tokenizer
 from libk3.run.repl import Command, default_history_path, parse, read_entry, setting
 from libk3.text.chat_template import load_chat_template
 from .scripts import k3

@@ -9,7 +9,7 @@ import numpy as np
 
 from libk3.io.identity import weights_identity
 from libk3.text.chat_template import load_chat_template
-from libk3.io.tokenizer import K3Tokenizer
+from libk3.text.tokenizer import K3Tokenizer
 from .scripts import k3, k3_here
 
 CONVO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]

@@ -15,7 +15,7 @@ from libk3.text.chat_request import ChatEncoder, NO_TEMPLATE, conversation_probl
 from libk3.text.chat_template import (ChatInputError, ChatTemplate, load_chat_template,
                                         turn_stop_ids)
 from libk3.errors import CheckpointError
-from libk3.io.tokenizer import K3Tokenizer
+from libk3.text.tokenizer import K3Tokenizer
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather <now> & \"here\"",

@@ -18,7 +18,8 @@ import pytest
 from libk3 import names
 from libk3.errors import CheckpointError, ConfigError
 from libk3.io import inventory
-from libk3.io.checkpoint import Checkpoint, survey_shards
+from libk3.io.checkpoint import Checkpoint
+from libk3.io.shards import survey_shards
 from libk3.io.dtypes import widen
 
 from .ckpt_helpers import shard_of_layer, toy_config, toy_plan, write_toy

@@ -339,9 +339,9 @@ def test_doctor_small_measures_disk_and_estimates_every_preset(small_dir, tmp_pa
                                                                probe_tmp):
     """Catches estimates without measurements, a probe file left behind, or a pick that
     does not hold the whole small model."""
-    diag = doctor.diagnose(small_dir, tmp_path / "pack", probe_bytes=48 << 20,
-                           memory=hwmem.assumed_memory(8 * 10**9), probe_tmp=probe_tmp,
-                           **FAST)
+    diag = doctor.diagnose(small_dir, tmp_path / "pack",
+                           disk=doctor.DiskProbe(probe_bytes=48 << 20, tmp=probe_tmp, **FAST),
+                           memory=hwmem.assumed_memory(8 * 10**9))
     rep = diag.report
     assert diag.exit_status == 0, rep["problems"]
     st = rep["storage"][0]

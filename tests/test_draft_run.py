@@ -14,9 +14,9 @@ from libk3.draft.checkpoint import load_draft
 from libk3.model.state import State
 from libk3.draft.forward import DraftForward
 from libk3.engine.generate import GenSettings, generate
-from libk3.engine.proposers import DSpark
+from libk3.speculate.proposers import DSpark
 from libk3.engine.session import open_session
-from libk3.engine.speculative import Drafting
+from libk3.speculate.speculative import Drafting
 from libk3.io.checkpoint import Checkpoint
 from .scripts import k3, k3_here
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (
     ("libk3", "libk3.errors", "libk3.names", "libk3.config", "libk3.vision_config",
      "libk3.k3_dims", "libk3.progress", "libk3.units"),
-    ("libk3.io", "libk3.machine", "libk3.text", "libk3.media"),
+    ("libk3.io", "libk3.machine", "libk3.text", "libk3.media", "libk3.constrain"),
     ("libk3.kernels",),
     ("libk3.policies", "libk3.budget"),
     ("libk3.pack",),
@@ -21,7 +21,7 @@ LAYERS = (
     ("libk3.draft",),
     ("libk3.trace",),
     ("libk3.synth",),
-    ("libk3.engine",),
+    ("libk3.engine", "libk3.speculate"),
     ("libk3.request",),
     ("libk3.run",),
     ("libk3.doctor", "libk3.serve"),

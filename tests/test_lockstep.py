@@ -234,7 +234,7 @@ class _Oracle:
         self.truths, self.vocab = truths, vocab
 
     def propose(self, state, anchor, n, pick):
-        from libk3.engine.speculative import Proposal
+        from libk3.speculate.speculative import Proposal
         fed = state.ids + [anchor]
         for t in self.truths:
             if t[:len(fed)] == fed:
@@ -252,7 +252,7 @@ def test_lockstep_with_drafting_equals_alone(sess, jobs_and_alone, width):
     """Catches a lane whose verify pass shares rows with another lane's, a commit that
     keeps a rejected proposal, or a stop inside accepted proposals that is not honoured:
     every lane drafts (greedy and sampled), ids and logits bytes equal the runs alone."""
-    from libk3.engine.speculative import Drafting, Width
+    from libk3.speculate.speculative import Drafting, Width
 
     class Every(Width):             # verify every proposal: this test is about exactness
         def choose(self, confidence, others=0):

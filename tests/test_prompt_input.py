@@ -12,7 +12,7 @@ import pytest
 from libk3.config import K3_CONTEXT, context_length
 from libk3.run import batch as batchfile
 from libk3.run.prompt_file import prompt_byte_bound
-from libk3.io.tokenizer import K3Tokenizer
+from libk3.text.tokenizer import K3Tokenizer
 from .scripts import k3_here
 
 

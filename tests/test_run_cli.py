@@ -214,7 +214,7 @@ def test_run_prompt_text_streams_and_reports(tiny_dir, tmp_path):
     """Catches text mode not using the model's tokenizer (prompt ids or printed text that
     are not its encoding and decoding), a stream that differs from the reported text, and
     a report missing its fields."""
-    from libk3.io.tokenizer import K3Tokenizer
+    from libk3.text.tokenizer import K3Tokenizer
     prompt = "The capital of France is"
     rep = tmp_path / "r.json"
     p = k3_here(tiny_dir, "--prompt", prompt, "--gen", 4, "--report-json", rep)

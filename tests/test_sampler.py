@@ -325,10 +325,10 @@ class _Oracle:
         for t in self.truths:
             if t[:state.pos] == state.ids and len(t) > state.pos:
                 out = t[state.pos + 1:state.pos + 1 + n]
-                from libk3.engine.speculative import Proposal
+                from libk3.speculate.speculative import Proposal
                 return Proposal([(x + 1) % self.vocab if (state.pos + j) % 3 == 0 else x
                                  for j, x in enumerate(out)])
-        from libk3.engine.speculative import Proposal
+        from libk3.speculate.speculative import Proposal
         return Proposal([])
 
     def observe(self, state, taps):
@@ -342,8 +342,8 @@ def test_drafting_with_new_settings_gives_plain_tokens(tiny, which):
     proposals before it): drafting with penalties, top-k and min-p gives plain decoding's
     ids and logits bytes, from the true continuation (partly spoiled) and from prompt
     lookup."""
-    from libk3.engine.proposers import PromptLookup
-    from libk3.engine.speculative import Drafting, Width
+    from libk3.speculate.proposers import PromptLookup
+    from libk3.speculate.speculative import Drafting, Width
 
     class Every(Width):
         def choose(self, confidence, others=0):
@@ -368,8 +368,8 @@ def test_dspark_draft_with_penalties_gives_plain_tokens(tiny_dir):
     gives plain decoding's ids and logits bytes."""
     from libk3.draft.checkpoint import load_draft
     from libk3.draft.forward import DraftForward
-    from libk3.engine.proposers import DSpark
-    from libk3.engine.speculative import Drafting
+    from libk3.speculate.proposers import DSpark
+    from libk3.speculate.speculative import Drafting
 
     s = open_session(tiny_dir)
     try:
@@ -406,8 +406,8 @@ def test_generate_with_a_logit_bias_is_the_oracle_and_drafts_give_plain_tokens(t
     drafting (the true continuation partly spoiled, prompt lookup) gives the same ids and
     logits bytes (the verify rows themselves: ``test_verify_rows_pick_with_the_bias``);
     control: the bias changes the output."""
-    from libk3.engine.proposers import PromptLookup
-    from libk3.engine.speculative import Drafting, Width
+    from libk3.speculate.proposers import PromptLookup
+    from libk3.speculate.speculative import Drafting, Width
 
     class Every(Width):
         def choose(self, confidence, others=0):
@@ -446,8 +446,8 @@ def test_verify_rows_pick_with_the_bias():
     rejected, and the one the bias lifts is accepted; control: without the bias the
     banned proposal is accepted."""
     from types import SimpleNamespace
-    from libk3.engine.proposers import PromptLookup
-    from libk3.engine.speculative import SpecStats, Speculator, Width
+    from libk3.speculate.proposers import PromptLookup
+    from libk3.speculate.speculative import SpecStats, Speculator, Width
 
     rows = np.zeros((3, 8), np.float32)
     rows[0, 5], rows[0, 2] = 3.0, 1.0            # raw pick 5; banned, 2 wins

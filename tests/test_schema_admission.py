@@ -17,8 +17,8 @@ from .scripts import k3, k3_here
 
 pytest.importorskip("llguidance")
 
-from libk3.engine import schema_check  # noqa: E402  (after the skip)
-from libk3.engine.grammar import JSON_OPTIONS, Grammar, GrammarTokenizer  # noqa: E402
+from libk3.constrain import schema_check  # noqa: E402  (after the skip)
+from libk3.constrain.grammar import JSON_OPTIONS, Grammar, GrammarTokenizer  # noqa: E402
 
 # schemas llguidance compiles that no finite value satisfies
 ENDLESS = {
@@ -128,8 +128,8 @@ def test_lockstep_failing_grammar_lane_leaves_alone_and_spares_its_neighbours(se
     lost), with or without drafting (each lane's proposals are masked too): the failing
     lane alone is reported, and the three innocent lanes decoding beside it get exactly
     the tokens they get alone."""
-    from libk3.engine.proposers import PromptLookup
-    from libk3.engine.speculative import Drafting
+    from libk3.speculate.proposers import PromptLookup
+    from libk3.speculate.speculative import Drafting
     tok = sess.tokenizer
     innocent = [GenSettings(gen=10), GenSettings(gen=12, temperature=0.9, seed=3),
                 GenSettings(gen=8, temperature=1.2, top_p=0.8, seed=11)]

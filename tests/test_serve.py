@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 from libk3.budget import ModelSizes, minimum_budget, peak_bytes  # noqa: E402
 from libk3.text.chat_template import load_chat_template  # noqa: E402
 from libk3.io.checkpoint import Checkpoint  # noqa: E402
-from libk3.io.tokenizer import K3Tokenizer  # noqa: E402
+from libk3.text.tokenizer import K3Tokenizer  # noqa: E402
 from .scripts import k3, k3_here  # noqa: E402
 
 KEY = "test-key-k3"

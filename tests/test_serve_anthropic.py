@@ -15,7 +15,7 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
-from libk3.io.tokenizer import K3Tokenizer  # noqa: E402
+from libk3.text.tokenizer import K3Tokenizer  # noqa: E402
 from libk3.serve import anthropic as shapes  # noqa: E402
 from .test_serve import KEY, _post, _start, _stop  # noqa: E402
 

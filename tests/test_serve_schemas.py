@@ -145,7 +145,7 @@ def test_serve_grammar_failing_mid_pass_ends_that_request_alone(server, tiny_dir
     logit_bias on '"') into a key no value can follow fails that request alone, 422
     naming the grammar, while three requests decoding beside it get exactly the tokens
     they get alone (control: those requests alone)."""
-    from libk3.io.tokenizer import K3Tokenizer
+    from libk3.text.tokenizer import K3Tokenizer
     quote = K3Tokenizer.from_dir(tiny_dir).encode('"')
     assert len(quote) == 1
     body = {"model": "tiny", "max_tokens": 16, "messages": MSGS,

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from libk3.engine.generate import GenSettings, generate
-from libk3.engine.proposers import PromptLookup, lookup_drafts
+from libk3.speculate.proposers import PromptLookup, lookup_drafts
 from libk3.engine.sampler import Sampler
 from libk3.engine.session import open_session
-from libk3.engine.speculative import MAX_PAUSE, Drafting, Proposal, Width
+from libk3.speculate.speculative import MAX_PAUSE, Drafting, Proposal, Width
 
 REPETITIVE = [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12, 13]
 

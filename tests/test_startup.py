@@ -17,7 +17,7 @@ import pytest
 
 from libk3.engine import precompile
 from libk3.errors import CheckpointError
-from libk3.io.tokenizer import K3Tokenizer
+from libk3.text.tokenizer import K3Tokenizer
 from libk3.io.direct import ALIGN, DirectFile, ReadCancelled, ReadGate, aligned_empty
 from .scripts import k3
 

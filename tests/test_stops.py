@@ -148,7 +148,7 @@ def test_run_stop_string_cut_from_text_kept_in_ids(tiny_dir, tmp_path):
     assert p.returncode == 0, p.stderr
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["stop_reason"] == "stop_string" and len(rep["generated_ids"]) == 5
-    from libk3.io.tokenizer import K3Tokenizer
+    from libk3.text.tokenizer import K3Tokenizer
     tok = K3Tokenizer.from_dir(tiny_dir)
     want = tok.decode(rep["generated_ids"][:3]) + "0"
     assert rep["generated_text"] == want
@@ -164,7 +164,7 @@ def test_run_token_ending_by_its_id_is_left_out_of_the_text(tiny_dir, tmp_path):
     by its id (a turn's end such as <|end_of_msg|>, or a --stop-id; the server leaves it
     out of a completion's text), in the report, a batch result and the printed text;
     control: the ids keep it, and the same run without the stop id shows its text."""
-    from libk3.io.tokenizer import K3Tokenizer
+    from libk3.text.tokenizer import K3Tokenizer
     tok = K3Tokenizer.from_dir(tiny_dir)
     free = json.loads(k3_here(tiny_dir, "--prompt", PLAIN_PROMPT, "--gen", 6, "--json").stdout)
     stop = free["generated_ids"][3]
@@ -187,7 +187,7 @@ def test_run_token_ending_by_its_id_is_left_out_of_the_text(tiny_dir, tmp_path):
 def test_batch_results_cut_stop_strings_as_the_cli_does(tiny_dir, tmp_path):
     """Catches batch results keeping the stop text (or a "messages" line's parsed reply
     keeping it) where the CLI and server cut it."""
-    from libk3.io.tokenizer import K3Tokenizer
+    from libk3.text.tokenizer import K3Tokenizer
     tok = K3Tokenizer.from_dir(tiny_dir)
     batch = tmp_path / "b.jsonl"
     lines = [{"id": "p", "prompt": PLAIN_PROMPT, "gen": 16, "stop": "0D"},

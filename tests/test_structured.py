@@ -18,7 +18,7 @@ from .scripts import k3_here
 llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from libk3.engine.grammar import compile_grammar  # noqa: E402  (after the skip)
+from libk3.constrain.grammar import compile_grammar  # noqa: E402  (after the skip)
 
 _S = {"type": "string", "maxLength": 8}
 _I = {"type": "integer", "minimum": 0, "maximum": 999}

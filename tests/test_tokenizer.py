@@ -1,4 +1,4 @@
-"""K3 tokenizer (libk3.io.tokenizer) and synthetic BPE files (libk3.synth.bpe).
+"""K3 tokenizer (libk3.text.tokenizer) and synthetic BPE files (libk3.synth.bpe).
 
 The oracle is the ``tiktoken`` library built from the same files by a parser written
 here, independent of k3's reader. Vocabularies are trained by libk3.synth.bpe: a small
@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libk3.errors import CheckpointError, K3Error
-from libk3.io.tokenizer import (CONFIG_FILE, K3_PAT_STR, KIMI_FILE, MAX_RUN_CHARS,
-                                TIKTOKEN_FILE, K3Tokenizer, read_pat_str,
-                                read_tiktoken_model, split_long_runs)
+from libk3.text.tokenizer import MAX_RUN_CHARS, K3Tokenizer, split_long_runs
+from libk3.text.tokenizer_files import (CONFIG_FILE, K3_PAT_STR, KIMI_FILE, TIKTOKEN_FILE,
+                                        read_pat_str, read_tiktoken_model)
 from libk3.synth.bpe import (SEED_CORPUS, special_slot_names, train_ranks,
                              write_tokenization_kimi, write_tokenizer_config,
                              write_tokenizer_files)
@@ -526,7 +526,7 @@ def test_split_long_runs_cuts_only_runs_over_limit():
 
 def _cut_by_loop(text: str) -> list:
     """The cuts as model.md section 8.2 words them, a character at a time (the oracle)."""
-    from libk3.io.tokenizer import MAX_ENCODE_CHARS
+    from libk3.text.tokenizer import MAX_ENCODE_CHARS
     if len(text) <= MAX_RUN_CHARS:
         return [text]
     pieces = []
@@ -572,7 +572,7 @@ def test_encode_with_a_limit_stops_early_with_the_first_ids(small):
     that stops at or below the limit (a text over a context would pass as fitting), or no
     early stop at all (a 30 MB request tokenized whole, 18 million ids, to be refused):
     past the limit only the pieces needed are encoded; at or under it, the ids are all."""
-    from libk3.io.tokenizer import MAX_ENCODE_CHARS
+    from libk3.text.tokenizer import MAX_ENCODE_CHARS
     tok = small[0]
     text = "alpha beta\n" * (3 * MAX_ENCODE_CHARS // 11)          # three pieces and a bit
     whole = tok.encode(text)

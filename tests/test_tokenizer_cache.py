@@ -1,5 +1,5 @@
-"""The tokenizer's derived-form cache (libk3.io.tokenizer_cache, formats/tokenizer.md
-"Derived-form cache") and reading the tokenizer lazily (libk3.io.tokenizer.LazyTokenizer).
+"""The tokenizer's derived-form cache (libk3.text.tokenizer_cache, formats/tokenizer.md
+"Derived-form cache") and reading the tokenizer lazily (libk3.text.tokenizer.LazyTokenizer).
 
 Every test compares against a tokenizer derived in memory from the same files (no
 cache), which tests/test_tokenizer.py checks against tiktoken.
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from libk3.io import tokenizer as tokmod
-from libk3.io import tokenizer_cache as tc
-from libk3.io.tokenizer import (CONFIG_FILE, KIMI_FILE, TIKTOKEN_FILE, K3Tokenizer,
-                                LazyTokenizer)
+from libk3.text import tokenizer as tokmod
+from libk3.text import tokenizer_cache as tc
+from libk3.text.tokenizer import K3Tokenizer, LazyTokenizer
+from libk3.text.tokenizer_files import CONFIG_FILE, KIMI_FILE, TIKTOKEN_FILE
 from libk3.synth.bpe import write_tokenizer_files
 
 RANKS, VOCAB = 3840, 4096

@@ -16,7 +16,7 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from libk3.engine.tool_grammar import compile_tool_grammar, think_mode  # noqa: E402
+from libk3.constrain.tool_grammar import compile_tool_grammar, think_mode  # noqa: E402
 from libk3.text.chat_parse import parse_reply, pieces  # noqa: E402
 from .test_serve import _client, _post, _start, _stop  # noqa: E402
 
@@ -245,7 +245,7 @@ def test_thinking_budget_cuts_the_think_channel_and_leaves_the_rest_free(tok):
     channel: after BUDGET tokens of reasoning the only token allowed is the channel's
     closing tag; and a second think channel, which would reason past the budget, is
     refused."""
-    from libk3.engine.tool_grammar import compile_think_budget
+    from libk3.constrain.tool_grammar import compile_think_budget
     budget = 8
     g = compile_think_budget(tok, "optional", budget)
     words = tok.encode(" one two three four five six")
@@ -281,7 +281,7 @@ def test_thinking_budget_holds_in_generation(tiny_dir, tok):
     think channel, the reply's reasoning is BUDGET tokens and the channel's closing tag
     follows; control: without the budget the same seed writes past it unclosed."""
     from libk3.engine.generate import GenSettings, generate
-    from libk3.engine.tool_grammar import compile_think_budget
+    from libk3.constrain.tool_grammar import compile_think_budget
     from libk3.engine.session import open_session
     s = open_session(tiny_dir)
     prompt = _ids(tok, "<|open|>", "user", "<|sep|>", "Hi", "<|close|>", "user", "<|sep|>",

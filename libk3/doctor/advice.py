@@ -87,7 +87,7 @@ def drafting_advice(est: dict | None, draft_bytes: int, lm_head_bytes: int,
     worth of experts (consecutive tokens share many); the draft pass reads its weights
     and the target's head once; the width is ``speculative.best_width``'s choice at each
     published acceptance (dspark.md §7). None without an estimate."""
-    from ..engine.speculative import acceptance_for, best_width
+    from ..speculate.speculative import acceptance_for, best_width
     if est is None or not kernels:
         return None
     fixed = est["trunk_io_s"] + est["dense_compute_s"]

@@ -92,7 +92,8 @@ def _writable(path: Path) -> bool:
 def inspect_model(model_dir, pack_dir) -> tuple:
     """(section, sizes or None, problems, warnings) for one model directory. Problems
     are one line each and name the file (and tensor) at fault."""
-    from ..io.checkpoint import Checkpoint, survey_shards
+    from ..io.checkpoint import Checkpoint
+    from ..io.shards import survey_shards
     from ..pack.writer import PARTIAL_FILE, disk_needed, pack_state, plan_pack
 
     d = Path(model_dir)
@@ -160,18 +161,27 @@ def _note_sizes(sec: dict, sizes: ModelSizes) -> None:
 
 # ---- the decision ------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class DiskProbe:
+    """How the disk probe measures: the probe file's size, the seconds of sequential and
+    of random reads, and where a probe file goes first (``storage.probe_dir``; None: the
+    temporary directory)."""
+    probe_bytes: int = storage.DEFAULT_PROBE_BYTES
+    seq_seconds: float = 3.0
+    rand_seconds: float = 1.5
+    tmp: object = None
+
+
 def diagnose(model=None, pack=None, *, quick: bool = False,
-             memory: _memory.MemoryInfo | None = None,
-             probe_bytes: int = storage.DEFAULT_PROBE_BYTES, progress: bool = False,
-             seq_seconds: float = 3.0, rand_seconds: float = 1.5,
-             pack_free_bytes: int | None = None, read_bps: float | None = None,
-             decode_bps: float | None = None, probe_tmp=None, draft=None,
-             stripes=()) -> Diagnosis:
+             memory: _memory.MemoryInfo | None = None, disk: DiskProbe = DiskProbe(),
+             progress: bool = False, pack_free_bytes: int | None = None,
+             read_bps: float | None = None, decode_bps: float | None = None,
+             draft=None, stripes=()) -> Diagnosis:
     """Probe, inspect and decide. ``memory`` overrides the memory probe (simulated
-    machines); ``pack_free_bytes`` overrides the free space seen at the pack directory
-    (tests); ``read_bps`` the measured sequential read rate and ``decode_bps`` the
-    compressed trunk's measured decode rate; ``probe_tmp`` is where a probe file goes
-    first (``storage.probe_dir``; default the temporary directory). ``quick`` skips the
+    machines); ``disk`` says how the disk probe measures; ``pack_free_bytes`` overrides
+    the free space seen at the pack directory (tests); ``read_bps`` the measured
+    sequential read rate and ``decode_bps`` the compressed trunk's measured decode
+    rate. ``quick`` skips the
     disk, kernel and decode measurements (no estimates). ``draft``: a DSpark draft
     directory for ``model``, checked, counted in every budget and judged (does drafting
     pay at the pick?). ``stripes``: more drives the trunk could go on (each measured, the
@@ -205,7 +215,7 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
         shards = sorted(Path(d).glob("*.safetensors")) if role == "model" else []
         if dev in measured_dev:
             info = storage.probe_storage(d, measure=False, model_files=shards,
-                                          avoid=avoid, tmp=probe_tmp)
+                                          avoid=avoid, tmp=disk.tmp)
             info["reads"] = measured_dev[dev]["reads"]
             info["measured_on"] = measured_dev[dev]["measured_on"]
             info["measured"] = measured_dev[dev]["measured"]
@@ -213,9 +223,10 @@ def diagnose(model=None, pack=None, *, quick: bool = False,
                                  "measured once")
         else:
             info = storage.probe_storage(d, measure=not quick, model_files=shards,
-                                         avoid=avoid, tmp=probe_tmp,
-                                         probe_bytes=probe_bytes, seq_seconds=seq_seconds,
-                                         rand_seconds=rand_seconds, progress=progress)
+                                         avoid=avoid, tmp=disk.tmp,
+                                         probe_bytes=disk.probe_bytes,
+                                         seq_seconds=disk.seq_seconds,
+                                         rand_seconds=disk.rand_seconds, progress=progress)
             measured_dev[dev] = info
         info["role"] = role
         stores.append(info)

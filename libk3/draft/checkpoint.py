@@ -39,7 +39,7 @@ import numpy as np
 
 from ..config import K3Config
 from ..errors import CheckpointError, K3IOError
-from ..io.checkpoint import INDEX_FILE, find_shards
+from ..io.shards import INDEX_FILE, find_shards
 from ..io.identity import digest_of, file_digest
 from ..io.dtypes import matrix_operand, widen
 from ..io.safetensors import pread_into, read_header

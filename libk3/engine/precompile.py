@@ -139,7 +139,7 @@ def _groups() -> dict:
     replay = (
         group(pol("belady"), ("next_use_indices", (i64_1, i64)),
               ("simulate", (i64_1, i64_1, i64, i64)))
-        + group(pol("pin+lru"), ("simulate_pin_lru", (i64_1, i64, i64, a(nt.boolean, 1),
+        + group(pol("lru"), ("simulate_pin_lru", (i64_1, i64, i64, a(nt.boolean, 1),
                                                       i64)))
         + group(pol("s3fifo"), ("sizes", (i64,)), ("simulate", (i64_1, i64, i64, i64, i64,
                                                                  i64)))

@@ -42,7 +42,7 @@ def default_directory(pack_dir=None) -> Path:
     per-user cache directory."""
     if pack_dir is not None:
         return Path(pack_dir) / "prefix-cache"
-    from ..io.tokenizer_cache import user_cache_dir
+    from ..text.tokenizer_cache import user_cache_dir
     return user_cache_dir() / "prefix-cache"
 
 

@@ -49,10 +49,11 @@ class Session:
 
 def load_tokenizer_if_present(model_dir, vocab_size=None, pack=None):
     """The model's tokenizer, read on first use (its derived form cached in the pack
-    directory when there is one, else per user: ``libk3.io.tokenizer_cache``), or None
+    directory when there is one, else per user: ``libk3.text.tokenizer_cache``), or None
     when the directory has no tiktoken.model."""
-    from ..io.tokenizer import TIKTOKEN_FILE, LazyTokenizer
-    from ..io.tokenizer_cache import cache_path
+    from ..text.tokenizer import LazyTokenizer
+    from ..text.tokenizer_files import TIKTOKEN_FILE
+    from ..text.tokenizer_cache import cache_path
 
     d = Path(model_dir)
     if not (d / TIKTOKEN_FILE).is_file():

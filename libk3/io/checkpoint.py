@@ -1,13 +1,13 @@
 """The checkpoint index: every language-model tensor of a model directory, by name.
 
-Owns: finding the shards (model.md §3.1) and surveying their sizes (k3-doctor), one
-table name -> TensorEntry over all of them, validating it against the inventory a config
-implies (model.md §3.4, §4.1), positioned reads of tensors and byte spans, the contiguous
-byte runs of routed experts (model.md §4.1) and of a layer's trunk tensors
-(model.md §3.3), and the checkpoint's identity for packs and traces.
-Does not own: the container format of one shard (``libk3.io.safetensors``), expected
-shapes (``libk3.io.inventory``), widening (``libk3.io.dtypes``), MXFP4 decoding, caching
-or streaming policy (``libk3.stream``).
+Owns: one table name -> TensorEntry over all the shards, validating it against the
+inventory a config implies (model.md §3.4, §4.1), positioned reads of tensors and byte
+spans, the contiguous byte runs of routed experts (model.md §4.1) and of a layer's trunk
+tensors (model.md §3.3), and the checkpoint's identity for packs and traces.
+Does not own: finding the shards, the index file and surveying their sizes
+(``libk3.io.shards``), the container format of one shard (``libk3.io.safetensors``),
+expected shapes (``libk3.io.inventory``), widening (``libk3.io.dtypes``), MXFP4 decoding,
+caching or streaming policy (``libk3.stream``).
 
 Why no mmap: the model is ~1.56 TB; mapping shards makes the page cache, not k3's budget,
 decide what stays resident. Every read is an explicit ``pread`` into a buffer the caller
@@ -20,15 +20,12 @@ int and a dict slot (a columnar layout would save memory but not the parse, whic
 dominates; bench/README.md, "Reading the checkpoint index", has the costs). Image tower
 and projector tensors (``vision_tower.``, ``mm_projector.``) are kept apart from the
 language-model table: when config.json has ``vision_config`` they are validated against
-its inventory (``libk3.io.vision_inventory``, formats/vision.md §3), otherwise ignored.
+its inventory (``libk3.io.inventory``, formats/vision.md §3), otherwise ignored.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
-import json
 import os
 import threading
 from pathlib import Path
@@ -41,12 +38,11 @@ from ..config import K3Config, load_config
 from ..errors import CheckpointError, K3IOError
 from ..vision_config import load_vision_config
 from . import inventory
-from .vision_inventory import check_vision_tensors
+from .inventory import check_vision_tensors
 from .dtypes import matrix_operand, widen
-from .safetensors import TensorEntry, pread_into, read_header, scan_header
+from .safetensors import TensorEntry, pread_into, read_header
+from .shards import LM_PREFIX, ShardSurvey, check_index, gc_paused, find_shards
 
-INDEX_FILE = "model.safetensors.index.json"
-LM_PREFIX = "language_model."
 _EXPERT_MARK = ".block_sparse_moe.experts."
 _SHOW = 5                    # how many offending names an error message lists
 
@@ -83,82 +79,12 @@ class ExpertTable(NamedTuple):
     part_nbytes: np.ndarray   # (num_hidden_layers, num_experts, 6) int64
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """Pause the cyclic garbage collector while the table is built. Parsing allocates
-    millions of containers while keeping ~500,000 entries alive, so each collection
-    rescans a growing heap (bench/README.md, "Reading the checkpoint index"). The
-    entries hold no cycles; the previous state is restored on exit."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 class _ExpertScan(NamedTuple):
     found: int
     first_missing: tuple | None     # (L, e) of the first expert with a missing tensor
     offsets: list                   # flat, six per expert, names.EXPERT_PARTS order
     sizes: list
     shard_ids: list
-
-
-def find_shards(model_dir, missing: list | None = None):
-    """(sorted shard paths, weight_map or None). Uses the index file when present, else
-    every ``*.safetensors`` sorted by name (which covers a single ``model.safetensors``).
-
-    A shard the index names but the directory lacks raises CheckpointError, or, when a
-    ``missing`` list is given, is appended to it as an error and skipped."""
-    d = Path(model_dir)
-    if not d.is_dir():
-        raise CheckpointError("model directory not found", path=d)
-    index_path = d / INDEX_FILE
-    if not index_path.exists():
-        shards = sorted(p for p in d.glob("*.safetensors") if p.is_file())
-        if not shards:
-            raise CheckpointError("no *.safetensors shard and no index file", path=d,
-                                  hint="point k3 at the model directory")
-        return [str(p) for p in shards], None
-    weight_map = _read_index(index_path)
-    shards = []
-    for fname in sorted(set(weight_map.values())):
-        p = d / fname
-        if not p.is_file():
-            err = CheckpointError("shard named by the index is missing", path=p,
-                                  hint=f"{sum(v == fname for v in weight_map.values())} "
-                                       f"tensors of {INDEX_FILE} live in it")
-            if missing is None:
-                raise err
-            missing.append(err)
-            continue
-        shards.append(str(p))
-    return shards, weight_map
-
-
-def _read_index(index_path: Path) -> dict:
-    try:
-        doc = json.loads(index_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"index is not valid JSON: {e}", path=index_path) from None
-    except OSError as e:
-        raise K3IOError(f"cannot read index: {e.strerror}", path=index_path) from None
-    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError("index has no weight_map object", path=index_path,
-                              expected='{"weight_map": {name: shard file}}')
-    bad = next((n for n, f in weight_map.items() if type(f) is not str), None)
-    if bad is not None:
-        raise CheckpointError("weight_map value is not a shard file name", path=index_path,
-                              tensor=bad, found=repr(weight_map[bad]))
-    for fname in set(weight_map.values()):   # ~100 distinct files among ~500,000 rows
-        if not fname or fname != Path(fname).name or fname in (".", ".."):
-            name = next(n for n, f in weight_map.items() if f == fname)
-            raise CheckpointError("weight_map value is not a shard file name",
-                                  path=index_path, tensor=name, found=repr(fname))
-    return weight_map
 
 
 class Checkpoint:
@@ -192,7 +118,7 @@ class Checkpoint:
             config = load_config(model_dir)
         if survey is not None and survey.problems:
             raise ValueError("a survey with problems cannot open a checkpoint")
-        with _gc_paused():
+        with gc_paused():
             ckpt = cls._index(model_dir, config, survey)
         if validate:
             try:
@@ -230,7 +156,7 @@ class Checkpoint:
                     if key is not None:
                         trunk_names.setdefault(key[0], []).append(name)
         if weight_map is not None:
-            _check_index(model_dir, weight_map, table, others)
+            check_index(model_dir, weight_map, table, others)
         return cls(model_dir, config, shards, sizes, table, trunk_names, vision_table)
 
     def validate(self) -> None:
@@ -244,7 +170,7 @@ class Checkpoint:
             raise CheckpointError("config cannot describe MXFP4 experts: " + "; ".join(problems),
                                   path=cfg.source)
         table = self._table
-        if _inventory_count(cfg) > len(table):
+        if inventory.count(cfg) > len(table):
             self._refuse_missing()
         missing, wrong = [], []
         found = 0
@@ -283,7 +209,7 @@ class Checkpoint:
         if found != len(table):
             expected_names = {s.name for s in specs}
             extra = sorted(n for n in table if n not in expected_names and not
-                           _is_expected_expert(cfg, n))
+                           inventory.is_expected_expert(cfg, n))
             raise CheckpointError(
                 f"{len(extra)} language_model tensor(s) the config does not describe, e.g. "
                 + ", ".join(extra[:_SHOW]), path=table[extra[0]].path, tensor=extra[0],
@@ -317,12 +243,12 @@ class Checkpoint:
                 if kind not in kinds:
                     kinds[kind] = {names.parse_layer_key(s.name)[1]
                                    for s in inventory.layer_trunk(cfg, key[0])}
-                present += key[1] in kinds[kind] or _is_expected_expert(cfg, name)
+                present += key[1] in kinds[kind] or inventory.is_expected_expert(cfg, name)
             else:
                 present += name in model
-        gone = list(itertools.islice((n for n in _expected_names(cfg) if n not in table), _SHOW))
+        gone = list(itertools.islice((n for n in inventory.expected_names(cfg) if n not in table), _SHOW))
         raise CheckpointError(
-            f"{_inventory_count(cfg) - present} tensor(s) the config requires are missing, "
+            f"{inventory.count(cfg) - present} tensor(s) the config requires are missing, "
             "e.g. " + ", ".join(gone), path=self.model_dir, tensor=gone[0],
             hint=f"check that {cfg.source} belongs to this checkpoint")
 
@@ -552,64 +478,6 @@ class Checkpoint:
                 f"{len(self._table)} tensors)")
 
 
-def _check_index(model_dir: Path, weight_map: dict, table: dict, others: dict) -> None:
-    """The index and the headers must agree: every name the index lists is in that
-    shard's header, and every language_model tensor of the headers is listed."""
-    shard_path = {fname: str(model_dir / fname) for fname in set(weight_map.values())}
-    lm_listed = 0
-    for name, fname in weight_map.items():
-        path = shard_path[fname]
-        if name.startswith(LM_PREFIX):
-            lm_listed += 1
-            ent = table.get(name)
-            ok = ent is not None and ent.path == path
-        else:
-            ok = name in others.get(path, ())
-        if not ok:
-            raise CheckpointError(f"the index places this tensor in {fname}, whose header "
-                                  "lacks it", path=path, tensor=name,
-                                  hint=f"{INDEX_FILE} is stale or the shard is wrong")
-    if lm_listed != len(table):
-        extra = next(n for n in table if n not in weight_map)
-        raise CheckpointError(f"tensor is in a shard header but not in {INDEX_FILE}",
-                              path=table[extra].path, tensor=extra,
-                              hint="the index is stale")
-
-
-def _inventory_count(cfg: K3Config) -> int:
-    """How many language_model tensors ``cfg`` implies, without listing them."""
-    per_kind = {}
-    n = len(inventory.model_level(cfg))
-    for L in range(cfg.num_hidden_layers):
-        kind = (cfg.is_mla(L), cfg.is_dense(L))
-        if kind not in per_kind:
-            per_kind[kind] = len(inventory.layer_trunk(cfg, L))
-        n += per_kind[kind]
-    return n + len(cfg.moe_layers) * cfg.num_experts * len(names.EXPERT_PARTS)
-
-
-def _expected_names(cfg: K3Config):
-    """Every tensor name ``cfg`` implies, lazily, in validation order."""
-    for spec in inventory.model_level(cfg):
-        yield spec.name
-    for L in range(cfg.num_hidden_layers):
-        for spec in inventory.layer_trunk(cfg, L):
-            yield spec.name
-    for L in cfg.moe_layers:
-        for e in range(cfg.num_experts):
-            yield from names.expert_names(L, e)
-
-
-def _is_expected_expert(cfg: K3Config, name: str) -> bool:
-    key = names.parse_layer_key(name)
-    if key is None:
-        return False
-    L, suffix = key
-    parsed = names.parse_expert_suffix(suffix)
-    return (parsed is not None and L in cfg.moe_layers and parsed[0] < cfg.num_experts
-            and name == names.expert(L, *parsed))
-
-
 def _span_text(ents, start: int, end: int) -> str:
     paths = {Path(x.path).name for x in ents}
     return (f"{end - start} bytes from {start} in {', '.join(sorted(paths))}: "
@@ -623,43 +491,3 @@ def _take(out, nbytes: int) -> np.ndarray:
     if out.dtype != np.uint8 or not out.flags.c_contiguous or out.size < nbytes:
         raise ValueError(f"out must be a contiguous uint8 buffer of at least {nbytes} bytes")
     return out.reshape(-1)[:nbytes]
-
-
-class ShardSurvey(NamedTuple):
-    """Every shard of a model directory read once, for k3-doctor (``survey_shards``)."""
-
-    shards: list                 # the shard paths present, in name order
-    weight_map: dict | None      # the index's, or None without one
-    missing: list                # CheckpointError per shard the index names but lacks
-    problems: list               # every problem (missing ones too), as CheckpointError
-    headers: dict                # path -> TensorEntry rows, for each shard of its size
-
-
-def survey_shards(model_dir) -> ShardSurvey:
-    """The shards of ``model_dir`` with their size problems, not raised: a shard the index
-    names but the directory lacks, a header that does not parse, a file shorter
-    (truncated) or longer (trailing bytes) than its header implies. A survey without
-    problems opens the checkpoint without reading a header again (``Checkpoint.open``)."""
-    missing, problems, headers = [], [], {}
-    shards, weight_map = find_shards(model_dir, missing=missing)
-    problems += missing
-    with _gc_paused():
-        for path in shards:
-            try:
-                entries, want = scan_header(path)
-            except CheckpointError as e:
-                problems.append(e)
-                continue
-            size = os.stat(path).st_size
-            if size < want:
-                problems.append(CheckpointError("shard is truncated", path=path,
-                                                expected=f"{want} bytes",
-                                                found=f"{size} bytes",
-                                                hint="download this shard again"))
-            elif size > want:
-                problems.append(CheckpointError("shard has trailing bytes after its last "
-                                                "tensor", path=path, expected=f"{want} bytes",
-                                                found=f"{size} bytes"))
-            else:
-                headers[path] = entries
-    return ShardSurvey(shards, weight_map, missing, problems, headers)

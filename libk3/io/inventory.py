@@ -1,8 +1,13 @@
 """What tensors a K3 checkpoint must hold, with their shapes and allowed dtypes.
 
 Owns: the expected inventory derived from a config (model.md §3.4 and §4.1): every
-model-level, trunk and routed-expert tensor, its shape and the dtypes k3 accepts. Does not own: reading headers (``libk3.io.safetensors``) or choosing dtypes
-for synthetic files (``libk3.synth``).
+model-level, trunk and routed-expert tensor, its shape and the dtypes k3 accepts; and the
+168-tensor inventory of the image tower and projector derived from a ``VisionConfig``
+(formats/vision.md §3) with the check of a checkpoint's image tensors against it (every
+name present with its exact shape and a float dtype, nothing else under
+``vision_tower.`` or ``mm_projector.``; the float dtypes are the language model's, for
+the same reason). Does not own: reading headers (``libk3.io.safetensors``,
+``libk3.io.checkpoint``) or choosing dtypes for synthetic files (``libk3.synth``).
 
 Every float tensor, matrix or vector, may be BF16, F16 or F32: the release stores
 matrices as BF16, but safetensors allows any float dtype and other writers use F32 (the
@@ -15,9 +20,12 @@ tensor: a MATRIX goes to the dense kernels, a VECTOR is widened to float32.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from .. import names
 from ..config import MXFP4_GROUP, K3Config
+from ..errors import CheckpointError
+from ..vision_config import VisionConfig
 
 MATRIX, VECTOR, PACKED = "matrix", "vector", "packed"
 FLOAT = ("BF16", "F16", "F32")
@@ -151,3 +159,93 @@ def expert_specs(cfg: K3Config, L: int, e: int) -> list:
     shapes = expert_shapes(cfg)
     return [TensorSpec(names.expert(L, e, w, p), shapes[(w, p)], PACKED)
             for w, p in names.EXPERT_PARTS]
+
+
+# ---- counting and naming the inventory without listing it -----------------------------
+
+def count(cfg: K3Config) -> int:
+    """How many language_model tensors ``cfg`` implies, without listing them."""
+    per_kind = {}
+    n = len(model_level(cfg))
+    for L in range(cfg.num_hidden_layers):
+        kind = (cfg.is_mla(L), cfg.is_dense(L))
+        if kind not in per_kind:
+            per_kind[kind] = len(layer_trunk(cfg, L))
+        n += per_kind[kind]
+    return n + len(cfg.moe_layers) * cfg.num_experts * len(names.EXPERT_PARTS)
+
+
+def expected_names(cfg: K3Config):
+    """Every tensor name ``cfg`` implies, lazily, in validation order."""
+    for spec in model_level(cfg):
+        yield spec.name
+    for L in range(cfg.num_hidden_layers):
+        for spec in layer_trunk(cfg, L):
+            yield spec.name
+    for L in cfg.moe_layers:
+        for e in range(cfg.num_experts):
+            yield from names.expert_names(L, e)
+
+
+def is_expected_expert(cfg: K3Config, name: str) -> bool:
+    key = names.parse_layer_key(name)
+    if key is None:
+        return False
+    L, suffix = key
+    parsed = names.parse_expert_suffix(suffix)
+    return (parsed is not None and L in cfg.moe_layers and parsed[0] < cfg.num_experts
+            and name == names.expert(L, *parsed))
+
+
+# ---- the image tower and projector (formats/vision.md §3) ------------------------------
+
+_SHOW = 5
+
+
+def vision_specs(vcfg: VisionConfig) -> list:
+    """TensorSpecs of the tower and projector, in the order the synthetic writer lays
+    them out (formats/vision.md §3.1)."""
+    D, Q, I = vcfg.vt_hidden_size, vcfg.qkv_hidden_size, vcfg.vt_intermediate_size
+    p, M, T = vcfg.patch_size, vcfg.merged_width, vcfg.text_hidden_size
+    specs = [TensorSpec(names.VISION_PATCH_EMBED, (D, 3, p, p), MATRIX),
+             TensorSpec(names.VISION_POS_EMB,
+                        (vcfg.init_pos_emb_height, vcfg.init_pos_emb_width, D), VECTOR)]
+    block = {"norm0.weight": ((D,), VECTOR), "wqkv.weight": ((3 * Q, D), MATRIX),
+             "wo.weight": ((D, Q), MATRIX), "norm1.weight": ((D,), VECTOR),
+             "mlp.fc0.weight": ((I, D), MATRIX), "mlp.fc1.weight": ((D, I), MATRIX)}
+    for b in range(vcfg.vt_num_hidden_layers):
+        specs += [TensorSpec(names.vision_block(b, sfx), *block[sfx])
+                  for sfx in names.VISION_BLOCK]
+    specs += [TensorSpec(names.VISION_FINAL_NORM, (D,), VECTOR),
+              TensorSpec(names.PROJECTOR_PROJ0, (M, M), MATRIX),
+              TensorSpec(names.PROJECTOR_PROJ2, (T, M), MATRIX),
+              TensorSpec(names.PROJECTOR_POST_NORM, (T,), VECTOR)]
+    return specs
+
+
+def check_vision_tensors(entries: dict, vcfg: VisionConfig, model_dir) -> None:
+    """Raise CheckpointError unless ``entries`` (name -> TensorEntry of every image tensor
+    in the shards) are exactly ``vision_specs(vcfg)`` with their shapes and float dtypes.
+    The message names the first offending tensor and the shard (or directory) holding it."""
+    specs = vision_specs(vcfg)
+    missing = [s.name for s in specs if s.name not in entries]
+    if missing:
+        raise CheckpointError(
+            f"{len(missing)} image tensor(s) vision_config requires are missing, e.g. "
+            + ", ".join(missing[:_SHOW]), path=Path(model_dir), tensor=missing[0],
+            hint=f"check that {vcfg.source} belongs to this checkpoint")
+    for spec in specs:
+        ent = entries[spec.name]
+        if tuple(ent.shape) != spec.shape or ent.dtype not in spec.dtypes:
+            raise CheckpointError(
+                "image tensor has the wrong shape or dtype", path=ent.path,
+                tensor=spec.name, expected=f"{list(spec.shape)} {'/'.join(spec.dtypes)}",
+                found=f"{list(ent.shape)} {ent.dtype}",
+                hint=f"shapes follow {Path(vcfg.source).name}'s vision_config")
+    known = {s.name for s in specs}
+    extra = sorted(n for n in entries if n not in known)
+    if extra:
+        raise CheckpointError(
+            f"{len(extra)} image tensor(s) vision_config does not describe, e.g. "
+            + ", ".join(extra[:_SHOW]), path=entries[extra[0]].path, tensor=extra[0],
+            hint=f"check that {vcfg.source} belongs to this checkpoint")

@@ -25,7 +25,7 @@ from .. import names
 from ..errors import CheckpointError
 from ..io.dtypes import bf16_to_f32, matrix_operand, widen
 from ..io.inventory import MATRIX
-from ..io.vision_inventory import vision_specs
+from ..io.inventory import vision_specs
 from ..kernels import activations, bf16, norms, vit
 from ..vision_config import VIT_NORM_EPS, VisionConfig
 

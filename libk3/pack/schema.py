@@ -8,7 +8,8 @@ them); comparing the identity the pack records with the checkpoint's; reading
 trunk.json and experts.idx and refusing, as a FormatError naming the file and field,
 anything the format does not allow; ``open_pack``, the one gate k3-run and
 ``k3-pack verify`` both go through, so verify never passes a pack k3-run refuses.
-Does not own: copying or re-reading trunk bytes (``libk3.pack.writer``), streaming
+Does not own: typed field access and strict JSON reading (``libk3.pack.fields``), copying
+or re-reading trunk bytes (``libk3.pack.writer``), streaming
 (``libk3.stream``), the inventory a config implies (``libk3.io.inventory``), the
 identity itself (config fingerprint plus sampled content of every shard:
 ``libk3.io.identity``).
@@ -34,9 +35,9 @@ from .. import names
 from ..config import config_from_dict
 from ..errors import ConfigError, FormatError
 from ..io import inventory
-from ..io.dtypes import ITEMSIZE
 from ..io.identity import shard_digest
 from . import codec as trunk_codec, stripes
+from .fields import REPACK_HINT, Fields, first_diff, parse_json, read_file, show
 from ..io.direct import ALIGN, align_up
 
 PACK_FORMAT = "k3-pack"
@@ -47,7 +48,6 @@ COMPRESSED_TRUNK_FILE, BLOCK_INDEX_FILE = "trunk.kz", "trunk.blocks"
 EXPERT_INDEX_MAGIC = b"K3EXPIDX"
 EXPERT_RECORD = np.dtype([("shard", "<u2"), ("layer", "<u2"), ("expert", "<u4"),
                           ("offset", "<u8"), ("nbytes", "<u8"), ("sub", "<u4", (6,))])
-REPACK_HINT = "re-pack: k3-pack CHECKPOINT NEW_OUT (a pack is never rewritten in place)"
 
 _MANIFEST_KEYS = ("format", "version", "align", "source", "config", "trunk_file",
                   "trunk_bytes", "expert_index", "model_level", "layers")
@@ -178,112 +178,16 @@ def load_expert_index(pack_dir):
     return _load_expert_index(d, man, cfg)
 
 
-class _Fields:
-    """Typed access to a parsed JSON document; every refusal names the file and field."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def fail(self, field: str, problem: str, expected=None, found=None, hint=None):
-        raise FormatError(f"{field}: {problem}", path=self.path, expected=expected,
-                          found=None if found is None else _show(found), hint=hint)
-
-    def obj(self, v, field: str, keys) -> dict:
-        if type(v) is not dict:
-            self.fail(field, "must be a JSON object", found=v)
-        missing = [k for k in keys if k not in v]
-        if missing:
-            self.fail(field, f"missing key {missing[0]!r}")
-        unknown = [k for k in v if k not in keys]
-        if unknown:
-            self.fail(field, f"unknown key {unknown[0]!r}", expected=", ".join(keys))
-        return v
-
-    def int(self, v, field: str, lo: int = 0, hi: int | None = None) -> int:
-        if type(v) is not int or v < lo or (hi is not None and v > hi):
-            rng = f">= {lo}" if hi is None else f"{lo}..{hi}"
-            self.fail(field, "must be an integer " + rng, found=v)
-        return v
-
-    def list(self, v, field: str) -> list:
-        if type(v) is not list:
-            self.fail(field, "must be a JSON list", found=v)
-        return v
-
-    def eq(self, v, want, field: str, problem: str = "has the wrong value", hint=None):
-        """``v`` equals ``want`` with the same JSON types all the way down (1.0 is not 1)."""
-        if _first_diff(want, v, field):
-            self.fail(field, problem, expected=_show(want), found=v, hint=hint)
-        return v
-
-    def file_name(self, v, field: str) -> str:
-        """A plain file name: no directory part, so it cannot leave the pack or checkpoint."""
-        if type(v) is not str or not v or v in (".", "..") or "/" in v or "\\" in v \
-                or "\0" in v:
-            self.fail(field, "must be a plain file name (no directory, no '..')", found=v)
-        return v
-
-    def hex64(self, v, field: str) -> str:
-        if type(v) is not str or len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
-            self.fail(field, "must be 64 lowercase hex digits (sha256)", found=v)
-        return v
-
-    def tensor(self, t: dict, field: str, off_key: str, spec, cfg, room: int) -> dict:
-        """A tensor entry (keys already checked): a dtype the inventory allows, the shape,
-        the size; it ends within ``room`` bytes of where ``off_key`` counts from."""
-        if type(t["dtype"]) is not str or t["dtype"] not in spec.dtypes:
-            self.fail(f"{field}.dtype", "dtype the inventory does not allow for this tensor",
-                      expected="/".join(spec.dtypes), found=t["dtype"])
-        shape = self.list(t["shape"], f"{field}.shape")
-        for k, s in enumerate(shape):
-            self.int(s, f"{field}.shape[{k}]")
-        if spec.shape is None:                 # A_log: (n,), n >= num_heads
-            if len(shape) != 1 or shape[0] < cfg.num_heads:
-                self.fail(f"{field}.shape", "wrong shape",
-                          expected=f"[n] with n >= {cfg.num_heads}", found=shape)
-        elif tuple(shape) != spec.shape:
-            self.fail(f"{field}.shape", "wrong shape", expected=list(spec.shape), found=shape)
-        want = math.prod(shape) * ITEMSIZE[t["dtype"]]
-        self.eq(t["nbytes"], want, f"{field}.nbytes", "is not shape x dtype size")
-        self.int(t[off_key], f"{field}.{off_key}")
-        if t[off_key] + want > room:
-            self.fail(f"{field}.{off_key}", "tensor ends outside its run or file",
-                      expected=f"off + nbytes <= {room}", found=t[off_key])
-        return t
-
-
-def _show(v) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _no_duplicates(pairs):
-    seen = {}
-    for k, v in pairs:
-        if k in seen:
-            raise ValueError(f"key {k!r} appears twice")
-        seen[k] = v
-    return seen
-
-
-def _parse_json(blob: bytes, path: Path, what: str):
+def manifest_version(pack_dir):
+    """The ``version`` a finished pack's trunk.json states (None when unreadable)."""
     try:
-        return json.loads(blob, object_pairs_hook=_no_duplicates)
-    except (ValueError, RecursionError) as e:        # JSONDecodeError, bad UTF-8, duplicates
-        raise FormatError(f"{what} is not valid JSON: {' '.join(str(e).split())[:120]}",
-                          path=path) from None
+        doc = json.loads((Path(pack_dir) / MANIFEST_FILE).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return doc.get("version") if isinstance(doc, dict) else None
 
 
-def _read(path: Path, what: str) -> bytes:
-    if not path.is_file():
-        raise FormatError(f"{what} is missing (not a finished pack?)", path=path, hint=REPACK_HINT)
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise FormatError(f"cannot read {what}: {e.strerror}", path=path) from None
-
-
-def _check_version(f: _Fields, v, field: str, readable=(PACK_VERSION,)) -> None:
+def _check_version(f: Fields, v, field: str, readable=(PACK_VERSION,)) -> None:
     if type(v) is int and 1 <= v < PACK_VERSION:
         raise FormatError(f"pack format v{v} is from an older k3 (this one reads "
                           f"v{PACK_VERSION})", path=f.path, hint=REPACK_HINT)
@@ -297,8 +201,8 @@ def _load_manifest(d: Path):
     if not p.is_file():
         raise FormatError("no trunk.json: not a finished pack", path=d,
                           hint="run `k3-pack CHECKPOINT OUT` (it resumes an interrupted pack)")
-    doc = _parse_json(_read(p, "trunk.json"), p, "trunk.json")
-    f = _Fields(p)
+    doc = parse_json(read_file(p, "trunk.json"), p, "trunk.json")
+    f = Fields(p)
     if type(doc) is not dict:
         f.fail("trunk.json", "must be a JSON object", found=doc)
     f.eq(doc.get("format"), PACK_FORMAT, "format", "not a k3 pack manifest")
@@ -318,10 +222,10 @@ def _load_manifest(d: Path):
         cfg = config_from_dict(doc["config"], source=f"{p} (config)")
     except ConfigError as e:
         f.fail("config", e.message)
-    diff = _first_diff(cfg.to_flat_dict(), doc["config"], "config")
+    diff = first_diff(cfg.to_flat_dict(), doc["config"], "config")
     if diff:
         f.fail(diff[0], "is not what k3-pack writes for this config (the flat config.json "
-               "form)", expected=_show(diff[1]), found=diff[2])
+               "form)", expected=show(diff[1]), found=diff[2])
     f.eq(cfg.fingerprint(), doc["source"]["config_fingerprint"], "source.config_fingerprint",
          "does not match the stored config")
     ml = f.obj(doc["model_level"], "model_level", names.MODEL_LEVEL)
@@ -354,7 +258,7 @@ def _load_manifest(d: Path):
     return doc, cfg
 
 
-def _check_source_schema(f: _Fields, src) -> dict:
+def _check_source_schema(f: Fields, src) -> dict:
     """{shard name: size} of ``source``, after checking its form."""
     f.obj(src, "source", ("config_fingerprint", "shards"))
     f.hex64(src["config_fingerprint"], "source.config_fingerprint")
@@ -374,7 +278,7 @@ def _check_source_schema(f: _Fields, src) -> dict:
     return sizes
 
 
-def _check_codec_schema(f: _Fields, codec) -> None:
+def _check_codec_schema(f: Fields, codec) -> None:
     """``trunk_codec``: this k3's codec and block plan, and the block index's size and CRC."""
     f.obj(codec, "trunk_codec", _CODEC_KEYS)
     for k, want in trunk_codec.codec_params().items():
@@ -385,7 +289,7 @@ def _check_codec_schema(f: _Fields, codec) -> None:
     f.int(codec["block_index_crc32"], "trunk_codec.block_index_crc32", hi=0xFFFFFFFF)
 
 
-def _check_layer(f: _Fields, i: int, lay, cfg, sizes: dict, end: int,
+def _check_layer(f: Fields, i: int, lay, cfg, sizes: dict, end: int,
                  compressed: bool = False) -> int:
     """One row of ``layers``; returns where it ends in the trunk file."""
     fld = f"layers[{i}]"
@@ -433,8 +337,8 @@ def _load_block_index(d: Path, man: dict) -> list:
     checking the file's size and CRC against trunk_codec and every layer's lengths."""
     codec = man["trunk_codec"]
     p = d / BLOCK_INDEX_FILE
-    blob = _read(p, BLOCK_INDEX_FILE)
-    f = _Fields(p)
+    blob = read_file(p, BLOCK_INDEX_FILE)
+    f = Fields(p)
     plans = [layer_block_plan(lay) for lay in man["layers"]]
     want = sum(len(pl) for pl in plans) * trunk_codec.INDEX_RECORD.itemsize
     f.eq(len(blob), codec["block_index_bytes"], "size", "differs from trunk.json's "
@@ -467,15 +371,15 @@ def _manifest_shards(man: dict) -> list:
 
 def _load_expert_index(d: Path, man: dict, cfg):
     p = d / EXPERT_INDEX_FILE
-    blob = _read(p, "experts.idx")
-    f = _Fields(p)
+    blob = read_file(p, "experts.idx")
+    f = Fields(p)
     if len(blob) < 12 or blob[:8] != EXPERT_INDEX_MAGIC:
         f.fail("magic", "not a k3 expert index", expected=EXPERT_INDEX_MAGIC, found=blob[:8])
     hlen = int.from_bytes(blob[8:12], "little")
     if 12 + hlen > len(blob):
         f.fail("header length", "runs past the end of the file",
                expected=f"<= {len(blob) - 12}", found=hlen)
-    head = _parse_json(blob[12:12 + hlen], p, "the expert index header")
+    head = parse_json(blob[12:12 + hlen], p, "the expert index header")
     if type(head) is not dict:
         f.fail("header", "must be a JSON object", found=head)
     _check_version(f, head.get("version"), "version")
@@ -501,7 +405,7 @@ def _load_expert_index(d: Path, man: dict, cfg):
     return head, rec
 
 
-def _check_record_schema(f: _Fields, rec, cfg, moe, shards, man, parts) -> None:
+def _check_record_schema(f: Fields, rec, cfg, moe, shards, man, parts) -> None:
     """Vectorised: records in order, shard indexes in range, runs inside their shard, the
     six parts tiling each run."""
     if not rec.size:
@@ -545,33 +449,14 @@ def _check_source(d: Path, src: dict, ckpt) -> None:
                  if i >= len(have) or i >= len(want) or have[i] != want[i])
         raise FormatError("this pack was built from a different checkpoint (its shard list "
                           "or sizes differ)", path=d,
-                          expected=_show(have[i] if i < len(have) else None),
-                          found=_show(want[i] if i < len(want) else None),
+                          expected=show(have[i] if i < len(have) else None),
+                          found=show(want[i] if i < len(want) else None),
                           hint="re-run k3-pack for this checkpoint")
     for s, path in zip(src["shards"], ckpt.shards):
         if shard_digest(ckpt, path, s["size"]) != s["sampled_sha256"]:
             raise FormatError(f"this pack was built from a different checkpoint: shard "
                               f"{s['name']} has other content (sampled blocks differ)", path=d,
                               hint="re-run k3-pack for this checkpoint")
-
-
-def _first_diff(want, got, field: str):
-    """(field, want, got) of the first difference between two JSON values, or None."""
-    if type(want) is dict and type(got) is dict:
-        for k in list(want) + [k for k in got if k not in want]:
-            if k not in got or k not in want:
-                return f"{field}[{k}]", want.get(k), got.get(k)
-            sub = _first_diff(want[k], got[k], f"{field}.{k}" if field else k)
-            if sub:
-                return sub
-        return None
-    if type(want) is list and type(got) is list and len(want) == len(got):
-        for k, (a, b) in enumerate(zip(want, got)):
-            sub = _first_diff(a, b, f"{field}[{k}]")
-            if sub:
-                return sub
-        return None
-    return None if (type(want) is type(got) and want == got) else (field, want, got)
 
 
 def _check_layout(p: Path, man: dict, ckpt) -> None:
@@ -581,15 +466,15 @@ def _check_layout(p: Path, man: dict, ckpt) -> None:
         if "stored" in lay:              # a compressed trunk's place is its own (checked)
             want = {**want, "padded": lay["padded"], "file_off": lay["file_off"],
                     "stored": lay["stored"]}
-        diff = _first_diff(want, lay, f"layers[{plan.layer}]")
+        diff = first_diff(want, lay, f"layers[{plan.layer}]")
         if diff:
             raise FormatError(f"{diff[0]}: differs from the checkpoint", path=p,
-                              expected=_show(diff[1]), found=_show(diff[2]),
+                              expected=show(diff[1]), found=show(diff[2]),
                               hint="the pack does not belong to this checkpoint: re-pack")
-    diff = _first_diff(model_level_entries(ckpt), man["model_level"], "model_level")
+    diff = first_diff(model_level_entries(ckpt), man["model_level"], "model_level")
     if diff:
         raise FormatError(f"{diff[0]}: differs from the checkpoint", path=p,
-                          expected=_show(diff[1]), found=_show(diff[2]),
+                          expected=show(diff[1]), found=show(diff[2]),
                           hint="the pack does not belong to this checkpoint: re-pack")
 
 

@@ -11,6 +11,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .registry import PolicyInfo
+
+POLICY = PolicyInfo(name="belady", online=False, rank=20, needs=("next_use",), cost=2,
+                    summary="optimal offline with bypass (upper bound)")
+
 
 @njit(cache=True, nogil=True)
 def next_use_indices(keys, n_keys):
@@ -97,3 +102,7 @@ def simulate(keys, next_use, slots, n_keys):
             nu[s] = next_use[i]
             _maxheap_down(heap, hpos, nu, 0, size)
     return hits
+
+
+def replay(rk, slots):
+    return simulate(rk.keys, rk.next_use, slots, rk.n_keys), {}

@@ -5,7 +5,7 @@ visit (each key in order looked up and, on a miss, admitted), and ``hits(st, key
 the same over a whole trace. Does not own: any policy's rules.
 
 The policy is chosen at compile time from its state: numba ``overload`` on the state
-tuple's length (lru 3, lfu 4, adaptive 5, layer-lfu 6 parts), because a numba function
+tuple's length (each policy declares it, ``state_parts`` in ``libk3.policies.registry``), because a numba function
 passed as an argument, or built in a closure, is compiled again in every process instead
 of loaded from the cache.
 """
@@ -16,9 +16,8 @@ import numpy as np
 from numba import njit
 from numba.extending import overload
 
-from . import adaptive, layer_lfu, lfu, lru
+from .registry import stepping
 
-_BY_STATE_LENGTH = {3: lru, 4: lfu, 5: adaptive, 6: layer_lfu}
 _CHUNK = 1 << 16
 
 
@@ -32,13 +31,13 @@ def _admit(st, key):
 
 @overload(_lookup)
 def _lookup_for(st, key):
-    f = _BY_STATE_LENGTH[len(st)].lookup
+    f = stepping(len(st)).lookup
     return lambda st, key: f(st, key)
 
 
 @overload(_admit)
 def _admit_for(st, key):
-    f = _BY_STATE_LENGTH[len(st)].admit
+    f = stepping(len(st)).admit
     return lambda st, key: f(st, key)
 
 

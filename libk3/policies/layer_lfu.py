@@ -24,7 +24,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from . import drive
 from .lists import KEY, NEXT, PREV, push_front, unlink
+from .registry import PolicyInfo
+
+POLICY = PolicyInfo(name="layer-lfu", online=True, live=True, rank=60, state_parts=6, cost=10,
+                    summary="decayed per-visit frequency + distance to the layer's "
+                            "next visit in the cyclic layer order")
 
 HALF_LIFE_VISITS = 4.0          # count half life in visits of a layer; 2, 4, 8 and 16 were
                                 # tried on the first bench traces, 4 was never more than a
@@ -278,3 +284,11 @@ def admit(st, key):
 def resident(st, slots):
     """(slots,) int64: the key held by each slot, -1 for a never-used slot."""
     return st[1][:slots, KEY].astype(np.int64)
+
+
+def live_state(n_layers, n_experts, slots):
+    return new(n_layers, n_experts, slots, 1, HALF_LIFE_VISITS)
+
+
+def replay(rk, slots):
+    return drive.hits(live_state(rk.n_layers, rk.n_experts, slots), rk.keys), {}

@@ -24,6 +24,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from . import drive
+from .registry import PolicyInfo
+
+POLICY = PolicyInfo(name="lfu", online=True, rank=50, state_parts=4, cost=3,
+                    summary="full-history request counts (perfect-frequency reference)")
+
 _COUNT, _VISIT, _HPOS, _SLOT = range(4)
 _VIS, _KEY = range(2)
 _HSIZE, _NVIS, _USED, _SLOTS, _CUR, _VISIT_ID, _NE = range(7)
@@ -155,3 +161,7 @@ def admit(st, key):
     sc[_NVIS] += 1
     return s, evicted
 
+
+
+def replay(rk, slots):
+    return drive.hits(new(rk.n_layers, rk.n_experts, slots), rk.keys), {}

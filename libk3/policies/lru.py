@@ -15,6 +15,10 @@ import numpy as np
 from numba import njit
 
 from .lists import KEY, push_front, unlink
+from .registry import PolicyInfo
+
+POLICY = PolicyInfo(name="lru", online=True, live=True, rank=10, state_parts=3, cost=1,
+                    summary="least recently used (the C engine's v1.0 policy)")
 
 
 KEY_COLUMNS = 1
@@ -99,3 +103,12 @@ def simulate_pin_lru(keys, slots, n_keys, pinned, n_pinned):
         else:
             admit(st, k)
     return hits
+
+
+def replay(rk, slots):
+    """-> (hits, {}): plain LRU is pin+lru with nothing pinned."""
+    return simulate_pin_lru(rk.keys, slots, rk.n_keys, np.zeros(rk.n_keys, np.bool_), 0), {}
+
+
+def live_state(n_layers, n_experts, slots):
+    return new(n_layers * n_experts, slots)

@@ -1,10 +1,10 @@
 """The online expert-cache policy object k3-run's cache drives, and its guards.
 
-Owns: ``OnlinePolicy`` (one object per cache: the numba state of ``lru``, ``layer-lfu``
-or ``adaptive`` and one call per layer visit) and ``evicts_its_own_batch``, the check that
+Owns: ``OnlinePolicy`` (one object per cache: the numba state of a policy declared
+``live`` in ``libk3.policies.registry`` and one call per layer visit) and ``evicts_its_own_batch``, the check that
 a visit never evicted a key it already placed. Does not own: the step functions (one
 module per policy here in ``libk3.policies``), replaying (``libk3.trace.replay``, which
-drives the same object for ``adaptive``), or the cache's bytes (``libk3.stream.experts``).
+drives the same step functions), or the cache's bytes (``libk3.stream.experts``).
 
 The online policies never bypass (k3-run must hold every expert of the layer it
 computes) and never evict a key requested in the current layer visit while another key
@@ -17,10 +17,8 @@ import numpy as np
 from numba import njit
 
 from ..errors import UsageError
-from . import adaptive, drive, layer_lfu, lru
-from .registry import ONLINE_OBJECT_POLICIES
-
-_ONLINE_MODULES = {"lru": lru, "layer-lfu": layer_lfu, "adaptive": adaptive}
+from . import drive
+from .registry import ONLINE_OBJECT_POLICIES, load
 
 
 class OnlinePolicy:
@@ -47,16 +45,10 @@ class OnlinePolicy:
         self.name, self.slots = name, int(slots)
         self.n_layers, self.n_experts = int(n_layers), int(n_experts)
         self.n_keys = self.n_layers * self.n_experts
-        self._mod = _ONLINE_MODULES[name]
+        self._mod = load(name)
         # slots past one per key are never used (no eviction): the state is sized by both
         used = min(self.slots, self.n_keys)
-        if name == "lru":
-            self._state = lru.new(self.n_keys, used)
-        elif name == "layer-lfu":
-            self._state = layer_lfu.new(self.n_layers, self.n_experts, used, 1,
-                                        layer_lfu.HALF_LIFE_VISITS)
-        else:
-            self._state = adaptive.new(self.n_layers, self.n_experts, used)
+        self._state = self._mod.live_state(self.n_layers, self.n_experts, used)
 
     def access(self, keys) -> np.ndarray:
         """-> (n, 3) int64 rows [slot, evicted key or -1, 1 if hit], one per key."""
@@ -72,20 +64,24 @@ class OnlinePolicy:
         are never used), -1 for a never-used slot."""
         return self._mod.resident(self._state, min(self.slots, self.n_keys))
 
+    def _shadowed(self, what):
+        f = getattr(self._mod, what, None) if self._mod.POLICY.shadows else None
+        return None if f is None else f(self._state)
+
     @property
     def leader(self):
-        """adaptive: the candidate policy the cache follows now (else None)."""
-        return adaptive.leader(self._state) if self.name == "adaptive" else None
+        """A policy with shadows (adaptive): the one the cache follows now (else None)."""
+        return self._shadowed("leader")
 
     @property
     def shadow_misses(self):
-        """adaptive: {candidate: its shadow's misses so far} (else None)."""
-        return adaptive.shadow_misses(self._state) if self.name == "adaptive" else None
+        """A policy with shadows: {shadow: its misses so far} (else None)."""
+        return self._shadowed("shadow_misses")
 
     @property
     def switches(self):
-        """adaptive: how many times the leader changed (else None)."""
-        return adaptive.switches(self._state) if self.name == "adaptive" else None
+        """A policy with shadows: how many times the leader changed (else None)."""
+        return self._shadowed("switches")
 
 
 @njit(cache=True, nogil=True)

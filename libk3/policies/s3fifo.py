@@ -27,6 +27,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .registry import PolicyInfo
+
+POLICY = PolicyInfo(name="s3fifo", online=True, rank=40, cost=1,
+                    summary="small/main/ghost FIFOs, 2-bit frequency")
+
 SMALL_FRACTION = 0.1     # S3-FIFO paper: the small queue holds 10 % of the cache
 MAX_FREQ = 3             # 2-bit frequency counter
 
@@ -185,3 +190,7 @@ def simulate(keys, slots, n_keys, small_target, ghost_cap, max_freq):
         else:
             admit(st, keys[i])
     return hits
+
+
+def replay(rk, slots):
+    return simulate(rk.keys, slots, rk.n_keys, *sizes(slots), MAX_FREQ), {}

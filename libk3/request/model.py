@@ -28,8 +28,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, mo
 from pydantic_core import PydanticCustomError
 
 from ..text.chat_request import conversation_problem
-from ..engine.grammar import response_format_problem
-from ..engine.schema_check import request_vendor_key
+from ..constrain.grammar import response_format_problem
+from ..constrain.schema_check import request_vendor_key
 from ..engine.settings import (frequency_penalty_problem, gen_or_until_end_problem,
                                gen_problem, logit_bias_problem, min_p_problem,
                                presence_penalty_problem, repetition_penalty_problem,

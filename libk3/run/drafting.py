@@ -3,7 +3,7 @@ proposals a pass verifies, and the --draft-dump file.
 
 Owns: ``start_drafting`` (a DSpark draft wired to the session's forward, or prompt
 lookup for --spec), ``draft_cap`` and ``DraftDump``. Does not own: proposing or
-verifying (``libk3.engine.speculative``, ``libk3.engine.proposers``), the draft model
+verifying (``libk3.speculate.speculative``, ``libk3.speculate.proposers``), the draft model
 (``libk3.draft``), the run's options (``runner.RunOptions``).
 """
 
@@ -21,14 +21,14 @@ def draft_cap(opts, draft_cfg) -> int:
 def start_drafting(opts, draft, session):
     """The run's ``Drafting`` (a DSpark draft, or prompt lookup for --spec), or None;
     the session's forward then captures the taps the draft reads."""
-    from ..engine.speculative import Drafting
+    from ..speculate.speculative import Drafting
     if draft is None:
         if not opts.spec:
             return None
-        from ..engine.proposers import PromptLookup
+        from ..speculate.proposers import PromptLookup
         return Drafting(PromptLookup(), opts.spec)
     from ..draft.forward import DraftForward
-    from ..engine.proposers import DSpark
+    from ..speculate.proposers import DSpark
     weights = session.weights
     model = DraftForward(draft.cfg, draft.weights, weights.embed, weights.model()["lm_head"])
     proposer = DSpark(model, note=opts.warn, dump=opts.draft_dump is not None,

@@ -3,7 +3,7 @@
 Owns: reading a prompt file as bytes (CRLF and lone CR kept: no newline translation),
 strict UTF-8 decoding (invalid bytes refused with their offset, never replaced), and the
 size bound that lets a prompt too large for the model's context be refused before it is
-read. Does not own: tokenization (``libk3.io.tokenizer``) or the context length
+read. Does not own: tokenization (``libk3.text.tokenizer``) or the context length
 (``libk3.config.context_length``).
 
 The bound: every token of a prompt (encoded without specials) is one BPE rank, at least

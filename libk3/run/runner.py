@@ -343,7 +343,7 @@ class Run:
         format is refused, the model has no tokenizer or llguidance is missing."""
         if settings.response_format is None or settings.grammar is not None:
             return settings
-        from ..engine.grammar import compile_grammar
+        from ..constrain.grammar import compile_grammar
         return dataclasses.replace(settings, grammar=compile_grammar(
             self._tokenizer(), settings.response_format))
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from ..engine.tool_grammar import tool_choice_problem
-from ..engine.schema_check import request_vendor_key
+from ..constrain.tool_grammar import tool_choice_problem
+from ..constrain.schema_check import request_vendor_key
 from ..engine.stops import StopText
 from ..request.fields import ANTHROPIC as READ
 from ..request.fields import ANTHROPIC_IGNORED as IGNORED

@@ -397,7 +397,7 @@ class Server:
             raise ApiError(422, "'tool_choice' needs the model's chat template (its calls are "
                                 "read from the reply's markup)", param="tool_choice",
                            code="invalid_value")
-        from ..engine.tool_grammar import compile_tool_grammar, think_mode
+        from ..constrain.tool_grammar import compile_tool_grammar, think_mode
         tok = self.run.session.tokenizer
         grammar = compile_tool_grammar(tok, req.tools, choice, parallel, think_mode(tok, ids),
                                        budget)

@@ -25,7 +25,7 @@ import time
 
 from ..errors import K3Error, UsageError
 from ..text.encodable import field_problem
-from ..engine.tool_grammar import tool_choice_problem
+from ..constrain.tool_grammar import tool_choice_problem
 from ..engine.logprobs import MAX_TOP
 from ..request.fields import OPENAI_CHAT as READ_CHAT
 from ..request.fields import OPENAI_COMPLETION as READ_COMPLETION

@@ -70,7 +70,7 @@ class Reader:
     template has to say (that the model has none)."""
 
     def __init__(self, spec: ReaderSpec, warn=None):
-        from ..io.tokenizer import LazyTokenizer
+        from ..text.tokenizer import LazyTokenizer
         self.spec, self.warn = spec, warn
         tok = LazyTokenizer(spec.model_dir, spec.vocab_size, spec.tokenizer_cache) \
             if spec.tokenizer else None

@@ -3,7 +3,7 @@
 Owns: training a rank list (``train_ranks``), the built-in seed corpus, and writing the
 three tokenizer files of a model directory (``tiktoken.model``, ``tokenizer_config.json``,
 ``tokenization_kimi.py``) as ``formats/tokenizer.md`` specifies them. Does not own: reading
-them (``libk3.io.tokenizer``, whose byte map, rank-BPE and split regex are reused here so
+them (``libk3.text.tokenizer``, whose byte map, rank-BPE and split regex are reused here so
 writer and reader cannot drift apart) or the rest of a synthetic checkpoint
 (``libk3.synth.checkpoint``).
 
@@ -40,8 +40,9 @@ from pathlib import Path
 
 from ..errors import K3Error
 from ..io.atomic import write_bytes
-from ..io.tokenizer import (CONFIG_FILE, K3_PAT_STR, KIMI_FILE, TIKTOKEN_FILE, bpe_parts,
-                            gpt2_byte_order, reserved_name, split_pre_tokenizer)
+from ..text.tokenizer import bpe_parts, gpt2_byte_order, split_pre_tokenizer
+from ..text.tokenizer_files import (CONFIG_FILE, K3_PAT_STR, KIMI_FILE, TIKTOKEN_FILE,
+                                    reserved_name)
 
 # Hard cap on extension tokens (step 3); see _max_len for the size-dependent cap.
 MAX_TOKEN_BYTES = 16

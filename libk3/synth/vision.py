@@ -4,7 +4,7 @@ Owns: each preset's ``vision_config`` document and root placeholder key, the pub
 ``preprocessor_config.json`` (the same in every preset: preprocessing has no width to
 shrink), and the 168 image tensors with their values. Does not own: the language model's
 tensors, shard layout or file writing (``libk3.synth.checkpoint``), the inventory
-(``libk3.io.vision_inventory``).
+(``libk3.io.inventory``).
 
 Why these values: a check of the tower must see every wrong reading. The patch embedding,
 ``wqkv`` and ``fc0`` are drawn at twice 1/sqrt(fan-in), so attention is neither flat nor
@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import names
-from ..io.vision_inventory import vision_specs
+from ..io.inventory import vision_specs
 from ..k3_dims import MEDIA_PLACEHOLDER_SLOT, MEDIA_PROC
 from ..vision_config import PREPROCESSOR_FILE, VisionConfig, media_from_dict, vision_from_dict
 from .presets import VISIONS

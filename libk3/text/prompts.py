@@ -3,7 +3,7 @@ server's reader process alike.
 
 Owns: the tokenizer's absence as a clear error, a prompt or conversation that encodes to
 no tokens refused, and the one ``ChatEncoder`` of the model (its template read on first
-use). Does not own: tokenizing (``libk3.io.tokenizer``), templates (``chat_template``,
+use). Does not own: tokenizing (``libk3.text.tokenizer``), templates (``chat_template``,
 ``chat_request``), contexts and prompt files (the run).
 """
 

@@ -2,7 +2,7 @@
 
 Owns: replaying a stream of expert keys (``layer * n_experts + expert``, int64, dense,
 < n_layers * n_experts) against a cache of ``slots`` equal slots and counting hits, for
-every policy in ``POLICIES`` (one at a time or a policy x capacity grid in threads). Does
+every policy declared in ``POLICIES`` (one at a time or a policy x capacity grid in threads). Does
 not own: the policies themselves (``libk3.policies``, one module each, and
 ``libk3.policies.online``, the object k3-run drives), their names and the default
 (``libk3.policies.registry``), reading traces (``libk3.trace.format``), the capacity ladder
@@ -11,8 +11,8 @@ and reports (``libk3.trace.report``), the cache's memory and I/O (``libk3.stream
 Policies (hit = the key is resident when requested; every miss reads the expert once):
 ``lru``, ``s3fifo``, ``lfu`` (full history), ``layer-lfu`` and ``adaptive`` (which follows
 the best of those four) are online; ``belady`` (the optimum) and ``pin+lru`` (the p most
-requested keys of the whole trace pinned, p the best of ``PIN_FRACTIONS`` x slots; pinned
-keys' first requests are misses, fraction 0 is plain LRU) use the future and are bounds.
+requested keys of the whole trace pinned, p the best of a few fractions of the slots;
+pinned keys' first requests are misses, fraction 0 is plain LRU) use the future and are bounds.
 
 Why the replay is what k3-run sees: k3-run hands the cache one layer's experts at a time
 and the online object processes them in order exactly as the replay does (lookup, and
@@ -31,11 +31,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from ..policies import adaptive, belady, drive, layer_lfu, lfu, lru, s3fifo
-from ..policies.online import OnlinePolicy
-from ..policies.registry import check_policy_names
-
-PIN_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+from ..policies import belady
+from ..policies.registry import POLICIES, check_policy_names, load
 
 
 class ReplayKeys:
@@ -72,10 +69,8 @@ class ReplayKeys:
 
     def prepare(self, policies) -> None:
         """Compute the shared data the policies need (before replays run in threads)."""
-        if "belady" in policies:
-            _ = self.next_use
-        if "pin+lru" in policies:
-            _ = self.hottest
+        for need in sorted({n for p in policies for n in POLICIES[p].needs}):
+            getattr(self, need)
 
 
 def _row(policy: str, slots: int, n: int, hits: int, **extra) -> dict:
@@ -84,45 +79,14 @@ def _row(policy: str, slots: int, n: int, hits: int, **extra) -> dict:
 
 
 def _run(rk: ReplayKeys, requested_slots: int, policy: str) -> dict:
-    keys, n_keys, nl, ne = rk.keys, rk.n_keys, rk.n_layers, rk.n_experts
+    keys, n_keys = rk.keys, rk.n_keys
     # A cache with a slot for every key never evicts, under every policy here: simulating
     # n_keys slots gives exactly the hits of any larger count (10^12 slots, say) without
     # arrays sized by it. (pin+lru: every pin count ties, so the reported pin count is 0
     # either way.)
     slots = min(requested_slots, n_keys)
-    extra = {}
-    if slots <= 0:
-        hits = 0
-    elif policy == "lru":
-        hits = lru.simulate_pin_lru(keys, slots, n_keys, np.zeros(n_keys, np.bool_), 0)
-    elif policy == "belady":
-        hits = belady.simulate(keys, rk.next_use, slots, n_keys)
-    elif policy == "pin+lru":
-        hot = rk.hottest
-        best, best_p = -1, 0
-        for p in sorted({min(int(f * slots), hot.size) for f in PIN_FRACTIONS}):
-            pinned = np.zeros(n_keys, np.bool_)
-            pinned[hot[:p]] = True
-            h = lru.simulate_pin_lru(keys, slots, n_keys, pinned, p)
-            if h > best:
-                best, best_p = h, p
-        hits = best
-        extra["pinned"] = best_p
-    elif policy == "s3fifo":
-        hits = s3fifo.simulate(keys, slots, n_keys, *s3fifo.sizes(slots), s3fifo.MAX_FREQ)
-    elif policy == "lfu":
-        hits = drive.hits(lfu.new(nl, ne, slots), keys)
-    elif policy == "layer-lfu":
-        hits = drive.hits(layer_lfu.new(nl, ne, slots, 1, layer_lfu.HALF_LIFE_VISITS), keys)
-    elif policy == "adaptive":
-        obj = OnlinePolicy(policy, slots, n_layers=nl, n_experts=ne)
-        hits = drive.hits(obj._state, keys)
-        extra["followed"] = obj.leader
-        extra["switches"] = obj.switches
-        extra["shadow_misses"] = obj.shadow_misses
-    else:
-        check_policy_names([policy])
-        raise AssertionError(policy)
+    check_policy_names([policy])
+    hits, extra = load(policy).replay(rk, slots) if slots > 0 else (0, {})
     return _row(policy, requested_slots, int(keys.size), int(hits), **extra)
 
 
@@ -148,8 +112,10 @@ def replay_grid(keys, slots_list, policies, *, n_layers: int, n_experts: int,
     rk = keys if isinstance(keys, ReplayKeys) else ReplayKeys(keys, n_layers=n_layers,
                                                                n_experts=n_experts)
     rk.prepare(policies)
-    # adaptive's shadows are these policies, replayed exactly: take them from its rows
-    derived = set(adaptive.CANDIDATES) & set(policies) if "adaptive" in policies else set()
+    # a policy's shadows (adaptive's) are those policies replayed exactly: take their rows
+    # from its rows
+    shadow_of = {s: p for p in policies for s in POLICIES[p].shadows if s in policies}
+    derived = set(shadow_of)
     jobs = [(p, int(s)) for p in policies if p not in derived for s in slots_list]
 
     def one(job):
@@ -163,20 +129,15 @@ def replay_grid(keys, slots_list, policies, *, n_layers: int, n_experts: int,
         rows = [one(j) for j in jobs]
     else:
         # longest jobs first keeps both threads busy to the end
-        order = sorted(range(len(jobs)), key=lambda i: -_COST[jobs[i][0]])
+        order = sorted(range(len(jobs)), key=lambda i: -POLICIES[jobs[i][0]].cost)
         with ThreadPoolExecutor(max_workers=workers) as pool:
             done = dict(zip(order, pool.map(one, [jobs[i] for i in order])))
         rows = [done[i] for i in range(len(jobs))]
     by = {(r["policy"], r["slots"]): r for r in rows}
     for p in derived:
         for s in slots_list:
-            a = by[("adaptive", int(s))]
+            a = by[(shadow_of[p], int(s))]
             misses = a["shadow_misses"][p] if s > 0 else a["requests"]
             by[(p, int(s))] = _row(p, s, a["requests"], a["requests"] - misses,
-                                   seconds=0.0, cpu_seconds=0.0, shadow_of="adaptive")
+                                   seconds=0.0, cpu_seconds=0.0, shadow_of=shadow_of[p])
     return [by[(p, int(s))] for p in policies for s in slots_list]
-
-
-# rough relative replay cost per policy, only used to schedule the longest jobs first
-_COST = {"adaptive": 20, "layer-lfu": 10, "pin+lru": 5, "lfu": 3, "belady": 2, "lru": 1,
-         "s3fifo": 1}

@@ -265,8 +265,6 @@ def format_stats(s: dict) -> str:
 
 
 def format_replay(rep: dict) -> str:
-    from .replay import PIN_FRACTIONS
-
     pols = rep["policies"]
     rows = rep["capacities"]
     w = max(9, max(len(p) for p in pols) + 1)
@@ -295,9 +293,9 @@ def format_replay(rep: dict) -> str:
                    + ", ".join(f"{c} {name}" for c, name in followed))
     if any(not v for v in rep["online"].values()):
         note = "* offline bound (uses the future)"
-        if "pin+lru" in pols:
-            note += ("; pin+lru pins the best of "
-                     f"{', '.join(f'{f:g}' for f in PIN_FRACTIONS)} of the slots")
+        for p in pols:
+            if p in POLICIES and POLICIES[p].note:
+                note += f"; {p} {POLICIES[p].note}"
         out.append(note)
     out.append(f"compulsory misses {rep['compulsory_misses']:,}: hit-rate ceiling "
                f"{rep['hit_rate_ceiling_pct']:.2f} %; every touched expert "

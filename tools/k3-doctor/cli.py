@@ -63,12 +63,12 @@ def main(model, pack_dir, stripes, draft, json_out, quick, compile_only, assume_
     precompile.prepare(["probe"], show=not quiet)
 
     from libk3.doctor.render import render_text
-    from libk3.doctor.report import diagnose
+    from libk3.doctor.report import DiskProbe, diagnose
     from libk3.machine.memory import probe_memory
 
     mem = probe_memory(None if assume_memory_gb is None else int(assume_memory_gb * 1e9))
     diag = diagnose(model, pack_dir, quick=quick, memory=mem,
-                    probe_bytes=int(probe_size_mb * 1e6), progress=not quiet,
+                    disk=DiskProbe(probe_bytes=int(probe_size_mb * 1e6)), progress=not quiet,
                     read_bps=assume_read_mbps and assume_read_mbps * 1e6,
                     decode_bps=assume_decode_mbps and assume_decode_mbps * 1e6,
                     draft=draft, stripes=stripes)

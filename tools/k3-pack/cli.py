@@ -17,6 +17,7 @@ from k3cli.group import (DefaultGroup, Finite, Group, Rule, gigabytes, quiet_opt
                          threads_option)
 from k3cli.support import handle_errors, print_json
 from libk3.engine.settings import seed_problem
+from libk3.synth.presets import PRESETS
 from libk3.units import size_text, size_texts
 
 
@@ -31,7 +32,7 @@ def main():
 
 
 @main.command("synth")
-@click.option("--preset", type=click.Choice(["tiny", "small", "medium", "real-dims", "real-sparse"]),
+@click.option("--preset", type=click.Choice(list(PRESETS)),
               default="tiny", show_default=True, help="Size of the synthetic model.")
 @click.option("--seed", type=Rule(click.INT, seed_problem, "integer"), default=0,
               show_default=True, help="0 .. 2^64 - 1.")

@@ -4,7 +4,7 @@ usage error naming the option.
 Owns: the order budget flags were given in, --system's @FILE, the UTF-8 check of text options, --stop, --logit-bias and
 --response-format parsing, and the checks of the last two against the model and the
 library before any work. Does not own: the rules themselves (``libk3.engine.settings``,
-``libk3.engine.grammar``) or which options go together (``cli.RULES``).
+``libk3.constrain.grammar``) or which options go together (``cli.RULES``).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def check_response_format(fmt) -> None:
     """--response-format's schema against the library, before any work (UsageError, exit
     2, naming the file; also when the ``structured`` extra is missing)."""
     if fmt is not None:
-        from libk3.engine.grammar import response_format_problem
+        from libk3.constrain.grammar import response_format_problem
         from libk3.errors import UsageError
         fmt = dict(fmt)
         where = fmt.pop("file", None)

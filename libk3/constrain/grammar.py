@@ -7,9 +7,9 @@ Owns: checking a request's ``response_format`` (OpenAI's shape: ``{"type": "text
 tokenizer (``compile_grammar``: cached by the format's canonical JSON text on the
 tokenizer's ``GrammarTokenizer``, so a server compiles a schema once for every request that
 sends it), and one sequence's ``Matcher`` (the allowed tokens after the tokens it has seen,
-``advance``, ``copy``, ``is_done``). Does not own: where the mask is applied (``sampler``:
+``advance``, ``copy``, ``is_done``). Does not own: where the mask is applied (``libk3.engine.sampler``:
 first, before the logit bias and the penalties, formats/numerics.md section 12), the stop rule
-(``stops``: a grammar's end token ends generation), options and batch lines.
+(``libk3.engine.stops``: a grammar's end token ends generation), options and batch lines.
 
 The server's ``tool_choice`` constraint and a reasoning budget are compiled on top of
 this module by ``tool_grammar``.

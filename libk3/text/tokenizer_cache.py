@@ -3,7 +3,7 @@
 Owns: where a model's cache file lives, its key, its byte layout (formats/tokenizer.md,
 "Derived-form cache"), writing it atomically and reading it back only when it is intact
 and current. Does not own: deriving the form or reading the tokenizer files
-(``libk3.io.tokenizer``), or choosing the pack directory (``libk3.engine.session``).
+(``libk3.text.tokenizer``), or choosing the pack directory (``libk3.engine.session``).
 
 Why: re-deriving the BPE merges of the real 163,584 ranks by rank-BPE in Python, and
 re-validating ``tiktoken.model`` line by line, cost seconds of every run
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import K3IOError
-from . import atomic
+from ..io import atomic
 
 MAGIC = b"K3TOKDRV"
 VERSION = 1                     # bump with any change of layout or of the derivation

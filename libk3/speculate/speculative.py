@@ -6,8 +6,8 @@ the measured cost of a pass of that width), building the verify ``Segment``, acc
 the proposals that equal what the sampler picks from the target's rows, and committing
 the anchor and the accepted ones (``forward.commit``: no second pass over any weight).
 Also the counters a run reports (``SpecStats``). Does not own: the proposers
-(``libk3.engine.proposers``), the passes (``core``), sampling
-(``sampler``: the pick at a position depends only on that position's logits and the
+(``libk3.speculate.proposers``), the passes (``libk3.engine.core``), sampling
+(``libk3.engine.sampler``: the pick at a position depends only on that position's logits and the
 tokens before it, which for a verify row are the anchor and the proposals before it).
 
 Exactness: a verify pass computes each row with the arithmetic of plain decoding
@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from ..model.forward import Segment, commit
-from .pace import fit_line
+from ..engine.pace import fit_line
 
 WINDOW = 32              # recent passes the cost model uses
 FIXED_PRIOR = 0.9        # a width not measured yet, beside only one: its fixed share
