@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, checkpoint, packed, table  # noqa: E402
 
 from libk3.engine.generate import GenSettings, generate  # noqa: E402
-from libk3.engine.session import open_session  # noqa: E402
+from libk3.engine.session import Reads, open_session  # noqa: E402
 from libk3.io.checkpoint import Checkpoint  # noqa: E402
 from libk3.kernels.finite import first_special  # noqa: E402
 from libk3.budget import ModelSizes, minimum_budget  # noqa: E402
@@ -59,7 +59,7 @@ def _run(ck, pk, trunk_bytes, cache_bytes, mode, gen):
     trunk_mod.runs_from_pack = _without_crcs if mode == "none" else _runs_from_pack
     try:
         s = open_session(ck, pack=pk, trunk_bytes=trunk_bytes, cache_bytes=cache_bytes,
-                         verify_reads="first" if mode == "none" else mode)
+                         reads=Reads(verify_reads="first" if mode == "none" else mode))
     finally:
         trunk_mod.runs_from_pack = _runs_from_pack
     try:

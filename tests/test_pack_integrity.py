@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from k3_pack.cli import main as k3pack_main
 from k3_run.cli import main as k3run_main
 from libk3 import names
-from libk3.engine.session import open_session
+from libk3.engine.session import Reads, open_session
 from libk3.errors import FormatError, NonFiniteError
 from libk3.io.checkpoint import Checkpoint
 from libk3.io.dtypes import EXPONENT_MASK
@@ -362,8 +362,8 @@ def _session(pack_dir, verify_reads):
     with Checkpoint.open(TINY) as ckpt:
         sizes = ModelSizes.from_checkpoint(ckpt)
     return open_session(TINY, pack=pack_dir, trunk_bytes=sizes.trunk_bytes // 2,
-                        cache_bytes=sizes.cache_all_bytes, direct_io=False,
-                        verify_reads=verify_reads)
+                        cache_bytes=sizes.cache_all_bytes,
+                        reads=Reads(direct_io=False, verify_reads=verify_reads))
 
 
 @pytest.mark.parametrize("verify_reads", ["first", "every"])

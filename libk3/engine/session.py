@@ -61,19 +61,27 @@ def load_tokenizer_if_present(model_dir, vocab_size=None, pack=None):
     return LazyTokenizer(d, vocab_size, cache_path(d, pack))
 
 
+@dataclasses.dataclass(frozen=True)
+class Reads:
+    """How a streamed session reads: expert read threads, O_DIRECT, when a pack's layer
+    CRCs are checked ("first" read in this process, or "every" read), where a striped
+    pack's stripes are (None: where its manifest says), each drive queue's cap in MB/s."""
+    io_threads: int = IO_THREADS
+    direct_io: bool = True
+    verify_reads: str = "first"
+    stripe_dirs: tuple | None = None
+    throttle_mbps: float | None = None
+
+
 def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_bytes=None,
-                 cache_policy: str = DEFAULT_POLICY, io_threads: int = IO_THREADS,
-                 direct_io: bool = True, on_route=None, verify_reads: str = "first",
-                 stripe_dirs=None, io_throttle_mbps: float | None = None,
+                 cache_policy: str = DEFAULT_POLICY, on_route=None, reads: Reads = Reads(),
                  prefetch_experts: int | None = None) -> Session:
     """Open ``model_dir`` for a run (or use ``ckpt``, its already opened Checkpoint).
     Without budgets every weight is resident; with ``trunk_bytes`` and ``cache_bytes`` the
     trunk streams (from ``pack`` when given, else straight from the shards) and experts go
     through the cache. The arithmetic is the same either way. A pack is checked against
-    the checkpoint first (``open_pack``); ``verify_reads`` says when its layers' CRCs are
-    checked ("first" read in this process, or "every" read). Every read goes through its
-    drive's queue (``libk3.io.direct.FileSet``), capped at ``io_throttle_mbps`` each; a
-    striped pack's stripes are where its manifest says, or in ``stripe_dirs``.
+    the checkpoint first (``open_pack``). Every read goes through its drive's queue
+    (``libk3.io.direct.FileSet``); ``reads`` says how (``Reads``).
     ``prefetch_experts`` experts per MoE layer are read ahead from a prediction (None:
     top_k; 0: none), only when the budget pins a MoE layer's trunk (the prediction needs
     its router at hand)."""
@@ -93,8 +101,8 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
             raise UsageError("a streamed run needs both a trunk and a cache budget "
                              "(--trunk-gb and --cache-gb, or --preset)")
         if pack is not None:
-            pk = open_pack(pack, ckpt, stripe_dirs)
-            if stripe_dirs and pk.stripes is None:
+            pk = open_pack(pack, ckpt, reads.stripe_dirs)
+            if reads.stripe_dirs and pk.stripes is None:
                 raise UsageError(f"{pack}: --stripe-dir is for a striped pack; this one is not")
             runs = runs_from_pack(pack, pk.manifest, pk.blocks)
             pack_source = pk.manifest["source"]
@@ -103,17 +111,18 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
         else:
             runs = runs_from_checkpoint(ckpt)
         from ..budget import plan_trunk
-        files = FileSet(use_direct=direct_io, throttle_mbps=io_throttle_mbps)
+        files = FileSet(use_direct=reads.direct_io, throttle_mbps=reads.throttle_mbps)
         if pack is not None and pk.stripes is not None:
             from ..pack.stripes import StripedFile
             trunk_path = Path(pack) / pk.manifest["trunk_file"]
             files.register(trunk_path, StripedFile(pk.stripes, files, trunk_path))
         pinned = plan_trunk([r.held_bytes for r in runs], trunk_bytes).pinned
         ahead = cfg.num_experts_per_token if prefetch_experts is None else prefetch_experts
-        cache = ExpertCache(cfg, ckpt.expert_table(), cache_bytes, files, io_threads=io_threads,
+        cache = ExpertCache(cfg, ckpt.expert_table(), cache_bytes, files,
+                            io_threads=reads.io_threads,
                             policy=cache_policy, prefetch=ahead if any(
                                 not cfg.is_dense(L) for L in pinned) else 0)
-        trunk = TrunkStreamer(cfg, runs, trunk_bytes, files, verify_reads=verify_reads)
+        trunk = TrunkStreamer(cfg, runs, trunk_bytes, files, verify_reads=reads.verify_reads)
         weights = StreamedWeights(ckpt, trunk, cache, files)
     return Session(ckpt, tok, weights, Forward(cfg, weights, on_route=on_route), pack_source,
                    pack_identity)

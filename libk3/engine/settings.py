@@ -1,5 +1,6 @@
 """The rules for a generation request's settings: tokens to generate, temperature, top_p,
-top_k, min_p, the three penalties, the logit bias, seed, stop strings and token ids. Each
+top_k, min_p, the three penalties, the logit bias, seed, stop strings, token ids and the
+context's room for a prompt (``room_problem``). Each
 ``*_problem`` returns why a value is refused, or None.
 
 Owns: what values the options, batch lines and server requests accept (one rule each,
@@ -205,3 +206,23 @@ SAMPLING_RULES = {
     "presence_penalty": presence_penalty_problem,
     "frequency_penalty": frequency_penalty_problem, "seed": seed_problem,
 }
+
+
+def room_problem(held: int, n_prompt: int, gen: int, context: int,
+                 name: str = "the model's context") -> str | None:
+    """Why a prompt of ``n_prompt`` tokens after a state holding ``held`` and ``gen`` more
+    (-1: until the end; 0: the prompt alone) do not fit ``context`` (``name``: what set
+    it, ``Run.context_name``), with the sizes, or None."""
+    after = f" after the {held:,} the state holds" if held else ""
+    if not n_prompt and held >= context and gen:
+        return f"the state's {held:,} tokens fill {name} of {context:,}"
+    if held + n_prompt > context:
+        return (f"the prompt is {n_prompt:,} tokens{after}, over {name} of "
+                f"{context:,}")
+    if held + n_prompt >= context and gen:
+        return (f"the prompt's {n_prompt:,} tokens{after} fill {name} of "
+                f"{context:,}: nothing can be generated")
+    if gen >= 0 and held + n_prompt + gen > context:
+        return (f"the prompt's {n_prompt:,} tokens{after} and --gen {gen:,} run past "
+                f"{name} of {context:,} (--gen {context - held - n_prompt:,} fits)")
+    return None

@@ -24,7 +24,6 @@ check every layer's tensor table against the inventory that config implies.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import zlib
 from pathlib import Path
@@ -176,15 +175,6 @@ def load_expert_index(pack_dir):
     d = Path(pack_dir)
     man, cfg = _load_manifest(d)
     return _load_expert_index(d, man, cfg)
-
-
-def manifest_version(pack_dir):
-    """The ``version`` a finished pack's trunk.json states (None when unreadable)."""
-    try:
-        doc = json.loads((Path(pack_dir) / MANIFEST_FILE).read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return None
-    return doc.get("version") if isinstance(doc, dict) else None
 
 
 def _check_version(f: Fields, v, field: str, readable=(PACK_VERSION,)) -> None:

@@ -14,7 +14,8 @@ import dataclasses
 
 from ..engine.generate import GenSettings, generate
 from ..errors import UsageError
-from .runner import Run, _load_state, room_problem
+from ..engine.settings import room_problem
+from .runner import Run, _load_state
 
 
 class TurnTooLong(UsageError):

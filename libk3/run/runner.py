@@ -16,8 +16,8 @@ import numpy as np
 
 from ..engine.defaults import IO_THREADS, PREFILL_CHUNK, PREFIX_CACHE_BYTES
 from ..engine.generate import Abandoned, GenSettings, generate
-from ..engine.session import open_session
-from ..engine.settings import UNTIL_END, token_ids_problem
+from ..engine.session import Reads, open_session
+from ..engine.settings import UNTIL_END, room_problem, token_ids_problem
 from ..engine.stops import returned_text
 from ..errors import BudgetError, FormatError, UsageError
 from ..model.state import State
@@ -198,10 +198,10 @@ class Run:
                 opts.model, ckpt=ckpt, pack=opts.pack,
                 trunk_bytes=None if opts.resident else self.budget.trunk_bytes,
                 cache_bytes=cache_bytes,
-                cache_policy=opts.cache_policy, io_threads=opts.io_threads,
-                direct_io=opts.direct_io, on_route=on_route, verify_reads=opts.verify_reads,
-                stripe_dirs=list(opts.stripe_dirs) or None,
-                io_throttle_mbps=opts.io_throttle_mbps, prefetch_experts=opts.prefetch_experts)
+                cache_policy=opts.cache_policy, on_route=on_route,
+                reads=Reads(opts.io_threads, opts.direct_io, opts.verify_reads,
+                            tuple(opts.stripe_dirs) or None, opts.io_throttle_mbps),
+                prefetch_experts=opts.prefetch_experts)
             self.drafting = start_drafting(opts, draft, self.session)
         except BaseException:
             if count is not None:
@@ -443,26 +443,6 @@ class Run:
         finally:
             self.session.weights.close()
             self.session.ckpt.close()
-
-
-def room_problem(held: int, n_prompt: int, gen: int, context: int,
-                 name: str = "the model's context") -> str | None:
-    """Why a prompt of ``n_prompt`` tokens after a state holding ``held`` and ``gen`` more
-    (-1: until the end; 0: the prompt alone) do not fit ``context`` (``name``: what set
-    it, ``Run.context_name``), with the sizes, or None."""
-    after = f" after the {held:,} the state holds" if held else ""
-    if not n_prompt and held >= context and gen:
-        return f"the state's {held:,} tokens fill {name} of {context:,}"
-    if held + n_prompt > context:
-        return (f"the prompt is {n_prompt:,} tokens{after}, over {name} of "
-                f"{context:,}")
-    if held + n_prompt >= context and gen:
-        return (f"the prompt's {n_prompt:,} tokens{after} fill {name} of "
-                f"{context:,}: nothing can be generated")
-    if gen >= 0 and held + n_prompt + gen > context:
-        return (f"the prompt's {n_prompt:,} tokens{after} and --gen {gen:,} run past "
-                f"{name} of {context:,} (--gen {context - held - n_prompt:,} fits)")
-    return None
 
 
 @contextlib.contextmanager

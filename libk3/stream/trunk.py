@@ -12,8 +12,7 @@ Why largest-first pinning: every token visits layers 0..n-1 in order, a cyclic s
 which LRU scores zero; a pinned layer is a hit on every token, so the hit rate is the
 pinned bytes' share, and pinning the largest layers first also shrinks the ring slots
 (a slot must hold the largest UNpinned layer).
-Why two slots: one is computed on while the reader fills the next (the public engine
-measured 1.70x from that overlap). One slot, for the largest layer, is the minimum that
+Why two slots: one is computed on while the reader fills the next. One slot, for the largest layer, is the minimum that
 can work, and the floor keeps the disk busy in it all the same: the next ring layer is
 read from the moment the layer in use is handed out, into the room the slot has beside
 it and, as the forward releases it, into the rest (no byte of the layer in use is
@@ -46,9 +45,9 @@ from ..io.direct import (ALIGN, HUGE_PAGE, FileSet, ReadCancelled, align_down, a
 from .landing import Landing
 
 
-# Trunk read-ahead pieces in flight at once: 4 x 4 MiB read real-dims' GB-sized layers
-# faster than 2 x 1 MiB; deeper queues expert reads behind the read-ahead (bench/README.md,
-# "Disk and read-ahead").
+# Trunk read-ahead pieces in flight at once: fewer, smaller pieces read GB-sized layers
+# slower, deeper queues expert reads behind the read-ahead (bench/README.md, "Disk and
+# read-ahead").
 READ_AHEAD_DEPTH = 4
 # When a packed layer's CRC is checked: the first time this process reads it (pinned
 # layers at load, ring layers on their first pass), or on every read (formats/pack.md).
