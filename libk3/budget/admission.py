@@ -1,7 +1,10 @@
-"""Whether a budget fits a machine, and resolving the flags into one: the fixed overhead
-a run needs besides its two budgets, the planned peak, admission, the ``auto`` rule,
-``--preset``/``--trunk-gb``/``--cache-gb`` in argv order, the batch width and the
-prefill chunk.
+"""Whether a budget fits a machine, and resolving the flags into one.
+
+Owns: the fixed overhead a run needs besides its two budgets, the planned peak,
+admission (``admission_problems``), the ``auto`` rule, ``--preset``/``--trunk-gb``/
+``--cache-gb`` in argv order, the batch width and the prefill chunk. Does not own: the
+trunk plan and the floor (``plan``), the presets file (``presets``), the model's sizes
+(``sizes``), or what a run does with its budget (``libk3.run``).
 """
 
 from __future__ import annotations

@@ -27,8 +27,7 @@ class OnlinePolicy:
     ``access(keys)`` takes the keys of one layer visit (``layer * n_experts + expert``)
     and processes them in order, each looked up and, on a miss, admitted; it returns,
     per key, its slot, the key its admission evicted (-1 for none) and whether it hit.
-    One numba call per visit: about 5 us of call overhead for adaptive's state, shared
-    by the visit's top_k keys.
+    One numba call per visit, its call overhead shared by the visit's top_k keys.
     A key already processed in the visit is never evicted while any other key is
     resident, so with at least top_k + 1 slots all of a layer's experts stay resident
     while the layer computes; a key of the visit not yet processed may be evicted, and

@@ -8,7 +8,7 @@ turns"). Does not own: when states are offered or taken (the server's worker), t
 snapshot files (``libk3.engine.prefix_cache``), or the forward.
 
 Why results are identical to a fresh prefill: a state holds exactly what persists
-between tokens (spec section 6), and the forward gives byte-identical logits whether a
+between tokens (model.md §6), and the forward gives byte-identical logits whether a
 sequence is fed at once, in chunks, or resumed from a saved state (invariant 2, tested).
 Why a strict prefix: the last prompt token must be fed to give the logits of the first
 generated token.

@@ -1,7 +1,7 @@
 """Online eviction policies for the expert cache, as k3-run drives them.
 
-Owns: adapting the online policy objects of ``libk3.trace.replay`` (the same numba code
-the offline replay runs, so replayed hit rates are what k3-run gets) to the cache's
+Owns: adapting the online policy objects of ``libk3.policies`` (each policy's module, the
+same numba code the offline replay runs, so replayed hit rates are what k3-run gets) to the cache's
 needs: ``access(keys)`` for one layer visit, refusing loudly if a policy ever evicted a
 key the visit already placed. Does not own: the slots' bytes, the policies' names or the
 default (``libk3.policies.registry``).
