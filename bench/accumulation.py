@@ -1,4 +1,4 @@
-"""The accumulation choice of formats/numerics.md section 2, measured: float64 sums (what
+"""The accumulation choice of formats/model/numerics.md section 2, measured: float64 sums (what
 k3 computes) against float32 partial sums in the same fixed blocked order.
 
 Prints, from one run, one thread, for a BF16 matrix 4096 x 7168 at 1, 8 and 64 tokens:

@@ -4,7 +4,7 @@ reference there.
 
 Weights are random BF16 arrays at the published shapes (``libk3.synth.presets.VISIONS``
 "real-dims", the release's ``vision_config``), drawn at the synthetic checkpoints' scales
-(formats/vision.md §3.4), held in memory (0.9 GB): no checkpoint is written. Images are
+(formats/model/vision.md §3.4), held in memory (0.9 GB): no checkpoint is written. Images are
 random-noise PNGs of each size through ``libk3.media.preprocess_image`` (512² becomes a
 38 × 38 patch grid, 1024² 74 × 74).
 

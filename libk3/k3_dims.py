@@ -1,9 +1,9 @@
 """The released Kimi K3's architecture: the one place its dimensions are written.
 
-Owns: ``REAL``, the flat config of the released model (formats/model.md §2, §3.5), and
+Owns: ``REAL``, the flat config of the released model (formats/model/model.md §2, §3.5), and
 ``real_config()``, the same as a checked ``K3Config``; ``DSPARK``, the config.json of the
-DSpark draft published for it (formats/dspark.md §2.1); ``VISION`` and ``MEDIA_PROC``, the
-published ``vision_config`` and ``preprocessor_config.json`` (formats/vision.md §2). Used by k3-doctor's machine-only
+DSpark draft published for it (formats/model/dspark.md §2.1); ``VISION`` and ``MEDIA_PROC``, the
+published ``vision_config`` and ``preprocessor_config.json`` (formats/model/vision.md §2). Used by k3-doctor's machine-only
 report, the synthetic checkpoints (``libk3.synth.presets`` derives every size preset
 from it), the synthetic traces' defaults and the tools' defaults for foreign traces.
 Does not own: reading a model's own config (``libk3.config``).
@@ -26,7 +26,7 @@ REAL = dict(
 )
 
 
-# The published vision_config, all 25 keys (formats/vision.md §2.1), and the root key that
+# The published vision_config, all 25 keys (formats/model/vision.md §2.1), and the root key that
 # names the image placeholder token (<|media_pad|>, special slot 21 of the vocabulary).
 VISION = dict(
     vt_num_hidden_layers=27, vt_hidden_size=1024, vt_num_attention_heads=12,
@@ -40,7 +40,7 @@ VISION = dict(
     _attn_implementation="flash_attention_2",
 )
 MEDIA_PLACEHOLDER_SLOT = 21
-# The published preprocessor_config.json's media_proc_cfg (formats/vision.md §2.2).
+# The published preprocessor_config.json's media_proc_cfg (formats/model/vision.md §2.2).
 MEDIA_PROC = dict(
     patch_size=14, merge_kernel_size=2, in_patch_limit=65536, patch_limit_on_one_side=512,
     fixed_output_tokens=None, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],

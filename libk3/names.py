@@ -1,7 +1,7 @@
 """Every checkpoint key string k3 uses, built in one place (model.md §3.4).
 
 Owns: the tensor-name templates and the tensor inventory per layer kind, for the language
-model and for the image tower and projector (formats/vision.md §3). Does not own: shapes
+model and for the image tower and projector (formats/model/vision.md §3). Does not own: shapes
 (``libk3.io.inventory``) or reading.
 """
 
@@ -77,7 +77,7 @@ def expert_names(L: int, e: int) -> tuple[str, ...]:
     return tuple(expert(L, e, w, p) for w, p in EXPERT_PARTS)
 
 
-# The image tower and projector (formats/vision.md §3): bare names, no ``language_model.``.
+# The image tower and projector (formats/model/vision.md §3): bare names, no ``language_model.``.
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 VISION_PATCH_EMBED = "vision_tower.patch_embed.proj.weight"
 VISION_POS_EMB = "vision_tower.patch_embed.pos_emb.weight"

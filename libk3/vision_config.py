@@ -2,7 +2,7 @@
 
 Owns: reading ``vision_config`` (in config.json, beside ``text_config``), the root key
 ``media_placeholder_token_id`` and ``preprocessor_config.json``'s ``media_proc_cfg``
-(formats/vision.md §2), and checking their structure (formats/vision.md §2.4). Does not own:
+(formats/model/vision.md §2), and checking their structure (formats/model/vision.md §2.4). Does not own:
 the language-model keys (``libk3.config``), tensor shapes (``libk3.io.inventory``),
 preprocessing or the tower's arithmetic.
 
@@ -29,10 +29,10 @@ PREPROCESSOR_FILE = "preprocessor_config.json"
 MAX_PATCHES_ONE_SIDE = 512
 FILL_STAGES = ("after_resize", "before_resize")
 # The epsilon of the tower's 2 B + 1 RMS norms: the release builds them without one, and
-# PyTorch then uses float32's machine epsilon for BF16 and float32 input (formats/vision.md §7.1).
+# PyTorch then uses float32's machine epsilon for BF16 and float32 input (formats/model/vision.md §7.1).
 VIT_NORM_EPS = 2.0 ** -23
 
-# The one value k3 accepts for each of these keys (formats/vision.md §2.1).
+# The one value k3 accepts for each of these keys (formats/model/vision.md §2.1).
 _FIXED = {"pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
           "norm_type": "rmsnorm", "mlp_type": "mlp2", "merge_type": "sd2_tpool",
           "mm_projector_type": "patchmergerv2", "projector_hidden_act": "gelu",
@@ -41,7 +41,7 @@ _FIXED = {"pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "biline
 
 @dataclasses.dataclass(frozen=True)
 class Chessboard:
-    """``transparent_bg_config`` with pattern ``chessboard`` (formats/vision.md §2.2)."""
+    """``transparent_bg_config`` with pattern ``chessboard`` (formats/model/vision.md §2.2)."""
 
     square_size: int
     on_top_left: bool

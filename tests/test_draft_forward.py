@@ -1,7 +1,7 @@
 """The DSpark draft's numba forward (libk3/draft/forward.py) against the float64 reference
-(libk3/draft/reference.py), the pitfalls of formats/dspark.md §8 each as a test, and the
+(libk3/draft/reference.py), the pitfalls of formats/model/dspark.md §8 each as a test, and the
 draft-only kernels (rope_interleaved, silu_mul, logistic_unit) against numpy emulations of
-formats/numerics.md sections 10 and 11.
+formats/model/numerics.md sections 10 and 11.
 
 The draft is small and random (hidden 64, 5 layers, 4 heads, vocabulary 300) with BF16
 weights; no checkpoint file is read. Its YaRN rotation has mscale != mscale_all_dim, so the
@@ -348,7 +348,7 @@ def _libm():
 
 
 def _rope_emulated(x, pos, inv_freq, amp):
-    """formats/numerics.md section 10 in numpy: f64 angle, libm cos/sin, one rounding each
+    """formats/model/numerics.md section 10 in numpy: f64 angle, libm cos/sin, one rounding each
     for c and s, then f32 products and sums."""
     T, H, D = x.shape
     c = np.empty((T, D // 2), np.float32)

@@ -219,7 +219,7 @@ def test_k3_run_draft_cli_paths(tiny_dir, tmp_path):
         assert n == spec["verify_passes"] > 0
         assert {"taps.0", "block.0", "draft_logits.0", "draft_base_logits.0", "confidence.0",
                 "verify_logits.0", "proposed.0", "accepted.0"} <= set(z.files)
-        L = z["block.0"].size - 1                         # formats/dspark.md §10's shapes
+        L = z["block.0"].size - 1                         # formats/model/dspark.md §10's shapes
         assert z["verify_logits.0"].shape == (L + 1, 512) and z["taps.0"].shape[0] == L + 1
         assert z["draft_logits.0"].shape[0] == z["proposed.0"].size >= L >= 1
     for bad, needle in ((("--spec", 2, "--draft", tiny_dir / "draft"), "give one"),

@@ -1,4 +1,4 @@
-"""Image preprocessing (formats/vision.md §4): libk3.media against an independent numpy
+"""Image preprocessing (formats/model/vision.md §4): libk3.media against an independent numpy
 reading of the release's rules written here, the worked sizes of vision.md §4.2, and hostile files.
 
 The reference below shares only Pillow with the module (decoding, mode conversion and the

@@ -1,7 +1,7 @@
 """Property tests of libk3.kernels against plain numpy written here (no conformance data).
 
 Two kinds of oracle: numpy emulations of the exact summation orders of
-formats/numerics.md (bit-for-bit checks: the documented order IS the implemented one),
+formats/model/numerics.md (bit-for-bit checks: the documented order IS the implemented one),
 and float64 implementations of the spec math (tolerance checks, model.md §7.4). Plus the
 invariants every kernel promises: a T-token call equals T one-token calls bit for bit,
 and results do not depend on the thread count.

@@ -1,4 +1,4 @@
-"""The sampler's settings beyond temperature and top-p (formats/numerics.md section 12):
+"""The sampler's settings beyond temperature and top-p (formats/model/numerics.md section 12):
 the logit bias, repetition, presence and frequency penalties, top-k and min-p, against a
 brute-force oracle; and the engine's promise that they change no exactness: greedy is the argmax of
 the adjusted logits, the same tokens at any thread count, with drafting, in lockstep."""

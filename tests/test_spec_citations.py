@@ -1,4 +1,4 @@
-"""Every spec citation in the repository resolves into formats/model.md, dspark.md or vision.md.
+"""Every spec citation in the repository resolves into formats/model/model.md, dspark.md or vision.md.
 
 Code, tests and docs cite the model spec as ``model.md §N`` (or ``§N.M``; a list may go on
 ``, §N.M``), the draft's spec as ``dspark.md §N`` and the image input's as ``vision.md §N``. This scans every .py and .md file of
@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC = ROOT / "formats" / "model.md"
+SPEC = ROOT / "formats" / "model" / "model.md"
 # The pages a citation may name, by the name it uses; each resolves in formats/.
 PAGES = ("model.md", "dspark.md", "vision.md")
 # The one module allowed to know where the shared conformance vectors live.

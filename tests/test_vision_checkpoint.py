@@ -1,4 +1,4 @@
-"""The strict checkpoint reader on image tensors (formats/vision.md §3.3), on copies of
+"""The strict checkpoint reader on image tensors (formats/model/vision.md §3.3), on copies of
 fixtures/tiny with one defect each."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The image-input config reader: vision_config and preprocessor_config.json (formats/vision.md §2)."""
+"""The image-input config reader: vision_config and preprocessor_config.json (formats/model/vision.md §2)."""
 
 from __future__ import annotations
 

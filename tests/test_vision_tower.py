@@ -1,5 +1,5 @@
 """The image tower, merger and projector on the numba kernels against the float64
-reference (formats/vision.md §5-§7): fixtures/tiny's tower and the small synthetic
+reference (formats/model/vision.md §5-§7): fixtures/tiny's tower and the small synthetic
 preset, odd and smallest grids, thread counts, misshapen tensors, and the pieces (position
 table resize, rotary angles, merge order, GELUs, attention) on their own."""
 
@@ -26,7 +26,7 @@ from libk3.model.vision import (VisionTower, merge, read_vision_tensors, resize_
 from .test_kernels_props import _bits, _libm, _order16
 
 # Max |engine - reference| / max |reference| allowed for the tower rows and the projected
-# rows (formats/vision.md §7.3; the measured errors: bench/README.md, "Vision tower").
+# rows (formats/model/vision.md §7.3; the measured errors: bench/README.md, "Vision tower").
 REL_BOUND = 4e-6
 
 
@@ -240,7 +240,7 @@ def _libm_f32(name):
 
 def test_gelus_are_the_documented_float32_order():
     """Catches a float64 or numpy-vectorised GELU, or another operation order: both
-    equal the C library's tanhf / erff evaluation of formats/vision.md §7.2 bit for bit."""
+    equal the C library's tanhf / erff evaluation of formats/model/vision.md §7.2 bit for bit."""
     tanhf, erff = _libm_f32("tanhf"), _libm_f32("erff")
     rng = np.random.default_rng(5)
     u = (rng.standard_normal(2000) * 10.0 ** rng.uniform(-2, 1, 2000)).astype(np.float32)
@@ -257,7 +257,7 @@ def test_gelus_are_the_documented_float32_order():
 
 def test_split_heads_and_attention_are_the_documented_order():
     """Catches another rounding or summation order in the rotation, the scores, the
-    softmax or the mix (formats/vision.md §7.2): bit for bit against a numpy emulation."""
+    softmax or the mix (formats/model/vision.md §7.2): bit for bit against a numpy emulation."""
     expf = _libm_f32("expf")
     rng = np.random.default_rng(9)
     H, L, hd = 2, 9, 20

@@ -8,7 +8,7 @@ tokenizer (``compile_grammar``: cached by the format's canonical JSON text on th
 tokenizer's ``GrammarTokenizer``, so a server compiles a schema once for every request that
 sends it), and one sequence's ``Matcher`` (the allowed tokens after the tokens it has seen,
 ``advance``, ``copy``, ``is_done``). Does not own: where the mask is applied (``libk3.engine.sampler``:
-first, before the logit bias and the penalties, formats/numerics.md section 12), the stop rule
+first, before the logit bias and the penalties, formats/model/numerics.md section 12), the stop rule
 (``libk3.engine.stops``: a grammar's end token ends generation), options and batch lines.
 
 The server's ``tool_choice`` constraint and a reasoning budget are compiled on top of

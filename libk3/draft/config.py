@@ -1,6 +1,6 @@
 """The DSpark draft's configuration: one frozen dataclass, built by one strict function.
 
-Owns: reading a draft's ``config.json`` (formats/dspark.md §2), refusing what k3 does not
+Owns: reading a draft's ``config.json`` (formats/model/dspark.md §2), refusing what k3 does not
 implement (a NoPE or gated MLA, a non-SiLU MLP, a non-vanilla Markov head, a
 ``rope_interleave`` key), checking it against the target's ``K3Config`` (dspark.md §2.3),
 the tensor inventory the config implies (dspark.md §3) and the derived numbers of the
@@ -8,7 +8,7 @@ draft's math: YaRN rotation frequencies and the softmax scale (dspark.md §5.4).
 own: reading tensors (``libk3.draft.checkpoint``) or any arithmetic on activations.
 
 Why so strict: a draft whose taps, names or rotation are slightly wrong still loads and
-runs and only accepts nothing (formats/dspark.md §8); an error at load time is the only
+runs and only accepts nothing (formats/model/dspark.md §8); an error at load time is the only
 place the mistake can be seen.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from ..config import MAX_SIZE, K3Config, coerce, key_problems
 from ..errors import ConfigError
 
-# Every draft norm (q_a and kv_a included) uses rms_norm_eps (formats/dspark.md §2.1).
+# Every draft norm (q_a and kv_a included) uses rms_norm_eps (formats/model/dspark.md §2.1).
 DRAFT_TAP_FORMS = ("prefix", "attn_res")
 # Drafted tokens per pass when the config does not say (anchor + 6 mask rows, dspark.md §5.2).
 DEFAULT_BLOCK = 7
@@ -66,7 +66,7 @@ class DraftConfig:
     block_size: int                    # drafted tokens per pass (the checkpoint's 7 or 8 -> 7)
     source: str
 
-    # ---- derived numbers (formats/dspark.md §5.4) -------------------------------------
+    # ---- derived numbers (formats/model/dspark.md §5.4) -------------------------------------
     @property
     def n_taps(self) -> int:
         return len(self.target_layer_ids)
@@ -119,7 +119,7 @@ class DraftConfig:
         return (_yarn_mscale(self.rope_factor, self.rope_mscale)
                 / _yarn_mscale(self.rope_factor, self.rope_mscale_all_dim))
 
-    # ---- the tensors this config implies (formats/dspark.md §3) -----------------------
+    # ---- the tensors this config implies (formats/model/dspark.md §3) -----------------------
     def tensor_shapes(self) -> dict:
         """{bare tensor name: shape} of every tensor a draft checkpoint holds, no more."""
         E, V, R = self.hidden_size, self.vocab_size, self.markov_rank
@@ -159,7 +159,7 @@ class DraftConfig:
         return out
 
     def check_against(self, target: K3Config) -> None:
-        """Refuse a draft made for another target (formats/dspark.md §2.3)."""
+        """Refuse a draft made for another target (formats/model/dspark.md §2.3)."""
         problems = []
 
         def differs(what, mine, theirs):

@@ -1,4 +1,4 @@
-"""The DSpark draft's forward pass: formats/dspark.md §5 composed from numba kernels.
+"""The DSpark draft's forward pass: formats/model/dspark.md §5 composed from numba kernels.
 
 Owns: ``DraftCache``, one sequence's draft context (per draft layer the [latent | k_pe]
 row of every committed position, dspark.md §6.3), and ``DraftForward``, which fills it
@@ -6,7 +6,7 @@ from the target's taps (dspark.md §5.1), runs one block pass
 (dspark.md §5.2, §5.3, §5.5), and turns the block into proposals: base logits through the
 target's lm_head, the Markov unroll (dspark.md §5.6) and the confidence
 (dspark.md §5.7). Does not own: any arithmetic (``libk3.kernels`` through
-``libk3.draft.ops``; the orders and roundings are formats/numerics.md sections 10 and 11),
+``libk3.draft.ops``; the orders and roundings are formats/model/numerics.md sections 10 and 11),
 reading the checkpoint (``libk3.draft.checkpoint``), capturing the taps
 (``libk3.model.forward``), or choosing, verifying and committing proposals (the
 speculative loop, dspark.md §6).

@@ -1,6 +1,6 @@
-"""A plain numpy float64 forward of the DSpark draft, to be read against formats/dspark.md.
+"""A plain numpy float64 forward of the DSpark draft, to be read against formats/model/dspark.md.
 
-Owns: the oracle for ``libk3.draft.forward`` (formats/dspark.md §5.1-§5.7, in computation
+Owns: the oracle for ``libk3.draft.forward`` (formats/model/dspark.md §5.1-§5.7, in computation
 order): context ingestion, one block pass, the head with its Markov unroll and confidence.
 It never calls ``libk3.kernels``: every product is numpy in float64, attention is the
 expanded form (k_nope and v materialised per key, the softmax over an explicit key set),
@@ -24,7 +24,7 @@ def _f64(a):
 
 
 def rope(cfg: DraftConfig, x, positions):
-    """Interleaved rotation (formats/dspark.md §5.4): pair (x[2i], x[2i+1]) of row t turns by
+    """Interleaved rotation (formats/model/dspark.md §5.4): pair (x[2i], x[2i+1]) of row t turns by
     positions[t] * inv_freq[i], cos and sin times the YaRN amplitude. x: (T, ..., rope)."""
     x = _f64(x)
     inv_freq = np.asarray(cfg.rope_inv_freq(), dtype=np.float64)        # (half,)
@@ -51,7 +51,7 @@ def kv_rows(cfg: DraftConfig, get, layer: int, x, positions):
 
 
 def ingest(cfg: DraftConfig, get, taps, positions):
-    """Context cache rows for committed positions (formats/dspark.md §5.1).
+    """Context cache rows for committed positions (formats/model/dspark.md §5.1).
 
     taps: (n, n_taps * target_hidden), the tapped target states of each position in
     ascending layer order. positions: (n,) absolute. Returns (layers, n, cache_width)

@@ -1,6 +1,6 @@
 """Choosing the token at a position from its logits and the tokens before it.
 
-Owns: the decision rule only, in one fixed order (formats/numerics.md section 12): a
+Owns: the decision rule only, in one fixed order (formats/model/numerics.md section 12): a
 structured-output grammar's mask first, when the request has one (``grammar``: the ids it
 does not allow after the tokens generated before the position get -inf), then the
 logit bias of the request's biased tokens, the repetition penalty over every token before

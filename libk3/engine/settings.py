@@ -13,7 +13,7 @@ T >= 2^-126, the smallest normal float32, logits / T stays below 2^254 and the f
 softmax is exact; a smaller T (e.g. the subnormal 1e-320) overflows to inf, and
 inf - inf makes every probability NaN. The repetition penalty divides or multiplies a
 logit the same way, so it lies in [2^-126, 2^126]; presence and frequency penalties lie in
-[-2, 2] (OpenAI's range), so a penalised logit stays finite too (formats/numerics.md
+[-2, 2] (OpenAI's range), so a penalised logit stays finite too (formats/model/numerics.md
 section 12 has the rule they feed). A logit bias adds at most 100 in magnitude (OpenAI's
 range, 300 tokens at most) before them: a biased logit stays below 2^128 + 100, and the
 repetition penalty's bound still keeps it finite in float64.

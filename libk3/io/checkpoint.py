@@ -20,7 +20,7 @@ int and a dict slot (a columnar layout would save memory but not the parse, whic
 dominates; bench/README.md, "Reading the checkpoint index", has the costs). Image tower
 and projector tensors (``vision_tower.``, ``mm_projector.``) are kept apart from the
 language-model table: when config.json has ``vision_config`` they are validated against
-its inventory (``libk3.io.inventory``, formats/vision.md §3), otherwise ignored.
+its inventory (``libk3.io.inventory``, formats/model/vision.md §3), otherwise ignored.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class Checkpoint:
         """Raise CheckpointError unless the table holds exactly the inventory of
         ``self.config`` with exact shapes and allowed dtypes, A_log's padding is zero and
         every routed expert is one contiguous run; with ``vision_config`` in the model
-        directory's config.json, also exactly its image tensors (formats/vision.md §3)."""
+        directory's config.json, also exactly its image tensors (formats/model/vision.md §3)."""
         cfg = self.config
         problems = inventory.experts_mxfp4_ok(cfg)
         if problems:
@@ -272,7 +272,7 @@ class Checkpoint:
 
     def vision_entry(self, name: str) -> TensorEntry:
         """An image tower or projector tensor's entry (kept apart from the language
-        model's table, formats/vision.md §3.3)."""
+        model's table, formats/model/vision.md §3.3)."""
         ent = self._vision_table.get(name)
         if ent is None:
             raise CheckpointError("no such image tensor in the checkpoint",

@@ -3,7 +3,7 @@
 Owns: the expected inventory derived from a config (model.md §3.4 and §4.1): every
 model-level, trunk and routed-expert tensor, its shape and the dtypes k3 accepts; and the
 168-tensor inventory of the image tower and projector derived from a ``VisionConfig``
-(formats/vision.md §3) with the check of a checkpoint's image tensors against it (every
+(formats/model/vision.md §3) with the check of a checkpoint's image tensors against it (every
 name present with its exact shape and a float dtype, nothing else under
 ``vision_tower.`` or ``mm_projector.``; the float dtypes are the language model's, for
 the same reason). Does not own: reading headers (``libk3.io.safetensors``,
@@ -197,14 +197,14 @@ def is_expected_expert(cfg: K3Config, name: str) -> bool:
             and name == names.expert(L, *parsed))
 
 
-# ---- the image tower and projector (formats/vision.md §3) ------------------------------
+# ---- the image tower and projector (formats/model/vision.md §3) ------------------------------
 
 _SHOW = 5
 
 
 def vision_specs(vcfg: VisionConfig) -> list:
     """TensorSpecs of the tower and projector, in the order the synthetic writer lays
-    them out (formats/vision.md §3.1)."""
+    them out (formats/model/vision.md §3.1)."""
     D, Q, I = vcfg.vt_hidden_size, vcfg.qkv_hidden_size, vcfg.vt_intermediate_size
     p, M, T = vcfg.patch_size, vcfg.merged_width, vcfg.text_hidden_size
     specs = [TensorSpec(names.VISION_PATCH_EMBED, (D, 3, p, p), MATRIX),

@@ -2,7 +2,7 @@
 written; no I/O, no model state, no imports from ``libk3.model``).
 
 One module per concern, each citing the model.md section it implements and the numerics of
-formats/numerics.md (model.md §7):
+formats/model/numerics.md (model.md §7):
 
 * ``bf16``        dense matvec / block matmul, BF16 bits (or f32) weights, f64 sums.
 * ``mxfp4``       matvec / block matmul straight from packed MXFP4 experts.
@@ -21,7 +21,7 @@ formats/numerics.md (model.md §7):
 * ``team``        whether a call uses the whole thread team or only the calling thread.
 
 Numba caches each kernel per source file and does not track imports: after editing
-``_dot.py``, ``_simd.py``, ``_mxfp4_tile.py`` or ``team.py``, delete ``libk3/kernels/__pycache__`` (formats/numerics.md 9).
+``_dot.py``, ``_simd.py``, ``_mxfp4_tile.py`` or ``team.py``, delete ``libk3/kernels/__pycache__`` (formats/model/numerics.md 9).
 
 Invariant shared by all: ``prange`` only over independent output rows, heads, channels
 or tokens, never fastmath, so every result is bit-identical at any thread count, and a

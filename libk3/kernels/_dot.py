@@ -2,7 +2,7 @@
 
 Owns: ``dot16`` (one row), ``dot16_x4`` (four rows sharing the activation loads) and
 ``dot16_x4_t2`` (four rows times two tokens sharing the weight loads: prefill), the
-summation order of formats/numerics.md section 2. It follows the order the public C engine
+summation order of formats/model/numerics.md section 2. It follows the order the public C engine
 documents (model.md §7.2; "remainder added sequentially" read as: after the reduction),
 so k3's BF16/F32 matvecs should match it bit for bit (not checked: no C engine output is
 available here):

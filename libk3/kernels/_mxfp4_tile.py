@@ -7,7 +7,7 @@ and ``tile_8x2`` (sixteen: two vectors of eight): RT rows x TT tokens of one gro
 decoded row applied to every token of the tile; and for eight tokens at a time
 ``decode_to`` (a group decoded once into memory) with ``lanes_pair`` (two rows, the eight
 tokens in the lanes: the tree is then seven vector adds, no shuffles). Does not own: the order itself
-(formats/numerics.md section 3), which tiles a kernel uses (``mxfp4.py``).
+(formats/model/numerics.md section 3), which tiles a kernel uses (``mxfp4.py``).
 
 WHY tiles of eight (row, token) lanes. The order of section 3 ends each group with a
 fixed tree ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)) and a scaled add into the
@@ -209,7 +209,7 @@ tile_8x2 = _make_tile(8, 2)
 @intrinsic
 def group_sum_x2(typingctx, packed, q, x, j):
     """float64 sum of one 32-group, 2 * E2M1(nibble) * x, in the order of section 3 of
-    formats/numerics.md: lanes s_0..s_7 start at +0.0, element j + 8c + l is added to s_l
+    formats/model/numerics.md: lanes s_0..s_7 start at +0.0, element j + 8c + l is added to s_l
     in increasing c by a fused multiply-add (exact product: one rounding, the addition's),
     then ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)). Doubling is exact in f64 for
     every f32 activation, so this is exactly twice the scalar group sum.

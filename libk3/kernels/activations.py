@@ -2,7 +2,7 @@
 
 Owns: ``sigmoid``/``silu`` as scalar device functions, ``sigmoid``, ``situ`` (K3's
 SiTU-GLU product), ``silu_mul`` (the DSpark draft's SiLU-gated product) and the image
-tower's two GELUs ``gelu_tanh`` and ``gelu_erf`` (formats/vision.md §5.5) as array
+tower's two GELUs ``gelu_tanh`` and ``gelu_erf`` (formats/model/vision.md §5.5) as array
 kernels, ``softmax_f32``.
 Does not own: where the betas come from (config ``situ_beta``, ``situ_linear_beta``).
 
@@ -102,7 +102,7 @@ def softmax_f32(p, n):
 @njit(cache=True, parallel=True)
 def silu_mul(gate, up, out):
     """out[i] = f32(silu1(gate[i]) * up[i]): the SiLU-gated MLP product of the DSpark
-    draft (formats/dspark.md §5.3 step 7), every operation f32 (formats/numerics.md
+    draft (formats/model/dspark.md §5.3 step 7), every operation f32 (formats/model/numerics.md
     sections 5 and 11: SiLU(g) = g * sigmoid(g), then times u).
 
     gate, up, out: [n] float32 (out may alias either). Must not become: SiLU of the up
@@ -127,7 +127,7 @@ _RSQRT2 = np.float32(1.0 / math.sqrt(2.0))
 def gelu_tanh(x, out):
     """out[i] = f32 0.5 u (1 + tanhf(k (u + c u³))), u = x[i], k = f32(sqrt(2 / pi)),
     c = f32(0.044715), each operation f32, left to right: u³ = (u u) u, inner = k (u + c u³),
-    out = (0.5 u) (1 + tanhf(inner)). The tower's MLP (formats/vision.md §5.5).
+    out = (0.5 u) (1 + tanhf(inner)). The tower's MLP (formats/model/vision.md §5.5).
 
     x, out: [n] float32 (out may be x). Must not become: the erf GELU (the projector's;
     they differ by up to 4.7e-4), a float64 evaluation, or numpy's vectorised tanh."""
@@ -144,7 +144,7 @@ def gelu_tanh(x, out):
 @njit(cache=True, parallel=True)
 def gelu_erf(x, out):
     """out[i] = f32 (0.5 u) (1 + erff(u · f32(1 / sqrt 2))), u = x[i], each operation f32:
-    the exact GELU of the projector (formats/vision.md §6.2).
+    the exact GELU of the projector (formats/model/vision.md §6.2).
 
     x, out: [n] float32 (out may be x). Must not become: the tanh GELU (the tower's)."""
     if out.shape[0] != x.shape[0]:

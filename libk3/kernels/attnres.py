@@ -5,7 +5,7 @@ first, then the running partial sum) for T independent tokens. Does not own: the
 bookkeeping of which sources exist (model.md §5.3, ``libk3.model``), folding the gain and
 projection into f (done once at load, in f32, by the caller).
 
-Numerics (formats/numerics.md section 6), per token:
+Numerics (formats/model/numerics.md section 6), per token:
   key_s[i] = f32(v_s[i] * inv_s), inv_s = f32(1 / sqrt(f64 sum_i v_s[i]^2 / E + eps))
   score_s  = f32(f64 sum_i f64(key_s[i]) * f64(f[i]))        (sequential in i)
   e_s = expf(score_s - max_s score_s) (f32); z = f64 sum_s e_s; p_s = f32(e_s / z)

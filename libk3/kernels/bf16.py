@@ -2,7 +2,7 @@
 
 Owns: ``matvec`` (one token, decode) and ``matmul`` (a block of T tokens, prefill) for
 every dense trunk matrix (model.md §5.5-§5.8, §7.1, §7.2). Does not own: the
-summation order (``_dot.dot16``, formats/numerics.md section 2), MXFP4 experts
+summation order (``_dot.dot16``, formats/model/numerics.md section 2), MXFP4 experts
 (``mxfp4.py``), any choice of which weights to multiply.
 
 Weights stay BF16 in memory as raw uint16 bit patterns and are widened (bits << 16)

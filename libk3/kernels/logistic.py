@@ -1,9 +1,9 @@
 """One logistic unit, sigmoid(w . x + b) in float64: the DSpark draft's confidence head
-(formats/dspark.md §5.7).
+(formats/model/dspark.md §5.7).
 
 Owns: ``logistic_unit``. Does not own: what the features x are (``libk3.draft.forward``
 concatenates the final-normed row and the Markov W1 row), the summation order
-(``_dot.dot16``, formats/numerics.md section 2; the unit's own steps are section 11).
+(``_dot.dot16``, formats/model/numerics.md section 2; the unit's own steps are section 11).
 
 WHY float64 to the end: the confidence is a probability the speculative loop multiplies
 over proposals to price a verify width; it is one row, so rounding it to float32 would

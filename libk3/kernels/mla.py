@@ -11,7 +11,7 @@ WHY the absorbed form: the cache holds 576 floats per position (latent 512 + k_r
 instead of 96 x 256 expanded k_nope | v: 43x less memory (model.md §6). W_UK folds into the
 query (q_bar_h = W_UK_h^T q_nope_h); W_UV is applied after the mix.
 
-Numerics (formats/numerics.md section 7), per new position t (absolute position p_t)
+Numerics (formats/model/numerics.md section 7), per new position t (absolute position p_t)
 and head h, with W_UK_h = rows h*(nope+v) .. +nope of kv_b_proj and W_UV_h the next v rows:
   q_bar[c] = f32( f64 sum_d widen(W_UK_h[d, c]) * q_nope[d] )   (sequential in d)
   score(s) = f32( dot16(latent[s], q_bar) + dot16(k_rope[s], q_rope) ) * f32(scale)

@@ -12,7 +12,7 @@ Traps this module exists to get right: the LOW nibble is the EVEN element; scale
 never added, so even an inf or NaN activation under it is ignored); the exponent bias
 is 127.
 
-Order (formats/numerics.md section 3): per 32-group, 8 f64 partial sums s_0..s_7 start
+Order (formats/model/numerics.md section 3): per 32-group, 8 f64 partial sums s_0..s_7 start
 at +0.0 and element j of the group goes to s_(j mod 8) in increasing j; the group sum is
 ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)); it is multiplied by 2^(s - 127)
 (exact) and added to the row sum in increasing group order; one rounding to f32. Rows
@@ -89,7 +89,7 @@ def _row_dot2_vec(pa, sa, pb, sb, x):
 @njit(cache=True, inline="always")
 def _row_dot2(pa, sa, pb, sb, x):
     """float64 sums of two packed rows a and b against one x (each row in the order of
-    section 3 of formats/numerics.md, independently of the other row).
+    section 3 of formats/model/numerics.md, independently of the other row).
 
     pa, pb: [C/2] uint8; sa, sb: [C/32] uint8; x: [C] float64. Two rows per pass share
     every x load (the loop is bound by loads: +10 % over one row at a time)."""

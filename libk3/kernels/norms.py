@@ -7,7 +7,7 @@ All work on a 2-D [rows, n] float32 array; a per-head norm is the same call on t
 [T * H, D] view of a [T, H * D] array. Does not own: which eps a norm uses (the caller
 passes ``rms_norm_eps``, ``MLA_LATENT_NORM_EPS`` or ``L2NORM_EPS`` from ``libk3.config``).
 
-Numerics (formats/numerics.md section 4): ss = sum of f64(x_i)^2 sequentially in
+Numerics (formats/model/numerics.md section 4): ss = sum of f64(x_i)^2 sequentially in
 increasing i; inv = f32(1 / sqrt(ss / n + eps)) computed in f64 (eps taken as the f64 value
 of the Python float); y_i = f32(f32(w_i * x_i) * inv). Rows are independent, so ``prange``
 over rows keeps results identical at any thread count.

@@ -1,4 +1,4 @@
-"""Rotary position embedding in interleaved pairs (formats/dspark.md §5.4).
+"""Rotary position embedding in interleaved pairs (formats/model/dspark.md §5.4).
 
 Owns: ``rope_interleaved``, the rotation of the DSpark draft's q_pe and k_pe. Does not own
 the frequencies or the amplitude (``libk3.draft.config``: DeepSeek-style YaRN), nor which
@@ -7,9 +7,9 @@ never rotates (its MLA is NoPE, model.md §5.6); only the draft does.
 
 WHY interleaved: the draft was trained with GPT-J / DeepSeek pairs (x[2i], x[2i+1]); the
 half-split NeoX pairing (x[i], x[i + half]) loads, runs and accepts almost nothing
-(formats/dspark.md §5.4), so the convention is fixed here and tested against its rival.
+(formats/model/dspark.md §5.4), so the convention is fixed here and tested against its rival.
 
-Numerics (formats/numerics.md section 10): the angle, cos and sin in float64 (libm),
+Numerics (formats/model/numerics.md section 10): the angle, cos and sin in float64 (libm),
 scaled by the amplitude in float64 and rounded to float32 once; the rotation itself in
 float32, one rounding per operation. Rows (token, head) are independent, so ``prange``
 over them cannot change a result, and a T-token call equals T one-token calls.

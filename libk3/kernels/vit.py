@@ -1,5 +1,5 @@
 """The image tower's attention: the 2D rotary split into heads and the bidirectional
-attention over all patches of one image (formats/vision.md §5.3, §5.4).
+attention over all patches of one image (formats/model/vision.md §5.3, §5.4).
 
 Owns: ``split_heads`` (one third of the ``wqkv`` output, rotated or not, laid out head by
 head) and ``attention`` (softmax(q kᵀ · scale) v per head, no mask). Does not own: the
@@ -12,7 +12,7 @@ row, with float32 angles (the release's), so the per-patch cos and sin come in a
 WHY not ``mla.mla_attention``: that one is causal over a latent cache; here every patch
 sees every patch of its image and keys are plain per-head vectors.
 
-Numerics (formats/vision.md §7.2, formats/numerics.md section 13): scores are ``dot16``
+Numerics (formats/model/vision.md §7.2, formats/model/numerics.md section 13): scores are ``dot16``
 sums (numerics.md section 2) of the float32 q and k, rounded once, times f32(scale);
 ``softmax_f32`` (numerics.md section 5); the mix a[j] = f32(sum over keys s in increasing
 order of f64(p_s) · f64(v[s, j])). Tasks are (head, QUERIES queries); sums never split,
@@ -40,7 +40,7 @@ def split_heads(qkv, part, cos, sin, rotate, out):
     cos, sin: [L, hd / 2] float32, pair k of patch l turns by the angle whose cos and sin
     they hold (vision.md §5.3). rotate: False copies (v). out: [H, L, hd] float32, written.
     For pair k, a = x[2k], b = x[2k + 1]: out[2k] = f32(f32(a c) − f32(b s)),
-    out[2k + 1] = f32(f32(a s) + f32(b c)) (formats/numerics.md section 10 step 3).
+    out[2k + 1] = f32(f32(a s) + f32(b c)) (formats/model/numerics.md section 10 step 3).
     Must not become: half-split pairs, or the row and column angles swapped (the caller's
     table decides which pair is which; this kernel only pairs neighbours)."""
     H, L, hd = out.shape

@@ -1,5 +1,5 @@
 """Decoding an image file's bytes with Pillow, refusing what is not a bounded image
-(formats/vision.md §4.1).
+(formats/model/vision.md §4.1).
 
 Owns: the lazy Pillow import and its install hint, the formats k3 opens, the pixel limit
 checked from the header before any pixel is decoded, and turning every Pillow failure on

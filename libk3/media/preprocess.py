@@ -1,5 +1,5 @@
 """An image's pixels as the release's preprocessing makes them: resize, transparency,
-padding, normalization and patch order (formats/vision.md §4).
+padding, normalization and patch order (formats/model/vision.md §4).
 
 Owns: ``preprocess_image`` (bytes in; float32 patches [L, 3, p, p], the grid and the
 original size out) and its steps after decoding. Does not own: decoding and the limits on

@@ -1,5 +1,5 @@
 """The release's size rule: which size an image is processed at and how it is padded
-(formats/vision.md §4.2).
+(formats/model/vision.md §4.2).
 
 Owns: the resized size, the padding, the patch grid of an image of a given size, and the
 largest image k3 decodes (vision.md §4.1). Does not own: decoding, resizing or pixels
@@ -19,7 +19,7 @@ from ..errors import FormatError
 from ..vision_config import MediaProcConfig
 
 # Decoded pixels are never more than this, whatever the config: 256 MiB as 4-byte pixels,
-# the widest a decoded Pillow pixel is (formats/vision.md §4.1).
+# the widest a decoded Pillow pixel is (formats/model/vision.md §4.1).
 PIXEL_CEILING = 1 << 26
 
 

@@ -237,7 +237,7 @@ class Segment:
 
 
 class Taps(NamedTuple):
-    """Which hidden states a pass captures for a draft model (formats/dspark.md §4):
+    """Which hidden states a pass captures for a draft model (formats/model/dspark.md §4):
     after each of ``layers`` (0-based, ascending), in ``form`` "prefix" (the AttnRes
     partial sum of the layer's block, model.md §5.3) or "attn_res" (the next layer's
     attention-input mixture; after the last layer, the output mixture)."""
@@ -247,7 +247,7 @@ class Taps(NamedTuple):
 
 def commit(segment: Segment, n: int) -> None:
     """Make a verify segment's State hold its first ``n`` ids, as feeding only those
-    would have (formats/dspark.md §6): the KDA recurrence and conv history are replayed
+    would have (formats/model/dspark.md §6): the KDA recurrence and conv history are replayed
     from the pass's tape (the same kernel over the same inputs, so bit-identical), MLA
     caches keep the rows already written (rows past the position are never read), and
     the state's last logits are the pass's row of its n-th id."""

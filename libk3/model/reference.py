@@ -1,4 +1,4 @@
-"""A plain numpy float64 forward of K3, to be read against formats/model.md line by line.
+"""A plain numpy float64 forward of K3, to be read against formats/model/model.md line by line.
 
 Owns: the oracle for the numba kernels and the engine model (model.md §5,
 in computation order). It never calls ``libk3.kernels``: it dequantises experts to float,

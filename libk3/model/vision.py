@@ -1,5 +1,5 @@
 """The image tower, patch merger and projector on the numba kernels: one image's patches
-in, the rows that enter the language model out (formats/vision.md §5-§7).
+in, the rows that enter the language model out (formats/model/vision.md §5-§7).
 
 Owns: ``VisionTower`` (the 3 + 6 B + 3 image tensors bound and checked, held in memory,
 and ``encode``), ``read_vision_tensors`` (those tensors from a validated checkpoint), and

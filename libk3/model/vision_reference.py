@@ -1,5 +1,5 @@
 """A plain numpy float64 evaluation of the image tower, merger and projector, to be read
-against formats/vision.md §5-§6 line by line.
+against formats/model/vision.md §5-§6 line by line.
 
 Owns: the oracle for ``libk3.model.vision`` and its kernels: patches in, the tower's
 final-normed rows, the merged rows and the projected rows out, every operation in float64

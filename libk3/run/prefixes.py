@@ -12,7 +12,7 @@ every small edit; at chunk boundaries runs with edited tails still meet the same
 Why one snapshot in RAM: a batch's lines usually share one preamble; holding one is the
 fixed overhead (docs/memory.md), others come from disk or are rebuilt.
 Exact: the forward gives the same bytes however a sequence is split into passes
-(formats/numerics.md), so a prompt resumed from a snapshot yields the same tokens and
+(formats/model/numerics.md), so a prompt resumed from a snapshot yields the same tokens and
 logits as one prefilled whole (tested).
 """
 

@@ -13,7 +13,7 @@ checked by ``request.model.Generation`` (one rule per field); a field k3 uses wi
 wrong type or range is refused (422). Either way a request never runs with settings
 other than those asked for. The sampling fields beyond OpenAI's (``top_k``, ``min_p``,
 ``repetition_penalty``) mean what vLLM's do, and ``logit_bias`` is applied as vLLM
-applies it, to the raw logits before the penalties (formats/numerics.md section 12).
+applies it, to the raw logits before the penalties (formats/model/numerics.md section 12).
 """
 
 from __future__ import annotations

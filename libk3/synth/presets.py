@@ -92,7 +92,7 @@ DRAFTS = {
     "real-sparse": {},
 }
 
-# The image tower of each preset (formats/vision.md §3.3), as the published vision_config
+# The image tower of each preset (formats/model/vision.md §3.3), as the published vision_config
 # with these widths; text_hidden_size is the preset's hidden_size. Smaller presets keep
 # every width apart from the ones it could be mistaken for (D, the attention width, its
 # triple, the MLP, the merged row 4 D, the language model's hidden), a head width that is a

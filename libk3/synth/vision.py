@@ -1,4 +1,4 @@
-"""The image tower and projector of a synthetic K3 checkpoint (formats/vision.md §3.3).
+"""The image tower and projector of a synthetic K3 checkpoint (formats/model/vision.md §3.3).
 
 Owns: each preset's ``vision_config`` document and root placeholder key, the published
 ``preprocessor_config.json`` (the same in every preset: preprocessing has no width to
@@ -31,7 +31,7 @@ _WIDE = (names.VISION_PATCH_EMBED, "wqkv.weight", "mlp.fc0.weight")   # 2 / sqrt
 
 
 def preprocessor_doc() -> dict:
-    """preprocessor_config.json as published (formats/vision.md §2.2)."""
+    """preprocessor_config.json as published (formats/model/vision.md §2.2)."""
     return {"media_proc_cfg": dict(MEDIA_PROC)}
 
 
