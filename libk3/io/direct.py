@@ -11,10 +11,9 @@ Why O_DIRECT: streamed bytes are used once per token; through the page cache the
 evict each other and count against the machine, not against k3's budget, and under a
 cgroup memory limit the page cache's reclaim slows buffered reads further.
 Why huge pages: a direct read lands in the buffer's physical pages, and a request to the
-disk carries a bounded number of discontiguous segments (254 on this VM's virtio disk);
-into scattered 4 KiB pages a 4 MiB read went out as ~700 KiB requests and took twice as
-long as into 2 MiB pages, which go out as 4 MiB requests (bench/README.md "Trunk
-compression"). So a buffer of at least a huge page starts on a huge-page boundary and its
+disk carries a bounded number of discontiguous segments; into scattered 4 KiB pages a
+large read goes out as several smaller requests and takes longer than into 2 MiB pages,
+which go out whole (bench/README.md "Trunk compression"). So a buffer of at least a huge page starts on a huge-page boundary and its
 whole huge pages are advised MADV_HUGEPAGE (a hint: without THP it is 4 KiB pages as
 before); its tail stays in small pages so touching it costs no more RSS than its bytes.
 Why a window: O_DIRECT needs offset, length and buffer aligned to the block size; an

@@ -23,8 +23,8 @@ the order the public C engine documents (model.md §7.2).
 WHY a vector decode through the SSSE3 byte shuffle: the scalar table decode (a byte ->
 (low, high) pair, eight f64 lanes as scalars) is bound by loads, and decoding a whole
 group at once (16 bytes -> nibbles -> one 16-entry int8 table lookup per nibble half ->
-f64 lanes, four fused multiply-adds into the eight lanes of section 3) is about twice as
-fast with the same sums (bench/README.md, "Kernels at the real dimensions"). The table
+f64 lanes, four fused multiply-adds into the eight lanes of section 3) is faster with the
+same sums (bench/README.md, "Kernels at the real dimensions"). The table
 holds 2 * E2M1 (all integers) and the group sum is scaled by 2^(s - 128): doubling is
 exact in f64 for any f32 activation, so every rounding lands on the same real number as
 the scalar path's. The scalar ``_row_dot2`` stays as the path for CPUs without SSSE3 and as the test oracle of
@@ -92,7 +92,7 @@ def _row_dot2(pa, sa, pb, sb, x):
     section 3 of formats/model/numerics.md, independently of the other row).
 
     pa, pb: [C/2] uint8; sa, sb: [C/32] uint8; x: [C] float64. Two rows per pass share
-    every x load (the loop is bound by loads: +10 % over one row at a time)."""
+    every x load (the loop is bound by loads)."""
     acc_a = 0.0
     acc_b = 0.0
     for g in range(sa.shape[0]):

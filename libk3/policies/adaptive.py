@@ -14,14 +14,13 @@ Why four whole policies and not one layer-lfu with a learned half life (bench/RE
 "Cache policies"): on stable popularity full-history LFU reads least and on shifting
 popularity a short half life does, but where consecutive tokens share experts LRU (a
 cache of about one cycle) or S3-FIFO (several cycles) beats every half life of
-layer-lfu, by up to 10 %. Why a long score memory: on full-recompute traces the best
-shadow changes within each step; a half life of ~23 windows switched back and forth and
-read up to 4 % more than layer-lfu alone, ~69 windows does not. The cost is the four
-shadows' work on every request.
+layer-lfu. Why a long score memory: on full-recompute traces the best shadow changes
+within each step; a short half life switched back and forth and read more than layer-lfu
+alone, a long one does not. The cost is the four shadows' work on every request.
 
-Why it is the default (``POLICY``): it reads the fewest bytes per token, within 2 % of the
+Why it is the default (``POLICY``): it reads the fewest bytes per token, close to the
 best of LRU, S3-FIFO, full-history LFU and layer-lfu on every trace and capacity of
-``bench/replay.py`` (bench/README.md, "Cache policies"); each of those alone is 8 to 80 %
+``bench/replay.py`` (bench/README.md, "Cache policies"); each of those alone is far
 behind the best somewhere.
 
 Like every online policy here it never evicts a key requested in the current layer

@@ -10,9 +10,9 @@ timings. Does not own: the codec, its checks and where the stored bytes go
 (``libk3.pack.codec``, ``BlockPlan.in_place``), which layer goes where or when a
 raw layer's whole-run CRC is checked (``libk3.stream.trunk``).
 
-Why in place: staging buffers cost fixed overhead, so they were few and small (48 MiB in
-flight), and inside k3-run the compressed pass stayed at 0.86-0.89x of raw's time, which
-reads a whole layer in one request; reading into the buffer itself costs at most one
+Why in place: staging buffers cost fixed overhead, so they were few and small, and inside
+k3-run the compressed pass stayed slower than raw's, which reads a whole layer in one
+request; reading into the buffer itself costs at most one
 block of room per buffer and lets the queue be as deep as the disk wants (bench/README.md
 "Trunk compression"). Why the waits: a block's output never reaches its own stored bytes,
 but it may cover an earlier block's, so a run of blocks decodes only after every earlier
