@@ -20,7 +20,7 @@ Every product is exact in f64 (BF16 x f32: 8 + 24 significant bits; f32 x f32: 4
 only roundings are the additions listed above. ``dot16_x4`` performs, for each of its
 rows, exactly the operations ``dot16`` performs; it exists to keep eight independent
 vector chains in flight, and ``dot16_x4_t2`` to load and widen each weight chunk once for
-two tokens (both measured in bench/README.md, "Kernels at the real dimensions").
+two tokens (both measured in bench/README.md, "Arithmetic").
 """
 
 from __future__ import annotations

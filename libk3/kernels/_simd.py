@@ -10,7 +10,7 @@ WHY a vector type at all. Numba disables LLVM's SLP vectoriser and never lets th
 vectoriser reassociate a floating-point reduction (no fastmath, on purpose:
 model.md §7). A dot product written with 16 scalar f64 partial sums therefore compiles to
 scalar code, about four times slower than the same 16 partial sums held in two 8-lane
-vectors (bench/README.md, "Kernels at the real dimensions"). The vector form changes nothing numerically: lane l of the vector
+vectors (bench/README.md, "Arithmetic"). The vector form changes nothing numerically: lane l of the vector
 holds exactly the partial sum a scalar loop would keep in accumulator l, each lane is
 updated in the same order, and every product of a BF16 or f32 weight with an f32
 activation is exact in f64, so the fused multiply-add rounds exactly where a separate

@@ -23,7 +23,7 @@ and head h, with W_UK_h = rows h*(nope+v) .. +nope of kv_b_proj and W_UV_h the n
 A position's result depends only on its query and cache rows 0..p_t, so prefill of T
 positions and T single-position decode calls give identical bits. Heads run in
 parallel in groups of four that share each cache-row load (``dot16_x4``, with the
-queries widened to f64 once; bench/README.md, "Kernels at the real dimensions"); positions and sums never split across threads. Each score keeps dot16's order
+queries widened to f64 once; bench/README.md, "Arithmetic"); positions and sums never split across threads. Each score keeps dot16's order
 whichever operand is passed as w: the products are exact and commute.
 """
 

@@ -24,7 +24,7 @@ WHY a vector decode through the SSSE3 byte shuffle: the scalar table decode (a b
 (low, high) pair, eight f64 lanes as scalars) is bound by loads, and decoding a whole
 group at once (16 bytes -> nibbles -> one 16-entry int8 table lookup per nibble half ->
 f64 lanes, four fused multiply-adds into the eight lanes of section 3) is faster with the
-same sums (bench/README.md, "Kernels at the real dimensions"). The table
+same sums (bench/README.md, "Arithmetic"). The table
 holds 2 * E2M1 (all integers) and the group sum is scaled by 2^(s - 128): doubling is
 exact in f64 for any f32 activation, so every rounding lands on the same real number as
 the scalar path's. The scalar ``_row_dot2`` stays as the path for CPUs without SSSE3 and as the test oracle of
