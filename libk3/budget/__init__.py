@@ -45,8 +45,8 @@ from .plan import (Budget, TrunkPlan, cache_floor, expert_slots, floor_problems,
                    minimum_budget, overlap_floor, plan_trunk, trunk_floor)
 from .presets import (FLAG_KEYS, GB, NAMED, PRESET_NAMES, PRESETS_FILE, Preset,
                       Rules, load_presets, load_rules)
-from .sizes import (ModelSizes, activation_peak, sequence_bytes, verify_tape_bytes, with_beside,
-                    with_draft)
+from .sizes import (ModelSizes, activation_peak, sequence_bytes, verify_tape_bytes, vision_bytes,
+                    with_beside, with_draft)
 
 __all__ = ["BATCH_SNAPSHOTS", "MAX_AUTO_WIDTH", "PREFILL_CHUNKS", "SERVER_SNAPSHOTS",
            "admission_problems",
@@ -56,4 +56,4 @@ __all__ = ["BATCH_SNAPSHOTS", "MAX_AUTO_WIDTH", "PREFILL_CHUNKS", "SERVER_SNAPSH
            "expert_slots", "floor_problems", "minimum_budget", "overlap_floor", "plan_trunk",
            "trunk_floor", "FLAG_KEYS", "GB", "NAMED", "PRESET_NAMES", "PRESETS_FILE", "Preset",
            "Rules", "load_presets", "load_rules", "ModelSizes", "activation_peak", "sequence_bytes",
-           "verify_tape_bytes", "with_beside", "with_draft"]
+           "verify_tape_bytes", "vision_bytes", "with_beside", "with_draft"]

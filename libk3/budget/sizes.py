@@ -241,6 +241,16 @@ def with_beside(sizes: ModelSizes, nbytes: int) -> ModelSizes:
     return dataclasses.replace(sizes, beside_bytes=sizes.beside_bytes + int(nbytes))
 
 
+def vision_bytes(vcfg, used: bool = True) -> int:
+    """What the image tower and projector hold once read (formats/presets.md "Images"):
+    matrices as BF16 bits, vectors and the position table float32; 0 for a text model or
+    a run that reads no image."""
+    if vcfg is None or not used:
+        return 0
+    return sum(math.prod(s.shape) * (2 if s.kind == inventory.MATRIX else 4)
+               for s in inventory.vision_specs(vcfg))
+
+
 def sequence_bytes(sizes: ModelSizes, positions: int) -> int:
     """What one sequence holds: its recurrent state (KDA S and conv history, every KDA
     layer) and its MLA cache for ``positions`` positions (formats/presets.md 2, 5)."""

@@ -121,7 +121,8 @@ class Request:
     the whole reply (a chat continues from it); otherwise a finished lane leaves at once.
     ``interrupted()``: asked before each sampled token joins the reply; True ends the
     request there (stop reason "interrupted"). ``chunk``: prompt tokens per pass for this
-    request (None: the core's)."""
+    request (None: the core's). ``images``: ``forward.ImageRows`` whose rows take the
+    place of the pad ids of ``prompt_ids`` from their ``start`` (formats/vision.md §8.2)."""
 
     tag: object
     prompt_ids: list
@@ -133,6 +134,7 @@ class Request:
     logits: bool = False
     feed_last: bool = False
     interrupted: object = None
+    images: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,11 +198,24 @@ class Lane:
         tag = self.req.tag
         if n_prompt or self.spec is None:
             every = self.rows is not None or n_prompt == 0 or self.echoes
-            return Segment(ids, self.state, all_logits=every,
-                           phase="prefill" if n_prompt else "decode", tag=tag)
+            seg = Segment(ids, self.state, all_logits=every,
+                          phase="prefill" if n_prompt else "decode", tag=tag)
+            if n_prompt:
+                seg.images = self._images(self.fed, self.fed + n_prompt)
+            return seg
         room = 0 if self.closing else self.limit - len(self.generated)
         return self.spec.plan(self.state, self.next, room, self.stops.ids,
                               self.sampler, tag, others)
+
+    def _images(self, lo: int, hi: int) -> list:
+        """The image rows standing in prompt positions lo..hi-1, relative to lo (a chunk
+        may cut an image: its rows go in with the positions they stand at)."""
+        out = []
+        for im in self.req.images:
+            a, b = max(im.start, lo), min(im.start + im.rows.shape[0], hi)
+            if a < b:
+                out.append(im._replace(start=a - lo, rows=im.rows[a - im.start:b - im.start]))
+        return out
 
     def take(self, seg: Segment, logits, n_prompt: int, seconds: float, out: list) -> None:
         """Absorb this lane's logits from a pass that fed ``n_prompt`` prompt tokens (or,

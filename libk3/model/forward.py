@@ -212,6 +212,15 @@ def latent_moe(cfg: K3Config, lw, x: np.ndarray, ids: np.ndarray, w: np.ndarray,
     return y if y_shared is None else y + y_shared
 
 
+class ImageRows(NamedTuple):
+    """An image's projected rows standing at ``start`` (an index into the ids they come
+    with) in place of the pad ids there (formats/vision.md §8); ``digest`` names the
+    image and its preprocessing, so a State can say which image it holds."""
+    start: int
+    rows: np.ndarray        # (N, hidden_size) float32
+    digest: str
+
+
 class Segment:
     """One sequence's share of a pass: its new token ids, its State, whether every fed
     position's logits are wanted (else the last one's), the phase (trace records) and an
@@ -221,10 +230,12 @@ class Segment:
     their logits as if they were fed, but leaves the State at its position; ``commit``
     then makes it hold the accepted first n of them, from what the pass recorded in
     ``tape``, reading no weights. After a pass, ``taps`` holds the hidden states the
-    Forward's ``taps`` asked for, one row per fed id (None when none were asked for)."""
+    Forward's ``taps`` asked for, one row per fed id (None when none were asked for).
+    ``images``: ``ImageRows`` (start relative to ``ids``) whose rows replace the
+    embeddings of those positions."""
 
     __slots__ = ("ids", "state", "all_logits", "phase", "tag", "verify", "tape", "taps",
-                 "r0", "r1", "positions", "rows")
+                 "r0", "r1", "positions", "rows", "images")
 
     def __init__(self, ids, state: State, all_logits: bool = True, phase: str = "prefill",
                  tag=None, verify: bool = False):
@@ -234,6 +245,7 @@ class Segment:
         self.tape = {} if verify else None
         self.taps = None
         self.rows = None            # a verify's logits rows, for ``commit``
+        self.images = ()
 
 
 class Taps(NamedTuple):
@@ -346,6 +358,9 @@ class Forward:
                                       dtype=np.int64)
         ids = live[0].ids if len(live) == 1 else np.concatenate([s.ids for s in live])
         prefix = self.weights.embed(ids)                             # (T, E) f32
+        for seg in live:            # image rows in place of their pads' embeddings
+            for im in seg.images:
+                prefix[seg.r0 + im.start:seg.r0 + im.start + im.rows.shape[0]] = im.rows
         blocks: list = []
         if self.first_layer_time is None:
             self.first_layer_time = time.time()
@@ -390,6 +405,8 @@ class Forward:
             if seg.verify:
                 seg.rows = out[id(seg)]
             else:
+                seg.state.media += [(seg.state.pos + im.start, im.rows.shape[0], im.digest)
+                                    for im in seg.images]
                 seg.state.pos += seg.r1 - seg.r0
                 seg.state.ids.extend(int(i) for i in seg.ids)
                 seg.state.logits = out[id(seg)][-1].copy()

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import K3_CONTEXT, K3Config
-from ..errors import FormatError
+from ..errors import FormatError, UsageError
 from ..io.atomic import replacing
 
 STATE_MAGIC = b"K3STATE\0"
@@ -95,6 +95,7 @@ class State:
         self.ids: list[int] = []
         self.logits = None       # float32 [vocab]: the last fed position's (None at pos 0)
         self.draft = None        # a draft model's context for this sequence (module doc)
+        self.media: list = []    # (pos, rows, digest) of each image's rows it holds
         H, D, P, K = cfg.num_heads, cfg.head_dim, cfg.kda_dim, cfg.short_conv_kernel_size
         self.kda_S = {}
         self.kda_conv = {}
@@ -126,6 +127,7 @@ class State:
         new.cfg, new.pos, new.ids = self.cfg, self.pos, list(self.ids)
         new.logits = None if self.logits is None else self.logits.copy()
         new.draft = None if self.draft is None else self.draft.copy()
+        new.media = list(self.media)
         new.kda_S = {L: a.copy() for L, a in self.kda_S.items()}
         new.kda_conv = {L: a.copy() for L, a in self.kda_conv.items()}
         new.mla_latent = {L: a[:self.pos].copy() for L, a in self.mla_latent.items()}
@@ -177,7 +179,11 @@ class State:
         """Write atomically: prefix, header JSON (fingerprint, ``weights_identity`` of the
         weights that computed this state, pos, ids, the draft context's identity and
         shapes or null, arrays), the arrays as little-endian float32, then the sha256 of
-        all of it."""
+        all of it. A state holding image rows is refused: its ids alone (pad ids where
+        the rows stand) do not say which image it holds (formats/vision.md §8.3)."""
+        if self.media:
+            raise UsageError(f"{path}: this state holds image rows, which a state file "
+                             "cannot name: it is not saved (formats/vision.md §8.3)")
         draft = self._draft_header()
         layout = array_layout(self.cfg, self.pos, draft)
         meta = {"fingerprint": self.cfg.fingerprint(), "weights": weights_identity,

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..engine.generate import GenSettings, generate
-from ..errors import UsageError
 from ..engine.settings import room_problem
+from ..errors import UsageError
 from .runner import Run, _load_state
 
 

@@ -45,6 +45,7 @@ class RunOptions:
     trace_path: str | None = None
     memory_override: int | None = None
     beside_bytes: int = 0                  # held beside the model by the front end (a server's)
+    vision: bool = False                   # images are read: the tower is held beside the model
     verify_reads: str = "first"
     batch_width: int | str | None = None   # lockstep width (batch, serve): N, "auto"; None: 1
     progress: bool = True                  # progress on stderr (progress.bar); --quiet: none
@@ -90,7 +91,7 @@ def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None =
     from ..machine.memory import probe_memory
     from ..budget import (BATCH_SNAPSHOTS, SERVER_SNAPSHOTS, Budget, ModelSizes,
                           admission_problems, batch_width, prefill_chunk, resolve_budget,
-                          with_beside, with_draft)
+                          vision_bytes, with_beside, with_draft)
 
     if draft is not None and stream is None:
         try:
@@ -103,7 +104,7 @@ def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None =
         held_draft = draft.streamed_nbytes if stream else draft.nbytes
         alone = with_draft(alone, ckpt.config, held_draft, draft.cfg.num_hidden_layers
                            * draft.cfg.cache_width * 4, draft_cap(opts, draft.cfg))
-    sizes = with_beside(alone, opts.beside_bytes)
+    sizes = with_beside(alone, opts.beside_bytes + vision_bytes(ckpt.vision_config, opts.vision))
     mem = probe_memory(opts.memory_override)
     fixed = opts.batch_width if isinstance(opts.batch_width, int) else 1
 
@@ -398,19 +399,21 @@ class Run:
 
     def generate(self, prompt_ids, settings: GenSettings, *, on_token=None, keep_logits=False,
                  load_state=None, save_state=None, should_stop=None, state=None,
-                 save_prefix=False):
+                 save_prefix=False, images=()):
         """One prompt, from ``state``, ``load_state``'s, the longest snapshot of the
         prefix cache that it extends (unless its logits are kept: those of the resumed
         positions would be missing), or a new state. ``save_prefix``: keep the state the
         prompt leaves in the prefix cache. ``should_stop()``, if given, is asked at every
         prefill chunk and token; when it answers True the prompt is abandoned (Abandoned
-        is raised, nothing saved)."""
+        is raised, nothing saved). ``images``: ``forward.ImageRows`` at pads of the ids (a
+        snapshot is reused only for text before the first: formats/vision.md §8.3)."""
         self.check_stop_strings(settings)
         settings = self.structured(self.until_end(settings))
         reused = 0
         if state is None and not load_state and not keep_logits and \
                 self.prefix_cache is not None:
-            state, reused = self.prefix_cache.lookup(prompt_ids)
+            state, reused = self.prefix_cache.lookup(
+                prompt_ids, limit=images[0].start if images else None)
         if state is None:
             state = _load_state(self, load_state)
         tail = list(prompt_ids)[reused:]
@@ -424,7 +427,8 @@ class Run:
         res = generate(self.session.forward, state, tail, settings,
                        tokenizer=self.session.tokenizer, on_token=on_token,
                        keep_logits=keep_logits, progress=progress, feed_last=bool(save_state),
-                       drafting=self.drafting,
+                       drafting=self.drafting, images=[im._replace(start=im.start - reused)
+                                                       for im in images],
                        after_prefill=self.prefix_cache.store if save_prefix else None)
         if reused:
             res.prompt_ids, res.reused_tokens = list(prompt_ids), reused

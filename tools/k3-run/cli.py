@@ -23,7 +23,7 @@ from libk3.io import atomic
 from libk3.text.chat_template import DEFAULT_LIMITS, RenderLimits
 from libk3.policies.registry import DEFAULT_POLICY, ONLINE_OBJECT_POLICIES
 
-from . import params
+from . import image_opts, params
 from .llama import refused_options, serve_address
 from . import scoring
 from .printer import Printer, ReplyPrinter
@@ -87,6 +87,7 @@ RULES = (
     constraints.GoesWith(("response_format",),
                          ("prompt_arg", "prompt", "prompt_file", "ids", "batch"),
                          "--response-format goes with a prompt (-p, -f or --ids) or --batch"),
+    *image_opts.RULES,
 )
 
 
@@ -293,6 +294,7 @@ RULES = (
               help="Record every expert request to this trace file (formats/trace.md).")
 @click.option("--logits-out", type=click.Path(dir_okay=False),
               help="Write float32 logits [prompt + generated, vocab] as .npy.")
+@image_opts.image_options
 @click.option("--report-json", type=click.Path(dir_okay=False), help="Write the run report.")
 @click.option("--json", "json_out", is_flag=True, help="Print the report as JSON on stdout.")
 @click.version_option(__version__, prog_name="k3-run")
@@ -367,7 +369,7 @@ def _run_options(ctx, a):
         draft_dump=a.draft_dump, warn=lambda m: click.echo(f"k3-run: {m}", err=True),
         template_limits=RenderLimits(a.template_timeout, a.template_max_bytes),
         prefix_cache=a.prefix_cache, prefix_cache_bytes=int(a.prefix_cache_gb * 1e9),
-        share_prefixes=not a.no_prefix_sharing, serve=bool(a.serve_address),
+        share_prefixes=not a.no_prefix_sharing, serve=bool(a.serve_address), vision=bool(a.image),
         load_state=a.load_state, prefill_chunk=a.prefill_chunk, beside_bytes=beside,
         context_limit=a.ctx_size)
 
@@ -431,7 +433,8 @@ def _prompt_mode(a, run, settings) -> None:
     else:
         prompt_ids = []
     run.check_fits(len(prompt_ids), settings.gen)
-    rep = _one_prompt(run, prompt_ids, settings, a)
+    prompt_ids, images = image_opts.prompt_images(a, run, prompt_ids, settings.gen)
+    rep = _one_prompt(run, prompt_ids, settings, a, images)
     if a.report_json:
         atomic.write_json(a.report_json, rep)
     if a.json_out:
@@ -469,14 +472,14 @@ def _verbose(a, doc) -> None:
         click.echo(json.dumps(doc, indent=2, sort_keys=True, default=str), err=True)
 
 
-def _one_prompt(run, prompt_ids, settings, a) -> dict:
+def _one_prompt(run, prompt_ids, settings, a, images=()) -> dict:
     """Generate with the text shown as it comes; the logits saved when asked; the run
     report."""
     printer = None if a.json_out else Printer(run.session.tokenizer, a.stop_strings,
                                                run.end_ids(settings))
     res = run.generate(prompt_ids, settings, on_token=printer,
                        keep_logits=a.logits_out is not None, load_state=a.load_state,
-                       save_state=a.save_state, save_prefix=a.save_prefix)
+                       save_state=a.save_state, save_prefix=a.save_prefix, images=images)
     if printer is not None:
         printer.finish()
     if a.logits_out:

@@ -1,0 +1,117 @@
+"""A run's images (``k3-run --image``, the chat's ``/image``): from a file to the rows
+that stand in the prompt and the ids around them (formats/vision.md §8), and the
+``--vision-dump`` file (formats/vision.md §9).
+
+Owns: reading an image file (a one-line error naming it), the checkpoint's tower read
+once, when the first image needs it, each image encoded once per digest (the same file
+twice in a run is encoded once), raw prompt mode's ids (every image's markup in order,
+then the text; no BOS), expanding a prompt's pads into ``ImageRows``, and writing the
+dump. Does not own: preprocessing (``libk3.media``), the tower (``libk3.model.vision``),
+how rows enter a pass (``libk3.model.forward``) or the chat template (``libk3.text``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import FormatError, UsageError
+from ..io.atomic import replacing
+from ..media.markup import expand, image_digest, markup, pad_id
+
+DUMP_CONTEXT = 8            # token ids kept each side of a pad in the dump
+
+
+@dataclasses.dataclass
+class Image:
+    """One image of a prompt: its file name, the file's size (W, H), digest, pixels
+    (``ImagePixels``) and rows (``VisionRows``)."""
+    name: str
+    size: tuple
+    digest: str
+    pixels: object
+    encoded: object
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self.encoded.rows
+
+
+def read_image_file(path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise FormatError(f"cannot read the image ({e.strerror or e})", path=path) from None
+
+
+class Images:
+    """The images of one run on one session (``engine.session.Session``)."""
+
+    def __init__(self, session, option: str = "--image"):
+        vcfg = session.ckpt.vision_config
+        if vcfg is None:
+            raise UsageError(f"{option}: the checkpoint has no vision tower (its config.json "
+                             "has no vision_config): it reads text only")
+        if session.tokenizer is None:
+            raise UsageError(f"{option} needs the model's tokenizer (tiktoken.model)")
+        self.session, self.vcfg = session, vcfg
+        self.pad = pad_id(session.tokenizer, vcfg.media_placeholder_token_id)
+        self._tower = None
+        self._done: dict = {}           # digest -> Image: each image is encoded once
+
+    def tower(self):
+        if self._tower is None:
+            from ..model.vision import VisionTower
+            self._tower = VisionTower.from_checkpoint(self.session.ckpt)
+        return self._tower
+
+    def load(self, path) -> Image:
+        """The image at ``path`` through preprocessing and the tower (FormatError naming
+        the file: not an image, too big, truncated)."""
+        from ..media.preprocess import preprocess_image
+        data = read_image_file(path)
+        digest = image_digest(data, self.vcfg.media)
+        if digest not in self._done:
+            pixels = preprocess_image(data, self.vcfg.media, str(path))
+            encoded = self.tower().encode(pixels.patches, pixels.grid)
+            self._done[digest] = Image(str(path), tuple(pixels.plan.size), digest, pixels,
+                                       encoded)
+        return dataclasses.replace(self._done[digest], name=str(path))
+
+    def markup_ids(self, image: Image) -> list:
+        return self.session.tokenizer.encode(markup(image.size), allow_special=True)
+
+    def raw_prompt(self, images: list, text_ids: list) -> list:
+        """Raw prompt mode's ids: every image's markup in order, then the text (one pad
+        per image, not expanded)."""
+        return [i for im in images for i in self.markup_ids(im)] + list(text_ids)
+
+    def expand(self, ids: list, images: list, where: str = "the prompt") -> tuple:
+        """(expanded ids, ``ImageRows`` of each image at its pad)."""
+        from ..model.forward import ImageRows
+        out, starts = expand(list(ids), self.pad, [im.rows.shape[0] for im in images], where)
+        return out, [ImageRows(s, im.rows, im.digest) for s, im in zip(starts, images)]
+
+
+def write_dump(path, images: list, prompt_ids: list, pad: int) -> None:
+    """``--vision-dump``: per image what the tower saw and gave, and the ids around its
+    pad (formats/vision.md §9), written atomically."""
+    at = [i for i, t in enumerate(prompt_ids) if t == pad]
+    arrays = {"prompt_ids": np.asarray(prompt_ids, np.int64)}
+    for i, (im, p) in enumerate(zip(images, at)):
+        arrays.update({
+            f"image{i}.pixels": im.pixels.patches.astype(np.float32),
+            f"image{i}.grid": np.asarray(im.pixels.grid, np.int64),
+            f"image{i}.size": np.asarray(im.size, np.int64),
+            f"image{i}.tower": im.encoded.tower,
+            f"image{i}.merged": im.encoded.merged,
+            f"image{i}.rows": im.rows,
+            f"image{i}.ids_around": np.asarray(
+                prompt_ids[max(p - DUMP_CONTEXT, 0):p + DUMP_CONTEXT + 1], np.int64),
+            f"image{i}.pad_index": np.asarray(p, np.int64),
+        })
+    name = str(path) if str(path).endswith(".npz") else str(path) + ".npz"
+    with replacing(name) as f:
+        np.savez(f, **arrays)

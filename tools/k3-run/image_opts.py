@@ -1,0 +1,50 @@
+"""k3-run's image options (formats/vision.md §8-§9): ``--image`` and ``--vision-dump``,
+which options they go with, and a prompt's images read and put at its pads.
+
+Owns: the two options' declarations and rules, and turning raw prompt mode's text ids and
+image files into the expanded ids and rows the run generates from. Does not own: reading
+or encoding images (``libk3.run.images``) or the run (``libk3.run.runner``).
+"""
+
+from __future__ import annotations
+
+import click
+
+from k3cli import constraints
+
+RULES = (
+    constraints.GoesWith(("image",), ("prompt_arg", "prompt", "prompt_file", "ids"),
+                         "--image goes with a prompt (-p, -f or --ids); in --chat attach "
+                         "an image with /image PATH"),
+    constraints.GoesWith(("vision_dump",), ("image",), "--vision-dump goes with --image"),
+    constraints.Excludes("image", ("save_state",), "--image excludes --save-state: a state "
+                         "file cannot name the image it holds (formats/vision.md §8.3)"),
+)
+
+
+def image_options(f):
+    """The two options, on the command ``f``."""
+    f = click.option("--vision-dump", type=click.Path(dir_okay=False),
+                     help="With --image: write each image's pixels, grid, tower rows, "
+                          "projected rows and the ids around it as .npz (formats/vision.md "
+                          "§9).")(f)
+    return click.option("--image", "image", multiple=True, type=click.Path(dir_okay=False),
+                        help="An image the prompt begins with (repeatable, in order), in the "
+                             "model's image markup before the text (docs/run.md \"Images\"). "
+                             "The checkpoint must have a vision tower.")(f)
+
+
+def prompt_images(a, run, prompt_ids: list, gen: int) -> tuple:
+    """(expanded ids, ImageRows) of raw prompt mode: each ``--image`` in the release's
+    markup, then the text ids; the expanded length checked against the context."""
+    if not a.image:
+        return prompt_ids, []
+    from libk3.run.images import Images, write_dump
+    images = Images(run.session)
+    loaded = [images.load(path) for path in a.image]
+    ids = images.raw_prompt(loaded, prompt_ids)
+    expanded, rows = images.expand(ids, loaded)
+    run.check_fits(len(expanded), gen)
+    if a.vision_dump:
+        write_dump(a.vision_dump, loaded, ids, images.pad)
+    return expanded, rows
