@@ -44,6 +44,8 @@ class Chat:
         self.warn = warn
         self.template = run.chat(warn).template
         self.last = None                        # the last reply's GenResult
+        self.images = None                      # the run's ``images.Images``, at /image
+        self.pending: list = []                 # images attached to the next message
         self.loaded = None                      # the state file this conversation continues
         if load_state:
             self.load(load_state)
@@ -62,6 +64,7 @@ class Chat:
         self.state = self.run.session.new_state()
         self.convo = self._conversation(self.system)
         self.last = self.loaded = None
+        self.held, self.pending = [], []        # images in the conversation, attached
 
     def load(self, path) -> None:
         """Continue from the state saved at ``path`` (FormatError: the chat as it was);
@@ -69,6 +72,17 @@ class Chat:
         self.state = _load_state(self.run, path)
         self.convo = self._conversation(None)
         self.last, self.loaded = None, str(path)
+        self.held, self.pending = [], []
+
+    def attach(self, path):
+        """``/image PATH``: the image (read and encoded now: FormatError naming the file)
+        opens the next message (formats/vision.md §8.1)."""
+        if self.images is None:
+            from .images import Images
+            self.images = Images(self.run.session, "/image")
+        image = self.images.load(path)
+        self.pending.append(image)
+        return image
 
     def save(self, path) -> None:
         self.state.save(path, self.run.session.weights_identity)
@@ -113,7 +127,12 @@ class Chat:
             raise TurnTooLong(f"{named}the message is {size:,} bytes, more than the "
                               f"{room:,} tokens left in the context of {context:,} can hold")
         before = (list(self.convo.messages), self.convo.fed)
-        ids, fresh = self.convo.add_user(text, limit=context)   # stops past the context
+        ids, fresh = self.convo.add_user(text, limit=context,   # stops past the context
+                                         images=list(map(self._markup, self.pending)))
+        rows = []
+        if self.held or self.pending:     # a fresh rendering holds every image again
+            ids, rows = self.images.expand(ids, (self.held if fresh else []) + self.pending,
+                                           "the rendered message")
         held = 0 if fresh else self.state.pos
         try:
             self.run.check_fits(held + len(ids), self.settings.gen)     # names --ctx-size
@@ -129,10 +148,15 @@ class Chat:
         res = generate(self.run.session.forward, self.state, ids,
                        self.run.chat_settings(self.settings, self.warn),
                        tokenizer=self.tokenizer, on_token=on_token,
-                       drafting=self.run.drafting, interrupted=interrupted)
+                       drafting=self.run.drafting, interrupted=interrupted, images=rows)
+        self.held, self.pending = self.held + self.pending, []
         self.convo.add_reply(self.run.reply_message(res.generated_ids, res.stop_strings))
         self.last = res
         return res
+
+    def _markup(self, image) -> str:
+        from ..media.markup import markup
+        return markup(image.size)
 
     def stats(self) -> dict:
         """Tokens in the state, the model's context, user turns since the conversation

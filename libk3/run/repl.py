@@ -327,6 +327,14 @@ def _load(chat, console, arg):
     console.say(f"loaded {arg} ({chat.state.pos} tokens): the conversation continues it")
 
 
+def _image(chat, console, arg):
+    if not arg:
+        raise ValueError("/image needs a PATH")
+    image = chat.attach(os.path.expanduser(arg))
+    console.say(f"image {arg} ({image.size[0]}x{image.size[1]}, {image.rows.shape[0]} rows) "
+                "opens the next message")
+
+
 def _set(chat, console, arg):
     words = arg.split()
     if not words:
@@ -363,6 +371,7 @@ COMMANDS = {
     "system": ("[TEXT]", "the system message of the next fresh conversation", _system),
     "save": ("FILE", "save the state now, as --save-state does", _save),
     "load": ("FILE", "continue from a saved state", _load),
+    "image": ("PATH", "attach an image to the next message", _image),
     "set": ("[NAME VALUE]", f"{', '.join(SETTINGS)} for the next turns", _set),
     "stats": ("", "tokens so far, context used, the last reply's speed", _stats),
 }

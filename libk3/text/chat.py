@@ -13,11 +13,19 @@ conversation prefilled again into a fresh state. Markup a user types is text, ne
 structure (HF's ``sanitize_control_tokens``). A model without a template runs plain
 continuation: each message's text is fed as typed. A system message, when given, goes
 into the state with the first user message (its rendering, or its text as typed).
+An image attached to a message stands before its text as the release's markup
+(formats/vision.md §8.1): a private-use mark the user cannot type goes through the
+template and is replaced by the markup after rendering, so the markup is structure.
 """
 
 from __future__ import annotations
 
+import re
+
 from .chat_template import ChatTemplate, encode_marked, mark
+
+IMAGE_MARK = "\U000f0002"            # brackets an image's index while the template renders
+_IMAGE = re.compile(f"{IMAGE_MARK}(\\d+){IMAGE_MARK}")
 
 
 class Conversation:
@@ -31,24 +39,32 @@ class Conversation:
         self.messages: list = ([] if system is None
                                else [{"role": "system", "content": system}])
         self.fed = False                 # whether any message is in the state yet
+        self.markups: list = []          # each attached image's markup, in order
 
     def _render(self, messages, add_generation_prompt: bool) -> str:
         """The rendering with markup typed by the user marked as text (HF's sanitising)."""
         if not messages:
             return ""
-        return self.template.render(mark(self.tokenizer, messages),
-                                    add_generation_prompt=add_generation_prompt,
-                                    template_kwargs=mark(self.tokenizer, self.template_kwargs))
+        return _IMAGE.sub(lambda m: self.markups[int(m.group(1))], self.template.render(
+            mark(self.tokenizer, messages), add_generation_prompt=add_generation_prompt,
+            template_kwargs=mark(self.tokenizer, self.template_kwargs)))
 
-    def add_user(self, text: str, limit: int | None = None) -> tuple:
+    def add_user(self, text: str, limit: int | None = None, images=()) -> tuple:
         """(ids to feed, fresh): ``fresh`` True means the ids are the whole conversation
         and go into a new state (the template changed an earlier turn). A message that
         cannot be rendered leaves the conversation as it was. ``limit``: tokenizing
-        stops once more ids than that are known (``K3Tokenizer.encode``)."""
-        message = {"role": "user", "content": text}
+        stops once more ids than that are known (``K3Tokenizer.encode``). ``images``:
+        the markup of each image the message opens with (one pad each, not expanded)."""
+        text = text.replace(IMAGE_MARK, "")
+        first = len(self.markups)
+        self.markups += list(images)
+        marks = "".join(f"{IMAGE_MARK}{first + k}{IMAGE_MARK}" for k in range(len(images)))
+        message = {"role": "user", "content": marks + text}
         if self.template is None:
-            typed = ([] if self.fed else [m["content"] for m in self.messages]) + [text]
-            ids = [i for t in typed for i in self.tokenizer.encode(t, limit=limit)]
+            earlier = [] if self.fed else [m["content"] for m in self.messages]
+            ids = [i for t in earlier for i in self.tokenizer.encode(t, limit=limit)]
+            ids += [i for m in images for i in self.tokenizer.encode(m, allow_special=True)]
+            ids += self.tokenizer.encode(text, limit=limit)
             self.messages.append(message)
             self.fed = True
             return ids, False
