@@ -26,8 +26,8 @@ def image_options(f):
     """The two options, on the command ``f``."""
     f = click.option("--vision-dump", type=click.Path(dir_okay=False),
                      help="With --image: write each image's pixels, grid, tower rows, "
-                          "projected rows and the ids around it as .npz (formats/vision.md "
-                          "§9).")(f)
+                          "projected rows and the ids around it as .npz "
+                          "(formats/vision.md §9).")(f)
     return click.option("--image", "image", multiple=True, type=click.Path(dir_okay=False),
                         help="An image the prompt begins with (repeatable, in order), in the "
                              "model's image markup before the text (docs/run.md \"Images\"). "
