@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from libk3.engine.generate import GenSettings, generate
+from libk3.engine.generate import GenSettings, Prompt, generate
 from libk3.engine.prefix_cache import PrefixCache
 from libk3.engine.session import open_session
 from libk3.errors import UsageError
@@ -54,9 +54,8 @@ def _prompt(sess, paths, text=PROMPT):
 
 def _gen(sess, paths, gen=6, keep_logits=False, chunk=512):
     _, _, _, ids, rows = _prompt(sess, paths)
-    return generate(sess.forward, sess.new_state(), ids,
-                    GenSettings(gen=gen, prefill_chunk=chunk), keep_logits=keep_logits,
-                    images=rows)
+    return generate(sess.forward, sess.new_state(), Prompt(ids, tuple(rows)),
+                    GenSettings(gen=gen, prefill_chunk=chunk), keep_logits=keep_logits)
 
 
 def _cli(tiny_dir, *args):
@@ -118,7 +117,8 @@ def test_prefix_cache_never_serves_one_images_state_for_another(resident, pngs, 
     _, _, _, ids_b, rows_b = _prompt(resident, pngs[1:2])
     assert ids_a == ids_b
     st = resident.new_state()
-    generate(resident.forward, st, ids_a, GenSettings(gen=0), images=rows_a, feed_last=False)
+    generate(resident.forward, st, Prompt(ids_a, tuple(rows_a)), GenSettings(gen=0),
+             feed_last=False)
     assert st.media and st.media[0][2] == rows_a[0].digest
     assert cache.store(st) is None                       # a state with image rows: not kept
     with pytest.raises(UsageError):

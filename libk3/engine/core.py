@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -105,6 +106,13 @@ class GenResult:
     def seconds_per_token(self) -> float:
         n = len(self.generated_ids)
         return self.decode_seconds / n if n else 0.0
+
+
+class Prompt(NamedTuple):
+    """Prompt ids with the ``forward.ImageRows`` standing at their pads
+    (formats/vision.md §8.2): what ``generate`` takes for a prompt with images."""
+    ids: list
+    images: tuple = ()
 
 
 @dataclasses.dataclass

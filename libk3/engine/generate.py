@@ -20,13 +20,13 @@ import numpy as np
 
 from typing import TYPE_CHECKING
 
-from .core import EngineCore, Request
+from .core import EngineCore, Prompt, Request
 from .core import Abandoned, GenResult, GenSettings
 
 if TYPE_CHECKING:                  # the model is not imported by option parsing (start-up)
     from ..model.state import State
 
-__all__ = ["Abandoned", "GenResult", "GenSettings", "generate", "prefill"]
+__all__ = ["Abandoned", "GenResult", "GenSettings", "Prompt", "generate", "prefill"]
 
 
 def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=None,
@@ -56,13 +56,16 @@ def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=
 def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokenizer=None,
              on_token=None, keep_logits: bool = False, progress=None,
              after_prefill=None, feed_last: bool = True, drafting=None,
-             interrupted=None, images=()) -> GenResult:
+             interrupted=None) -> GenResult:
     """Run one prompt: an ``EngineCore`` of width 1 (``core.Request`` says what each
     argument means). ``on_token(id)`` is called as each token is produced;
     ``after_prefill(state)`` once the prompt is in the state (reuse of earlier turns);
     ``progress(n)`` as each chunk of n prompt ids is fed. A lane's own failure (its
-    grammar gave up) is raised here. ``images``: ``forward.ImageRows`` in place of pad
-    ids of ``prompt_ids``."""
+    grammar gave up) is raised here. ``prompt_ids``: ids, or a ``core.Prompt`` (ids and
+    the image rows standing at their pads)."""
+    images = ()
+    if isinstance(prompt_ids, Prompt):
+        prompt_ids, images = prompt_ids
     core = EngineCore(forward, None, 1, chunk=settings.prefill_chunk, tokenizer=tokenizer,
                       drafting=drafting)
     req = Request(None, [int(i) for i in prompt_ids], settings, state, logits=keep_logits,

@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 
 from ..engine.defaults import IO_THREADS, PREFILL_CHUNK, PREFIX_CACHE_BYTES
-from ..engine.generate import Abandoned, GenSettings, generate
+from ..engine.generate import Abandoned, GenSettings, Prompt, generate
 from ..engine.session import Reads, open_session
 from ..engine.settings import UNTIL_END, room_problem, token_ids_problem
 from ..engine.stops import returned_text
@@ -424,11 +424,11 @@ class Run:
         progress = _prefill_bar(len(tail), self.opts.progress)
         if should_stop is not None:
             progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
-        res = generate(self.session.forward, state, tail, settings,
+        res = generate(self.session.forward, state, Prompt(tail, tuple(
+                           im._replace(start=im.start - reused) for im in images)), settings,
                        tokenizer=self.session.tokenizer, on_token=on_token,
                        keep_logits=keep_logits, progress=progress, feed_last=bool(save_state),
-                       drafting=self.drafting, images=[im._replace(start=im.start - reused)
-                                                       for im in images],
+                       drafting=self.drafting,
                        after_prefill=self.prefix_cache.store if save_prefix else None)
         if reused:
             res.prompt_ids, res.reused_tokens = list(prompt_ids), reused
