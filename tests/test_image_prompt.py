@@ -180,9 +180,10 @@ def test_refusals_are_one_line(tiny_dir, tmp_path):
     assert p.returncode == 2 and "--vision-dump goes with --image" in p.stderr
 
 
-def test_chat_image_command_attaches_to_the_next_message(tiny_dir, pngs, resident):
+def test_chat_image_command_attaches_to_the_next_message(tiny_dir, pngs, resident, tmp_path):
     """Catches /image not reaching the next message's rows (two images would reply alike),
-    a bad file ending the chat, or the turn's prompt not counting the image's rows."""
+    a bad file ending the chat, the turn's prompt not counting the image's rows, --image
+    not opening the first message as /image does, or a state with image rows saved."""
     replies = []
     for png in pngs[:2]:
         p = k3(tiny_dir, "--chat", "--gen", 4,
@@ -194,3 +195,12 @@ def test_chat_image_command_attaches_to_the_next_message(tiny_dir, pngs, residen
         prompt = [ln for ln in p.stderr.splitlines() if "its prompt" in ln][0]
         assert int(prompt.split("its prompt ")[1].split()[0]) > n_rows
     assert replies[0] != replies[1]
+    st = tmp_path / "s.k3state"
+    p = k3(tiny_dir, "--chat", "--gen", 4, "--image", pngs[0], "--save-state", st,
+           input="what is it?\n")
+    assert p.returncode == 2 and "--save-state" in p.stderr
+    p = k3(tiny_dir, "--chat", "--gen", 4, "--image", pngs[0], input="what is it?\n/stats\n")
+    assert p.returncode == 0 and p.stdout == replies[0], p.stderr
+    p = k3(tiny_dir, "--chat", "--gen", 4, "--save-state", st,
+           input=f"/image {pngs[0]}\nwhat is it?\n")
+    assert p.returncode == 0 and "state not saved" in p.stderr and not st.exists()

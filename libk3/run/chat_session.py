@@ -167,15 +167,18 @@ class Chat:
 
 
 def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_factory,
-             console, warn=None, template_kwargs=None, system=None) -> None:
+             console, warn=None, template_kwargs=None, system=None, images=()) -> None:
     """A multi-turn chat in the model's chat template: ``console`` (``repl.Console``)
     gives each entry; a message is a turn (``Chat.turn``) whose reply
     ``emit_factory()``'s printer writes, a command is ``repl.perform``'s. End of input or
-    /exit ends the chat; the state is saved then if asked."""
+    /exit ends the chat; the state is saved then if asked (not when it holds image rows:
+    formats/vision.md §8.3). ``images``: files the first message opens with (--image)."""
     from . import repl
 
     chat = Chat(run, settings, load_state=load_state, system=system,
                 template_kwargs=template_kwargs, warn=warn)
+    for path in images:
+        chat.attach(path)
     console.say(repl.banner(run.opts.model, load_state, chat.state.pos))
     try:
         while True:
@@ -197,7 +200,10 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
             if res.stop_reason == "interrupted":
                 console.say(f"(reply stopped after {len(res.generated_ids)} tokens)")
     finally:                          # at any exit, the conversation so far is kept
-        if save_state:
+        if save_state and chat.state.media:
+            console.say(f"state not saved to {save_state}: it holds image rows, which a "
+                        "state file cannot name")
+        elif save_state:
             chat.save(save_state)
             console.say(f"state saved to {save_state} ({chat.state.pos:,} tokens): "
                         f"--load-state {save_state} continues it")

@@ -369,7 +369,8 @@ def _run_options(ctx, a):
         draft_dump=a.draft_dump, warn=lambda m: click.echo(f"k3-run: {m}", err=True),
         template_limits=RenderLimits(a.template_timeout, a.template_max_bytes),
         prefix_cache=a.prefix_cache, prefix_cache_bytes=int(a.prefix_cache_gb * 1e9),
-        share_prefixes=not a.no_prefix_sharing, serve=bool(a.serve_address), vision=bool(a.image),
+        share_prefixes=not a.no_prefix_sharing, serve=bool(a.serve_address),
+        vision=bool(a.image or a.chat),
         load_state=a.load_state, prefill_chunk=a.prefill_chunk, beside_bytes=beside,
         context_limit=a.ctx_size)
 
@@ -416,7 +417,8 @@ def _chat_mode(a, run, settings) -> None:
         chat_session.run_chat(run, settings, load_state=a.load_state,
                               save_state=a.save_state, emit_factory=printer,
                               console=console, warn=lambda m: click.echo(m, err=True),
-                              template_kwargs=a.template_kwargs, system=a.system)
+                              template_kwargs=a.template_kwargs, system=a.system,
+                              images=a.image)
 
 
 def _prompt_mode(a, run, settings) -> None:

@@ -13,10 +13,12 @@ import click
 from k3cli import constraints
 
 RULES = (
-    constraints.GoesWith(("image",), ("prompt_arg", "prompt", "prompt_file", "ids"),
-                         "--image goes with a prompt (-p, -f or --ids); in --chat attach "
-                         "an image with /image PATH"),
+    constraints.GoesWith(("image",), ("prompt_arg", "prompt", "prompt_file", "ids", "chat"),
+                         "--image goes with a prompt (-p, -f or --ids) or --chat (its first "
+                         "message; later ones: /image PATH)"),
     constraints.GoesWith(("vision_dump",), ("image",), "--vision-dump goes with --image"),
+    constraints.Excludes("chat", ("vision_dump",), "--vision-dump goes with a prompt "
+                         "(-p, -f or --ids)"),
     constraints.Excludes("image", ("save_state",), "--image excludes --save-state: a state "
                          "file cannot name the image it holds (formats/vision.md §8.3)"),
 )
@@ -29,9 +31,10 @@ def image_options(f):
                           "projected rows and the ids around it as .npz "
                           "(formats/vision.md §9).")(f)
     return click.option("--image", "image", multiple=True, type=click.Path(dir_okay=False),
-                        help="An image the prompt begins with (repeatable, in order), in the "
-                             "model's image markup before the text (docs/run.md \"Images\"). "
-                             "The checkpoint must have a vision tower.")(f)
+                        help="An image the prompt (with --chat: the first message) begins "
+                             "with (repeatable, in order), in the model's image markup before "
+                             "the text (docs/run.md \"Images\"). The checkpoint must have a "
+                             "vision tower.")(f)
 
 
 def prompt_images(a, run, prompt_ids: list, gen: int) -> tuple:
