@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 
+from libk3.budget import vision_bytes
 from libk3.engine.generate import GenSettings, Prompt, generate
 from libk3.engine.prefix_cache import PrefixCache
 from libk3.engine.session import open_session
@@ -204,3 +205,23 @@ def test_chat_image_command_attaches_to_the_next_message(tiny_dir, pngs, residen
     p = k3(tiny_dir, "--chat", "--gen", 4, "--save-state", st,
            input=f"/image {pngs[0]}\nwhat is it?\n")
     assert p.returncode == 0 and "state not saved" in p.stderr and not st.exists()
+
+
+def test_budget_counts_the_tower_as_held(resident):
+    """Catches the budget's rule for the tower drifting from what VisionTower holds, or a
+    text-only run paying for it."""
+    tower = VisionTower.from_checkpoint(resident.ckpt)
+    assert vision_bytes(resident.ckpt.vision_config) == sum(a.nbytes for a in tower.w.values())
+    assert vision_bytes(resident.ckpt.vision_config, False) == vision_bytes(None) == 0
+
+
+def test_prefix_cache_cli_keeps_no_image_state(tiny_dir, pngs, tmp_path):
+    """Catches k3-run --prefix-cache resuming an image prompt from a snapshot of another
+    image (same ids), or keeping a snapshot of a state with image rows."""
+    pc = tmp_path / "pc"
+    a = _cli(tiny_dir, "--image", pngs[0], "-p", PROMPT, "--prefix-cache", pc, "--save-prefix")
+    assert not list(pc.glob("*.k3state"))
+    b = _cli(tiny_dir, "--image", pngs[1], "-p", PROMPT, "--prefix-cache", pc)
+    again = _cli(tiny_dir, "--image", pngs[0], "-p", PROMPT, "--prefix-cache", pc)
+    assert again["generated_ids"] == a["generated_ids"] != b["generated_ids"]
+    assert again["reused_tokens"] == 0
