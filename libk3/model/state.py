@@ -3,7 +3,8 @@
 Owns: per KDA layer the recurrent S [H, D, D] and the short-conv history (the last K-1
 PRE-activation inputs of q, k, v, oldest first); per MLA layer the latent cache
 [positions, kv_lora] (normalised) and the shared key slice [positions, rope] (raw); the
-position counter, the token ids fed so far and the logits of the last position fed.
+position counter, the token ids fed so far and the logits of the last position fed, and
+which images' rows it holds (``media``: position, rows, digest; such a state is not saved).
 Saving and loading (formats/state.md), a draft model's context for the sequence with
 the rest when it covers every position (``draft``: opaque here but for its committed rows
 and its draft's identity; a loaded one is a ``SavedDraft`` until the draft adopts it).
