@@ -78,6 +78,10 @@ def test_image_prompt_cli_same_ids_at_two_budgets_and_thread_counts(tiny_dir, pn
     assert len(rows) == 2 and one["prompt_ids"] == expanded and len(expanded) == \
         len(ids) - 2 + sum(im.rows.shape[0] for im in loaded)
     assert _gen(resident, pngs[0::2]).generated_ids == one["generated_ids"]
+    assert [(r["file"], r["size"], r["rows"], r["digest"]) for r in one["images"]] == \
+        [(str(p), list(im.size), im.rows.shape[0], im.digest)
+         for p, im in zip(pngs[0::2], loaded)]
+    assert one["images"][1]["size"] == [70, 20] and loaded[0].digest != loaded[1].digest
     floor = _streamed(tiny_dir)
     try:
         assert _gen(floor, pngs[0::2], chunk=3).generated_ids == one["generated_ids"]

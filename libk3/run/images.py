@@ -13,6 +13,7 @@ how rows enter a pass (``libk3.model.forward``) or the chat template (``libk3.te
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +28,14 @@ DUMP_CONTEXT = 8            # token ids kept each side of a pad in the dump
 @dataclasses.dataclass
 class Image:
     """One image of a prompt: its file name, the file's size (W, H), digest, pixels
-    (``ImagePixels``) and rows (``VisionRows``)."""
+    (``ImagePixels``), rows (``VisionRows``) and the seconds preprocessing and the tower
+    took (0 when an earlier image of the run had the same digest)."""
     name: str
     size: tuple
     digest: str
     pixels: object
     encoded: object
+    seconds: float = 0.0
 
     @property
     def rows(self) -> np.ndarray:
@@ -73,12 +76,15 @@ class Images:
         from ..media.preprocess import preprocess_image
         data = read_image_file(path)
         digest = image_digest(data, self.vcfg.media)
-        if digest not in self._done:
-            pixels = preprocess_image(data, self.vcfg.media, str(path))
-            encoded = self.tower().encode(pixels.patches, pixels.grid)
-            self._done[digest] = Image(str(path), tuple(pixels.plan.size), digest, pixels,
-                                       encoded)
-        return dataclasses.replace(self._done[digest], name=str(path))
+        if digest in self._done:
+            return dataclasses.replace(self._done[digest], name=str(path), seconds=0.0)
+        self.tower()                    # read before the clock starts: its reads are the run's
+        t0 = time.perf_counter()
+        pixels = preprocess_image(data, self.vcfg.media, str(path))
+        encoded = self.tower().encode(pixels.patches, pixels.grid)
+        self._done[digest] = Image(str(path), tuple(pixels.plan.size), digest, pixels,
+                                   encoded, time.perf_counter() - t0)
+        return self._done[digest]
 
     def markup_ids(self, image: Image) -> list:
         return self.session.tokenizer.encode(markup(image.size), allow_special=True)
@@ -93,6 +99,13 @@ class Images:
         from ..model.forward import ImageRows
         out, starts = expand(list(ids), self.pad, [im.rows.shape[0] for im in images], where)
         return out, [ImageRows(s, im.rows, im.digest) for s, im in zip(starts, images)]
+
+
+def report_entry(image: Image) -> dict:
+    """An image as the run report gives it (docs/run.md "Images")."""
+    return {"file": image.name, "size": list(image.size), "grid": list(image.pixels.grid),
+            "rows": int(image.rows.shape[0]), "digest": image.digest,
+            "seconds": round(image.seconds, 6)}
 
 
 def write_dump(path, images: list, prompt_ids: list, pad: int) -> None:

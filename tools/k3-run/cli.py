@@ -437,6 +437,7 @@ def _prompt_mode(a, run, settings) -> None:
     run.check_fits(len(prompt_ids), settings.gen)
     prompt_ids, images = image_opts.prompt_images(a, run, prompt_ids, settings.gen)
     rep = _one_prompt(run, prompt_ids, settings, a, images)
+    rep.update({"images": a.image_report} if images else {})
     if a.report_json:
         atomic.write_json(a.report_json, rep)
     if a.json_out:

@@ -39,12 +39,15 @@ def image_options(f):
 
 def prompt_images(a, run, prompt_ids: list, gen: int) -> tuple:
     """(expanded ids, ImageRows) of raw prompt mode: each ``--image`` in the release's
-    markup, then the text ids; the expanded length checked against the context."""
+    markup, then the text ids; the expanded length checked against the context. The
+    images' report entries are kept in ``a.image_report``."""
+    a.image_report = []
     if not a.image:
         return prompt_ids, []
-    from libk3.run.images import Images, write_dump
+    from libk3.run.images import Images, report_entry, write_dump
     images = Images(run.session)
     loaded = [images.load(path) for path in a.image]
+    a.image_report = [report_entry(im) for im in loaded]
     ids = images.raw_prompt(loaded, prompt_ids)
     expanded, rows = images.expand(ids, loaded)
     run.check_fits(len(expanded), gen)
