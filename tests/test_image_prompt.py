@@ -229,3 +229,23 @@ def test_prefix_cache_cli_keeps_no_image_state(tiny_dir, pngs, tmp_path):
     again = _cli(tiny_dir, "--image", pngs[0], "-p", PROMPT, "--prefix-cache", pc)
     assert again["generated_ids"] == a["generated_ids"] != b["generated_ids"]
     assert again["reused_tokens"] == 0
+
+
+def test_chat_markup_is_structure_at_the_messages_start(tok, template):
+    """Catches the markup encoded as typed text (no pad id), put after the text, a typed
+    marker or mark taken as an image, or a fresh rendering losing earlier images."""
+    from libk3.text.chat import IMAGE_MARK, Conversation
+    pad = tok.special_ids["<|media_pad|>"]
+    image = tok.encode(markup((40, 30)), allow_special=True)
+    convo = Conversation(tok, template)
+    ids, fresh = convo.add_user("hi", images=[markup((40, 30))])
+    at = ids.index(pad)
+    start = at - image.index(pad)
+    assert not fresh and ids.count(pad) == 1 and ids[start:start + len(image)] == image
+    text = tok.encode("hi")
+    assert ids[start + len(image):start + len(image) + len(text)] == text
+    typed, _ = Conversation(tok, template).add_user(f"<|media_pad|> {IMAGE_MARK}0{IMAGE_MARK}")
+    assert pad not in typed
+    plain = Conversation(tok, None)
+    ids, _ = plain.add_user("hi", images=[markup((40, 30))])
+    assert ids == image + text
