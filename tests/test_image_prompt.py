@@ -1,4 +1,4 @@
-"""Images in the prompt (formats/vision.md §8-§9): k3-run --image end to end on
+"""Images in the prompt (formats/model/vision.md §8-§9): k3-run --image end to end on
 fixtures/tiny, the same ids at two budgets and two thread counts, images told apart by
 their rows (and by the prefix cache), the --vision-dump file against VisionTower, the
 refusals, and the chat's /image."""

@@ -110,7 +110,7 @@ class GenResult:
 
 class Prompt(NamedTuple):
     """Prompt ids with the ``forward.ImageRows`` standing at their pads
-    (formats/vision.md §8.2): what ``generate`` takes for a prompt with images."""
+    (formats/model/vision.md §8.2): what ``generate`` takes for a prompt with images."""
     ids: list
     images: tuple = ()
 
@@ -130,7 +130,7 @@ class Request:
     ``interrupted()``: asked before each sampled token joins the reply; True ends the
     request there (stop reason "interrupted"). ``chunk``: prompt tokens per pass for this
     request (None: the core's). ``images``: ``forward.ImageRows`` whose rows take the
-    place of the pad ids of ``prompt_ids`` from their ``start`` (formats/vision.md §8.2)."""
+    place of the pad ids of ``prompt_ids`` from their ``start`` (formats/model/vision.md §8.2)."""
 
     tag: object
     prompt_ids: list

@@ -194,7 +194,7 @@ class PrefixCache:
         replaced when ``state`` has it), it alone exceeds the budget, or writing fails
         (one warning; later stores are skipped). Evicts least recently used snapshots to
         fit the budget. Returns the snapshot's path, or None. A state holding image rows
-        is never kept: its ids do not say which image (formats/vision.md §8.3)."""
+        is never kept: its ids do not say which image (formats/model/vision.md §8.3)."""
         if not self.writable or state.pos < self.min_tokens or state.media:
             return None
         path = self.path(state.ids)

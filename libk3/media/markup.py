@@ -1,4 +1,4 @@
-"""How an image stands in a prompt's ids (formats/vision.md §8): the release's markup with
+"""How an image stands in a prompt's ids (formats/model/vision.md §8): the release's markup with
 the file's own size, the four media tokens found in the tokenizer by name, the single
 pad expanded to the image's rows, and the digest that names an image and its
 preprocessing. Does not own: the pixels (``preprocess``), the rows (``libk3.model.vision``)
@@ -18,7 +18,7 @@ MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END = (
 
 
 def markup(size: tuple) -> str:
-    """The text of one image of the file size (W, H) in a prompt (formats/vision.md §8.1)."""
+    """The text of one image of the file size (W, H) in a prompt (formats/model/vision.md §8.1)."""
     return f"{MEDIA_BEGIN}image {size[0]}x{size[1]}{MEDIA_CONTENT}{MEDIA_PAD}{MEDIA_END}"
 
 
@@ -48,7 +48,7 @@ def image_digest(data: bytes, media) -> str:
 
 def expand(ids, pad: int, counts: list, where: str = "the prompt") -> tuple:
     """(ids with the k-th pad repeated counts[k] times, the start of each image's rows in
-    them). The prompt must hold exactly one pad per image (formats/vision.md §8.2)."""
+    them). The prompt must hold exactly one pad per image (formats/model/vision.md §8.2)."""
     at = [i for i, t in enumerate(ids) if t == pad]
     if len(at) != len(counts):
         raise FormatError(f"{where} holds {len(at)} {MEDIA_PAD} tokens for {len(counts)} "

@@ -214,7 +214,7 @@ def latent_moe(cfg: K3Config, lw, x: np.ndarray, ids: np.ndarray, w: np.ndarray,
 
 class ImageRows(NamedTuple):
     """An image's projected rows standing at ``start`` (an index into the ids they come
-    with) in place of the pad ids there (formats/vision.md §8); ``digest`` names the
+    with) in place of the pad ids there (formats/model/vision.md §8); ``digest`` names the
     image and its preprocessing, so a State can say which image it holds."""
     start: int
     rows: np.ndarray        # (N, hidden_size) float32

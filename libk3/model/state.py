@@ -181,10 +181,10 @@ class State:
         weights that computed this state, pos, ids, the draft context's identity and
         shapes or null, arrays), the arrays as little-endian float32, then the sha256 of
         all of it. A state holding image rows is refused: its ids alone (pad ids where
-        the rows stand) do not say which image it holds (formats/vision.md §8.3)."""
+        the rows stand) do not say which image it holds (formats/model/vision.md §8.3)."""
         if self.media:
             raise UsageError(f"{path}: this state holds image rows, which a state file "
-                             "cannot name: it is not saved (formats/vision.md §8.3)")
+                             "cannot name: it is not saved (formats/model/vision.md §8.3)")
         draft = self._draft_header()
         layout = array_layout(self.cfg, self.pos, draft)
         meta = {"fingerprint": self.cfg.fingerprint(), "weights": weights_identity,

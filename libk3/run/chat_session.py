@@ -76,7 +76,7 @@ class Chat:
 
     def attach(self, path):
         """``/image PATH``: the image (read and encoded now: FormatError naming the file)
-        opens the next message (formats/vision.md §8.1)."""
+        opens the next message (formats/model/vision.md §8.1)."""
         if self.images is None:
             from .images import Images
             self.images = Images(self.run.session, "/image")
@@ -172,7 +172,7 @@ def run_chat(run: Run, settings: GenSettings, *, load_state, save_state, emit_fa
     gives each entry; a message is a turn (``Chat.turn``) whose reply
     ``emit_factory()``'s printer writes, a command is ``repl.perform``'s. End of input or
     /exit ends the chat; the state is saved then if asked (not when it holds image rows:
-    formats/vision.md §8.3). ``images``: files the first message opens with (--image)."""
+    formats/model/vision.md §8.3). ``images``: files the first message opens with (--image)."""
     from . import repl
 
     chat = Chat(run, settings, load_state=load_state, system=system,

@@ -1,6 +1,6 @@
 """A run's images (``k3-run --image``, the chat's ``/image``): from a file to the rows
-that stand in the prompt and the ids around them (formats/vision.md §8), and the
-``--vision-dump`` file (formats/vision.md §9).
+that stand in the prompt and the ids around them (formats/model/vision.md §8), and the
+``--vision-dump`` file (formats/model/vision.md §9).
 
 Owns: reading an image file (a one-line error naming it), the checkpoint's tower read
 once, when the first image needs it, each image encoded once per digest (the same file
@@ -110,7 +110,7 @@ def report_entry(image: Image) -> dict:
 
 def write_dump(path, images: list, prompt_ids: list, pad: int) -> None:
     """``--vision-dump``: per image what the tower saw and gave, and the ids around its
-    pad (formats/vision.md §9), written atomically."""
+    pad (formats/model/vision.md §9), written atomically."""
     at = [i for i, t in enumerate(prompt_ids) if t == pad]
     arrays = {"prompt_ids": np.asarray(prompt_ids, np.int64)}
     for i, (im, p) in enumerate(zip(images, at)):

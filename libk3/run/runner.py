@@ -406,7 +406,7 @@ class Run:
         prompt leaves in the prefix cache. ``should_stop()``, if given, is asked at every
         prefill chunk and token; when it answers True the prompt is abandoned (Abandoned
         is raised, nothing saved). ``images``: ``forward.ImageRows`` at pads of the ids (a
-        snapshot is reused only for text before the first: formats/vision.md §8.3)."""
+        snapshot is reused only for text before the first: formats/model/vision.md §8.3)."""
         self.check_stop_strings(settings)
         settings = self.structured(self.until_end(settings))
         reused = 0

@@ -14,7 +14,7 @@ structure (HF's ``sanitize_control_tokens``). A model without a template runs pl
 continuation: each message's text is fed as typed. A system message, when given, goes
 into the state with the first user message (its rendering, or its text as typed).
 An image attached to a message stands before its text as the release's markup
-(formats/vision.md §8.1): a private-use mark the user cannot type goes through the
+(formats/model/vision.md §8.1): a private-use mark the user cannot type goes through the
 template and is replaced by the markup after rendering, so the markup is structure.
 """
 

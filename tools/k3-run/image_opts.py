@@ -1,4 +1,4 @@
-"""k3-run's image options (formats/vision.md §8-§9): ``--image`` and ``--vision-dump``,
+"""k3-run's image options (formats/model/vision.md §8-§9): ``--image`` and ``--vision-dump``,
 which options they go with, and a prompt's images read and put at its pads.
 
 Owns: the two options' declarations and rules, and turning raw prompt mode's text ids and
@@ -20,7 +20,7 @@ RULES = (
     constraints.Excludes("chat", ("vision_dump",), "--vision-dump goes with a prompt "
                          "(-p, -f or --ids)"),
     constraints.Excludes("image", ("save_state",), "--image excludes --save-state: a state "
-                         "file cannot name the image it holds (formats/vision.md §8.3)"),
+                         "file cannot name the image it holds (formats/model/vision.md §8.3)"),
 )
 
 
@@ -29,7 +29,7 @@ def image_options(f):
     f = click.option("--vision-dump", type=click.Path(dir_okay=False),
                      help="With --image: write each image's pixels, grid, tower rows, "
                           "projected rows and the ids around it as .npz "
-                          "(formats/vision.md §9).")(f)
+                          "(formats/model/vision.md §9).")(f)
     return click.option("--image", "image", multiple=True, type=click.Path(dir_okay=False),
                         help="An image the prompt (with --chat: the first message) begins "
                              "with (repeatable, in order), in the model's image markup before "
