@@ -3,7 +3,7 @@
 Owns: starting each accepted prompt (one by one at width 1, exactly as ``k3-run --ids``
 would, or in the engine core at the run's width; a line's ``n`` choices always in the
 core, which prefills it once), writing its result line once its choices finish (with
-their log-probabilities when the line asks: formats/batch.md §Results file),
+their log-probabilities when the line asks: formats/batch.md "Results file"),
 the progress bar, and the batch's aggregate figures (width, tokens/s, trunk and expert
 bytes read per generated token, expert union per MoE layer, per-prompt tokens and times).
 Does not own: reading or validating the batch file, skipping finished ids, sharding
@@ -217,7 +217,7 @@ class BatchSink:
         self.bar.update(1)
 
     def _choice(self, index: int, res, chat: bool) -> dict:
-        """One choice of a line of ``n`` > 1 (formats/batch.md §Results file)."""
+        """One choice of a line of ``n`` > 1 (formats/batch.md "Results file")."""
         one = self.run.report(res)
         return {"index": index, **{k: one[k] for k in CHOICE_KEYS if k in one},
                 **choice_fields(self.run, res, chat)}
