@@ -3,8 +3,9 @@ chat turn, a batch file, the server's requests) is Requests added to an ``Engine
 and ``step()`` run until they are done; what happens is told as Events.
 
 Owns: what a generation is asked and gives (``GenSettings``, ``Request``, ``GenResult``,
-the ``Event``s of a step), the lanes (at most ``width`` sequences in flight, each with its own State, Sampler,
-stop rules and Speculator), what each lane puts into the next pass (its next prompt
+the ``Event``s of a step), the lanes (at most ``width`` sequences in flight, each with
+its own State, Sampler, stop rules and Speculator), a request's n choices forked from one
+prefill (``Request.n``), what each lane puts into the next pass (its next prompt
 tokens, its one decode token, or its token and the proposals it verifies), sampling,
 stop rules, log-probabilities of the chosen tokens, and the events of a step. Does not
 own: the forward pass (``libk3.model.forward.Forward.run``: one trunk fetch per layer and

@@ -168,9 +168,9 @@ class BatchSink:
                           f"run's pace; a --deadline of at least {minutes} min would fit it")
 
     def _drop_lanes(self) -> int:
+        """Drop every request in flight; the lines they were (a line's choices count once)."""
         lanes, self.core.lanes = self.core.lanes, []
-        for req in self.core.waiting:           # choices not started: their line drops
-            self._forget(req.tag)
+        lines = {lane.req.tag for lane in lanes} | {req.tag for req in self.core.waiting}
         self.core.waiting = []
         self.discarded += sum(len(lane.generated) for lane in lanes)
         if lanes and self.pace is not None and self.pace.seen:
@@ -178,7 +178,7 @@ class BatchSink:
             self._short(self.ids.get(lane.req.tag, lane.req.tag),
                         self.pace.finish([_work_left(lane)], self.chunk),
                         "was cut off at the deadline; it needed")
-        return len(lanes)
+        return len(lines)
 
     def _token(self, job, tok) -> None:
         self.generated += 1
