@@ -158,3 +158,18 @@ def test_batch_n_and_logprobs_are_the_same_bytes_at_widths_1_and_3(tiny_dir, tok
     assert "message" in row["chat"]["choices"][1] and "choices" not in row["lp"]
     again = k3_here(tiny_dir, "--batch", batch, "--out", out[3], "--batch-width", 3)
     assert again.returncode == 0 and "0 done, 3 already in" in again.stderr, again.stderr
+
+
+def test_reasoning_effort_renders_as_the_templates_switch(tiny_dir, tmp_path):
+    """Catches "reasoning_effort" accepted on a batch line but not rendered (the prompt
+    unchanged), or mapped otherwise than the server maps it: "none" is the template's
+    thinking switch off, "high" on (the template's default here)."""
+    lines = [{"reasoning_effort": "none"}, {"template_kwargs": {"thinking": False}},
+             {"reasoning_effort": "high"}, {}]
+    batch, out = tmp_path / "b.jsonl", tmp_path / "r.jsonl"
+    batch.write_text("".join(json.dumps({"id": i, "messages": MESSAGES, "gen": 1, **extra})
+                             + "\n" for i, extra in enumerate(lines)))
+    p = k3_here(tiny_dir, "--batch", batch, "--out", out)
+    assert p.returncode == 0 and "4 done" in p.stderr, p.stderr
+    ids = {r["id"]: r["prompt_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    assert ids[0] == ids[1] and ids[2] == ids[3] and ids[0] != ids[2]

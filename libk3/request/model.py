@@ -1,6 +1,8 @@
-"""A generation request as types: ``Sampling`` (the sampling parameters) and ``Generation``
-(what to generate from, how much, where to stop, in what format), pydantic models whose
-validators are the rules of ``libk3.engine.settings``, one per field.
+"""A generation request as types: ``Sampling`` (the sampling parameters), ``Generation``
+(what to generate from, how much, where to stop, in what format, how many choices) and
+``ChatGeneration`` (also log-probabilities, reasoning effort, tool calls: what a chat
+request and a batch line ask), pydantic models whose validators are the rules of
+``libk3.engine.settings``, one per field.
 
 Owns: the types, ``check`` (a dict in k3's field names into a model, or the ``Problem``
 of its first refused field: the field, a one-line reason naming it, the HTTP status and

@@ -2,9 +2,10 @@
 at a time in lockstep, results appended as they finish (formats/batch.md).
 
 Owns: ``run_batch`` and ``BatchLimits`` (when a cron tick stops), the lock on the results
-file, which lines are accepted, refused or already done, and their prompt ids. Does not
-own: opening the model (``runner``), the scheduler and results sink (``batch_sink``), the
-line format (``batch``).
+file, which lines are accepted, refused or already done, their prompt ids (a
+``reasoning_effort`` rendered as the template's switch) and the grammar of their
+``tool_choice``. Does not own: opening the model (``runner``), the scheduler and
+results sink (``batch_sink``), the line format (``batch``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ A field k3 does not implement is refused (400 naming it, ``unsupported_field``, 
 words every surface uses: ``request.fields.refusal``), unless it cannot change the reply:
 ``IGNORED`` fields, and ``NEUTRAL`` fields given their do-nothing value (``logprobs``
 false, ``best_of`` 1, ...). The fields a generation request shares with batch lines are
-checked by ``request.model.Generation`` (one rule per field); a field k3 uses with the
+checked by ``request.model.Generation`` (a chat request's by ``ChatGeneration``:
+also n, logprobs, reasoning_effort, tool_choice; one rule per field); a field k3 uses with the
 wrong type or range is refused (422). Either way a request never runs with settings
 other than those asked for. The sampling fields beyond OpenAI's (``top_k``, ``min_p``,
 ``repetition_penalty``) mean what vLLM's do, and ``logit_bias`` is applied as vLLM
