@@ -56,16 +56,18 @@ def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=
 def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokenizer=None,
              on_token=None, keep_logits: bool = False, progress=None,
              after_prefill=None, feed_last: bool = True, drafting=None,
-             interrupted=None) -> GenResult:
+             interrupted=None, logprobs: int | None = None) -> GenResult:
     """Run one prompt: an ``EngineCore`` of width 1 (``core.Request`` says what each
     argument means). ``on_token(id)`` is called as each token is produced;
     ``after_prefill(state)`` once the prompt is in the state (reuse of earlier turns);
-    ``progress(n)`` as each chunk of n prompt ids is fed. A lane's own failure (its
-    grammar gave up) is raised here."""
+    ``progress(n)`` as each chunk of n prompt ids is fed; ``logprobs``: alternatives per
+    generated token whose log-probabilities the result carries (None: none). A lane's
+    own failure (its grammar gave up) is raised here."""
     core = EngineCore(forward, None, 1, chunk=settings.prefill_chunk, tokenizer=tokenizer,
                       drafting=drafting)
     req = Request(None, [int(i) for i in prompt_ids], settings, state, logits=keep_logits,
-                  feed_last=feed_last or keep_logits, interrupted=interrupted)
+                  feed_last=feed_last or keep_logits, interrupted=interrupted,
+                  logprobs=logprobs)
     core.add(req)
     while True:
         for ev in core.step():
