@@ -24,9 +24,8 @@ def _line(**fields) -> bytes:
 @pytest.mark.parametrize("field,value,said", [
     ("temprature", 0.5, 'did you mean "temperature"'),
     ("max_tokens", 8, '"gen"'),
-    ("n", 2, '"seed"'),
-    ("logprobs", True, "log-probabilities"),
-    ("tool_choice", "required", "tool calls"),
+    ("chat_template_kwargs", {}, '"template_kwargs"'),
+    ("echo", True, "not implemented in batch lines"),
     ("colour", "blue", "unknown field \"colour\""),
 ])
 def test_batch_line_field_it_would_ignore_is_refused_naming_it(field, value, said):
@@ -44,10 +43,12 @@ def test_batch_line_every_documented_field_is_taken():
     obj = parse_line(_line(gen=3, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1,
                            repetition_penalty=1.1, presence_penalty=0.1,
                            frequency_penalty=0.1, seed=2, stop=["x"], stop_ids=[3],
-                           logit_bias={"5": 1.0}, response_format={"type": "text"}), VOCAB)
-    assert obj["gen"] == 3
+                           logit_bias={"5": 1.0}, response_format={"type": "text"},
+                           n=2, logprobs=True, top_logprobs=3), VOCAB)
+    assert obj["gen"] == 3 and obj["n"] == 2 and obj["top_logprobs"] == 3
     msgs = json.dumps({"id": 2, "messages": [{"role": "user", "content": "x"}],
-                       "tools": [], "template_kwargs": {}}).encode()
+                       "tools": [], "template_kwargs": {}, "reasoning_effort": "low",
+                       "tool_choice": "none", "parallel_tool_calls": False}).encode()
     assert parse_line(msgs, VOCAB)["id"] == 2
 
 

@@ -891,3 +891,27 @@ def test_serve_reasoning_effort_maps_to_the_templates_thinking_switch(server, ti
     enc = ChatEncoder(plain, K3Tokenizer.from_dir(tiny_dir))
     with pytest.raises(ChatInputError, match="no reasoning switch"):
         enc.reasoning_kwargs("high")
+
+
+def test_batch_line_gives_the_servers_choices_and_logprobs(server, tiny_dir, tmp_path):
+    """Catches a batch line with "n" and "logprobs" answered otherwise than the server
+    answers the same request (other choices, seeds or log-probabilities, another shape):
+    the same conversation and settings through /v1/chat/completions and a batch file."""
+    msgs = [{"role": "user", "content": "Tell me about ships."}]
+    ask = dict(n=3, temperature=1.0, seed=40, logprobs=True, top_logprobs=2)
+    status, r = _post(server, "/v1/chat/completions", json.dumps(
+        {"model": "tiny", "messages": msgs, "max_tokens": 4, **ask}).encode())
+    assert status == 200, r
+    batch = tmp_path / "b.jsonl"
+    batch.write_text(json.dumps({"id": 1, "messages": msgs, "gen": 4, **ask}) + "\n")
+    out = tmp_path / "r.jsonl"
+    p = subprocess.run(["k3-run", str(tiny_dir), "--batch", str(batch), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    line = json.loads(out.read_text())
+    assert [c["generated_ids"] for c in line["choices"]] == \
+        [c["generated_ids"] for c in r["k3"]["choices"]]
+    assert [c["logprobs"] for c in line["choices"]] == \
+        [c["logprobs"] for c in r["choices"]]
+    assert [c["message"]["content"] for c in line["choices"]] == \
+        [c["message"]["content"] for c in r["choices"]]

@@ -297,3 +297,28 @@ def test_thinking_budget_holds_in_generation(tiny_dir, tok):
     got = generate(s.forward, s.new_state(), prompt, capped).generated_ids
     first, tag = got.index(close), _ids(tok, "<|close|>", "think", "<|sep|>")
     assert first <= budget and got[first:first + len(tag)] == tag, got
+
+
+def test_batch_line_tool_choice_is_enforced_as_on_the_server(server, tiny_dir, tmp_path):
+    """Catches a batch line's "tool_choice" accepted but not enforced (the random model
+    calls no tool on its own), or enforced otherwise than the server enforces it: the
+    same request through /v1/chat/completions and a batch file calls the same tools."""
+    from .scripts import k3_here
+    ask = {"messages": MSGS, "tools": TOOLS, "temperature": 1.0, "seed": 3, "n": 2,
+           "tool_choice": {"type": "function", "function": {"name": "add"}},
+           "parallel_tool_calls": False}
+    status, r = _post(server, "/v1/chat/completions", json.dumps(
+        {"model": "tiny", "max_tokens": 200, "chat_template_kwargs": {"thinking": False},
+         **ask}).encode())
+    assert status == 200, r
+    batch, out = tmp_path / "b.jsonl", tmp_path / "r.jsonl"
+    batch.write_text(json.dumps({"id": 1, "gen": 200, "template_kwargs": {"thinking": False},
+                                 **ask}) + "\n")
+    p = k3_here(tiny_dir, "--batch", batch, "--out", out)
+    assert p.returncode == 0 and "1 done" in p.stderr, p.stderr
+    line = json.loads(out.read_text())
+    for mine, theirs in zip(line["choices"], r["choices"]):
+        calls = mine["message"]["tool_calls"]
+        assert [c["function"]["name"] for c in calls] == ["add"]
+        assert [c["function"] for c in calls] == \
+            [c["function"] for c in theirs["message"]["tool_calls"]]

@@ -3,8 +3,9 @@ chat turn, a batch file, the server's requests) is Requests added to an ``Engine
 and ``step()`` run until they are done; what happens is told as Events.
 
 Owns: what a generation is asked and gives (``GenSettings``, ``Request``, ``GenResult``,
-the ``Event``s of a step), the lanes (at most ``width`` sequences in flight, each with its own State, Sampler,
-stop rules and Speculator), what each lane puts into the next pass (its next prompt
+the ``Event``s of a step), the lanes (at most ``width`` sequences in flight, each with
+its own State, Sampler, stop rules and Speculator), a request's n choices forked from one
+prefill (``Request.n``), what each lane puts into the next pass (its next prompt
 tokens, its one decode token, or its token and the proposals it verifies), sampling,
 stop rules, log-probabilities of the chosen tokens, and the events of a step. Does not
 own: the forward pass (``libk3.model.forward.Forward.run``: one trunk fetch per layer and
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import NamedTuple
 
 import numpy as np
 
@@ -101,18 +101,13 @@ class GenResult:
     stop_strings: tuple = ()       # what the text ends at (``stops.returned_text``)
     reused_tokens: int = 0         # of prompt_ids, resumed from a kept state, not prefilled
     grammar_seconds: float | None = None   # computing the grammar's masks (None: no grammar)
+    logprobs: list | None = None   # a TokenLogprob per generated token (None: not asked)
+    choice: int = 0                # which of its request's ``n`` choices
 
     @property
     def seconds_per_token(self) -> float:
         n = len(self.generated_ids)
         return self.decode_seconds / n if n else 0.0
-
-
-class Prompt(NamedTuple):
-    """Prompt ids with the ``forward.ImageRows`` standing at their pads
-    (formats/model/vision.md §8.2): what ``generate`` takes for a prompt with images."""
-    ids: list
-    images: tuple = ()
 
 
 @dataclasses.dataclass
@@ -129,8 +124,7 @@ class Request:
     the whole reply (a chat continues from it); otherwise a finished lane leaves at once.
     ``interrupted()``: asked before each sampled token joins the reply; True ends the
     request there (stop reason "interrupted"). ``chunk``: prompt tokens per pass for this
-    request (None: the core's). ``images``: ``forward.ImageRows`` whose rows take the
-    place of the pad ids of ``prompt_ids`` from their ``start`` (formats/model/vision.md §8.2)."""
+    request (None: the core's). ``images``: ``forward.ImageRows`` at pads of ``prompt_ids``."""
 
     tag: object
     prompt_ids: list
@@ -143,6 +137,14 @@ class Request:
     feed_last: bool = False
     interrupted: object = None
     images: tuple = ()
+    n: int = 1
+    choice: int = 0
+    followers: list = dataclasses.field(default_factory=list)   # choices 1.. until forked
+
+    @property
+    def fork_at(self) -> int:
+        """Prompt ids choice 0 feeds before the others fork off (0: they start at once)."""
+        return max(len(self.prompt_ids) - 1, 0) if self.followers else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,9 +154,12 @@ class Event:
     "prompt_logprobs": [TokenLogprob] of the prompt ids this pass scored (``echo``);
     "fed": prompt tokens this pass fed (progress);
     "prefilled": the State once the whole prompt is in, before the first token;
-    "kept": (State, n) once n of the prompt ids are in, for each n of ``keep_at``;
+    "kept": (State, n) once n of the prompt ids are in, for each n of ``keep_at`` (and
+    choice 0's fork point, ``Request.n``);
     "done": the GenResult (the lane has left); "failed": the exception that ended this
-    request alone (its grammar, sampler, stops or proposals raised; the lane has left)."""
+    request alone (its grammar, sampler, stops or proposals raised; the lane has left),
+    also for each choice not yet forked off it. Each choice (``Request.n``) is a Request
+    of its own: its events carry its ``choice``."""
     kind: str
     request: Request
     data: object = None
@@ -184,6 +189,7 @@ class Lane:
         self.t_enter = now
         self.t_first = None             # prefill done: first token sampled from here
         self.rows = [] if req.logits else None
+        self.logprobs = [] if req.logprobs is not None else None
 
     @property
     def prefilling(self) -> bool:
@@ -206,24 +212,12 @@ class Lane:
         tag = self.req.tag
         if n_prompt or self.spec is None:
             every = self.rows is not None or n_prompt == 0 or self.echoes
-            seg = Segment(ids, self.state, all_logits=every,
-                          phase="prefill" if n_prompt else "decode", tag=tag)
-            if n_prompt:
-                seg.images = self._images(self.fed, self.fed + n_prompt)
-            return seg
+            return Segment(ids, self.state, all_logits=every, tag=tag,
+                           phase="prefill" if n_prompt else "decode",
+                           images=self.req.images if n_prompt else (), at=self.fed)
         room = 0 if self.closing else self.limit - len(self.generated)
         return self.spec.plan(self.state, self.next, room, self.stops.ids,
                               self.sampler, tag, others)
-
-    def _images(self, lo: int, hi: int) -> list:
-        """The image rows standing in prompt positions lo..hi-1, relative to lo (a chunk
-        may cut an image: its rows go in with the positions they stand at)."""
-        out = []
-        for im in self.req.images:
-            a, b = max(im.start, lo), min(im.start + im.rows.shape[0], hi)
-            if a < b:
-                out.append(im._replace(start=a - lo, rows=im.rows[a - im.start:b - im.start]))
-        return out
 
     def take(self, seg: Segment, logits, n_prompt: int, seconds: float, out: list) -> None:
         """Absorb this lane's logits from a pass that fed ``n_prompt`` prompt tokens (or,
@@ -294,6 +288,8 @@ class Lane:
         """Count ``tok`` as generated; whether it ends the sequence (stop or length)."""
         lp = None if self.req.logprobs is None else token_logprob(row, tok, self.req.logprobs)
         self.generated.append(tok)
+        if lp is not None:
+            self.logprobs.append(lp)
         out.append(Event("token", self.req, (tok, lp)))
         self.reason = self.stops.see(tok)
         if self.reason is None and len(self.generated) >= self.limit:
@@ -313,7 +309,8 @@ class Lane:
                          now - t_first, logits,
                          stop_strings=tuple(self.req.settings.stop_strings),
                          grammar_seconds=None if self.sampler.grammar is None else
-                         self.sampler.grammar.seconds)
+                         self.sampler.grammar.seconds, logprobs=self.logprobs,
+                         choice=self.req.choice)
 
 
 @dataclasses.dataclass
@@ -367,18 +364,47 @@ class EngineCore:
         self.should_stop, self.on_pass, self.clock = should_stop, on_pass, clock
         self.drafting = drafting
         self.lanes: list[Lane] = []
+        self.waiting: list[Request] = []    # forked choices, admitted as lanes free up
         self.pending: list[Event] = []      # events of adds, handed out by the next step
         self.stats = CoreStats(width)
 
     @property
     def full(self) -> bool:
-        return len(self.lanes) >= self.width
+        return len(self.lanes) + len(self.waiting) >= self.width
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is in flight or waiting for a lane (step until it is not)."""
+        return bool(self.lanes or self.waiting or self.pending)
 
     def add(self, req: Request) -> None:
-        """Start ``req`` in a free lane (UsageError when its settings cannot start, such
-        as a grammar; ValueError when no lane is free)."""
+        """Start ``req`` in a free lane, its other choices (``n``) to follow (UsageError
+        when its settings cannot start, such as a grammar; ValueError when no lane is
+        free)."""
         if self.full:
             raise ValueError("every lane is busy: step until one is free")
+        if req.n > 1 and not req.followers:
+            req.followers = [dataclasses.replace(
+                req, settings=dataclasses.replace(
+                    req.settings, seed=(req.settings.seed + i) % 2 ** 64),
+                choice=i, n=1, keep_at=(), followers=[]) for i in range(1, req.n)]
+            if req.fork_at:
+                req.keep_at = tuple(sorted(set(req.keep_at) | {req.fork_at}))
+            else:
+                self._fork(req, req.state)
+        self._start(req)
+
+    def _fork(self, req: Request, state) -> None:
+        """Queue ``req``'s other choices, each from its own copy of ``state`` (None: a
+        new one) with the prompt ids it has not fed."""
+        for f in req.followers:
+            f.state = None if state is None else state.copy()
+            f.prompt_ids = list(req.prompt_ids[req.fork_at:])
+            f.echo = req.echo and state is None     # the prompt's logprobs: choice 0's
+            self.waiting.append(f)
+        req.followers = []
+
+    def _start(self, req: Request) -> None:
         state = req.state if req.state is not None else \
             self.new_state(len(req.prompt_ids) + max(req.settings.gen, 0))  # -1: grows
         spec = self.drafting.speculator() if self.drafting is not None else None
@@ -390,9 +416,19 @@ class EngineCore:
     def abort(self, which) -> list:
         """Drop at once the lanes whose Request ``which(request)`` picks (a request whose
         client went away); their Requests. The others' tokens do not change."""
-        gone = [lane.req for lane in self.lanes if which(lane.req)]
+        gone = [r for lane in self.lanes if which(lane.req)
+                for r in (lane.req, *lane.req.followers)]     # choices not yet forked too
         self.lanes = [lane for lane in self.lanes if not which(lane.req)]
+        gone += [req for req in self.waiting if which(req)]
+        self.waiting = [req for req in self.waiting if not which(req)]
         return gone
+
+    def _alone_start(self, req: Request) -> None:
+        """Start a forked choice; one whose settings cannot start fails alone."""
+        try:
+            self._start(req)
+        except Exception as e:      # noqa: BLE001 (that choice's own failure, told)
+            self.pending.append(Event("failed", req, e))
 
     def _alone(self, lane, fn, *args):
         """``fn(*args)`` of one lane; when it raises, the lane is marked to leave with its
@@ -407,7 +443,10 @@ class EngineCore:
 
     def step(self) -> list:
         """One pass over every lane in flight (none when every lane is finished already);
-        finished lanes leave. Returns the Events, in order."""
+        finished lanes leave; forked choices waiting take the lanes free. Returns the
+        Events, in order."""
+        while self.waiting and len(self.lanes) < self.width:
+            self._alone_start(self.waiting.pop(0))
         out, self.pending = self.pending, []
         if any(not lane.finished for lane in self.lanes):
             if self.should_stop is not None and self.should_stop():
@@ -419,6 +458,7 @@ class EngineCore:
                 still.append(lane)
             elif lane.reason == "error":
                 out.append(Event("failed", lane.req, lane.error))
+                out += [Event("failed", f, lane.error) for f in lane.req.followers]
             else:                           # leaves at once
                 out.append(Event("done", lane.req, lane.result(time.perf_counter())))
         self.lanes = still
@@ -444,6 +484,8 @@ class EngineCore:
             self._alone(lane, lane.take, seg, logits, n_prompt, took, out)
             if n_prompt and lane.fed in lane.req.keep_at and lane.reason != "error":
                 out.append(Event("kept", lane.req, (lane.state, lane.fed)))
+                if lane.req.followers and lane.fed == lane.req.fork_at:
+                    self._fork(lane.req, lane.state)
             st.generated_tokens += len(lane.generated) - before
         if self.drafting is not None and segs and all(n == 0 for _, _, n in plan):
             self.drafting.width.record(sum(seg.ids.shape[0] for seg in segs),

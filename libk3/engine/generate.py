@@ -18,13 +18,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from .core import EngineCore, Prompt, Request
+from .core import EngineCore, Request
 from .core import Abandoned, GenResult, GenSettings
 
 if TYPE_CHECKING:                  # the model is not imported by option parsing (start-up)
     from ..model.state import State
+
+
+class Prompt(NamedTuple):
+    """Prompt ids with the ``forward.ImageRows`` standing at their pads
+    (formats/model/vision.md §8.2): what ``generate`` takes for a prompt with images."""
+    ids: list
+    images: tuple = ()
+
 
 __all__ = ["Abandoned", "GenResult", "GenSettings", "Prompt", "generate", "prefill"]
 
@@ -56,13 +64,14 @@ def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=
 def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokenizer=None,
              on_token=None, keep_logits: bool = False, progress=None,
              after_prefill=None, feed_last: bool = True, drafting=None,
-             interrupted=None) -> GenResult:
+             interrupted=None, logprobs: int | None = None) -> GenResult:
     """Run one prompt: an ``EngineCore`` of width 1 (``core.Request`` says what each
     argument means). ``on_token(id)`` is called as each token is produced;
     ``after_prefill(state)`` once the prompt is in the state (reuse of earlier turns);
-    ``progress(n)`` as each chunk of n prompt ids is fed. A lane's own failure (its
-    grammar gave up) is raised here. ``prompt_ids``: ids, or a ``core.Prompt`` (ids and
-    the image rows standing at their pads)."""
+    ``progress(n)`` as each chunk of n prompt ids is fed; ``logprobs``: alternatives per
+    generated token whose log-probabilities the result carries (None: none). A lane's
+    own failure (its grammar gave up) is raised here. ``prompt_ids``: ids, or a
+    ``core.Prompt`` (ids and the image rows standing at their pads)."""
     images = ()
     if isinstance(prompt_ids, Prompt):
         prompt_ids, images = prompt_ids
@@ -70,7 +79,7 @@ def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokeni
                       drafting=drafting)
     req = Request(None, [int(i) for i in prompt_ids], settings, state, logits=keep_logits,
                   feed_last=feed_last or keep_logits, interrupted=interrupted,
-                  images=tuple(images))
+                  logprobs=logprobs, images=tuple(images))
     core.add(req)
     while True:
         for ev in core.step():

@@ -2,8 +2,10 @@
 
 Owns: turning one logits row into the log-probability of the token chosen from it and
 of the likeliest alternatives (what ``logprobs``/``top_logprobs`` and ``echo`` answer on
-the server). Does not own: which rows are scored (``core``, for the requests that ask)
-or the wire format (``libk3.serve.protocol``).
+the server and in batch results), and their one JSON shape, OpenAI's chat ``logprobs``
+``content`` list (``content``: the server's chat choices and batch result lines). Does
+not own: which rows are scored (``core``, for the requests that ask) or the completion
+endpoint's shape (``libk3.serve.protocol``).
 
 Which distribution: the model's own, the log-softmax of the raw logits row, before
 temperature, penalties and truncation (vLLM's default, "raw logprobs"), so a value is the
@@ -49,3 +51,20 @@ def token_logprob(row, token: int, top: int = 0) -> TokenLogprob:
         order = np.lexsort((tied, -lp[tied]))[:k]
         best = [(int(tied[i]), float(lp[tied[i]])) for i in order]
     return TokenLogprob(int(token), float(lp[token]), best)
+
+
+def token_text(tokenizer, token: int) -> tuple:
+    """(text, bytes) of one token: its bytes as UTF-8, a byte that is not (half a
+    character) written as a \\xNN escape, as OpenAI does."""
+    raw = tokenizer.token_bytes(token)
+    return raw.decode("utf-8", errors="backslashreplace"), list(raw)
+
+
+def content(tokenizer, entries) -> list:
+    """OpenAI's chat ``logprobs.content``: per TokenLogprob its ``token`` (text),
+    ``logprob``, ``bytes`` and ``top_logprobs`` (the same three of each alternative)."""
+    def one(token, logprob):
+        text, raw = token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+            for e in entries]

@@ -60,3 +60,15 @@ def expand(ids, pad: int, counts: list, where: str = "the prompt") -> tuple:
         out += [pad] * n
         done = i + 1
     return out + list(ids[done:]), starts
+
+
+def rows_in(images, lo: int, hi: int) -> list:
+    """The image rows (``forward.ImageRows``, start relative to a prompt) standing at
+    prompt positions lo..hi-1, their start made relative to lo: a chunk may cut an image,
+    and its rows go in with the positions they stand at (formats/model/vision.md §8.2)."""
+    out = []
+    for im in images:
+        a, b = max(im.start, lo), min(im.start + im.rows.shape[0], hi)
+        if a < b:
+            out.append(im._replace(start=a - lo, rows=im.rows[a - im.start:b - im.start]))
+    return out

@@ -34,6 +34,7 @@ from . import ops as K
 from ..config import K3Config, L2NORM_EPS, MLA_LATENT_NORM_EPS
 from ..errors import NonFiniteError
 from ..machine import threads
+from ..media.markup import rows_in
 from .predict import predict_experts, ranked
 from .provider import WeightProvider
 from .state import State
@@ -231,21 +232,21 @@ class Segment:
     then makes it hold the accepted first n of them, from what the pass recorded in
     ``tape``, reading no weights. After a pass, ``taps`` holds the hidden states the
     Forward's ``taps`` asked for, one row per fed id (None when none were asked for).
-    ``images``: ``ImageRows`` (start relative to ``ids``) whose rows replace the
-    embeddings of those positions."""
+    ``images``: a prompt's ``ImageRows`` and ``at`` where ``ids`` start in it: the rows
+    these ids cover replace their embeddings."""
 
     __slots__ = ("ids", "state", "all_logits", "phase", "tag", "verify", "tape", "taps",
                  "r0", "r1", "positions", "rows", "images")
 
     def __init__(self, ids, state: State, all_logits: bool = True, phase: str = "prefill",
-                 tag=None, verify: bool = False):
+                 tag=None, verify: bool = False, images=(), at: int = 0):
         self.ids = np.asarray(ids, dtype=np.int64)
         self.state, self.all_logits, self.phase, self.tag = state, all_logits, phase, tag
         self.verify = verify
         self.tape = {} if verify else None
         self.taps = None
         self.rows = None            # a verify's logits rows, for ``commit``
-        self.images = ()
+        self.images = rows_in(images, at, at + self.ids.shape[0]) if images else []
 
 
 class Taps(NamedTuple):

@@ -17,8 +17,9 @@ from ..engine.settings import SAMPLING_RULES
 
 # k3's own names of a generation request's fields (``model.Generation``)
 SAMPLING = (*SAMPLING_RULES, "logit_bias")
+CHAT = ("logprobs", "top_logprobs", "reasoning_effort", "tool_choice", "parallel_tool_calls")
 BATCH = ("id", "prompt", "ids", "messages", "tools", "template_kwargs", "gen", "stop",
-         "stop_ids", "response_format", *SAMPLING)
+         "stop_ids", "response_format", "n", *CHAT, *SAMPLING)
 # OpenAI: the fields each endpoint reads; any other is refused unless ignored below
 OPENAI = {"model", "max_tokens", "max_completion_tokens", "stop", "stream", "stream_options",
           "n", "response_format", *SAMPLING}
@@ -44,11 +45,6 @@ KNOWN = frozenset((*BATCH, *OPENAI_CHAT, *OPENAI_COMPLETION, *OPENAI_IGNORED, *O
 NOT_IN_BATCH = {
     "max_tokens": "the batch field is \"gen\"",
     "max_completion_tokens": "the batch field is \"gen\"",
-    "n": "one result per line: give each choice a line of its own with its \"seed\"",
-    "logprobs": "result lines carry no log-probabilities (--logits-out gives a prompt's)",
-    "top_logprobs": "result lines carry no log-probabilities (--logits-out gives a prompt's)",
-    "tool_choice": "batch lines do not enforce tool calls (the server does)",
-    "parallel_tool_calls": "batch lines do not enforce tool calls (the server does)",
     "chat_template_kwargs": "the batch field is \"template_kwargs\"",
 }
 # what a surface says of a field another surface reads: (where, the doc listing its fields)

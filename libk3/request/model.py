@@ -1,6 +1,8 @@
-"""A generation request as types: ``Sampling`` (the sampling parameters) and ``Generation``
-(what to generate from, how much, where to stop, in what format), pydantic models whose
-validators are the rules of ``libk3.engine.settings``, one per field.
+"""A generation request as types: ``Sampling`` (the sampling parameters), ``Generation``
+(what to generate from, how much, where to stop, in what format, how many choices) and
+``ChatGeneration`` (also log-probabilities, reasoning effort, tool calls: what a chat
+request and a batch line ask), pydantic models whose validators are the rules of
+``libk3.engine.settings``, one per field.
 
 Owns: the types, ``check`` (a dict in k3's field names into a model, or the ``Problem``
 of its first refused field: the field, a one-line reason naming it, the HTTP status and
@@ -30,6 +32,8 @@ from pydantic_core import PydanticCustomError
 from ..text.chat_request import conversation_problem
 from ..constrain.grammar import response_format_problem
 from ..constrain.schema_check import request_vendor_key
+from ..constrain.tool_grammar import tool_choice_problem
+from ..engine.logprobs import MAX_TOP
 from ..engine.settings import (frequency_penalty_problem, gen_or_until_end_problem,
                                gen_problem, logit_bias_problem, min_p_problem,
                                presence_penalty_problem, repetition_penalty_problem,
@@ -38,6 +42,8 @@ from ..engine.settings import (frequency_penalty_problem, gen_or_until_end_probl
 from .fields import refusal
 
 NUMBER, INTEGER = (int, float), (int,)
+MAX_N = 16                       # choices per request (each a lane of its own)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")   # OpenAI's values
 
 
 @dataclasses.dataclass
@@ -138,6 +144,25 @@ def _logit_bias(value, vocab_size: int):
     return logit_bias_problem(value, vocab_size, json_only=True)
 
 
+def _n(value):
+    ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_N
+    return None if ok else f"must be an integer 1..{MAX_N}"
+
+
+def _boolean(value):
+    return None if isinstance(value, bool) else "must be a boolean"
+
+
+def _top_logprobs(value):
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOP
+    return None if ok else f"must be an integer 0..{MAX_TOP}"
+
+
+def _effort(value):
+    return None if value in REASONING_EFFORTS else \
+        "must be one of " + ", ".join(REASONING_EFFORTS)
+
+
 class Sampling(BaseModel):
     """How each token is drawn; a field left out is the run's (its option's default)."""
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -170,6 +195,7 @@ class Generation(Sampling):
     stop: Annotated[tuple, BeforeValidator(_stop)] = ()
     stop_ids: Annotated[list, ruled(_stop_ids, (list,), vocab=True)] = None
     response_format: Annotated[dict | None, ruled(_response_format, (dict,))] = None
+    n: Annotated[int, ruled(_n, INTEGER)] = None       # choices, choice i seeded seed + i
 
     @model_validator(mode="after")
     def _together(self, info):
@@ -189,9 +215,45 @@ class Generation(Sampling):
         return {name: getattr(self, name) for name in self.model_fields_set}
 
 
+class ChatGeneration(Generation):
+    """A generation that also asks, as OpenAI's chat requests do, for each token's
+    log-probability (``logprobs`` true, with ``top_logprobs`` alternatives), a reasoning
+    effort (mapped onto the chat template's switches) and calls of its tools
+    (``tool_choice``, ``parallel_tool_calls``: ``tool_grammar.tool_choice_problem``)."""
+    logprobs: Annotated[bool, ruled(_boolean, ())] = None
+    top_logprobs: Annotated[int, ruled(_top_logprobs, INTEGER)] = None
+    reasoning_effort: Annotated[str, ruled(_effort, (str,))] = None
+    tool_choice: Any = None
+    parallel_tool_calls: Annotated[bool, ruled(_boolean, ())] = None
+
+    @model_validator(mode="after")
+    def _chat_together(self, info):
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("needs", "{why}", {
+                "field": "top_logprobs", "why": "\"top_logprobs\" needs \"logprobs\": true"})
+        choice = "auto" if self.tool_choice is None else self.tool_choice
+        why = tool_choice_problem(choice, self.tools, self.parallel_tool_calls is not False)
+        if why:
+            raise PydanticCustomError("needs", "{why}",
+                                      {"field": why[0], "why": _said(why[0], why[1])})
+        if choice not in ("none", "auto") and self.response_format is not None \
+                and self.response_format.get("type") != "text":
+            raise PydanticCustomError("needs", "{why}", {
+                "field": "tool_choice", "why": "\"tool_choice\" other than \"none\" or "
+                "\"auto\" cannot be enforced together with a \"response_format\" (the "
+                "reply is either calls or that JSON)"})
+        return self
+
+    @property
+    def alternatives(self) -> int | None:
+        """Alternatives per token to report (None: no log-probabilities asked)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
 # the order fields are reported in when a request has more than one problem
 ORDER = ("id", "prompt", "ids", "messages", "tools", "template_kwargs", "gen",
-         *Sampling.model_fields, "stop", "stop_ids", "response_format")
+         *Sampling.model_fields, "stop", "stop_ids", "response_format", "n", "logprobs",
+         "top_logprobs", "reasoning_effort", "tool_choice", "parallel_tool_calls")
 
 
 def check(model: type, obj: dict, surface: str, **context):
@@ -214,6 +276,8 @@ def _problem(errors: list, surface: str) -> Problem:
     ctx = first.get("ctx") or {}
     if first["type"] == "conversation":
         return Problem(ctx["why"].split('"')[1], ctx["why"])
+    if first["type"] == "needs":
+        return Problem(ctx["field"], ctx["why"])
     if first["type"] == "vendor_key":
         return Problem(ctx["field"], _said(ctx["field"], ctx["why"]), 400, "unsupported_field")
     field = first["loc"][0] if first["loc"] else None

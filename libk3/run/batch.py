@@ -10,8 +10,10 @@ with the model's chat template, formats/chat.md), optional "gen", "stop" (str or
 str), "stop_ids" ([int]) and the sampling fields "temperature", "top_p", "top_k",
 "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
 "logit_bias" ({"id": bias}) and "response_format" (OpenAI's: {"type": "json_object"} or
-{"type": "json_schema", "json_schema": {"schema": {...}}}, ``grammar``)}: a
-``request.model.Generation`` with an id (``BatchLine``), each field checked by its rule
+{"type": "json_schema", "json_schema": {"schema": {...}}}, ``grammar``), and as on the
+server's chat endpoint "n", "logprobs", "top_logprobs" and, with "messages",
+"reasoning_effort", "tool_choice", "parallel_tool_calls"}: a
+``request.model.ChatGeneration`` with an id (``BatchLine``), each field checked by its rule
 (``settings.gen_or_until_end_problem``, ``settings.SAMPLING_RULES``,
 ``settings.logit_bias_problem``); any other field is refused with the wording every
 surface gives it (``request.fields.refusal``). A malformed line, or one with a bad
@@ -51,10 +53,12 @@ from ..io.atomic import write_error
 from ..io.bounded import bounded_lines
 from ..text.encodable import TextError, decode_text, field_problem
 from ..engine.generate import GenSettings
-from ..request.model import Generation, Problem, check, ruled
+from ..request.model import ChatGeneration, Problem, check, ruled
 from ..request.settings import settings_over
 
 RESULT_KEYS = ("id", "line", "prompt_ids", "generated_ids")
+# fields that only a conversation's rendering or reply reads
+CHAT_ONLY = ("reasoning_effort", "tool_choice", "parallel_tool_calls")
 
 
 def _id_problem(value):
@@ -62,9 +66,10 @@ def _id_problem(value):
     return None if ok else "must be a string or an integer"
 
 
-class BatchLine(Generation):
-    """A batch line: a generation request (``Generation``, k3's field names) with its
-    ``id``; no other field (``request.fields.BATCH``)."""
+class BatchLine(ChatGeneration):
+    """A batch line: a generation request with what a chat request may also ask (``n``,
+    ``logprobs``, ``reasoning_effort``, ``tool_choice``: ``ChatGeneration``, k3's field
+    names, the server's rules) and its ``id``; no other field (``request.fields.BATCH``)."""
     id: Annotated[str | int, ruled(_id_problem, (str, int))] = Field(
         None, validate_default=True)
 
@@ -131,7 +136,16 @@ def parse_line(line: bytes, vocab_size: int) -> dict:
         raise BatchLineError(e.message) from None
     if (line.prompt is not None) + (line.ids is not None) + ("messages" in obj) != 1:
         raise BatchLineError("give exactly one of \"prompt\", \"ids\" and \"messages\"")
+    chat_only = [k for k in CHAT_ONLY if obj.get(k) is not None]
+    if chat_only and "messages" not in obj:
+        raise BatchLineError(f"\"{chat_only[0]}\" needs \"messages\"")
     return {**obj, "stop": list(line.stop)}
+
+
+def alternatives(job: dict) -> int | None:
+    """Alternatives per token whose log-probabilities a parsed line asks for (None:
+    none): ``top_logprobs`` with ``logprobs`` true (``model.ChatGeneration``)."""
+    return (job.get("top_logprobs") or 0) if job.get("logprobs") else None
 
 
 def job_settings(job: dict, base: GenSettings) -> GenSettings:

@@ -2,9 +2,10 @@
 at a time in lockstep, results appended as they finish (formats/batch.md).
 
 Owns: ``run_batch`` and ``BatchLimits`` (when a cron tick stops), the lock on the results
-file, which lines are accepted, refused or already done, and their prompt ids. Does not
-own: opening the model (``runner``), the scheduler and results sink (``batch_sink``), the
-line format (``batch``).
+file, which lines are accepted, refused or already done, their prompt ids (a
+``reasoning_effort`` rendered as the template's switch) and the grammar of their
+``tool_choice``. Does not own: opening the model (``runner``), the scheduler and
+results sink (``batch_sink``), the line format (``batch``).
 """
 
 from __future__ import annotations
@@ -107,8 +108,10 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
         if "messages" in job:
             settings = run.chat_settings(settings, warn)
         settings = run.structured(settings)     # compiled (and checked) in _accepted_lines
+        settings = tool_settings(run, job, prompt_ids, settings)
         outcome = sink.submit(lineno, job["id"], prompt_ids, settings, chat="messages" in job,
-                              starts=lambda ids=prompt_ids, s=share: starts.start(ids, s))
+                              starts=lambda ids=prompt_ids, s=share: starts.start(ids, s),
+                              n=job.get("n") or 1, logprobs=batchfile.alternatives(job))
         if outcome == NO_TIME:
             summary["remaining"] += 1          # a shorter prompt further on may still fit
             left_for_time = True
@@ -166,6 +169,11 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> tuple:
                 raise batchfile.BatchLineError(why)
             if job.get("response_format") is not None:
                 run.structured(batchfile.job_settings(job, base))   # compiled once, cached
+            tool_settings(run, job, prompt_ids,                    # the same
+                          run.structured(batchfile.job_settings(job, base)))
+            if batchfile.alternatives(job) is not None and run.session.tokenizer is None:
+                raise batchfile.BatchLineError("\"logprobs\" needs the model's tokenizer "
+                                               "(a token's text)")
         except (batchfile.BatchLineError, UsageError) as e:
             msg = e.one_line() if isinstance(e, UsageError) else str(e)
             warn(f"{batch_path}:{lineno}: skipped: {msg}")
@@ -186,9 +194,33 @@ def _line_ids(run, job: dict, warn, context: int, name: str) -> list:
     if "ids" in job:
         return job["ids"]
     if "messages" in job:
+        if job.get("reasoning_effort") is not None:     # onto the template's switches
+            job = {**job, "template_kwargs": run.chat(warn).reasoning_kwargs(
+                job["reasoning_effort"], job.get("tools"), job.get("template_kwargs"))}
         return run.encode_messages(job, warn, limit=context)
     size = len(job["prompt"].encode("utf-8"))
     if size > context * run.prompts.tokenizer.longest_rank_bytes:
         raise batchfile.BatchLineError(f"the prompt is {size:,} bytes, more than {name} of "
                                        f"{context:,} tokens can hold")
     return run.encode(job["prompt"], limit=context)
+
+
+def tool_settings(run, job: dict, prompt_ids, settings: GenSettings) -> GenSettings:
+    """``settings`` with the grammar that enforces a "messages" line's ``tool_choice`` and
+    ``parallel_tool_calls`` (docs/serve.md, tool_choice), as the server's; unchanged when
+    nothing is enforced or a response format's grammar holds the reply. UsageError when
+    a call is asked of a model without a chat template (its calls are read from its
+    markup)."""
+    choice = job.get("tool_choice") or "auto"
+    parallel = job.get("parallel_tool_calls") is not False
+    tools = job.get("tools")
+    if settings.grammar is not None or choice == "none" or \
+            (choice == "auto" and (parallel or not tools)):
+        return settings
+    if run.session.tokenizer is None or run.chat().template is None:
+        raise UsageError("\"tool_choice\" needs the model's chat template (its calls are "
+                         "read from the reply's markup)")
+    from ..constrain.tool_grammar import compile_tool_grammar, think_mode
+    tok = run.session.tokenizer
+    grammar = compile_tool_grammar(tok, tools, choice, parallel, think_mode(tok, prompt_ids))
+    return settings if grammar is None else dataclasses.replace(settings, grammar=grammar)

@@ -1,7 +1,9 @@
 """Where ``run_batch`` hands each prompt of a batch file: run alone or in lockstep.
 
 Owns: starting each accepted prompt (one by one at width 1, exactly as ``k3-run --ids``
-would, or in a ``Lockstep`` of the run's width), writing its result line as it finishes,
+would, or in the engine core at the run's width; a line's ``n`` choices always in the
+core, which prefills it once), writing its result line once its choices finish (with
+their log-probabilities when the line asks: formats/batch.md "Results file"),
 the progress bar, and the batch's aggregate figures (width, tokens/s, trunk and expert
 bytes read per generated token, expert union per MoE layer, per-prompt tokens and times).
 Does not own: reading or validating the batch file, skipping finished ids, sharding
@@ -19,10 +21,12 @@ from ..model.state import State
 from . import batch as batchfile
 from ..engine.core import EngineCore, Request
 from ..engine.core import Abandoned
+from ..engine.logprobs import content
 from ..engine.pace import Pace, Work
 
 
 STARTED, ABANDONED, NO_TIME = "started", "abandoned", "no time"
+CHOICE_KEYS = ("generated_ids", "generated_text", "stop_reason")    # of each of n choices
 
 
 class BatchSink:
@@ -55,38 +59,43 @@ class BatchSink:
         self.chats = set()                  # lines given as "messages"
         self.prompt_ids = {}                # line -> its whole prompt
         self.reused = {}                    # line -> prompt ids resumed from a snapshot
-        self.core = None
-        if width > 1 or self.pace is not None:
-            cfg = run.cfg
-            self.core = EngineCore(fwd, lambda n: State(cfg, capacity=n), width,
-                                       chunk=chunk, tokenizer=run.session.tokenizer,
-                                       should_stop=self.should_stop,
-                                       on_pass=self.pace.record if self.pace else None,
-                                       clock=self.clock, drafting=run.drafting)
+        self.choices = {}                   # line -> {choice: GenResult} of its n
+        self.n = {}                         # line -> its choices
+        # width 1 without a deadline: a line of one choice runs as ``k3-run --ids`` would
+        self.alone = width == 1 and self.pace is None
+        cfg = run.cfg
+        self.core = EngineCore(fwd, lambda n: State(cfg, capacity=n), width,
+                               chunk=chunk, tokenizer=run.session.tokenizer,
+                               should_stop=self.should_stop,
+                               on_pass=self.pace.record if self.pace else None,
+                               clock=self.clock, drafting=run.drafting)
 
     def submit(self, lineno: int, job_id, prompt_ids, settings, chat: bool = False,
-               starts=None) -> str:
+               starts=None, n: int = 1, logprobs: int | None = None) -> str:
         """Run the prompt (width 1) or queue it for the next free slot; ``chat``: a
         "messages" line, whose result also carries the parsed reply; ``starts()``: the
         (state, n) it starts from, holding its first n ids (``prefixes.PrefixStarts``),
-        asked once the prompt is let in. ABANDONED when the deadline passed meanwhile:
-        this prompt and every one in flight are dropped; NO_TIME when it would not finish
-        before the deadline (nothing of it was run)."""
-        job = Request(lineno, prompt_ids, settings)      # the tag is the trace's seq
+        asked once the prompt is let in; ``n`` choices, each token's log-probability and
+        ``logprobs`` alternatives (None: none). ABANDONED when the deadline passed
+        meanwhile: this prompt and every one in flight are dropped; NO_TIME when it would
+        not finish before the deadline (nothing of it was run)."""
+        job = Request(lineno, prompt_ids, settings, logprobs=logprobs, n=n)  # tag: trace seq
+        self.n[lineno] = n
         started = False
         try:
-            if self.core is None:
+            if self.alone and n == 1:
                 self._expect(job_id, lineno, chat, prompt_ids)
                 self.run.seq = lineno
-                state, n = starts() if starts is not None else (None, 0)
-                self.reused[lineno] = n
+                state, k = starts() if starts is not None else (None, 0)
+                self.reused[lineno] = k
                 started = True
                 try:
-                    res = self.run.generate(prompt_ids[n:], settings, state=state,
-                                            should_stop=self.should_stop)
+                    res = self.run.generate(prompt_ids[k:], settings, state=state,
+                                            should_stop=self.should_stop, logprobs=logprobs)
                 except UsageError as e:     # its grammar gave up: this line alone fails
                     self._failed(job, e)
                     return STARTED
+                self.generated += len(res.generated_ids)
                 self._done(job, res)
                 return STARTED
             self.run.check_stop_strings(settings)
@@ -96,13 +105,15 @@ class BatchSink:
             self._expect(job_id, lineno, chat, prompt_ids)
             self.run.seq = lineno                        # a shared prefix built for it
             if starts is not None:
-                state, n = starts()
-                self.reused[lineno] = n
-                job = Request(lineno, prompt_ids[n:], settings, state)
+                state, k = starts()
+                self.reused[lineno] = k
+                job = Request(lineno, prompt_ids[k:], settings, state, logprobs=logprobs, n=n)
             try:
                 self.core.add(job)
             except UsageError as e:     # its own settings cannot start (a grammar)
                 self._failed(job, e)
+            while self.alone and self.core.busy:      # width 1: its choices, one by one
+                self._step()
         except Abandoned:             # this prompt counts as cut off only if it began
             self.abandoned += started + self._drop_lanes()
             return ABANDONED if started else NO_TIME
@@ -157,33 +168,44 @@ class BatchSink:
                           f"run's pace; a --deadline of at least {minutes} min would fit it")
 
     def _drop_lanes(self) -> int:
-        if self.core is None:
-            return 0
+        """Drop every request in flight; the lines they were (a line's choices count once)."""
         lanes, self.core.lanes = self.core.lanes, []
+        lines = {lane.req.tag for lane in lanes} | {req.tag for req in self.core.waiting}
+        self.core.waiting = []
         self.discarded += sum(len(lane.generated) for lane in lanes)
         if lanes and self.pace is not None and self.pace.seen:
             lane = lanes[0]
             self._short(self.ids.get(lane.req.tag, lane.req.tag),
                         self.pace.finish([_work_left(lane)], self.chunk),
                         "was cut off at the deadline; it needed")
-        return len(lanes)
+        return len(lines)
 
     def _token(self, job, tok) -> None:
         self.generated += 1
         self.bar.set_postfix_str(f"{self.generated:,} tokens", refresh=False)
 
     def _done(self, job, res) -> None:
+        """A choice finished; once every choice of its line has, the line's result."""
         lineno = job.tag
+        if lineno not in self.ids:
+            return                              # another choice of its line failed
+        got = self.choices.setdefault(lineno, {})
+        got[res.choice] = res
+        if len(got) < self.n[lineno]:
+            return
+        results = [got[i] for i in range(self.n.pop(lineno))]
+        del self.choices[lineno]
         job_id = self.ids.pop(lineno)
+        res = results[0]
         res.prompt_ids = self.prompt_ids.pop(lineno)    # the whole prompt, resumed or not
         res.reused_tokens = self.reused.pop(lineno, 0)
         rep = self.run.report(res, {"id": job_id, "line": lineno, "batch_width": self.width})
-        if lineno in self.chats:
-            self.chats.discard(lineno)
-            rep["message"] = self.run.reply_message(res.generated_ids, res.stop_strings)
+        chat = lineno in self.chats
+        self.chats.discard(lineno)
+        rep.update(choice_fields(self.run, res, chat))
+        if len(results) > 1:
+            rep["choices"] = [self._choice(i, r, chat) for i, r in enumerate(results)]
         batchfile.append_result(self.out_path, rep)
-        if self.core is None:
-            self.generated += len(res.generated_ids)
         self.prompts.append({"id": job_id, "line": lineno,
                              "prompt_tokens": len(res.prompt_ids),
                              "reused_tokens": res.reused_tokens,
@@ -194,24 +216,32 @@ class BatchSink:
         self.bar.set_postfix_str(f"{self.generated:,} tokens", refresh=False)
         self.bar.update(1)
 
+    def _choice(self, index: int, res, chat: bool) -> dict:
+        """One choice of a line of ``n`` > 1 (formats/batch.md "Results file")."""
+        one = self.run.report(res)
+        return {"index": index, **{k: one[k] for k in CHOICE_KEYS if k in one},
+                **choice_fields(self.run, res, chat)}
+
     def _failed(self, job, e: Exception) -> None:
         """A prompt that failed on its own (its grammar gave up): no result line; its
         line and reason are reported as a malformed line's are."""
         lineno = job.tag
-        self.ids.pop(lineno, None)
-        self.prompt_ids.pop(lineno, None)
-        self.reused.pop(lineno, None)
+        if lineno in self.ids:          # (each choice of a line reports; the first tells)
+            self.failed.append((lineno, e.one_line() if isinstance(e, K3Error) else repr(e)))
+        self._forget(lineno)
+
+    def _forget(self, lineno: int) -> None:
+        for held in (self.ids, self.prompt_ids, self.reused, self.choices, self.n):
+            held.pop(lineno, None)
         self.chats.discard(lineno)
-        self.failed.append((lineno, e.one_line() if isinstance(e, K3Error) else repr(e)))
 
     def close(self) -> dict:
         """Finish every prompt in flight; the batch's aggregate figures."""
-        if self.core is not None:
-            try:
-                while self.core.lanes:
-                    self._step()
-            except Abandoned:
-                self.abandoned += self._drop_lanes()
+        try:
+            while self.core.busy:
+                self._step()
+        except Abandoned:
+            self.abandoned += self._drop_lanes()
         self.bar.close()
         secs = time.perf_counter() - self.t0
         fwd = self.run.session.forward
@@ -227,7 +257,7 @@ class BatchSink:
             "width": self.width, "generated_tokens": n, "seconds": round(secs, 6),
             "tokens_per_second": round(n / secs, 6) if secs > 0 else None,
             "passes": passes,
-            "max_in_flight": self.core.stats.max_active if self.core else min(1, n),
+            "max_in_flight": max(self.core.stats.max_active, min(1, n)),
             "trunk_bytes_per_token": per_token("trunk"),
             "expert_bytes_per_token": per_token("experts"),
             "expert_union_per_layer": {
@@ -235,6 +265,18 @@ class BatchSink:
                 for L in cfg.moe_layers} if passes else {},
             "prompts": self.prompts,
         }
+
+
+def choice_fields(run, res, chat: bool) -> dict:
+    """What a result line says of one choice beyond the run report: the parsed reply of a
+    "messages" line (``message``), each token's log-probabilities when asked
+    (``logprobs``: OpenAI's chat shape, ``logprobs.content``)."""
+    out = {}
+    if chat:
+        out["message"] = run.reply_message(res.generated_ids, res.stop_strings)
+    if res.logprobs is not None:
+        out["logprobs"] = {"content": content(run.session.tokenizer, res.logprobs)}
+    return out
 
 
 def _work_left(lane) -> Work:

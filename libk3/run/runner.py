@@ -399,14 +399,15 @@ class Run:
 
     def generate(self, prompt_ids, settings: GenSettings, *, on_token=None, keep_logits=False,
                  load_state=None, save_state=None, should_stop=None, state=None,
-                 save_prefix=False, images=()):
+                 save_prefix=False, logprobs=None, images=()):
         """One prompt, from ``state``, ``load_state``'s, the longest snapshot of the
         prefix cache that it extends (unless its logits are kept: those of the resumed
         positions would be missing), or a new state. ``save_prefix``: keep the state the
-        prompt leaves in the prefix cache. ``should_stop()``, if given, is asked at every
-        prefill chunk and token; when it answers True the prompt is abandoned (Abandoned
-        is raised, nothing saved). ``images``: ``forward.ImageRows`` at pads of the ids (a
-        snapshot is reused only for text before the first: formats/model/vision.md §8.3)."""
+        prompt leaves in the prefix cache; ``logprobs`` as ``generate``'s. ``should_stop()``,
+        if given, is asked at every prefill chunk and token; when it answers True the prompt
+        is abandoned (Abandoned is raised, nothing saved). ``images``: ``forward.ImageRows``
+        at pads of the ids (a snapshot is reused only for text before the first:
+        formats/model/vision.md §8.3)."""
         self.check_stop_strings(settings)
         settings = self.structured(self.until_end(settings))
         reused = 0
@@ -428,7 +429,7 @@ class Run:
                            im._replace(start=im.start - reused) for im in images)), settings,
                        tokenizer=self.session.tokenizer, on_token=on_token,
                        keep_logits=keep_logits, progress=progress, feed_last=bool(save_state),
-                       drafting=self.drafting,
+                       drafting=self.drafting, logprobs=logprobs,
                        after_prefill=self.prefix_cache.store if save_prefix else None)
         if reused:
             res.prompt_ids, res.reused_tokens = list(prompt_ids), reused

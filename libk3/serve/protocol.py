@@ -9,7 +9,8 @@ A field k3 does not implement is refused (400 naming it, ``unsupported_field``, 
 words every surface uses: ``request.fields.refusal``), unless it cannot change the reply:
 ``IGNORED`` fields, and ``NEUTRAL`` fields given their do-nothing value (``logprobs``
 false, ``best_of`` 1, ...). The fields a generation request shares with batch lines are
-checked by ``request.model.Generation`` (one rule per field); a field k3 uses with the
+checked by ``request.model.Generation`` (a chat request's by ``ChatGeneration``:
+also n, logprobs, reasoning_effort, tool_choice; one rule per field); a field k3 uses with the
 wrong type or range is refused (422). Either way a request never runs with settings
 other than those asked for. The sampling fields beyond OpenAI's (``top_k``, ``min_p``,
 ``repetition_penalty``) mean what vLLM's do, and ``logit_bias`` is applied as vLLM
@@ -25,18 +26,16 @@ import time
 
 from ..errors import K3Error, UsageError
 from ..text.encodable import field_problem
-from ..constrain.tool_grammar import tool_choice_problem
-from ..engine.logprobs import MAX_TOP
 from ..request.fields import OPENAI_CHAT as READ_CHAT
 from ..request.fields import OPENAI_COMPLETION as READ_COMPLETION
 from ..request.fields import OPENAI_IGNORED as IGNORED
 from ..request.fields import OPENAI_NEUTRAL as NEUTRAL
 from ..request.fields import SAMPLING, refusal
-from ..request.model import Generation, Problem, check, named
+from ..engine.logprobs import content, token_text
+from ..request.fields import CHAT
+from ..request.model import ChatGeneration, Generation, Problem, check, named
 
 MAX_STOP = 4                     # stop sequences per request (as the OpenAI API)
-MAX_N = 16                       # choices per request (each a lane of its own)
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")   # OpenAI's values
 MAX_COMPLETION_LOGPROBS = 5      # a completion's ``logprobs`` (alternatives), at most
 
 
@@ -184,28 +183,27 @@ def check_request(body: dict, chat: bool, vocab_size: int) -> Request:
         raise ApiError(400, refusal(bad, "openai"), param=bad, code="unsupported_field")
     req = Request(chat=chat)
     req.model = _field(body, "model", lambda v: isinstance(v, str), "a string")
-    req.n = _field(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_N,
-                   f"an integer 1..{MAX_N}") or 1
     given, names = _generation(body, chat, vocab_size)
     try:
-        gen = check(Generation, given, "openai", vocab_size=vocab_size, max_stop=MAX_STOP)
+        gen = check(ChatGeneration if chat else Generation, given, "openai",
+                    vocab_size=vocab_size, max_stop=MAX_STOP)
     except Problem as e:
         raise api_error(named(e, names)) from None
+    req.n = gen.n or 1
     if chat:
         _check_parts(body["messages"])
         req.messages, req.tools = body["messages"], body.get("tools")
         req.template_kwargs = body.get("chat_template_kwargs")
-        req.reasoning_effort = _field(body, "reasoning_effort",
-                                      lambda v: v in REASONING_EFFORTS,
-                                      "one of " + ", ".join(REASONING_EFFORTS))
+        req.reasoning_effort, req.logprobs = gen.reasoning_effort, gen.alternatives
+        req.tool_choice = "auto" if gen.tool_choice is None else gen.tool_choice
+        req.parallel_tool_calls = gen.parallel_tool_calls is not False
     else:
         req.prompt, req.prompt_ids = gen.prompt, gen.ids
     req.max_tokens, req.stop, req.response_format = gen.gen, gen.stop, gen.response_format
     req.generation = {**{k: v for k, v in given.items() if k in (*SAMPLING, "gen")},
                       "stop": gen.stop, "response_format": gen.response_format}
-    _logprobs(body, chat, req)
-    if chat:
-        _tool_choice(body, req)
+    if not chat:
+        _logprobs(body, req)
     req.stream = bool(_field(body, "stream", lambda v: isinstance(v, bool), "a boolean"))
     options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
     req.include_usage = options.get("include_usage") is True
@@ -220,7 +218,8 @@ def api_error(problem: Problem) -> ApiError:
 def _generation(body: dict, chat: bool, vocab_size: int) -> tuple:
     """(the body's generation fields in k3's names, k3's name -> the body's) for
     ``request.model.Generation``; a null field is one not given."""
-    given = {k: body[k] for k in (*SAMPLING, "stop", "response_format")
+    given = {k: body[k] for k in (*SAMPLING, "stop", "response_format", "n",
+                                  *(CHAT if chat else ()))
              if body.get(k) is not None}
     names = {}
     for name in ("max_completion_tokens", "max_tokens"):
@@ -252,20 +251,9 @@ def finish_reason(stop_reason: str, tool_calls: bool) -> str:
     return "length" if stop_reason == "length" else "stop"
 
 
-def _token_text(tokenizer, token: int) -> tuple:
-    """(text, bytes) of one token: its bytes as UTF-8, a byte that is not (half a
-    character) written as a \\xNN escape, as OpenAI does."""
-    raw = tokenizer.token_bytes(token)
-    return raw.decode("utf-8", errors="backslashreplace"), list(raw)
-
-
 def chat_logprobs(tokenizer, entries) -> dict:
     """A chat choice's ``logprobs``: ``content``, one object per TokenLogprob."""
-    def one(token, logprob):
-        text, raw = _token_text(tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": raw}
-    return {"content": [{**one(e.token, e.logprob),
-                         "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
+    return {"content": content(tokenizer, entries)}
 
 
 def completion_logprobs(tokenizer, ids, entries, offset: int = 0) -> dict:
@@ -278,10 +266,10 @@ def completion_logprobs(tokenizer, ids, entries, offset: int = 0) -> dict:
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     at = offset
     for token, e in zip(ids, entries):
-        out["tokens"].append(_token_text(tokenizer, token)[0])
+        out["tokens"].append(token_text(tokenizer, token)[0])
         out["token_logprobs"].append(None if e is None else e.logprob)
         out["top_logprobs"].append(None if e is None else
-                                   {_token_text(tokenizer, t)[0]: lp for t, lp in e.top})
+                                   {token_text(tokenizer, t)[0]: lp for t, lp in e.top})
         out["text_offset"].append(at)
         at += len(decoder.decode(tokenizer.token_bytes(token)))
     return out
@@ -306,41 +294,11 @@ def sse(obj) -> bytes:
     return f"data: {data}\n\n".encode("utf-8")
 
 
-def _logprobs(body: dict, chat: bool, req: Request) -> None:
-    """Chat: ``logprobs`` true with ``top_logprobs`` 0..20 alternatives (only with
-    logprobs true); a completion: ``logprobs`` 0..5 alternatives (null: none), ``echo``."""
-    if chat:
-        on = _field(body, "logprobs", lambda v: isinstance(v, bool), "a boolean")
-        top = _field(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_TOP,
-                     f"an integer 0..{MAX_TOP}")
-        if top and not on:
-            raise ApiError(422, "'top_logprobs' needs 'logprobs': true", param="top_logprobs",
-                           code="invalid_value")
-        req.logprobs = (top or 0) if on else None
-        return
-    if body.get("logprobs") is False:            # what clients send for "none"
-        return
-    req.logprobs = _field(body, "logprobs",
-                          lambda v: _is_int(v) and 0 <= v <= MAX_COMPLETION_LOGPROBS,
-                          f"an integer 0..{MAX_COMPLETION_LOGPROBS}")
-
+def _logprobs(body: dict, req: Request) -> None:
+    """A completion's ``logprobs``: 0..5 alternatives (null or false: none), and ``echo``
+    (a chat request's are ``request.model.ChatGeneration``'s)."""
+    if body.get("logprobs") is not False:        # false: what clients send for "none"
+        req.logprobs = _field(body, "logprobs",
+                              lambda v: _is_int(v) and 0 <= v <= MAX_COMPLETION_LOGPROBS,
+                              f"an integer 0..{MAX_COMPLETION_LOGPROBS}")
     req.echo = bool(_field(body, "echo", lambda v: isinstance(v, bool), "a boolean"))
-
-
-def _tool_choice(body: dict, req: Request) -> None:
-    """``tool_choice`` and ``parallel_tool_calls`` (docs/serve.md, tool_choice): 422 for a
-    malformed choice, one that needs tools the request lacks or names a function not in
-    them, and "required" or a named function with a constraining ``response_format``."""
-    choice = body.get("tool_choice")
-    choice = "auto" if choice is None else choice
-    parallel = _field(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "a boolean")
-    req.parallel_tool_calls = parallel is not False
-    why = tool_choice_problem(choice, req.tools, req.parallel_tool_calls)
-    if why:
-        raise ApiError(422, f"'{why[0]}': {why[1]}", param=why[0], code="invalid_value")
-    if choice not in ("none", "auto") and req.response_format is not None \
-            and req.response_format.get("type") != "text":
-        raise ApiError(422, "'tool_choice' other than \"none\" or \"auto\" cannot be enforced "
-                            "together with a 'response_format' (the reply is either calls or "
-                            "that JSON)", param="tool_choice", code="invalid_value")
-    req.tool_choice = choice

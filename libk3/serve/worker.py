@@ -6,9 +6,9 @@ joins at the next pass; one that finishes, or whose client went away, leaves at 
 frees its lane), starting a lane from a kept state and offering states back (reuse of
 earlier turns), handing each lane's tokens back to the event loop as they are sampled,
 and the counters ``/health`` reports. Does not own: HTTP (``app``), the wire format
-(``protocol``), the loop, sampling, log-probabilities and its same-tokens-as-alone rule
-(``libk3.engine.core``), or the width (``libk3.budget.batch_width``, through
-``Run.width``).
+(``protocol``), the loop, n-way forks, sampling, log-probabilities and its
+same-tokens-as-alone rule (``libk3.engine.core``), or the width
+(``libk3.budget.batch_width``, through ``Run.width``).
 
 Why one thread: the model's weights, caches and scratch buffers belong to one pass at a
 time; the lanes' States are their own, so a pass serves every request in flight.
@@ -17,7 +17,6 @@ time; the lanes' States are their own, so a pass serves every request in flight.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import itertools
 import queue
@@ -43,10 +42,9 @@ class Job:
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     reused: int = 0               # prompt tokens resumed from a kept state, not prefilled
     preamble: int = 0             # prompt tokens worth keeping on their own (0: none)
-    # where the lane hands its state on, counted in the ids it feeds (0: nowhere): the
-    # preamble to the turn cache, the fork point to the followers
+    # where the lane hands its state to the turn cache, counted in the ids it feeds (0:
+    # nowhere)
     preamble_at: int = 0
-    fork_at: int = 0
     logprobs: int | None = None   # alternatives per token to report (None: no logprobs)
     echo: bool = False            # also the prompt's logprobs (a completion's echo)
     # TokenLogprob of each generated token, appended on the engine thread before the
@@ -54,11 +52,9 @@ class Job:
     # each prompt token after the first (with echo and logprobs)
     token_logprobs: list = dataclasses.field(default_factory=list)
     prompt_logprobs: list = dataclasses.field(default_factory=list)
-    # n > 1: the other choices of this request, started from a copy of this job's state
-    # once all its prompt but the last id is in (the prompt is prefilled once)
+    # n > 1: the other choices of this request (the core forks them off this job's lane:
+    # ``core.Request.n``), each told on its own Job
     followers: list = dataclasses.field(default_factory=list)
-    forked: bool = False          # a follower released: it starts from ``fork``
-    fork: object = None           # that state (None: a new one)
     started: float = 0.0          # when it took a lane (time.monotonic)
     generated: int = 0
     # when its first and latest token reached the server's loop (time.monotonic; the
@@ -90,9 +86,8 @@ class Worker:
         # a kept state), seconds prefilling and decoding
         self.totals = {"prompt_tokens": 0, "reused_tokens": 0, "prefill_seconds": 0.0,
                        "decode_seconds": 0.0}
-        self.jobs: dict = {}            # lane tag -> Job, for the jobs holding a lane
+        self.jobs: dict = {}            # (tag, choice) -> Job, for the jobs in the core
         self._tags = itertools.count()
-        self.ready: collections.deque = collections.deque()   # released followers
         self.last = dict.fromkeys(_RUN_FIGURES)     # Run.report's, at the last request
         self.core = EngineCore(run.session.forward, lambda n: run.session.new_state(), width,
                                chunk=chunk, tokenizer=run.session.tokenizer,
@@ -119,17 +114,13 @@ class Worker:
 
     def _loop(self) -> None:
         while not self._closing.is_set():
-            self._admit(wait=not self.jobs and not self.ready)
-            for req in self.core.abort(lambda req: self.jobs[req.tag].cancelled.is_set()):
-                self._cancelled(self.jobs.pop(req.tag))
+            self._admit(wait=not self.jobs)
+            for req in self.core.abort(lambda req: self._job(req).cancelled.is_set()):
+                self._cancelled(self.jobs.pop((req.tag, req.choice)))
             if self.jobs:
                 self._step()
         for req in self.core.abort(lambda req: True):
-            job = self.jobs.pop(req.tag)
-            job._send(("cancelled", None))
-            self._drop_followers(job, ("cancelled", None))
-        while self.ready:
-            self.ready.popleft()._send(("cancelled", None))
+            self.jobs.pop((req.tag, req.choice))._send(("cancelled", None))
         while True:
             try:
                 job = self.queue.get_nowait()
@@ -141,10 +132,7 @@ class Worker:
 
     def _admit(self, wait: bool) -> None:
         """Give each free lane a queued job (waiting for one when no lane is busy)."""
-        while len(self.jobs) < self.width and not self._closing.is_set():
-            if self.ready:
-                self._start(self.ready.popleft())
-                continue
+        while not self.core.full and not self._closing.is_set():
             try:
                 job = self.queue.get(block=wait)
             except queue.Empty:
@@ -156,32 +144,31 @@ class Worker:
     def _start(self, job: Job) -> None:
         if job.cancelled.is_set():
             self._cancelled(job)
+            self._drop_followers(job, ("cancelled", None))
             return
         job.started = time.monotonic()
         # the prompt's logprobs need every prompt position fed here: no kept state
         resume = self.turns is not None and not (job.echo and job.logprobs is not None)
-        if job.forked:
-            state, reused = job.fork, (0 if job.fork is None else job.fork.pos)
-        else:
-            state, reused = self.turns.take(job.prompt_ids) if resume else (None, 0)
+        state, reused = self.turns.take(job.prompt_ids) if resume else (None, 0)
         job.reused = reused
         tag = next(self._tags)
         job.preamble_at = job.preamble - reused if self.turns and job.preamble > reused else 0
-        if job.followers:              # and the fork point: all but the last prompt id
-            job.fork_at = len(job.prompt_ids) - 1 - reused
-            if job.fork_at <= 0:
-                self._release(job, state if reused else None)
-                job.fork_at = 0
-        keep_at = tuple(sorted({job.preamble_at, job.fork_at} - {0}))
         try:
             self.core.add(Request(
                 tag, job.prompt_ids[reused:], job.settings,
-                state if state is not None else self.run.session.new_state(), keep_at,
-                logprobs=job.logprobs, echo=job.echo and job.fork is None))
+                state if state is not None else self.run.session.new_state(),
+                (job.preamble_at,) if job.preamble_at else (), logprobs=job.logprobs,
+                echo=job.echo, n=1 + len(job.followers)))
         except Exception as e:            # a bad request must not stop the server
             self._failed(job, e)
+            self._drop_followers(job, ("error", e))
             return
-        self.jobs[tag] = job
+        for i, one in enumerate([job, *job.followers]):
+            one.started = job.started
+            self.jobs[(tag, i)] = one
+
+    def _job(self, req) -> Job:
+        return self.jobs[(req.tag, req.choice)]
 
     def _step(self) -> None:
         try:
@@ -197,10 +184,10 @@ class Worker:
             if ev.kind == "token":
                 tok, lp = ev.data
                 if lp is not None:        # before the token: the loop finds its entry
-                    self.jobs[req.tag].token_logprobs.append(lp)
+                    self._job(req).token_logprobs.append(lp)
                 self._token(req, tok)
             elif ev.kind == "prompt_logprobs":
-                self.jobs[req.tag].prompt_logprobs.extend(ev.data)
+                self._job(req).prompt_logprobs.extend(ev.data)
             elif ev.kind == "kept":
                 self._keep(req, *ev.data)
             elif ev.kind == "done":
@@ -209,39 +196,30 @@ class Worker:
                 self._lane_failed(req, ev.data)
 
     def _keep(self, req, state, fed: int) -> None:
-        """A lane's prompt reached one of its Job's kept counts: the followers' fork
-        point, a preamble worth keeping, or both."""
-        job = self.jobs[req.tag]
+        """A lane's prompt reached one of its kept counts: a preamble worth keeping, the
+        point its other choices fork off (``core.Request.n``), or both."""
+        job = self._job(req)
         if fed == job.preamble_at:
             self.turns.keep(state)
-        if fed == job.fork_at:
-            self._release(job, state)
-
-    def _release(self, job: Job, state) -> None:
-        """Let ``job``'s followers start, each from its own copy of ``state``."""
-        for f in job.followers:
-            f.fork = None if state is None else state.copy()
-            if state is not None:      # the prompt's logprobs so far: all of them
+        if req.choice == 0 and job.followers and fed == len(req.prompt_ids) - 1:
+            for f in job.followers:    # the prompt's logprobs so far: all of them
                 f.prompt_logprobs = list(job.prompt_logprobs)
-            f.forked = True
-            self.ready.append(f)
 
     def _drop_followers(self, job: Job, item) -> None:
-        """Followers not yet released share their leader's end (cancelled or failed)."""
+        """The other choices of a job that never reached the core share its end."""
         for f in job.followers:
-            if not f.forked:
-                f.forked = True
-                f._send(item)
+            f._send(item)
 
     def _token(self, req, tok) -> None:
-        job = self.jobs[req.tag]
+        job = self._job(req)
         if job.generated == 0 and self.turns:
             self.turns.offer(req.state)    # the prompt is in: keep it for a later request
         job.generated += 1
         job._send(tok)
 
     def _done(self, req, res) -> None:
-        job = self.jobs.pop(req.tag)
+        job = self.jobs.pop((req.tag, req.choice))
+        job.reused = len(job.prompt_ids) - len(req.prompt_ids)   # a choice forked: all but one
         res.prompt_ids = list(job.prompt_ids)        # what the client sent, reused or not
         if self.turns:
             self.turns.offer(req.state)               # the conversation with this reply
@@ -264,20 +242,18 @@ class Worker:
     def _cancelled(self, job: Job) -> None:
         self.counts["cancelled"] += 1
         job._send(("cancelled", None))
-        self._drop_followers(job, ("cancelled", None))
         if self.log and job.started:
             self.log(f"request cancelled by its client after "
                      f"{time.monotonic() - job.started:.2f} s")
 
     def _lane_failed(self, req, e: Exception) -> None:
         """One lane failed on its own (its grammar gave up): that request alone ends."""
-        self._failed(self.jobs.pop(req.tag), e)
+        self._failed(self.jobs.pop((req.tag, req.choice)), e)
 
     def _failed(self, job: Job, e: Exception) -> None:
         """Counted here; logged once, with the request's id, where its answer is made."""
         self.counts["failed"] += 1
         job._send(("error", e))
-        self._drop_followers(job, ("error", e))
 
     def figures(self) -> dict:
         """What ``/health`` reports of the engine: the core's width, passes, tokens and

@@ -424,7 +424,6 @@ def _chat_mode(a, run, settings) -> None:
 def _prompt_mode(a, run, settings) -> None:
     """--prompt, --prompt-file, --ids: one prompt, its text as it comes, then the report;
     none (--load-state alone): the state's generation continues."""
-    from libk3.run import runner
     if a.ids is not None:
         from libk3.engine.session import parse_ids
         prompt_ids = parse_ids(a.ids, run.cfg.vocab_size)
