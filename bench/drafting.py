@@ -106,12 +106,13 @@ class Oracle:
 
 def _decode(sess, gen, drafting=None):
     """(generated ids, decode s/token, bytes read per generated token, stats)."""
-    from libk3.engine.generate import GenSettings, generate
+    from libk3.engine.generate import GenSettings, Hooks, generate
     marks = {}
 
     def mark(_n):
         marks["bytes"] = _read_bytes(sess)
-    r = generate(sess.forward, sess.new_state(), PROMPT, GenSettings(gen=gen), progress=mark,
+    r = generate(sess.forward, sess.new_state(), PROMPT, GenSettings(gen=gen),
+                 hooks=Hooks(progress=mark),
                  drafting=drafting)
     n = len(r.generated_ids)
     return r.generated_ids, r.decode_seconds / n, (_read_bytes(sess) - marks["bytes"]) / n, r.spec

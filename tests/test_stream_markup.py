@@ -80,9 +80,9 @@ def _chat_replying(monkeypatch, tiny_dir, tok, reply, *args):
     from libk3.run import chat_session
     from .scripts import k3_here
 
-    def scripted(forward, state, ids, settings, *, on_token=None, **kw):
+    def scripted(forward, state, ids, settings, *, hooks, **kw):
         for t in reply:
-            on_token(t)
+            hooks.on_token(t)
         return GenResult(list(ids), list(reply), "stop_id", 0.0, 0.0)
     monkeypatch.setattr(chat_session, "generate", scripted)
     return k3_here(tiny_dir, "--chat", *args, input="Hi there\n\n")

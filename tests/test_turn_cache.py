@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from libk3.engine.generate import GenSettings, generate
+from libk3.engine.generate import GenSettings, Hooks, generate
 from libk3.engine.session import open_session
 from libk3.engine.prefix_cache import PrefixCache
 from libk3.serve.turn_cache import TurnCache
@@ -25,7 +25,7 @@ def test_turn_cache_resumed_prompt_equals_fresh_prefill(session):
     shared copy, a wrong position): same generated ids, same logits bytes."""
     cache = TurnCache(session.cfg, ram_bytes=10 ** 9)
     first = generate(session.forward, session.new_state(), P1, GenSettings(gen=3),
-                     after_prefill=cache.offer)
+                     hooks=Hooks(after_prefill=cache.offer))
     state, n = cache.take(P2)
     assert n == len(P1) and state.ids == P1
     resumed = generate(session.forward, state, P2[n:], GenSettings(gen=4), keep_logits=True)

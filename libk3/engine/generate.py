@@ -16,6 +16,8 @@ kept of its last position (``State.logits``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from typing import TYPE_CHECKING, NamedTuple
@@ -61,37 +63,46 @@ def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=
     return None, last
 
 
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """What a one-prompt run tells its caller as it goes: ``on_token(id)`` as each token is
+    produced; ``progress(n)`` as each chunk of n prompt ids is fed; ``after_prefill(state)``
+    once the prompt is in the state (reuse of earlier turns); ``interrupted()`` is asked
+    before each sampled token joins the reply (``core.Request``)."""
+    on_token: object = None
+    progress: object = None
+    after_prefill: object = None
+    interrupted: object = None
+
+
 def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokenizer=None,
-             on_token=None, keep_logits: bool = False, progress=None,
-             after_prefill=None, feed_last: bool = True, drafting=None,
-             interrupted=None, logprobs: int | None = None) -> GenResult:
+             hooks: Hooks = Hooks(), keep_logits: bool = False, feed_last: bool = True,
+             drafting=None, logprobs: int | None = None) -> GenResult:
     """Run one prompt: an ``EngineCore`` of width 1 (``core.Request`` says what each
-    argument means). ``on_token(id)`` is called as each token is produced;
-    ``after_prefill(state)`` once the prompt is in the state (reuse of earlier turns);
-    ``progress(n)`` as each chunk of n prompt ids is fed; ``logprobs``: alternatives per
-    generated token whose log-probabilities the result carries (None: none). A lane's
-    own failure (its grammar gave up) is raised here. ``prompt_ids``: ids, or a
-    ``core.Prompt`` (ids and the image rows standing at their pads)."""
+    argument means), its events to ``hooks``. ``logprobs``: alternatives per generated
+    token whose log-probabilities the result carries (None: none). A lane's own failure
+    (its grammar gave up) is raised here. ``prompt_ids``: ids, or a ``Prompt`` (ids and
+    the image rows standing at their pads)."""
     images = ()
     if isinstance(prompt_ids, Prompt):
         prompt_ids, images = prompt_ids
     core = EngineCore(forward, None, 1, chunk=settings.prefill_chunk, tokenizer=tokenizer,
                       drafting=drafting)
     req = Request(None, [int(i) for i in prompt_ids], settings, state, logits=keep_logits,
-                  feed_last=feed_last or keep_logits, interrupted=interrupted,
+                  feed_last=feed_last or keep_logits, interrupted=hooks.interrupted,
                   logprobs=logprobs, images=tuple(images))
     core.add(req)
     while True:
         for ev in core.step():
             if ev.kind == "token":
-                if on_token is not None:
-                    on_token(ev.data[0])
+                if hooks.on_token is not None:
+                    hooks.on_token(ev.data[0])
             elif ev.kind == "fed":
-                if progress is not None:
-                    progress(ev.data)
+                if hooks.progress is not None:
+                    hooks.progress(ev.data)
             elif ev.kind == "prefilled":
-                if after_prefill is not None:
-                    after_prefill(ev.data)
+                if hooks.after_prefill is not None:
+                    hooks.after_prefill(ev.data)
             elif ev.kind == "failed":
                 raise ev.data
             elif ev.kind == "done":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..engine.generate import GenSettings, Prompt, generate
+from ..engine.generate import GenSettings, Hooks, Prompt, generate
 from ..engine.settings import room_problem
 from ..errors import UsageError
 from .runner import Run, _load_state
@@ -147,8 +147,8 @@ class Chat:
             self.state = self.run.session.new_state()
         res = generate(self.run.session.forward, self.state, Prompt(ids, tuple(rows)),
                        self.run.chat_settings(self.settings, self.warn),
-                       tokenizer=self.tokenizer, on_token=on_token,
-                       drafting=self.run.drafting, interrupted=interrupted)
+                       tokenizer=self.tokenizer, drafting=self.run.drafting,
+                       hooks=Hooks(on_token=on_token, interrupted=interrupted))
         self.held, self.pending = self.held + self.pending, []
         self.convo.add_reply(self.run.reply_message(res.generated_ids, res.stop_strings))
         self.last = res

@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 
 from ..engine.defaults import IO_THREADS, PREFILL_CHUNK, PREFIX_CACHE_BYTES
-from ..engine.generate import Abandoned, GenSettings, Prompt, generate
+from ..engine.generate import Abandoned, GenSettings, Hooks, Prompt, generate
 from ..engine.session import Reads, open_session
 from ..engine.settings import UNTIL_END, room_problem, token_ids_problem
 from ..engine.stops import returned_text
@@ -427,10 +427,10 @@ class Run:
             progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
         res = generate(self.session.forward, state, Prompt(tail, tuple(
                            im._replace(start=im.start - reused) for im in images)), settings,
-                       tokenizer=self.session.tokenizer, on_token=on_token,
-                       keep_logits=keep_logits, progress=progress, feed_last=bool(save_state),
-                       drafting=self.drafting, logprobs=logprobs,
-                       after_prefill=self.prefix_cache.store if save_prefix else None)
+                       tokenizer=self.session.tokenizer, keep_logits=keep_logits,
+                       hooks=Hooks(on_token, progress,
+                                   self.prefix_cache.store if save_prefix else None),
+                       feed_last=bool(save_state), drafting=self.drafting, logprobs=logprobs)
         if reused:
             res.prompt_ids, res.reused_tokens = list(prompt_ids), reused
         if save_state:
