@@ -200,10 +200,6 @@ class Lane:
         """Whether the prompt's own log-probabilities are reported."""
         return self.req.echo and self.req.logprobs is not None
 
-    @property
-    def feeds_last(self) -> bool:
-        return self.req.feed_last
-
     def segment(self, ids, n_prompt: int, others: int) -> Segment:
         """The Segment this lane puts into the next pass: ``ids`` of its prompt, or its
         decode token (with the proposals its Speculator chooses to verify, the pass's
@@ -281,7 +277,7 @@ class Lane:
             return
         tok = self.sampler(row, self.state.pos, self.state.ids)
         self.next = tok
-        if self._emit(tok, row, out) and self.feeds_last:
+        if self._emit(tok, row, out) and self.req.feed_last:
             self.closing = True
 
     def _emit(self, tok: int, row, out: list) -> bool:
