@@ -21,7 +21,7 @@ LAYERS = (
     ("libk3.draft",),
     ("libk3.trace",),
     ("libk3.synth",),
-    ("libk3.engine", "libk3.speculate"),
+    ("libk3.engine", "libk3.speculate", "libk3.store"),
     ("libk3.request",),
     ("libk3.run",),
     ("libk3.doctor", "libk3.serve"),

@@ -6,7 +6,8 @@ formats/presets.md); the model's sizes as the budget sees them (``sizes``:
 pinned layers and a ring (``plan``); the fixed overhead a run needs besides its two
 budgets, whether a budget fits a machine's memory, the ``auto`` rule, resolving
 ``--preset``/``--trunk-gb``/``--cache-gb`` in argv order and the batch width
-(``admission``). This package exports what the other stages use. Does not own:
+(``admission``); the state store's share, the one line for states kept for reuse
+(``store``). This package exports what the other stages use. Does not own:
 probing the machine (``libk3.machine``), streaming or caching (``libk3.stream``), or
 printing (the click front ends).
 
@@ -37,14 +38,14 @@ Why the memory model is what it is (numbers are Kimi K3's, model.md §3.5, §6):
 
 from __future__ import annotations
 
-from .admission import (BATCH_SNAPSHOTS, MAX_AUTO_WIDTH, PREFILL_CHUNKS, SERVER_SNAPSHOTS,
-                        admission_problems, auto_budget, batch_width, minimum_memory,
-                        overhead_bytes, peak_bytes, prefill_chunk, resolve_budget,
+from .admission import (MAX_AUTO_WIDTH, PREFILL_CHUNKS, admission_problems, auto_budget,
+                        batch_width, minimum_memory, overhead_bytes, peak_bytes, prefill_chunk, resolve_budget,
                         split_problems, usable_memory)
 from .plan import (Budget, TrunkPlan, cache_floor, expert_slots, floor_problems,
                    minimum_budget, overlap_floor, plan_trunk, trunk_floor)
 from .presets import (FLAG_KEYS, GB, NAMED, PRESET_NAMES, PRESETS_FILE, Preset,
                       Rules, load_presets, load_rules)
+from .store import BATCH_SNAPSHOTS, SERVER_SNAPSHOTS, StoreShare, store_share
 from .sizes import (ModelSizes, activation_peak, sequence_bytes, verify_tape_bytes, vision_bytes,
                     with_beside, with_draft)
 
@@ -56,4 +57,5 @@ __all__ = ["BATCH_SNAPSHOTS", "MAX_AUTO_WIDTH", "PREFILL_CHUNKS", "SERVER_SNAPSH
            "expert_slots", "floor_problems", "minimum_budget", "overlap_floor", "plan_trunk",
            "trunk_floor", "FLAG_KEYS", "GB", "NAMED", "PRESET_NAMES", "PRESETS_FILE", "Preset",
            "Rules", "load_presets", "load_rules", "ModelSizes", "activation_peak", "sequence_bytes",
-           "verify_tape_bytes", "vision_bytes", "with_beside", "with_draft"]
+           "verify_tape_bytes", "vision_bytes", "with_beside", "with_draft", "StoreShare",
+           "store_share"]

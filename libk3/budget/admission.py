@@ -209,15 +209,6 @@ def resolve_budget(name: str | None, trunk_gb: float | None = None,
 MAX_AUTO_WIDTH = 64
 
 
-# States a batch run holds besides its lanes: the snapshot of the prefix its lines share
-# (``libk3.run.prefixes``).
-BATCH_SNAPSHOTS = 1
-# A server's with a prefix cache: the states its snapshot writer holds, those queued and
-# the one being written (``libk3.serve.turn_cache``; its kept turns are in its
-# ``beside_bytes``).
-SERVER_SNAPSHOTS = 3
-
-
 def batch_width(budget: Budget, sizes: ModelSizes, mem, requested, *, jobs: int | None = None,
                 rules: Rules | None = None, held: int = 0) -> tuple:
     """(width, reasons) for ``--batch-width`` ``requested`` (an int >= 1 or "auto").
@@ -228,7 +219,7 @@ def batch_width(budget: Budget, sizes: ModelSizes, mem, requested, *, jobs: int 
     ``auto`` takes the largest, at most ``jobs`` (the prompts to run) and MAX_AUTO_WIDTH;
     a requested width that does not fit raises BudgetError with the figures, as does a
     machine where not even one sequence fits. ``held``: sequences' states kept besides
-    the lanes (a batch's shared-prefix snapshot, ``libk3.run.prefixes``)."""
+    the lanes (the state store's, ``store.StoreShare.states``)."""
     rules = rules or load_rules()
     per = sequence_bytes(sizes, rules.context_positions)
     allowed = int(rules.headroom_fraction * usable_memory(mem))

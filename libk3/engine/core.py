@@ -2,18 +2,20 @@
 chat turn, a batch file, the server's requests) is Requests added to an ``EngineCore``
 and ``step()`` run until they are done; what happens is told as Events.
 
-Owns: what a generation is asked and gives (``GenSettings``, ``Request``, ``GenResult``,
-the ``Event``s of a step), the lanes (at most ``width`` sequences in flight, each with
-its own State, Sampler, stop rules and Speculator), a request's n choices forked from one
-prefill (``Request.n``), what each lane puts into the next pass (its next prompt
-tokens, its one decode token, or its token and the proposals it verifies), sampling,
-stop rules, log-probabilities of the chosen tokens, and the events of a step. Does not
-own: the forward pass (``libk3.model.forward.Forward.run``: one trunk fetch per layer and
-one fetch per routed expert for all the pass's sequences), where requests come from or
-where their tokens go (the drivers: ``generate`` for one prompt and a chat turn,
-``libk3.run.batch_sink`` for batch files, ``libk3.serve.worker`` for the server), the
-width (``libk3.budget.batch_width``), and whether a prompt is admitted (a driver adds a
-Request when ``full`` is False).
+Owns: what a generation is asked and gives (``Request`` with its ``settings.GenSettings``,
+``GenResult``, the ``Event``s of a step), admission (a request starts from the state
+store's longest prefix of its prompt and keeps states there as it asks), the lanes (at
+most ``width`` sequences in flight, each with its own State, Sampler, stop rules and
+Speculator), a request's n choices forked from one prefill (``Request.n``), what each
+lane puts into the next pass (its next prompt tokens, its one decode token, or its
+token and the proposals it verifies), sampling, stop rules, log-probabilities of the
+chosen tokens, and the events of a step. Does not own: the kept states
+(``libk3.store``), the forward pass (``libk3.model.forward.Forward.run``: one trunk
+fetch per layer and one fetch per routed expert for all the pass's sequences), where
+requests come from or where their tokens go (the drivers: ``generate`` for one prompt
+and a chat turn, ``libk3.run.batch_sink`` for batch files, ``libk3.serve.worker`` for
+the server), the width (``libk3.budget.batch_width``), and whether a prompt is admitted
+(a driver adds a Request when ``full`` is False).
 
 Same tokens at any width: each lane has its own State and Sampler, and a pass computes
 every token exactly as a pass of that sequence alone would (forward.py), so a request's
@@ -36,12 +38,11 @@ import numpy as np
 
 from typing import TYPE_CHECKING
 
-from ..config import K3_CONTEXT
 from ..errors import UsageError
 from .defaults import PREFILL_CHUNK
 from .logprobs import token_logprob
 from .sampler import Sampler
-from .settings import UNTIL_END
+from .settings import GenSettings
 from .stops import Stops
 
 if TYPE_CHECKING:                  # the model is not imported by option parsing (start-up)
@@ -51,42 +52,6 @@ if TYPE_CHECKING:                  # the model is not imported by option parsing
 class Abandoned(Exception):
     """Raised inside generation when a batch's deadline passes (the prompts in flight are
     dropped, to be redone by the next run)."""
-
-
-@dataclasses.dataclass
-class GenSettings:
-    """A request's settings (the rules of each: ``settings``). ``gen``: tokens to
-    generate, or UNTIL_END (-1): until a stop or the sequence holds ``context``
-    positions (the model's max_position_embeddings). The sampling fields are
-    ``Sampler``'s; ``logit_bias``: (token id, bias) pairs sorted by id (empty: none;
-    ``settings.logit_bias_pairs``); ``stop_strings`` follow ``stops``;
-    ``response_format``: the request's (OpenAI's shape, ``grammar.response_format_problem``;
-    None: free text) and ``grammar`` its compiled form for the run's tokenizer
-    (``grammar.compile_grammar``; each sequence's Sampler gets its own matcher), which the
-    engine reads."""
-    gen: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_ids: tuple = ()
-    stop_strings: tuple = ()
-    prefill_chunk: int = PREFILL_CHUNK
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    context: int = K3_CONTEXT
-    logit_bias: tuple = ()
-    response_format: object = None
-    grammar: object = None
-
-    def limit(self, positions: int) -> int:
-        """Tokens to generate after a sequence of ``positions`` (its prompt in): ``gen``,
-        or for UNTIL_END the room the context has left; never past the context (a
-        generation that reaches it stops there, "length")."""
-        room = max(self.context - positions, 0)
-        return room if self.gen == UNTIL_END else min(self.gen, room)
 
 
 @dataclasses.dataclass
@@ -123,8 +88,15 @@ class Request:
     in the result. ``feed_last``: feed the last generated token too, so the state holds
     the whole reply (a chat continues from it); otherwise a finished lane leaves at once.
     ``interrupted()``: asked before each sampled token joins the reply; True ends the
-    request there (stop reason "interrupted"). ``chunk``: prompt tokens per pass for this
-    request (None: the core's). ``images``: ``forward.ImageRows`` at pads of ``prompt_ids``."""
+    request there (stop reason "interrupted"). ``images``: ``forward.ImageRows`` at pads of
+    ``prompt_ids``. With the core's state store (``libk3.store``): ``reuse`` starts a
+    request without ``state`` from the store's longest strict prefix of ``prompt_ids`` (not
+    past its first image; never a request wanting every prompt position's logits), which
+    ``add`` cuts from ``prompt_ids`` (``reused``: how many; ``keep_at`` and ``store_at``
+    count from the cut); ``store_at``: counts of ``prompt_ids`` after which the state is
+    kept in the store (RAM, and at once on disk; ``add`` adds them to ``keep_at``);
+    ``offer``: the state is offered to the store once the prompt is in and when the
+    request is done."""
 
     tag: object
     prompt_ids: list
@@ -140,6 +112,10 @@ class Request:
     n: int = 1
     choice: int = 0
     followers: list = dataclasses.field(default_factory=list)   # choices 1.. until forked
+    reuse: bool = False
+    store_at: tuple = ()
+    offer: bool = False
+    reused: int = 0
 
     @property
     def fork_at(self) -> int:
@@ -306,7 +282,7 @@ class Lane:
                          stop_strings=tuple(self.req.settings.stop_strings),
                          grammar_seconds=None if self.sampler.grammar is None else
                          self.sampler.grammar.seconds, logprobs=self.logprobs,
-                         choice=self.req.choice)
+                         choice=self.req.choice, reused_tokens=self.req.reused)
 
 
 @dataclasses.dataclass
@@ -348,17 +324,19 @@ class EngineCore:
     to count and drop. ``on_pass(prompt tokens, decoders, seconds)``, if given, hears
     each pass's size and duration on ``clock`` (a batch's pace, ``libk3.engine.pace``).
     ``drafting`` (``speculative.Drafting``): each lane proposes tokens to verify several
-    per pass; the tokens and logits are the same."""
+    per pass; the tokens and logits are the same. ``store`` (``libk3.store.StateStore``):
+    the kept states a request may start from and is kept in (``Request.reuse``,
+    ``store_at``, ``offer``)."""
 
     def __init__(self, forward, new_state, width: int, *, chunk: int = PREFILL_CHUNK,
                  tokenizer=None, join_prefill: bool = True, should_stop=None, on_pass=None,
-                 clock=time.perf_counter, drafting=None):
+                 clock=time.perf_counter, drafting=None, store=None):
         if width < 1 or chunk < 1:
             raise ValueError("width and chunk must be >= 1")
         self.forward, self.new_state, self.width = forward, new_state, width
         self.chunk, self.tokenizer, self.join_prefill = chunk, tokenizer, join_prefill
         self.should_stop, self.on_pass, self.clock = should_stop, on_pass, clock
-        self.drafting = drafting
+        self.drafting, self.store = drafting, store
         self.lanes: list[Lane] = []
         self.waiting: list[Request] = []    # forked choices, admitted as lanes free up
         self.pending: list[Event] = []      # events of adds, handed out by the next step
@@ -379,16 +357,31 @@ class EngineCore:
         free)."""
         if self.full:
             raise ValueError("every lane is busy: step until one is free")
+        self._resume(req)
         if req.n > 1 and not req.followers:
             req.followers = [dataclasses.replace(
                 req, settings=dataclasses.replace(
                     req.settings, seed=(req.settings.seed + i) % 2 ** 64),
-                choice=i, n=1, keep_at=(), followers=[]) for i in range(1, req.n)]
+                choice=i, n=1, keep_at=(), store_at=(), followers=[]) for i in range(1, req.n)]
             if req.fork_at:
                 req.keep_at = tuple(sorted(set(req.keep_at) | {req.fork_at}))
             else:
                 self._fork(req, req.state)
         self._start(req)
+
+    def _resume(self, req: Request) -> None:
+        """Admission: start ``req`` from the store's longest strict prefix of its prompt
+        when it asks (``Request.reuse``), cutting that prefix from its prompt."""
+        n = 0
+        if req.reuse and self.store is not None and req.state is None and not req.logits \
+                and not (req.echo and req.logprobs is not None):   # (those want every row)
+            limit = req.images[0].start if req.images else None
+            req.state, n = self.store.take(req.prompt_ids, limit)
+        if n:
+            req.reused, req.prompt_ids = n, list(req.prompt_ids[n:])
+            req.images = tuple(im._replace(start=im.start - n) for im in req.images)
+        req.store_at = tuple(sorted({k - n for k in req.store_at if k > n}))
+        req.keep_at = tuple(sorted({k - n for k in req.keep_at if k > n} | set(req.store_at)))
 
     def _fork(self, req: Request, state) -> None:
         """Queue ``req``'s other choices, each from its own copy of ``state`` (None: a
@@ -458,6 +451,10 @@ class EngineCore:
             else:                           # leaves at once
                 out.append(Event("done", lane.req, lane.result(time.perf_counter())))
         self.lanes = still
+        if self.store is not None:
+            for ev in out:                  # the prompt in; the request with its reply
+                if ev.request.offer and ev.kind in ("prefilled", "done"):
+                    self.store.offer(ev.request.state)
         return out
 
     def _pass(self, out: list) -> None:
@@ -478,6 +475,10 @@ class EngineCore:
             st.prompt_tokens += n_prompt
             before = len(lane.generated)
             self._alone(lane, lane.take, seg, logits, n_prompt, took, out)
+            if n_prompt and lane.fed in lane.req.store_at and lane.reason != "error" and \
+                    self.store is not None:
+                done = lane.fed == len(lane.prompt) and lane.limit == 0   # never changes
+                self.store.keep(lane.state, copy=not done)
             if n_prompt and lane.fed in lane.req.keep_at and lane.reason != "error":
                 out.append(Event("kept", lane.req, (lane.state, lane.fed)))
                 if lane.req.followers and lane.fed == lane.req.fork_at:

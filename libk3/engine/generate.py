@@ -1,10 +1,11 @@
 """One prompt through the engine core: ``generate`` (a one-prompt run, a chat turn, a batch
-line at width 1) and ``prefill`` (feeding ids into a state without generating).
+line at width 1) and ``prefill`` (feeding ids into a state without generating: a
+prompt-only request).
 
 Owns: driving an ``EngineCore`` of width 1 for one Request and handing its events to the
 caller's callbacks (tokens as they are sampled, prefill progress, the state once the
-prompt is in); feeding a prefix on its own (``prefill``: a batch's shared prefixes).
-Does not own: the loop, sampling and stop rules (``core``), weights, printing, the CLI.
+prompt is in). Does not own: the loop, chunking, sampling, stop rules and admission from
+the state store (``core``), weights, printing, the CLI.
 
 Every generated token is fed back (its logits row is produced), so the state after a
 call holds the whole conversation and a later turn continues without re-prefill, and
@@ -36,31 +37,29 @@ class Prompt(NamedTuple):
     images: tuple = ()
 
 
-__all__ = ["Abandoned", "GenResult", "GenSettings", "Prompt", "generate", "prefill"]
+class Reuse(NamedTuple):
+    """What a one-prompt run asks of a state store (``libk3.store.StateStore``):
+    ``resume`` from its longest prefix of the prompt (``core.Request.reuse``), and the
+    prompt counts after which the state is kept there (``core.Request.store_at``)."""
+    store: object
+    resume: bool = True
+    keep_at: tuple = ()
 
 
-def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=None,
-            observe=None):
-    """Feed ``ids`` in chunks; returns logits of every position (keep_logits) or the last
-    (for no ids, the state's own last row, or None for an empty state).
-    ``observe(state, taps)`` hears each chunk's captured taps (a draft's context)."""
-    rows = []
-    last = state.logits
-    for i in range(0, len(ids), chunk):
-        part = ids[i:i + chunk]
-        taps = [] if observe is not None else None
-        logits = forward(part, state, all_logits=keep_logits, phase="prefill", taps=taps)
-        if observe is not None:
-            observe(state, taps[0])
-        if keep_logits:
-            rows.append(logits)
-        last = logits[-1]
-        if progress is not None:
-            progress(len(part))
-    if keep_logits:
-        return (np.concatenate(rows) if rows else np.zeros((0, state.cfg.vocab_size),
-                                                            np.float32)), last
-    return None, last
+__all__ = ["Abandoned", "GenResult", "GenSettings", "Prompt", "Reuse", "generate", "prefill"]
+
+
+def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=None):
+    """Feed ``ids`` into ``state`` as a prompt-only request (nothing generated), ``chunk``
+    ids per pass; returns (logits of every fed position when ``keep_logits``, else None;
+    the last position's row, or for no ids the state's own, None for an empty state).
+    ``progress(n)`` hears each pass's n ids."""
+    if not len(ids):
+        return (np.zeros((0, state.cfg.vocab_size), np.float32) if keep_logits else None,
+                state.logits)
+    res = generate(forward, state, ids, GenSettings(gen=0, prefill_chunk=chunk),
+                   hooks=Hooks(progress=progress), keep_logits=keep_logits, feed_last=False)
+    return res.logits, state.logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,22 +74,29 @@ class Hooks:
     interrupted: object = None
 
 
-def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokenizer=None,
-             hooks: Hooks = Hooks(), keep_logits: bool = False, feed_last: bool = True,
-             drafting=None, logprobs: int | None = None) -> GenResult:
+def generate(forward, state: State | None, prompt_ids, settings: GenSettings, *,
+             tokenizer=None, hooks: Hooks = Hooks(), keep_logits: bool = False,
+             feed_last: bool = True, drafting=None, logprobs: int | None = None,
+             reuse: Reuse | None = None) -> GenResult:
     """Run one prompt: an ``EngineCore`` of width 1 (``core.Request`` says what each
     argument means), its events to ``hooks``. ``logprobs``: alternatives per generated
     token whose log-probabilities the result carries (None: none). A lane's own failure
     (its grammar gave up) is raised here. ``prompt_ids``: ids, or a ``Prompt`` (ids and
-    the image rows standing at their pads)."""
+    the image rows standing at their pads). ``state`` None: the store's longest prefix of
+    the prompt (``reuse``), else a new state; the result's ``reused_tokens`` says how
+    many prompt ids that held (its ``prompt_ids`` are then the rest)."""
     images = ()
     if isinstance(prompt_ids, Prompt):
         prompt_ids, images = prompt_ids
-    core = EngineCore(forward, None, 1, chunk=settings.prefill_chunk, tokenizer=tokenizer,
-                      drafting=drafting)
+    store = None if reuse is None else reuse.store
+    core = EngineCore(forward, lambda n: _fresh(forward, n), 1,
+                      chunk=settings.prefill_chunk, tokenizer=tokenizer, drafting=drafting,
+                      store=store)
     req = Request(None, [int(i) for i in prompt_ids], settings, state, logits=keep_logits,
                   feed_last=feed_last or keep_logits, interrupted=hooks.interrupted,
-                  logprobs=logprobs, images=tuple(images))
+                  logprobs=logprobs, images=tuple(images),
+                  reuse=reuse is not None and reuse.resume,
+                  store_at=() if reuse is None else tuple(reuse.keep_at))
     core.add(req)
     while True:
         for ev in core.step():
@@ -110,3 +116,9 @@ def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokeni
                 if drafting is not None:
                     res.spec = drafting.stats.to_json()
                 return res
+
+
+def _fresh(forward, positions: int) -> State:
+    """A new State of ``forward``'s model with room for ``positions``."""
+    from ..model.state import State
+    return State(forward.cfg, capacity=max(64, positions))

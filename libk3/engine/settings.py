@@ -4,7 +4,7 @@ context's room for a prompt (``room_problem``). Each
 ``*_problem`` returns why a value is refused, or None.
 
 Owns: what values the options, batch lines and server requests accept (one rule each,
-applied before any run). Imports neither numpy nor the model, so option parsing and
+applied before any run), and ``GenSettings``, the settings one request carries. Imports neither numpy nor the model, so option parsing and
 ``--help`` stay light; numpy's scalar types are accepted through the
 ``numbers`` ABCs they register with.
 
@@ -21,11 +21,13 @@ repetition penalty's bound still keeps it finite in float64.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
 from ..config import K3_CONTEXT as MAX_POSITIONS
 from ..config import MAX_SIZE
+from .defaults import PREFILL_CHUNK
 
 MIN_TEMPERATURE = 2.0 ** -126
 MAX_REPETITION_PENALTY = 2.0 ** 126
@@ -226,3 +228,39 @@ def room_problem(held: int, n_prompt: int, gen: int, context: int,
         return (f"the prompt's {n_prompt:,} tokens{after} and --gen {gen:,} run past "
                 f"{name} of {context:,} (--gen {context - held - n_prompt:,} fits)")
     return None
+
+
+@dataclasses.dataclass
+class GenSettings:
+    """A request's settings (the rules of each: ``settings``). ``gen``: tokens to
+    generate, or UNTIL_END (-1): until a stop or the sequence holds ``context``
+    positions (the model's max_position_embeddings). The sampling fields are
+    ``Sampler``'s; ``logit_bias``: (token id, bias) pairs sorted by id (empty: none;
+    ``settings.logit_bias_pairs``); ``stop_strings`` follow ``stops``;
+    ``response_format``: the request's (OpenAI's shape, ``grammar.response_format_problem``;
+    None: free text) and ``grammar`` its compiled form for the run's tokenizer
+    (``grammar.compile_grammar``; each sequence's Sampler gets its own matcher), which the
+    engine reads."""
+    gen: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple = ()
+    stop_strings: tuple = ()
+    prefill_chunk: int = PREFILL_CHUNK
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    context: int = MAX_POSITIONS
+    logit_bias: tuple = ()
+    response_format: object = None
+    grammar: object = None
+
+    def limit(self, positions: int) -> int:
+        """Tokens to generate after a sequence of ``positions`` (its prompt in): ``gen``,
+        or for UNTIL_END the room the context has left; never past the context (a
+        generation that reaches it stops there, "length")."""
+        room = max(self.context - positions, 0)
+        return room if self.gen == UNTIL_END else min(self.gen, room)

@@ -82,7 +82,6 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
                   if shard is None or batchfile.in_shard(job["id"], *shard))
     if limits.max_prompts is not None:
         planned = min(planned, limits.max_prompts)
-    sink = BatchSink(run, out_path, width, base.prefill_chunk, limits, total=planned)
     # prefixes are shared across every shard, at a grain that no budget changes: each
     # shard then builds (or finds on disk) the same snapshots
     shared = shared_lengths([ids for _, _, ids in accepted],
@@ -90,7 +89,10 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
         if run.opts.share_prefixes else [0] * len(accepted)
     starts = PrefixStarts(run.session, base.prefill_chunk,
                           [(ids, s) for (_, _, ids), s in zip(accepted, shared)],
-                          run.prefix_cache, run.drafting, sink.should_stop)
+                          run.store, run.drafting,
+                          limits.passed if limits.deadline is not None else None)
+    sink = BatchSink(run, out_path, width, base.prefill_chunk, limits, total=planned,
+                     store=run.store)
     started = 0
     for (lineno, job, prompt_ids), share in zip(accepted, shared):
         if shard is not None and not batchfile.in_shard(job["id"], *shard):
@@ -110,7 +112,7 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
         settings = run.structured(settings)     # compiled (and checked) in _accepted_lines
         settings = tool_settings(run, job, prompt_ids, settings)
         outcome = sink.submit(lineno, job["id"], prompt_ids, settings, chat="messages" in job,
-                              starts=lambda ids=prompt_ids, s=share: starts.start(ids, s),
+                              starts=lambda ids=prompt_ids, s=share: starts.prepare(ids, s),
                               n=job.get("n") or 1, logprobs=batchfile.alternatives(job))
         if outcome == NO_TIME:
             summary["remaining"] += 1          # a shorter prompt further on may still fit
@@ -124,7 +126,9 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
         warn(f"{batch_path}:{lineno}: skipped: {why}")
         summary["malformed"] += 1
         summary["errors"].append({"line": lineno, "error": why})
-    summary["prefixes"] = starts.summary()
+    resumed = [p["reused_tokens"] for p in summary["prompts"] if p["reused_tokens"]]
+    summary["prefixes"] = {**starts.summary(), "prompts_resumed": len(resumed),
+                           "tokens_reused": sum(resumed)}
     if left_for_time:
         summary["stopped"] = summary["stopped"] or "deadline"
     summary["cut_off"], summary["discarded_tokens"] = sink.abandoned, sink.discarded

@@ -35,7 +35,8 @@ class BatchSink:
     what is still in flight once it has passed; such a run goes through the lockstep
     scheduler even at width 1, which is how its passes are timed."""
 
-    def __init__(self, run, out_path, width: int, chunk: int, limits, total=None):
+    def __init__(self, run, out_path, width: int, chunk: int, limits, total=None,
+                 store=None):
         self.run, self.out_path, self.width, self.chunk = run, out_path, width, chunk
         self.deadline, self.clock = limits.deadline, limits.clock
         self.should_stop = limits.passed if self.deadline is not None else None
@@ -68,14 +69,15 @@ class BatchSink:
                                chunk=chunk, tokenizer=run.session.tokenizer,
                                should_stop=self.should_stop,
                                on_pass=self.pace.record if self.pace else None,
-                               clock=self.clock, drafting=run.drafting)
+                               clock=self.clock, drafting=run.drafting, store=store)
 
     def submit(self, lineno: int, job_id, prompt_ids, settings, chat: bool = False,
                starts=None, n: int = 1, logprobs: int | None = None) -> str:
-        """Run the prompt (width 1) or queue it for the next free slot; ``chat``: a
-        "messages" line, whose result also carries the parsed reply; ``starts()``: the
-        (state, n) it starts from, holding its first n ids (``prefixes.PrefixStarts``),
-        asked once the prompt is let in; ``n`` choices, each token's log-probability and
+        """Run the prompt (width 1) or queue it for the next free slot, started from the
+        state store's longest prefix of it (the core's admission); ``chat``: a
+        "messages" line, whose result also carries the parsed reply; ``starts()`` puts the
+        prefix it shares in the store (``prefixes.PrefixStarts.prepare``), asked once the
+        prompt is let in; ``n`` choices, each token's log-probability and
         ``logprobs`` alternatives (None: none). ABANDONED when the deadline passed
         meanwhile: this prompt and every one in flight are dropped; NO_TIME when it would
         not finish before the deadline (nothing of it was run)."""
@@ -86,15 +88,16 @@ class BatchSink:
             if self.alone and n == 1:
                 self._expect(job_id, lineno, chat, prompt_ids)
                 self.run.seq = lineno
-                state, k = starts() if starts is not None else (None, 0)
-                self.reused[lineno] = k
+                if starts is not None:
+                    starts()
                 started = True
                 try:
-                    res = self.run.generate(prompt_ids[k:], settings, state=state,
+                    res = self.run.generate(prompt_ids, settings,
                                             should_stop=self.should_stop, logprobs=logprobs)
                 except UsageError as e:     # its grammar gave up: this line alone fails
                     self._failed(job, e)
                     return STARTED
+                self.reused[lineno] = res.reused_tokens
                 self.generated += len(res.generated_ids)
                 self._done(job, res)
                 return STARTED
@@ -105,11 +108,11 @@ class BatchSink:
             self._expect(job_id, lineno, chat, prompt_ids)
             self.run.seq = lineno                        # a shared prefix built for it
             if starts is not None:
-                state, k = starts()
-                self.reused[lineno] = k
-                job = Request(lineno, prompt_ids[k:], settings, state, logprobs=logprobs, n=n)
+                starts()
+            job.reuse = True
             try:
                 self.core.add(job)
+                self.reused[lineno] = job.reused
             except UsageError as e:     # its own settings cannot start (a grammar)
                 self._failed(job, e)
             while self.alone and self.core.busy:      # width 1: its choices, one by one

@@ -1,16 +1,17 @@
-"""Prefixes a batch file's prompts share: found, prefilled once, each prompt started from one.
+"""Prefixes a batch file's prompts share: found, and prefilled once into the state store.
 
 Owns: finding, among the prompts a batch run will start, the longest prefix each shares
-with another (whole prefill chunks, never the whole prompt), prefilling each such prefix
-once (from the longest snapshot already at hand), and handing every prompt the state it
-starts from; with a prefix cache (``libk3.engine.prefix_cache``) snapshots also come from
-and go to disk, so the next run (another shard, the next cron tick) starts from them too.
-Does not own: the snapshot files, the batch file, the scheduler.
+with another (whole prefill chunks, never the whole prompt), and making sure the run's
+state store (``libk3.store``) holds each such prefix before a prompt sharing it is
+admitted: read from disk, or prefilled once (a prompt-only request through the engine
+core, from the longest prefix the store holds) and kept there, nested prefixes another
+prompt wants on the way. Does not own: the store, its tiers and the lookup a prompt
+starts from (the core's admission), the snapshot files, the batch file, the scheduler.
 
 Why whole chunks: the shared part of prompts that differ mid-chunk would be a new key for
 every small edit; at chunk boundaries runs with edited tails still meet the same snapshots.
-Why one snapshot in RAM: a batch's lines usually share one preamble; holding one is the
-fixed overhead (docs/memory.md), others come from disk or are rebuilt.
+Why one state in RAM: a batch's lines usually share one preamble; the store holds one
+(``budget.BATCH_SNAPSHOTS``, docs/memory.md), others come from disk or are rebuilt.
 Exact: the forward gives the same bytes however a sequence is split into passes
 (formats/model/numerics.md), so a prompt resumed from a snapshot yields the same tokens and
 logits as one prefilled whole (tested).
@@ -20,7 +21,11 @@ from __future__ import annotations
 
 import time
 
-from ..engine.generate import Abandoned, prefill
+from ..budget import BATCH_SNAPSHOTS
+from ..engine.core import EngineCore
+from ..engine.generate import GenSettings
+from ..engine.core import Request
+from ..store import StateStore
 
 
 def shared_lengths(prompts: list, chunk: int) -> list:
@@ -49,83 +54,76 @@ def _common(a, b) -> int:
 
 
 class PrefixStarts:
-    """Where each prompt of a batch run starts. ``plan``: the (ids, shared length) of
-    every prompt the run may start (``shared_lengths``); ``cache``: a PrefixCache or None.
-    ``stats``: prefixes built and their tokens, prompts started from a snapshot and the
-    prompt tokens not prefilled, seconds spent building."""
+    """The shared prefixes of a batch run. ``plan``: the (ids, shared length) of every
+    prompt the run may start (``shared_lengths``); ``cache``: the run's StateStore, or
+    a PrefixCache (or None) for a store of its own holding one state in RAM. ``stats``:
+    prefixes built and their tokens, prompts started from a kept prefix and the prompt
+    tokens not prefilled (``start``; a batch run counts its finished lines), seconds
+    spent building and reading."""
 
     def __init__(self, session, chunk: int, plan, cache=None, drafting=None,
-                 should_stop=None, on_prefix=None):
-        self.session, self.chunk, self.cache = session, chunk, cache
+                 should_stop=None):
+        self.session, self.chunk = session, chunk
+        self.store = cache if isinstance(cache, StateStore) else \
+            StateStore(session.cfg, None, cache, ram_states=BATCH_SNAPSHOTS)
         self.drafting = drafting
         self.should_stop = should_stop
-        self.on_prefix = on_prefix            # called (n tokens) before a prefix is built
         # every shared prefix of the run, by length: a prefix built on the way to a longer
         # one is kept (on disk) when another prompt needs it
         self.wanted = {tuple(ids[:s]) for ids, s in plan if s}
-        self.held = None                      # the one snapshot kept in RAM
         self.stats = {"prefixes_built": 0, "prefix_tokens_built": 0, "prompts_resumed": 0,
                       "tokens_reused": 0, "build_seconds": 0.0, "load_seconds": 0.0}
 
-    def start(self, ids, shared: int):
-        """(state, n): a fresh state holding the first n ids of ``ids`` (n = 0: a new
-        state), building the shared prefix of ``shared`` ids first if no snapshot holds
-        it. Raises Abandoned when ``should_stop`` says so while building."""
+    @property
+    def held(self):
+        """The state the store holds in RAM (used last)."""
+        return self.store.held()
+
+    def prepare(self, ids, shared: int) -> None:
+        """Make sure the store holds the first ``shared`` ids of ``ids`` (or a longer
+        prefix of them), building them if no snapshot does. Raises Abandoned when
+        ``should_stop`` says so while building."""
+        if not shared:
+            return
         ids = [int(i) for i in ids]
-        state, n = self._nearest(ids, len(ids) - 1)
+        t0 = time.perf_counter()
+        n = self.store.hold(ids, len(ids) - 1, at_least=shared)
+        self.stats["load_seconds"] += time.perf_counter() - t0
         if shared > n:
-            state, n = self._build(ids, shared, state, n), shared
-        elif state is not None and state is self.held:
-            state = state.copy()
+            self._build(ids, shared, n)
+
+    def start(self, ids, shared: int):
+        """(state, n): ``prepare``, then a fresh copy of the state holding the first n ids
+        of ``ids`` as a lane's admission takes it (n = 0: a new state)."""
+        self.prepare(ids, shared)
+        state, n = self.store.take(ids)
         if n:
             self.stats["prompts_resumed"] += 1
             self.stats["tokens_reused"] += n
         return (state if state is not None else self.session.new_state()), n
 
-    def _nearest(self, ids, limit: int):
-        """The longest snapshot at hand of a prefix of ``ids`` at most ``limit`` long: the
-        one in RAM or one on disk."""
-        held = self.held
-        n_held = held.pos if held is not None and held.pos <= limit and \
-            held.ids == ids[:held.pos] else 0
-        if self.cache is not None and limit > n_held:
-            t0 = time.perf_counter()
-            state, n = self.cache.lookup(ids, limit=limit, above=n_held)
-            self.stats["load_seconds"] += time.perf_counter() - t0
-            if n:                  # held from now on: the next line sharing it reads no disk
-                self.held = state
-                return state, n
-        return (held, n_held) if n_held else (None, 0)
-
-    def _build(self, ids, shared: int, start, n: int):
-        """Prefill ids[n:shared] onto ``start`` (a copy of it, or a new state), stopping
-        at each prefix another prompt wants to store it; keep the result in RAM."""
+    def _build(self, ids, shared: int, n: int) -> None:
+        """Prefill ids[:shared] as a prompt-only request resumed from the store's ``n``
+        ids, kept in the store at each prefix another prompt wants and at ``shared``."""
         t0 = time.perf_counter()
-        if self.on_prefix is not None:
-            self.on_prefix(shared - n)
-        state = self.session.new_state() if start is None else \
-            (start.copy() if start is self.held else start)
         stops = sorted({len(w) for w in self.wanted
                         if n < len(w) < shared and tuple(ids[:len(w)]) == w}) + [shared]
-        spec = self.drafting.speculator() if self.drafting is not None else None
-        for b in stops:
-            for i in range(state.pos, b, self.chunk):
-                if self.should_stop is not None and self.should_stop():
-                    raise Abandoned()
-                prefill(self.session.forward, state, ids[i:min(i + self.chunk, b)],
-                        self.chunk, keep_logits=False,
-                        observe=spec.observe if spec is not None else None)
-            if self.cache is not None:
-                self.cache.store(state)
-        self.held = state
+        core = EngineCore(self.session.forward, lambda k: self.session.new_state(), 1,
+                          chunk=self.chunk, should_stop=self.should_stop,
+                          drafting=self.drafting, store=self.store)
+        core.add(Request(None, ids[:shared], GenSettings(gen=0, prefill_chunk=self.chunk),
+                         reuse=True, store_at=tuple(stops)))
+        while core.busy:
+            for ev in core.step():
+                if ev.kind == "failed":
+                    raise ev.data
         self.stats["prefixes_built"] += 1
         self.stats["prefix_tokens_built"] += shared - n
         self.stats["build_seconds"] += time.perf_counter() - t0
-        return state.copy()
 
     def summary(self) -> dict:
         out = {**self.stats, "build_seconds": round(self.stats["build_seconds"], 6),
                "load_seconds": round(self.stats["load_seconds"], 6)}
-        if self.cache is not None:
-            out["cache"] = self.cache.summary()
+        if self.store.disk is not None:
+            out["cache"] = self.store.disk.summary()
         return out

@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 
 from ..engine.defaults import IO_THREADS, PREFILL_CHUNK, PREFIX_CACHE_BYTES
-from ..engine.generate import Abandoned, GenSettings, Hooks, Prompt, generate
+from ..engine.generate import Abandoned, GenSettings, Hooks, Prompt, Reuse, generate
 from ..engine.session import Reads, open_session
 from ..engine.settings import UNTIL_END, room_problem, token_ids_problem
 from ..engine.stops import returned_text
@@ -89,9 +89,9 @@ def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None =
     cache bytes beside its activations or None when resident, why the chunk)): the chunk
     is ``opts.prefill_chunk``, else ``budget.prefill_chunk``'s rule."""
     from ..machine.memory import probe_memory
-    from ..budget import (BATCH_SNAPSHOTS, SERVER_SNAPSHOTS, Budget, ModelSizes,
-                          admission_problems, batch_width, prefill_chunk, resolve_budget,
-                          vision_bytes, with_beside, with_draft)
+    from ..budget import (Budget, ModelSizes, admission_problems, batch_width, load_rules,
+                          prefill_chunk, resolve_budget, sequence_bytes, vision_bytes,
+                          with_beside, with_draft)
 
     if draft is not None and stream is None:
         try:
@@ -143,15 +143,22 @@ def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None =
             raise BudgetError("; ".join(problems), hint="choose a smaller --preset or budgets")
     chunk = (opts.prefill_chunk or PREFILL_CHUNK, None, "") if budget is None else \
         prefill_chunk(budget, sizes, PREFILL_CHUNK, opts.prefill_chunk)
+    store = run_store(opts)
+    if budget is not None and (store.states or store.beside or store.disk):
+        budget = dataclasses.replace(budget, reasons=budget.reasons + (store.line(
+            sequence_bytes(sizes, load_rules().context_positions)),))
     if opts.batch_width is None:
         return budget, 1, (), bool(stream), chunk
     held = budget or Budget(sizes.trunk_bytes, sizes.cache_all_bytes, "resident", ())
-    if opts.serve:
-        snapshots = SERVER_SNAPSHOTS if opts.prefix_cache else 0
-    else:
-        snapshots = BATCH_SNAPSHOTS if opts.share_prefixes else 0
-    return (budget,) + batch_width(held, sizes, mem, opts.batch_width, held=snapshots) + \
+    return (budget,) + batch_width(held, sizes, mem, opts.batch_width, held=store.states) + \
         (bool(stream), chunk)
+
+
+def run_store(opts: RunOptions):
+    """The state store's share of this run (``budget.store_share``)."""
+    from ..budget import store_share
+    return store_share(serve=opts.serve, batch=opts.batch_width is not None,
+                       disk=bool(opts.prefix_cache), share_prefixes=opts.share_prefixes)
 
 
 class Run:
@@ -286,6 +293,17 @@ class Run:
         return PrefixCache(directory, self.opts.prefix_cache_bytes, s.cfg, s.weights_identity,
                            s.pack_identity, warn=self.opts.warn, draft_identity=draft)
 
+    @functools.cached_property
+    def store(self):
+        """A one-prompt run's or batch's state store (``libk3.store``; a server's:
+        ``serve.turn_cache``): RAM as ``run_store`` gives it, disk the prefix cache."""
+        share = run_store(self.opts)
+        if self.prefix_cache is None and not share.ram_states:
+            return None
+        from ..store import StateStore
+        return StateStore(self.cfg, share.ram_bytes, self.prefix_cache,
+                          ram_states=share.ram_states)
+
     def _record(self, L, positions, ids, phase, tag=None):
         """One MoE layer's routing for a block of tokens: per token, its experts in
         selection order (formats/trace.md: within a prefill chunk, layer-major). ``tag``
@@ -400,41 +418,37 @@ class Run:
     def generate(self, prompt_ids, settings: GenSettings, *, on_token=None, keep_logits=False,
                  load_state=None, save_state=None, should_stop=None, state=None,
                  save_prefix=False, logprobs=None, images=()):
-        """One prompt, from ``state``, ``load_state``'s, the longest snapshot of the
-        prefix cache that it extends (unless its logits are kept: those of the resumed
-        positions would be missing), or a new state. ``save_prefix``: keep the state the
-        prompt leaves in the prefix cache; ``logprobs`` as ``generate``'s. ``should_stop()``,
-        if given, is asked at every prefill chunk and token; when it answers True the prompt
-        is abandoned (Abandoned is raised, nothing saved). ``images``: ``forward.ImageRows``
-        at pads of the ids (a snapshot is reused only for text before the first:
+        """One prompt, from ``state``, ``load_state``'s, the state store's longest prefix
+        of it (``store``; not when its logits are kept: those of the resumed positions
+        would be missing), or a new state. ``save_prefix``: keep the state the prompt
+        leaves in the store; ``logprobs`` as ``generate``'s. ``should_stop()``, if given,
+        is asked at every prefill chunk and token; when it answers True the prompt is
+        abandoned (Abandoned is raised, nothing saved). ``images``: ``forward.ImageRows``
+        at pads of the ids (the store resumes only text before the first:
         formats/model/vision.md §8.3)."""
         self.check_stop_strings(settings)
         settings = self.structured(self.until_end(settings))
-        reused = 0
-        if state is None and not load_state and not keep_logits and \
-                self.prefix_cache is not None:
-            state, reused = self.prefix_cache.lookup(
-                prompt_ids, limit=images[0].start if images else None)
-        if state is None:
+        if state is None and load_state:
             state = _load_state(self, load_state)
-        tail = list(prompt_ids)[reused:]
-        why = room_problem(state.pos - reused, len(prompt_ids), settings.gen, self.context,
-                           self.context_name)
+        why = room_problem(0 if state is None else state.pos, len(prompt_ids), settings.gen,
+                           self.context, self.context_name)
         if why:
             raise UsageError(why)
-        progress = _prefill_bar(len(tail), self.opts.progress)
+        reuse = None if self.store is None else Reuse(
+            self.store, resume=state is None, keep_at=(len(prompt_ids),) if save_prefix else ())
+        fed = []                            # the state the prompt went into
+        progress = _prefill_bar(len(prompt_ids), self.opts.progress)
         if should_stop is not None:
             progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
-        res = generate(self.session.forward, state, Prompt(tail, tuple(
-                           im._replace(start=im.start - reused) for im in images)), settings,
-                       tokenizer=self.session.tokenizer, keep_logits=keep_logits,
-                       hooks=Hooks(on_token, progress,
-                                   self.prefix_cache.store if save_prefix else None),
-                       feed_last=bool(save_state), drafting=self.drafting, logprobs=logprobs)
-        if reused:
-            res.prompt_ids, res.reused_tokens = list(prompt_ids), reused
+        res = generate(self.session.forward, state, Prompt(list(prompt_ids), tuple(images)),
+                       settings, tokenizer=self.session.tokenizer, keep_logits=keep_logits,
+                       hooks=Hooks(on_token, progress, fed.append),
+                       feed_last=bool(save_state), drafting=self.drafting, logprobs=logprobs,
+                       reuse=reuse)
+        if res.reused_tokens:
+            res.prompt_ids = list(prompt_ids)
         if save_state:
-            state.save(save_state, self.session.weights_identity)
+            fed[0].save(save_state, self.session.weights_identity)
         return res
 
     def close(self, failed: bool = False) -> None:

@@ -3,12 +3,13 @@
 Owns: the request queue, the engine thread that keeps up to ``width`` requests in the
 lanes of one ``EngineCore`` (continuous batching: a request queued while others decode
 joins at the next pass; one that finishes, or whose client went away, leaves at once and
-frees its lane), starting a lane from a kept state and offering states back (reuse of
-earlier turns), handing each lane's tokens back to the event loop as they are sampled,
-and the counters ``/health`` reports. Does not own: HTTP (``app``), the wire format
-(``protocol``), the loop, n-way forks, sampling, log-probabilities and its
-same-tokens-as-alone rule (``libk3.engine.core``), or the width
-(``libk3.budget.batch_width``, through ``Run.width``).
+frees its lane), asking the core to start each request from the server's state store
+and offer states back to it (reuse of earlier turns; a conversation's preamble kept),
+handing each lane's tokens back to the event loop as they are sampled, and the counters
+``/health`` reports. Does not own: HTTP (``app``), the wire format (``protocol``), the
+loop, admission from the store, n-way forks, sampling, log-probabilities and its
+same-tokens-as-alone rule (``libk3.engine.core``), the kept states (``turn_cache``,
+``libk3.store``), or the width (``libk3.budget.batch_width``, through ``Run.width``).
 
 Why one thread: the model's weights, caches and scratch buffers belong to one pass at a
 time; the lanes' States are their own, so a pass serves every request in flight.
@@ -42,9 +43,6 @@ class Job:
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     reused: int = 0               # prompt tokens resumed from a kept state, not prefilled
     preamble: int = 0             # prompt tokens worth keeping on their own (0: none)
-    # where the lane hands its state to the turn cache, counted in the ids it feeds (0:
-    # nowhere)
-    preamble_at: int = 0
     logprobs: int | None = None   # alternatives per token to report (None: no logprobs)
     echo: bool = False            # also the prompt's logprobs (a completion's echo)
     # TokenLogprob of each generated token, appended on the engine thread before the
@@ -91,7 +89,7 @@ class Worker:
         self.last = dict.fromkeys(_RUN_FIGURES)     # Run.report's, at the last request
         self.core = EngineCore(run.session.forward, lambda n: run.session.new_state(), width,
                                chunk=chunk, tokenizer=run.session.tokenizer,
-                               drafting=run.drafting)
+                               drafting=run.drafting, store=turns)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
@@ -147,18 +145,14 @@ class Worker:
             self._drop_followers(job, ("cancelled", None))
             return
         job.started = time.monotonic()
-        # the prompt's logprobs need every prompt position fed here: no kept state
-        resume = self.turns is not None and not (job.echo and job.logprobs is not None)
-        state, reused = self.turns.take(job.prompt_ids) if resume else (None, 0)
-        job.reused = reused
         tag = next(self._tags)
-        job.preamble_at = job.preamble - reused if self.turns and job.preamble > reused else 0
+        kept = self.turns is not None       # the core resumes, offers and keeps its states
+        req = Request(tag, list(job.prompt_ids), job.settings, logprobs=job.logprobs,
+                      echo=job.echo, n=1 + len(job.followers), reuse=kept, offer=kept,
+                      store_at=(job.preamble,) if kept and job.preamble else ())
         try:
-            self.core.add(Request(
-                tag, job.prompt_ids[reused:], job.settings,
-                state if state is not None else self.run.session.new_state(),
-                (job.preamble_at,) if job.preamble_at else (), logprobs=job.logprobs,
-                echo=job.echo, n=1 + len(job.followers)))
+            self.core.add(req)
+            job.reused = req.reused
         except Exception as e:            # a bad request must not stop the server
             self._failed(job, e)
             self._drop_followers(job, ("error", e))
@@ -196,11 +190,9 @@ class Worker:
                 self._lane_failed(req, ev.data)
 
     def _keep(self, req, state, fed: int) -> None:
-        """A lane's prompt reached one of its kept counts: a preamble worth keeping, the
-        point its other choices fork off (``core.Request.n``), or both."""
+        """A lane's prompt reached the point its other choices fork off
+        (``core.Request.n``)."""
         job = self._job(req)
-        if fed == job.preamble_at:
-            self.turns.keep(state)
         if req.choice == 0 and job.followers and fed == len(req.prompt_ids) - 1:
             for f in job.followers:    # the prompt's logprobs so far: all of them
                 f.prompt_logprobs = list(job.prompt_logprobs)
@@ -212,8 +204,6 @@ class Worker:
 
     def _token(self, req, tok) -> None:
         job = self._job(req)
-        if job.generated == 0 and self.turns:
-            self.turns.offer(req.state)    # the prompt is in: keep it for a later request
         job.generated += 1
         job._send(tok)
 
@@ -221,8 +211,6 @@ class Worker:
         job = self.jobs.pop((req.tag, req.choice))
         job.reused = len(job.prompt_ids) - len(req.prompt_ids)   # a choice forked: all but one
         res.prompt_ids = list(job.prompt_ids)        # what the client sent, reused or not
-        if self.turns:
-            self.turns.offer(req.state)               # the conversation with this reply
         self.counts["served"] += 1
         self.counts["generated_tokens"] += len(res.generated_ids)
         self.totals["prompt_tokens"] += len(res.prompt_ids)
