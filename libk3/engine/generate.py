@@ -65,8 +65,9 @@ def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=
 @dataclasses.dataclass(frozen=True)
 class Hooks:
     """What a one-prompt run tells its caller as it goes: ``on_token(id)`` as each token is
-    produced; ``progress(n)`` as each chunk of n prompt ids is fed; ``after_prefill(state)``
-    once the prompt is in the state (reuse of earlier turns); ``interrupted()`` is asked
+    produced; ``progress(n)`` as each chunk of n prompt ids is fed (and once for the ids
+    resumed from the state store, before any is fed); ``after_prefill(state)``
+    once the prompt is in the state (the state a run saves); ``interrupted()`` is asked
     before each sampled token joins the reply (``core.Request``)."""
     on_token: object = None
     progress: object = None
@@ -98,6 +99,8 @@ def generate(forward, state: State | None, prompt_ids, settings: GenSettings, *,
                   reuse=reuse is not None and reuse.resume,
                   store_at=() if reuse is None else tuple(reuse.keep_at))
     core.add(req)
+    if req.reused and hooks.progress is not None:
+        hooks.progress(req.reused)
     while True:
         for ev in core.step():
             if ev.kind == "token":
