@@ -81,7 +81,8 @@ class BatchSink:
         ``logprobs`` alternatives (None: none). ABANDONED when the deadline passed
         meanwhile: this prompt and every one in flight are dropped; NO_TIME when it would
         not finish before the deadline (nothing of it was run)."""
-        job = Request(lineno, prompt_ids, settings, logprobs=logprobs, n=n)  # tag: trace seq
+        job = Request(lineno, prompt_ids, settings, logprobs=logprobs, n=n,  # tag: trace seq
+                      reuse=True)
         self.n[lineno] = n
         started = False
         try:
@@ -109,7 +110,6 @@ class BatchSink:
             self.run.seq = lineno                        # a shared prefix built for it
             if starts is not None:
                 starts()
-            job.reuse = True
             try:
                 self.core.add(job)
                 self.reused[lineno] = job.reused

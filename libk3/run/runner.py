@@ -298,7 +298,7 @@ class Run:
         """A one-prompt run's or batch's state store (``libk3.store``; a server's:
         ``serve.turn_cache``): RAM as ``run_store`` gives it, disk the prefix cache."""
         share = run_store(self.opts)
-        if self.prefix_cache is None and not share.ram_states:
+        if self.opts.serve or (self.prefix_cache is None and not share.ram_states):
             return None
         from ..store import StateStore
         return StateStore(self.cfg, share.ram_bytes, self.prefix_cache,
