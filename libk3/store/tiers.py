@@ -44,10 +44,6 @@ class StateStore:
                       "writes_dropped": 0, "image_states_refused": 0}
         self._writer = Writer(disk) if disk is not None and background else None
 
-    @property
-    def ram_bytes(self):
-        return self.ram.limit_bytes
-
     def take(self, prompt_ids, limit: int | None = None):
         """(state, n): a fresh copy of the kept state whose ids are the longest strict
         prefix of ``prompt_ids`` at most ``limit`` long (a prompt's first image: only the
@@ -62,7 +58,7 @@ class StateStore:
             if state is not None:
                 self.stats["disk_hits"] += 1
                 if self.ram.holds_any:
-                    self._hold(state, on_disk=True)
+                    self._put(state, on_disk=True)
                     state = state.copy()
         if state is None and best:
             state, n = self.ram.get(best).copy(), len(best)
@@ -83,7 +79,7 @@ class StateStore:
             state, m = self.disk.lookup(prompt, limit=limit, above=n)
             if state is not None:
                 self.stats["disk_hits"] += 1
-                self._hold(state, on_disk=True)
+                self._put(state, on_disk=True)
                 n = m
         return n
 
@@ -99,7 +95,7 @@ class StateStore:
         if not self.ram.holds_any:
             self._write(state, own=False)
             return
-        self._hold(state.copy())
+        self._put(state.copy())
 
     def keep(self, state, copy: bool = True) -> None:
         """Keep ``state`` in RAM and at once on disk: a prefix worth surviving this
@@ -110,10 +106,9 @@ class StateStore:
         if not key or self._refused(state):
             return
         if self.ram.holds_any and key not in self.ram:
-            self._hold(state.copy() if copy else state)
+            self._put(state.copy() if copy else state)
         if key in self.ram:                  # the store's own copy, never changed
-            self._write(self.ram.get(key), own=True)
-            self.ram.mark_on_disk(key, self.disk is not None)
+            self.ram.mark_on_disk(key, self._write(self.ram.get(key), own=True))
         else:
             self._write(state, own=False)
 
@@ -127,21 +122,24 @@ class StateStore:
             return True
         return False
 
-    def _hold(self, state, on_disk: bool = False) -> None:
+    def _put(self, state, on_disk: bool = False) -> None:
         """Put ``state`` (the store's own copy) in RAM; what RAM lets go goes to disk."""
         for old in self.ram.put(state, on_disk):
             if not old.on_disk:
                 self._write(old.state, own=True)
 
-    def _write(self, state, own: bool) -> None:
+    def _write(self, state, own: bool) -> bool:
         """``state`` to the disk tier: written now, or queued for the writer (a copy
-        unless ``own``: the store's, which nothing changes)."""
+        unless ``own``: the store's, which nothing changes); whether it went (False: no
+        disk tier, or the writer's queue full)."""
         if self.disk is None:
-            return
+            return False
         if self._writer is None:
             self.disk.store(state)
         elif not self._writer.put(state if own else state.copy()):
             self.stats["writes_dropped"] += 1
+            return False
+        return True
 
     def flush(self) -> None:
         """Wait until every snapshot queued so far is written."""
