@@ -1,9 +1,12 @@
-"""One prompt through the engine core: ``generate`` (a one-prompt run, a chat turn, a batch
-line at width 1) and ``prefill`` (feeding ids into a state without generating).
+"""Prompts through the engine core: ``generate`` (a one-prompt run, a chat turn, a batch
+line at width 1), ``prefill`` (feeding ids into a state without generating) and
+``run_requests`` (a list of requests at width N, to their end).
 
 Owns: driving an ``EngineCore`` of width 1 for one Request and handing its events to the
 caller's callbacks (tokens as they are sampled, prefill progress, the state once the
-prompt is in); feeding a prefix on its own (``prefill``: a batch's shared prefixes).
+prompt is in); feeding a prefix on its own (``prefill``: a batch's shared prefixes);
+driving a core over a fixed list of requests (the benches' and tests' driver; a batch
+file and the server add requests as they come, ``run.batch_sink``, ``serve.worker``).
 Does not own: the loop, sampling and stop rules (``core``), weights, printing, the CLI.
 
 Every generated token is fed back (its logits row is produced), so the state after a
@@ -36,7 +39,8 @@ class Prompt(NamedTuple):
     images: tuple = ()
 
 
-__all__ = ["Abandoned", "GenResult", "GenSettings", "Prompt", "generate", "prefill"]
+__all__ = ["Abandoned", "GenResult", "GenSettings", "Prompt", "generate", "prefill",
+           "run_requests"]
 
 
 def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=None,
@@ -110,3 +114,30 @@ def generate(forward, state: State, prompt_ids, settings: GenSettings, *, tokeni
                 if drafting is not None:
                     res.spec = drafting.stats.to_json()
                 return res
+
+
+def run_requests(forward, new_state, reqs, width: int, on_done=None, on_failed=None, **kw):
+    """Every Request of ``reqs`` through an EngineCore of ``width`` (keywords as there),
+    each added when a lane is free; ({tag: GenResult}, CoreStats). ``on_done(req, res)``
+    hears each as it finishes; a lane's failure goes to ``on_failed(req, e)``, else it is
+    raised."""
+    core = EngineCore(forward, new_state, width, **kw)
+    done = {}
+
+    def absorb(events):
+        for ev in events:
+            if ev.kind == "done":
+                done[ev.request.tag] = ev.data
+                if on_done is not None:
+                    on_done(ev.request, ev.data)
+            elif ev.kind == "failed":
+                if on_failed is None:
+                    raise ev.data
+                on_failed(ev.request, ev.data)
+    for req in reqs:
+        while core.full:
+            absorb(core.step())
+        core.add(req)
+    while core.busy:
+        absorb(core.step())
+    return done, core.stats
