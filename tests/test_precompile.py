@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numba
 import numpy as np
-import pytest
 from click.testing import CliRunner
 from numba import njit
 from numba.core.event import install_recorder
