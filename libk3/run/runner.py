@@ -188,7 +188,7 @@ class Run:
                               "this budget: its matrices are read from disk at each draft pass")
             from ..engine.precompile import Count, prepare
             groups = ([] if opts.resident else ["expert-cache"]) + \
-                ["draft" if opts.draft else "forward"]
+                self._kernel_groups(opts, ckpt)
             count = Count(groups, show=opts.progress)   # one counter over both calls
             # the expert cache builds its policy
             self.compile_seconds = (0.0 if opts.resident else
@@ -213,7 +213,7 @@ class Run:
         self.prompts = Prompts(opts.model, self.session.tokenizer, opts.template_limits)
         try:    # the forward's kernels load while the session's first reads (lm_head, the
             # ring's layers) are under way
-            self.compile_seconds += prepare(["draft" if opts.draft else "forward"],
+            self.compile_seconds += prepare(self._kernel_groups(opts, ckpt),
                                             show=opts.progress, count=count)
         except BaseException:
             self.close(failed=True)
@@ -227,6 +227,13 @@ class Run:
                 self.cfg, created_by=f"k3-run {__version__}",
                 meta={"model": str(opts.model), "pack": opts.pack,
                       "cache_policy": opts.cache_policy}))
+
+    @staticmethod
+    def _kernel_groups(opts: RunOptions, ckpt) -> list:
+        """The precompile groups this run calls: the forward's or the draft's, and the
+        image tower's when images may come and the checkpoint has one."""
+        vision = ["vision"] if opts.vision and ckpt.vision_config is not None else []
+        return ["draft" if opts.draft else "forward"] + vision
 
     def chunked(self, settings: GenSettings) -> GenSettings:
         """``settings`` with this run's prefill chunk (``resolve_run_budget``) and
