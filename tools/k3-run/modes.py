@@ -4,7 +4,7 @@ and perplexity (docs/run.md "Modes").
 Owns: which option groups (``options``) each mode stacks, the rules left between options
 that really interact (``RULES``, checked by ``k3cli.constraints``), and each mode's work:
 open the run, drive it, print what it gives. Does not own: the option declarations
-(``options``), the group that picks a mode and the old one-command spellings (``cli``,
+(``options``), the command that picks a mode and the old one-command spellings (``cli``,
 ``aliases``), or anything a run does (``libk3.run``).
 """
 
