@@ -60,9 +60,10 @@ def test_batch_mode_writes_the_lines_the_old_batch_flag_writes(tiny_dir, prompts
 def test_chat_mode_says_what_the_old_chat_flags_say(tiny_dir, flag):
     """Catches an old chat spelling not reaching the chat mode (or reaching it with other
     options): the same transcript on stdout."""
-    want = _ok(k3("chat", tiny_dir, "-n", 3, input=TALK)).stdout
-    assert "you>" in want
-    assert _ok(k3(tiny_dir, flag, "-n", 3, input=TALK)).stdout == want
+    want = _ok(k3("chat", tiny_dir, "-n", 3, input=TALK))
+    assert want.stdout.strip() and "k3 chat with tiny" in want.stderr
+    got = _ok(k3(tiny_dir, flag, "-n", 3, input=TALK))
+    assert got.stdout == want.stdout and got.stderr == want.stderr
 
 
 def test_perplexity_mode_prints_what_the_old_flag_prints(tiny_dir):
@@ -101,7 +102,7 @@ def test_serve_mode_answers_as_the_old_serve_flag(tiny_dir, tmp_path):
      "--api-key goes with --serve (k3-run serve)"),
     (["chat", "{tiny}", "--ids", "1"], "--ids goes with one prompt"),
     (["serve", "{tiny}", "--out", "r.jsonl"], "--out goes with --batch"),
-    (["{tiny}", "--ids", "1", "-np", "2"], "go with --batch or --serve"),
+    (["{tiny}", "--ids", "1", "-np", "2"], "--batch-width also with --serve"),
     (["{tiny}", "--ids", "1", "-sys", "x"], "go with --chat (k3-run chat)"),
     (["perplexity", "{tiny}", "{text}", "--seed", "3"], "generation options"),
     (["{tiny}", "--chat", "--batch", "{prompts}"], "exactly one of"),
@@ -139,5 +140,6 @@ def test_a_model_directory_named_like_a_mode_runs_as_a_path(tiny_dir, tmp_path):
     got = json.loads(_ok(k3("./chat", "--ids", "1,2", "-n", 2, "--json", "-q",
                             cwd=tmp_path)).stdout)
     assert got["generated_ids"] == want["generated_ids"]
-    assert "you>" in _ok(k3("chat", "./chat", "-n", 2, input=TALK, cwd=tmp_path)).stdout
+    assert "k3 chat with chat" in _ok(k3("chat", "./chat", "-n", 2, input=TALK,
+                                         cwd=tmp_path)).stderr
     _refused(k3("chat", "--ids", "1", cwd=tmp_path), "--ids goes with one prompt")

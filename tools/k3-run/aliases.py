@@ -125,10 +125,10 @@ def _model_first(args: list, commands: dict) -> list:
     return [models[0], *rest] if not models[0].startswith("-") else ["--", models[0], *rest]
 
 
-def add_foreign(commands: dict, lacks: dict) -> None:
+def add_foreign(commands: dict, said: dict, lacks: dict) -> None:
     """Each mode takes the other modes' options as hidden ones that refuse: ``lacks[mode]
-    [name]`` says why, else where the option goes (``--api-key goes with --serve
-    (k3-run serve)``)."""
+    [name]`` says why, else ``said[name]``, else where the option goes (``--api-key goes
+    with --serve (k3-run serve)``)."""
     names = {m: {p.name for p in c.params} for m, c in commands.items()}
     for mode, cmd in commands.items():
         taken = {s for p in cmd.params for s in getattr(p, "opts", ())}
@@ -140,7 +140,8 @@ def add_foreign(commands: dict, lacks: dict) -> None:
                     continue
                 seen.add(p.name)
                 homes = [m for m in commands if p.name in names[m]]
-                why = lacks.get(mode, {}).get(p.name) or _goes_with(p.opts, homes)
+                why = lacks.get(mode, {}).get(p.name) or said.get(p.name) or \
+                    _goes_with(p.opts, homes)
                 cmd.params.append(click.Option(
                     [*p.opts, f"foreign_{p.name}"], is_flag=p.is_flag, hidden=True,
                     expose_value=False, callback=_refuse(why)))

@@ -60,9 +60,11 @@ perplexity. Logits are identical at every budget.
   k3-run serve MODEL [[HOST:]PORT]                      an OpenAI-compatible API
   k3-run perplexity MODEL TEXT                          one number for a text
 
-`k3-run MODE --help` lists a mode's options. The one-command spellings still work:
+`k3-run MODE --help` lists a mode's options. Every mode takes -m MODEL, the budget and
+reading options (--pack, --preset, --trunk-gb, --cache-gb, --resident, -t/--threads,
+-c/--ctx-size, ...) and -q/--quiet. The one-command spellings still work:
 --batch FILE, --chat (-i, -cnv, --conversation), --serve [[HOST:]PORT] and
 --perplexity TEXT after MODEL run that mode. A model directory named like a mode is
 written as a path (./chat).""", options_metavar="[MODE]")
 click.version_option(__version__, prog_name="k3-run")(main)
-aliases.add_foreign(main.commands, {"perplexity": modes.PERPLEXITY_LACKS})
+aliases.add_foreign(main.commands, modes.ELSEWHERE, {"perplexity": modes.PERPLEXITY_LACKS})

@@ -49,6 +49,10 @@ PROMPT_RULES = (
     *RULES,
 )
 
+# Where an option shared by two modes goes, said as before the modes (else aliases says it).
+ELSEWHERE = {"batch_width": "--batch-width, --parallel and -np go with --batch "
+                            "(--batch-width also with --serve; k3-run batch, k3-run serve)"}
+
 # Why perplexity has no generation or state options (said instead of "goes with").
 _GENERATING = ("gen", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop_strings",
