@@ -67,6 +67,15 @@ PERPLEXITY_LACKS = {
 }
 
 
+class Mode(Command):
+    """A mode's command: its usage line reads ``k3-run [OPTIONS] ...`` when the mode was
+    not named (its name is blank then)."""
+
+    def format_usage(self, ctx, formatter):
+        formatter.write_usage(" ".join(ctx.command_path.split()),
+                              " ".join(self.collect_usage_pieces(ctx)))
+
+
 def _start(ctx, options: dict, rules, mode_flag: str | None = None) -> SimpleNamespace:
     """The mode's options by parameter name, its rules checked (``mode_flag``: the old
     one-command flag that image_opts' rules name as this mode's)."""
@@ -123,7 +132,7 @@ def _verbose(a, doc) -> None:
         click.echo(json.dumps(doc, indent=2, sort_keys=True, default=str), err=True)
 
 
-@click.command("prompt", cls=Command, help="One prompt (the default mode: `k3-run MODEL "
+@click.command("prompt", cls=Mode, help="One prompt (the default mode: `k3-run MODEL "
                "PROMPT`): its text as it comes, then the run report.")
 @o.model_options
 @o.prompt_options
@@ -192,7 +201,7 @@ def _one_prompt(run, prompt_ids, settings, a, images=()) -> dict:
     return run.report(res)
 
 
-@click.command("batch", cls=Command, help="A JSONL file of prompts (formats/batch.md) into "
+@click.command("batch", cls=Mode, help="A JSONL file of prompts (formats/batch.md) into "
                "a results file: cron-safe, resumes where the last run stopped.")
 @o.model_options
 @o.batch_options
@@ -235,7 +244,7 @@ def batch(ctx, **options):
         click.echo(batch_text(summary), err=True)
 
 
-@click.command("chat", cls=Command, help="Interactive multi-turn chat on stdin, in the "
+@click.command("chat", cls=Mode, help="Interactive multi-turn chat on stdin, in the "
                "model's chat template (/help lists its commands; docs/serve.md).")
 @o.model_options
 @o.budget_options
@@ -272,7 +281,7 @@ def chat(ctx, **options):
                                   images=a.image)
 
 
-@click.command("serve", cls=Command, help="Serve an OpenAI-compatible API (needs the serve "
+@click.command("serve", cls=Mode, help="Serve an OpenAI-compatible API (needs the serve "
                "extra) on [HOST:]PORT: HOST defaults to 127.0.0.1, any other address needs "
                "--api-key; PORT to 8080 (or --host and --port).")
 @o.model_options
@@ -316,7 +325,7 @@ def serve(ctx, **options):
                   model_name=a.served_model_name, log_json=a.log_format == "json")
 
 
-@click.command("perplexity", cls=Command, help="Perplexity of a UTF-8 text file, "
+@click.command("perplexity", cls=Mode, help="Perplexity of a UTF-8 text file, "
                "llama-perplexity's way: windows of --ctx-size tokens (default 512), the "
                "second half of each scored (docs/run.md \"Perplexity\").")
 @o.model_options
