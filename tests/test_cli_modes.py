@@ -143,3 +143,23 @@ def test_a_model_directory_named_like_a_mode_runs_as_a_path(tiny_dir, tmp_path):
     assert "k3 chat with chat" in _ok(k3("chat", "./chat", "-n", 2, input=TALK,
                                          cwd=tmp_path)).stderr
     _refused(k3("chat", "--ids", "1", cwd=tmp_path), "--ids goes with one prompt")
+
+
+@pytest.mark.parametrize("argv, mode, rest", [
+    (["M", "--batch=f.jsonl", "--out", "r"], "batch", ["M", "--out", "r", "f.jsonl"]),
+    (["M", "--serve=8080"], "serve", ["M", "8080"]),
+    (["--serve", "9000", "-m", "M"], "serve", ["M", "9000"]),
+    (["-t", "1", "M", "--serve", "--port", "9"], "serve", ["-t", "1", "M", "--port", "9"]),
+    (["M", "--perplexity", "-x.txt"], "perplexity", ["M", "--", "-x.txt"]),
+    (["M", "-cnv", "-n", "2"], "chat", ["M", "-n", "2"]),
+    (["M", "-p", "--chat", "-n5"], "prompt", ["M", "-p", "--chat", "-n5"]),
+    (["batch", "-m", "M", "p.jsonl", "--out", "r"], "batch", ["M", "p.jsonl", "--out", "r"]),
+])
+def test_old_spellings_and_m_become_the_mode_s_arguments(argv, mode, rest):
+    """Catches the words read otherwise than click reads them: --batch=FILE or
+    --serve=PORT missed, --serve taking the next option as its address, a file named
+    like an option read as one, -cnv read as -c nv, a prompt text `--chat` (the value of
+    -p) taken for the mode, -m's model not the first argument."""
+    from k3_run.aliases import split
+    from k3_run.cli import main
+    assert split(argv, main.commands)[::2] == (mode, rest)
