@@ -216,48 +216,72 @@ def expert_seconds(r: dict, K: int, n_exp: int, k: int, flops: float) -> float:
     return n_exp * total / K
 
 
+class K3Prefill:
+    """Kimi K3's prefill at the laptop preset, priced from kernel rates (``rates``, one
+    thread): the trunk's dense matrices at the chunk's width, each routed expert at the
+    tokens a chunk gives it under uniform routing, MLA attention over the prompt's mean
+    position; a pass reads the trunk the preset does not hold and its experts' union (no
+    cache hits: an upper bound) while it computes, and takes the longer of the two."""
+
+    def __init__(self):
+        from libk3.budget import ModelSizes, prefill_chunk, resolve_budget
+        from libk3.k3_dims import real_config
+        cfg = self.cfg = real_config()
+        sizes = ModelSizes.from_config(cfg)
+        laptop = resolve_budget("laptop", model_sizes=sizes, mem=1 << 50)
+        self.K = prefill_chunk(laptop, sizes, 64)[0]
+        self.n_exp, self.k = cfg.num_experts, cfg.num_experts_per_token
+        self.moe = len(cfg.moe_layers)
+        mla_layers = sum(1 for L in range(cfg.num_hidden_layers) if cfg.is_mla(L))
+        self.union = self.n_exp * (1 - (1 - self.k / self.n_exp) ** self.K)   # per layer, pass
+        self.dense_flops = sizes.bf16_trunk_bytes        # 2 flops per BF16 weight (2 bytes)
+        self.one_expert = 3 * 2 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size
+        self.mla_flops = mla_layers * 2 * cfg.num_attention_heads * (2 * cfg.kv_lora_rank
+                                                                     + cfg.qk_rope_head_dim)
+        self.streamed = (max(0, sizes.trunk_bytes - laptop.trunk_bytes)
+                         + self.union * self.moe * cfg.expert_bytes)
+
+    def describe(self) -> str:
+        return (f"Kimi K3 at the laptop preset: prefill chunk {self.K}, {self.union:.0f} "
+                f"distinct experts per MoE layer per pass ({self.K * self.k / self.union:.2f} "
+                f"tokens each on average, uniform routing), {self.streamed / 1e9:.0f} GB read "
+                f"per pass (trunk not held + the experts' union, no cache hits); per token: "
+                f"dense {self.dense_flops / 1e9:.1f} GFLOP, experts "
+                f"{self.moe * self.k * self.one_expert / 1e9:.1f} GFLOP, MLA "
+                f"{self.mla_flops / 1e6:.1f} MFLOP per earlier position")
+
+    def cpu_per_token(self, r: dict, chunk: int, n_prompt: int) -> float:
+        return (self.dense_flops / at(r["bf16"], chunk)
+                + self.moe * expert_seconds(r["mxfp4"], chunk, self.n_exp, self.k,
+                                            self.one_expert)
+                + self.mla_flops * (n_prompt / 2) / r["mla_per_position"])
+
+    def ttft(self, r: dict, n_prompt: int, cores: int, bps: float) -> tuple:
+        """(seconds, of which compute alone) to prefill ``n_prompt`` rows on ``cores``
+        cores (this core's rates on each) reading at ``bps`` bytes/s."""
+        import math
+        passes = math.ceil(n_prompt / self.K)
+        comp = min(self.K, n_prompt) * self.cpu_per_token(r, self.K, n_prompt) / cores
+        return passes * max(comp, self.streamed / bps), passes * comp
+
+
 def model_section(a) -> None:
-    import math
     import os
-    from libk3.budget import ModelSizes, prefill_chunk, resolve_budget
-    from libk3.k3_dims import real_config
-    cfg = real_config()
-    sizes = ModelSizes.from_config(cfg)
-    laptop = resolve_budget("laptop", model_sizes=sizes, mem=1 << 50)
-    K = prefill_chunk(laptop, sizes, 64)[0]
-    n_exp, k = cfg.num_experts, cfg.num_experts_per_token
-    moe = len(cfg.moe_layers)
-    mla_layers = sum(1 for L in range(cfg.num_hidden_layers) if cfg.is_mla(L))
-    union = n_exp * (1 - (1 - k / n_exp) ** K)           # distinct experts per layer per pass
-    dense_flops = sizes.bf16_trunk_bytes                  # 2 flops per BF16 weight (2 bytes)
-    one_expert = 3 * 2 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size
-    mla_flops = mla_layers * 2 * cfg.num_attention_heads * (2 * cfg.kv_lora_rank
-                                                            + cfg.qk_rope_head_dim)
+    m = K3Prefill()
     trees = {"base": extract(a.base, "arith-base"),
              "head": extract(a.head, "arith-head") if a.head else ROOT}
     measured = {name: rates(tree) for name, tree in trees.items()}
-    ckpt = checkpoint("real-dims")
-    here_bps = a.drive_gbps * 1e9 if a.drive_gbps else drive_rate(ckpt)
-    streamed = max(0, sizes.trunk_bytes - laptop.trunk_bytes) + union * moe * cfg.expert_bytes
-    print(f"Kimi K3 at the laptop preset: prefill chunk {K}, {union:.0f} distinct experts per "
-          f"MoE layer per pass ({K * k / union:.2f} tokens each on average, uniform routing), "
-          f"{streamed / 1e9:.0f} GB read per pass (trunk not held + the experts' union, no "
-          f"cache hits); per token: dense {dense_flops / 1e9:.1f} GFLOP, experts "
-          f"{moe * k * one_expert / 1e9:.1f} GFLOP, MLA {mla_flops / 1e6:.1f} MFLOP per "
-          f"earlier position")
-
-    def cpu_per_token(r, chunk, n_prompt):
-        return (dense_flops / at(r["bf16"], chunk)
-                + moe * expert_seconds(r["mxfp4"], chunk, n_exp, k, one_expert)
-                + mla_flops * (n_prompt / 2) / r["mla_per_position"])
+    here_bps = a.drive_gbps * 1e9 if a.drive_gbps else drive_rate(checkpoint("real-dims"))
+    print(m.describe())
+    K, n_exp, k = m.K, m.n_exp, m.k
     for name, r in measured.items():
         print(f"{name}: BF16 {at(r['bf16'], K) / 1e9:.1f} GFLOP/s at {K} tokens; MXFP4 "
               + ", ".join(f"{r['mxfp4'][n] / 1e9:.1f}" for n in (1, 2, 4, 8, 32))
               + f" GFLOP/s at 1, 2, 4, 8, 32 tokens; MLA {r['mla_per_position'] / 1e9:.1f} GFLOP/s")
     rows = []
     for chunk in sorted({K, 256, 1024}):
-        b = cpu_per_token(measured["base"], chunk, 1000)
-        h = cpu_per_token(measured["head"], chunk, 1000)
+        b = m.cpu_per_token(measured["base"], chunk, 1000)
+        h = m.cpu_per_token(measured["head"], chunk, 1000)
         rows.append([chunk, f"{chunk * k / (n_exp * (1 - (1 - k / n_exp) ** chunk)):.2f}",
                      f"{b:.2f}", f"{h:.2f}", f"{h / b:.2f}x"])
     print(table(rows, ["chunk", "tokens per expert", "CPU s/prompt token base",
@@ -269,10 +293,9 @@ def model_section(a) -> None:
         row = [n_prompt]
         for _, cores, bps in machines:
             for name in ("base", "head"):
-                passes = math.ceil(n_prompt / K)
-                comp = min(K, n_prompt) * cpu_per_token(measured[name], K, n_prompt) / cores
-                row.append(f"{passes * max(comp, streamed / bps) / 60:.1f}")
-            row.append(f"{passes * comp / 60:.1f}")
+                total, comp = m.ttft(measured[name], n_prompt, cores, bps)
+                row.append(f"{total / 60:.1f}")
+            row.append(f"{comp / 60:.1f}")
         rows.append(row)
     heads = ["prompt tokens"]
     for label, cores, bps in machines:

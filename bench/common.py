@@ -19,26 +19,15 @@ DATA = Path(os.environ.get("K3_BENCH_DIR", ROOT / "scratch"))
 
 
 # Embedded in the scripts that run prompts in lockstep: ``Job`` and ``run_lockstep`` over
-# the engine core, or the lockstep module of a tree from before it (a base tree).
+# the engine core (``libk3.engine.generate.run_requests``), or the lockstep module of a
+# tree from before it (a base tree).
 LOCKSTEP_DRIVER = r"""
 try:
-    from libk3.engine.core import EngineCore, Request as Job
+    from libk3.engine.core import Request as Job
+    from libk3.engine.generate import run_requests
 
     def run_lockstep(forward, new_state, jobs, width, on_done, **kw):
-        core = EngineCore(forward, new_state, width, **kw)
-        def absorb(events):
-            for ev in events:
-                if ev.kind == "done":
-                    on_done(ev.request, ev.data)
-                elif ev.kind == "failed":
-                    raise ev.data
-        for job in jobs:
-            while core.full:
-                absorb(core.step())
-            core.add(job)
-        while core.lanes:
-            absorb(core.step())
-        return core.stats
+        return run_requests(forward, new_state, jobs, width, on_done, **kw)[1]
 except ImportError:
     from libk3.engine.lockstep import Job, run_lockstep
 """

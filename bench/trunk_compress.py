@@ -248,7 +248,8 @@ def stream_section(ck: Path, raw_pack: Path, kz_pack: Path, rounds: int, passes:
     (and decoded) ``passes`` times per round, raw and compressed alternating; the first
     pass (page faults, CRC) apart from the rest."""
     from libk3.io.direct import FileSet
-    from libk3.stream.trunk import TrunkStreamer, runs_from_pack
+    from libk3.stream.trunk import runs_from_pack
+    from libk3.stream.trunk_modes import open_trunk
 
     rows, steady = [], {"raw": [], "compressed": []}
     with Checkpoint.open(ck) as c:
@@ -256,8 +257,8 @@ def stream_section(ck: Path, raw_pack: Path, kz_pack: Path, rounds: int, passes:
         for r in range(rounds):
             for name, pk_dir in in_turn((("raw", raw_pack), ("compressed", kz_pack)), r):
                 pk = open_pack(pk_dir, c)
-                ts = TrunkStreamer(c.config, runs_from_pack(pk_dir, pk.manifest, pk.blocks),
-                                   slot, FileSet(use_direct=True))
+                ts = open_trunk(c.config, runs_from_pack(pk_dir, pk.manifest, pk.blocks),
+                                slot, FileSet(use_direct=True))
                 times = []
                 for _ in range(passes):
                     t0 = time.perf_counter()

@@ -21,6 +21,29 @@ random-noise PNGs of each size through ``libk3.media.preprocess_image`` (512² b
 ``--blocks N`` runs the tower with its first N blocks only and scales the tower's seconds
 by B / N (every block costs the same; the patch embedding and final norm are a small
 part), for a busy machine where the whole tower at 1024² takes too long; the table says so.
+
+With --model, instead: Kimi K3's modelled time to first token for one ``--side``² image
+(1024) at the laptop preset on this machine, the sum of
+
+* preprocessing, measured here;
+* reading the tower and projector (their bytes at ``--drive-gbps``: held once read);
+* the tower, merger and projector: the CPU seconds of one ``--from-side``² image (512) at
+  one thread (``--tower-cpu S``, section 1's "CPU s", else measured here), split into the
+  attention (``vit.attention``, timed here alone on one block at each grid, times B) and
+  the rest, which grows with the patches L (every matmul, norm and activation is per
+  patch or per merged row); the attention is timed at the larger grid, not scaled; the
+  wall seconds are the CPU seconds over the cores (kernels split by rows);
+* the language model's prefill of the image's N rows plus ``--text-tokens`` (the
+  markup's markers and size text and a short question), priced as
+  ``bench/arithmetic.py --model`` prices text (``K3Prefill``: kernel rates measured here,
+  one thread, on every core; the laptop preset's chunk; a pass reads the trunk not held
+  and its experts' union while it computes and takes the longer).
+
+    python bench/vision.py --model [--side 1024] [--from-side 512] [--tower-cpu S]
+                           [--text-tokens 16] [--drive-gbps G]
+
+Without ``--drive-gbps`` the drive is measured as ``bench/arithmetic.py`` measures it
+(reading a ``real-dims`` shard, generated on first use).
 """
 
 from __future__ import annotations
@@ -97,8 +120,94 @@ def cpu_timed(fn):
     return out, wall, time.process_time() - c0
 
 
+def attention_cpu(vcfg, grid: tuple, seed: int) -> float:
+    """CPU seconds of one block's ``vit.attention`` over a grid's patches (random q, k, v)."""
+    from libk3.kernels import vit
+    L = grid[0] * grid[1]
+    H, hd = vcfg.vt_num_attention_heads, vcfg.vt_head_dim
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((H, L, hd), np.float32) for _ in range(3))
+    out = np.empty((L, H * hd), np.float32)
+    small = np.zeros((H, 4, hd), np.float32)
+    vit.attention(small, small, small, 1.0, np.empty((4, H * hd), np.float32))   # loaded
+    return cpu_timed(lambda: vit.attention(q, k, v, 1.0 / np.sqrt(hd), out))[2]
+
+
+def model_section(a) -> None:
+    """Kimi K3's time to first token for one image at the laptop preset (module doc)."""
+    import math
+    import os
+
+    from arithmetic import K3Prefill, drive_rate, rates
+    from libk3.budget import vision_bytes
+    from common import ROOT, checkpoint
+    vcfg = real_vision()
+    m, B = vcfg.merge_kernel_size[0], vcfg.vt_num_hidden_layers
+    cores = os.cpu_count() or 1
+    grids = {}
+    for side in (a.from_side, a.side):
+        px, t_pre = timed(lambda: preprocess_image(noise_png(side, a.seed), vcfg.media,
+                                                   f"{side}.png"))
+        grids[side] = (px.grid, t_pre)
+    (g0, _), (g1, pre1) = grids[a.from_side], grids[a.side]
+    L0, L1 = g0[0] * g0[1], g1[0] * g1[1]
+    N1 = (g1[0] // m) * (g1[1] // m)
+    if a.tower_cpu is None:
+        numba.set_num_threads(1)
+        tower = VisionTower(vcfg, random_weights(vcfg, a.seed))
+        tower.encode(np.zeros((4, 3, vcfg.patch_size, vcfg.patch_size), np.float32), (2, 2))
+        px = preprocess_image(noise_png(a.from_side, a.seed), vcfg.media, "x.png")
+        cpu0 = cpu_timed(lambda: tower.encode(px.patches, px.grid))[2]
+        del tower
+        print(f"[setup] the tower at {a.from_side}² measured here: {cpu0:.1f} CPU s", flush=True)
+    else:
+        cpu0 = a.tower_cpu
+    numba.set_num_threads(1)
+    att0, att1 = (B * attention_cpu(vcfg, g, a.seed) for g in (g0, g1))
+    rest1 = (cpu0 - att0) * L1 / L0
+    tower_cpu = rest1 + att1
+    bps = a.drive_gbps * 1e9 if a.drive_gbps else drive_rate(checkpoint("real-dims"))
+    tower_bytes = vision_bytes(vcfg)           # as held: a little over the BF16 file's bytes
+    lm = K3Prefill()
+    r = rates(ROOT)
+    n_rows = N1 + a.text_tokens
+    lm_s, lm_comp = lm.ttft(r, n_rows, cores, bps)
+    parts = [("preprocessing (measured)", pre1),
+             (f"reading the tower and projector ({tower_bytes / 1e9:.2f} GB)", tower_bytes / bps),
+             (f"tower + merger + projector ({tower_cpu:.0f} CPU s / {cores} cores)",
+              tower_cpu / cores),
+             (f"LM prefill of {n_rows:,} rows ({math.ceil(n_rows / lm.K)} passes of "
+              f"{lm.K}; compute alone {lm_comp / 60:.1f} min)", lm_s)]
+    total = sum(s for _, s in parts)
+    print(f"\nKimi K3, one {a.side}x{a.side} image at the laptop preset, this machine "
+          f"({cores} cores, drive {bps / 1e9:.2f} GB/s)\n")
+    print(f"grid {g1[0]}x{g1[1]}: {L1:,} patches, {N1:,} rows into the language model "
+          f"(+ {a.text_tokens} text tokens assumed: markup and question)")
+    print(f"tower at {a.from_side}² ({g0[0]}x{g0[1]}, {L0:,} patches): {cpu0:.1f} CPU s"
+          f"{' (given)' if a.tower_cpu is not None else ''}, of which attention "
+          f"{att0:.1f} (timed here, {B} blocks); the rest x {L1 / L0:.2f} (patches) = "
+          f"{rest1:.0f} s; attention at {a.side}² {att1:.0f} s (timed here, {B} blocks)")
+    print(lm.describe())
+    print(f"kernel rates here, one thread: BF16 {r['bf16'][64] / 1e9:.1f} GFLOP/s at 64 "
+          f"tokens; MXFP4 " + ", ".join(f"{r['mxfp4'][n] / 1e9:.1f}" for n in (1, 2, 8))
+          + f" GFLOP/s at 1, 2, 8 tokens; MLA {r['mla_per_position'] / 1e9:.1f} GFLOP/s\n")
+    rows = [[what, f"{s:,.1f}", f"{s / 60:.2f}"] for what, s in parts]
+    rows.append(["time to first token", f"{total:,.0f}", f"{total / 60:.1f}"])
+    print(table(rows, ["part", "seconds", "minutes"]))
+    print("(assumed: the tower's non-attention CPU grows with the patches; its kernels and "
+          "the LM's use every core at one core's rate; the LM's passes read with no cache "
+          "hits, uniform routing; image rows cost what text tokens do)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", action="store_true",
+                    help="Kimi K3's modelled time to first token for one image (see above)")
+    ap.add_argument("--side", type=int, default=1024)
+    ap.add_argument("--from-side", type=int, default=512)
+    ap.add_argument("--tower-cpu", type=float, default=None)
+    ap.add_argument("--text-tokens", type=int, default=16)
+    ap.add_argument("--drive-gbps", type=float, default=None)
     ap.add_argument("--sizes", default="512,1024")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=1)
@@ -106,6 +215,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--blocks", type=int, default=0)
     a = ap.parse_args()
+    if a.model:
+        model_section(a)
+        return
     vcfg = real_vision()
     w, secs = timed(lambda: random_weights(vcfg, a.seed))
     print(f"[setup] random BF16 tower and projector at the published shapes in {secs:.0f} s",

@@ -8,15 +8,15 @@ import threading
 
 
 def floor_streamer(cfg, runs, budget: int, monkeypatch, piece: int):
-    """(a one-slot TrunkStreamer over ``runs`` reading in ``piece``-byte pieces, 3 in
+    """(a one-slot trunk streamer over ``runs`` reading in ``piece``-byte pieces, 3 in
     flight, its FileSet)."""
     from libk3.io.direct import FileSet
     from libk3.stream import piece_reader
-    from libk3.stream.trunk import TrunkStreamer
+    from libk3.stream.trunk_modes import open_trunk
 
     monkeypatch.setattr(piece_reader, "FOREGROUND", (piece, 3))
     files = FileSet()
-    ts = TrunkStreamer(cfg, runs, budget, files)
+    ts = open_trunk(cfg, runs, budget, files)
     assert ts.n_slots == 1
     return ts, files
 

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from libk3.engine.core import Request, plan_pass
-from libk3.engine.generate import GenSettings, generate
+from libk3.engine.generate import GenSettings, generate, run_requests
 from libk3.engine.session import open_session
 from libk3.io.checkpoint import Checkpoint
 from libk3.model.forward import Segment
 from libk3.model.state import State
 from libk3.budget import ModelSizes, minimum_budget
 
-from .core_drive import reference_generate, run_core
+from .core_drive import reference_generate
 
 CHUNK = 4          # small, so long prompts take several passes and share them
 
@@ -49,8 +49,8 @@ def _alone(sess, job):
 def _lockstep(sess, jobs, width, join_prefill=True):
     for job in jobs:
         job.state = None                    # a fresh State for each run
-    return run_core(sess.forward, lambda n: State(sess.cfg, capacity=n), jobs, width,
-                    chunk=CHUNK, join_prefill=join_prefill)
+    return run_requests(sess.forward, lambda n: State(sess.cfg, capacity=n), jobs, width,
+                        chunk=CHUNK, join_prefill=join_prefill)
 
 
 def _streamed(model_dir):
@@ -164,8 +164,8 @@ def test_lockstep_finished_prompt_leaves_and_next_takes_its_slot(tiny_dir):
         started.append(pos())
         return State(s.cfg, capacity=n)
 
-    run_core(s.forward, new_state, jobs, 2, chunk=CHUNK,
-             on_done=lambda job, res: order.append((job.tag, pos())))
+    run_requests(s.forward, new_state, jobs, 2, chunk=CHUNK,
+                 on_done=lambda job, res: order.append((job.tag, pos())))
     assert [t for t, _ in order] == ["short", "queued", "long"]
     assert started[2] == dict(order)["short"]          # took the freed slot at once
 
@@ -263,8 +263,8 @@ def test_lockstep_with_drafting_equals_alone(sess, jobs_and_alone, width):
     drafting.width = Every(4)
     for job in jobs:
         job.state = None
-    done, _ = run_core(sess.forward, lambda n: State(sess.cfg, capacity=n), jobs, width,
-                       chunk=CHUNK, drafting=drafting)
+    done, _ = run_requests(sess.forward, lambda n: State(sess.cfg, capacity=n), jobs, width,
+                           chunk=CHUNK, drafting=drafting)
     for job, want in zip(jobs, alone):
         got = done[job.tag]
         assert got.generated_ids == want.generated_ids, job.tag

@@ -17,6 +17,9 @@ from libk3.engine.core import EngineCore, Request
 from libk3.engine.pace import SAFETY, Pace, Work
 from libk3.model import forward as forward_mod
 
+from .test_batch_cron import write_batch
+from .test_progress import Clock
+
 
 class FakeForward:
     """Logits of zeros for every fed row; each pass advances ``clock`` by a + b * tokens."""
@@ -29,14 +32,6 @@ class FakeForward:
         self.clock.t += self.a + self.b * tokens
         return [np.zeros((len(s.ids) if s.all_logits else 1, self.vocab), np.float32)
                 for s in segs]
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def test_fit_recovers_the_pass_cost():
@@ -95,20 +90,37 @@ def test_finish_is_the_time_lockstep_takes(works, chunk, a, b):
     assert est == pytest.approx(clock.t, rel=1e-6, abs=1e-9)
 
 
-def _batch(path, n, gen):
-    path.write_text("".join(json.dumps({"id": f"p{i}", "ids": [1 + i % 50, 2, 3], "gen": gen})
-                            + "\n" for i in range(n)))
-    return path
+class PacedBatch:
+    """A batch file of ``n`` prompts of ``gen`` tokens on the tiny model, resident, at
+    ``width``, every real forward pass costing a + b * tokens on ``clock``."""
+
+    def __init__(self, tiny_dir, tmp_path, monkeypatch, n, gen, a, b, width=1):
+        self.batch = write_batch(tmp_path / "b.jsonl", n, gen=gen)
+        self.results = tmp_path / "r.jsonl"
+        self.opts = runner.RunOptions(model=str(tiny_dir), resident=True, batch_width=width)
+        self.base = runner.settings_from(gen=gen, temperature=0.0, top_p=1.0, seed=0)
+        self.clock = Clock()
+        real = forward_mod.Forward.run
+
+        def timed(fwd, segments):
+            self.clock.t += a + b * sum(len(s.ids) for s in segments)
+            return real(fwd, segments)
+        monkeypatch.setattr(forward_mod.Forward, "run", timed)
+
+    def limits(self, deadline: float, started: float = 0.0):
+        return batch_run.BatchLimits(deadline=deadline, clock=self.clock, started=started)
+
+    def run(self, limits=None, said=None, results=None) -> dict:
+        """run_batch's summary; its lines to ``said`` (a list), its results to
+        ``results`` (default: ``self.results``)."""
+        return batch_run.run_batch(self.opts, self.batch, results or self.results, self.base,
+                                   [].append if said is None else said.append, limits)
 
 
-def _fake_time(monkeypatch, clock, a, b):
-    """Every real forward pass of the tiny model costs a + b * tokens on ``clock``."""
-    real = forward_mod.Forward.run
-
-    def timed(self, segments):
-        clock.t += a + b * sum(len(s.ids) for s in segments)
-        return real(self, segments)
-    monkeypatch.setattr(forward_mod.Forward, "run", timed)
+@pytest.fixture
+def paced(tiny_dir, tmp_path, monkeypatch):
+    """``paced(n, gen, a, b, width=1)``: a PacedBatch."""
+    return lambda *args, **kw: PacedBatch(tiny_dir, tmp_path, monkeypatch, *args, **kw)
 
 
 def _gen_ids(path):
@@ -117,21 +129,18 @@ def _gen_ids(path):
 
 
 @pytest.mark.parametrize("width", [1, 4])
-def test_deadline_ticks_always_finish_prompts(tiny_dir, tmp_path, monkeypatch, width):
+def test_deadline_ticks_always_finish_prompts(paced, tmp_path, width):
     """Catches admission that fills every slot whatever the deadline (the walk that found
     issue 30: every tick '0 done', its tokens thrown away): each tick finishes prompts,
     cuts none off, and the ticks together give the undisturbed run's results."""
-    batch, r = _batch(tmp_path / "b.jsonl", 12, gen=12), tmp_path / "r.jsonl"
-    opts = runner.RunOptions(model=str(tiny_dir), resident=True, batch_width=width)
-    base = runner.settings_from(gen=12, temperature=0.0, top_p=1.0, seed=0)
-    clock = Clock()
-    _fake_time(monkeypatch, clock, 1.0, 0.1)
+    pb = paced(12, 12, 1.0, 0.1, width)
+    clock = pb.clock
     # about a third of the batch's passes fit in one tick at width 1
     span = 12 * 12 * 1.3 / 3 / (1 if width == 1 else 2)
     ticks = []
     while len(ticks) < 6:
-        limits = batch_run.BatchLimits(deadline=clock.t + span, clock=clock, started=clock.t)
-        s = batch_run.run_batch(opts, batch, r, base, [].append, limits)
+        limits = pb.limits(clock.t + span, started=clock.t)
+        s = pb.run(limits)
         ticks.append((s["done"], s["cut_off"], s["discarded_tokens"]))
         assert clock.t <= limits.deadline
         if s["stopped"] is None:
@@ -139,60 +148,40 @@ def test_deadline_ticks_always_finish_prompts(tiny_dir, tmp_path, monkeypatch, w
     assert all(done > 0 and cut == 0 and lost == 0 for done, cut, lost in ticks), ticks
     assert 2 <= len(ticks) <= 4, ticks
     ref = tmp_path / "ref.jsonl"
-    batch_run.run_batch(opts, batch, ref, base, [].append)
-    assert _gen_ids(r) == _gen_ids(ref)
+    pb.run(results=ref)
+    assert _gen_ids(pb.results) == _gen_ids(ref)
 
 
-def test_deadline_too_short_for_one_prompt_says_what_it_would_need(tiny_dir, tmp_path,
-                                                                    monkeypatch):
+def test_deadline_too_short_for_one_prompt_says_what_it_would_need(paced):
     """Catches a tick that ends with nothing done and no word why."""
-    batch, r = _batch(tmp_path / "b.jsonl", 2, gen=200), tmp_path / "r.jsonl"
-    opts = runner.RunOptions(model=str(tiny_dir), resident=True)
-    base = runner.settings_from(gen=200, temperature=0.0, top_p=1.0, seed=0)
-    clock = Clock()
-    _fake_time(monkeypatch, clock, 1.0, 0.0)
-    said = []
-    s = batch_run.run_batch(opts, batch, r, base, said.append,
-                         batch_run.BatchLimits(deadline=60.0, clock=clock, started=0.0))
+    pb, said = paced(2, 200, 1.0, 0.0), []
+    s = pb.run(pb.limits(60.0), said)
     assert (s["done"], s["stopped"], s["remaining"]) == (0, "deadline", 2)
     assert len(said) == 1 and "'p0'" in said[0] and "at least 4 min" in said[0], said
 
 
 @pytest.mark.parametrize("width", [1, 4])
-def test_deadline_tick_too_short_to_measure_says_what_would_fit(tiny_dir, tmp_path,
-                                                                 monkeypatch, width):
+def test_deadline_tick_too_short_to_measure_says_what_would_fit(paced, width):
     """Catches a tick too short for even the pace to be measured (3 s at the floor)
     counting a prompt it never started as cut off and ending without saying what
     deadline would fit (or saying the deadline passed before the first prompt started,
     when one had): one prompt is cut, the other left for the next run, and the line
     names the prompt and a deadline from the passes seen."""
-    batch, r = _batch(tmp_path / "b.jsonl", 2, gen=200), tmp_path / "r.jsonl"
-    opts = runner.RunOptions(model=str(tiny_dir), resident=True, batch_width=width)
-    base = runner.settings_from(gen=200, temperature=0.0, top_p=1.0, seed=0)
-    clock = Clock()
-    _fake_time(monkeypatch, clock, 1.0, 0.0)
-    said = []
-    s = batch_run.run_batch(opts, batch, r, base, said.append,
-                         batch_run.BatchLimits(deadline=2.5, clock=clock, started=0.0))
+    pb, said = paced(2, 200, 1.0, 0.0, width), []
+    s = pb.run(pb.limits(2.5), said)
     assert (s["done"], s["stopped"], s["remaining"]) == (0, "deadline", 2), s
     assert s["cut_off"] == 1, s
     assert len(said) == 1 and "'p0'" in said[0] and "at least 4 min" in said[0], said
 
 
-def test_deadline_admission_widens_one_lane_at_a_time_until_the_width_is_priced(
-        tiny_dir, tmp_path, monkeypatch):
+def test_deadline_admission_widens_one_lane_at_a_time_until_the_width_is_priced(paced):
     """Catches admission pricing a wide pass from one width seen (half of it taken as
     fixed): where each sequence costs its share of a pass (compute-bound, a loaded
     machine), the first tick filled the lanes and cut prompts in flight at the deadline
     (4 cut, 40 tokens discarded here). Now none is cut and the tick finishes prompts;
     where passes cost the same whatever their width, ticks still fill lanes
     (test_deadline_ticks_always_finish_prompts, control)."""
-    batch, r = _batch(tmp_path / "b.jsonl", 24, gen=12), tmp_path / "r.jsonl"
-    opts = runner.RunOptions(model=str(tiny_dir), resident=True, batch_width=8)
-    base = runner.settings_from(gen=12, temperature=0.0, top_p=1.0, seed=0)
-    clock = Clock()
-    _fake_time(monkeypatch, clock, 0.1, 1.0)             # a pass costs its tokens
-    limits = batch_run.BatchLimits(deadline=60.0, clock=clock, started=0.0)
-    s = batch_run.run_batch(opts, batch, r, base, [].append, limits)
+    pb = paced(24, 12, 0.1, 1.0, width=8)                 # a pass costs its tokens
+    s = pb.run(pb.limits(60.0))
     assert (s["cut_off"], s["discarded_tokens"]) == (0, 0), s
-    assert s["done"] >= 2 and clock.t <= 60.0, (s["done"], clock.t)
+    assert s["done"] >= 2 and pb.clock.t <= 60.0, (s["done"], pb.clock.t)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numba
 import numpy as np
-import pytest
 from click.testing import CliRunner
 from numba import njit
 from numba.core.event import install_recorder
@@ -148,6 +147,42 @@ def test_precompile_lookup_matches_numba_own_key():
     assert sigs and {("drive.access", sig) for sig in sigs} <= table
 
 
+def test_precompile_table_holds_the_image_towers_calls(tiny_dir, tmp_path, monkeypatch):
+    """Catches a tower kernel left out of the table, or listed with other types than its
+    call passes (the rotate flag as an int, a scale as float32): a first image would
+    compile inside the tower, unannounced, on an install whose cache ``k3-doctor
+    --compile`` had filled. Every kernel call of one image's encoding, its argument
+    types as numba types them, must be a table entry."""
+    from libk3.engine.session import open_session
+    from libk3.kernels import activations, bf16, norms, vit
+    from libk3.run.images import Images
+    from .test_image_prompt import _png
+
+    calls = set()
+
+    def recorded(mod, name):
+        kernel = getattr(mod, name)
+
+        def call(*args):
+            calls.add((f"{mod.__name__.rsplit('.', 1)[-1]}.{name}",
+                       tuple(numba.typeof(a) for a in args)))
+            return kernel(*args)
+        monkeypatch.setattr(mod, name, call)
+    for mod, name in ((vit, "split_heads"), (vit, "attention"), (activations, "gelu_tanh"),
+                      (activations, "gelu_erf"), (bf16, "matmul"), (norms, "rmsnorm")):
+        recorded(mod, name)
+    sess = open_session(tiny_dir)
+    try:
+        Images(sess).load(_png(tmp_path / "a.png", 1))
+    finally:
+        sess.weights.close()
+    assert {label for label, _ in calls} == {"vit.split_heads", "vit.attention",
+                                             "activations.gelu_tanh", "activations.gelu_erf",
+                                             "bf16.matmul", "norms.rmsnorm"}     # control
+    table = {(k.label, k.args) for k in precompile.kernels(["forward", "vision"])}
+    assert calls <= table, sorted(calls - table)
+
+
 @njit
 def _fresh(x):
     return x + 1
@@ -155,12 +190,14 @@ def _fresh(x):
 
 def test_precompile_table_covers_every_tool_path(tiny_dir, tmp_path):
     """Catches a kernel call with argument types the table does not list: on a fresh
-    install it would compile inside the first layer, unannounced and timed as prefill."""
+    install it would compile inside the first layer (or an image's tower), unannounced
+    and timed as prefill."""
     import k3_run.cli as run_cli
     import k3_trace.cli as trace_cli
     from libk3.machine import parallel
     from libk3.doctor import timing
     from libk3.synth.traces import write_synth_trace
+    from .test_image_prompt import _png
 
     trace = tmp_path / "t.k3trace"
     write_synth_trace(trace, 40, n_layers=4, n_experts=16, top_k=2, expert_bytes=1000)
@@ -170,6 +207,8 @@ def test_precompile_table_covers_every_tool_path(tiny_dir, tmp_path):
     streamed = ["--trunk-gb", "0.002", "--cache-gb", "0.001"]
     with install_recorder("numba:compile") as rec:
         for args in (["--prompt", "The capital of France is", "--resident"],
+                     ["--prompt", "what is this?", "--image", str(_png(tmp_path / "a.png", 1)),
+                      "--resident"],
                      ["--ids", "1,2,3,1,2,3", "--spec", "3", "--resident"],
                      ["--ids", "1,2,3,1,2,3", "--spec", "3", *streamed],
                      ["--ids", "5", "--pack", str(tmp_path / "pack"), "--preset", "laptop",
@@ -203,8 +242,8 @@ def test_doctor_compile_reports_every_kernel_and_where_cached():
     assert s["cached"] and s["cache_dirs"] and "compiling" not in p.stderr
     assert {k.module for k in precompile.kernels()} == {
         "libk3.kernels." + m for m in ("bf16", "mxfp4", "norms", "activations", "attnres",
-                                       "kda", "mla", "router", "moe", "bf16_planes", "rope",
-                                       "logistic", "finite")} | {
+                                       "kda", "mla", "router", "moe", "vit", "bf16_planes",
+                                       "rope", "logistic", "finite")} | {
         "libk3.policies." + m for m in ("lru", "lfu", "layer_lfu", "adaptive", "drive",
                                         "belady", "s3fifo")} | {
         "libk3.policies.online", "libk3.machine.parallel"}

@@ -15,13 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libk3.engine.generate import GenSettings, generate
+from libk3.engine.generate import GenSettings, generate, run_requests
 from libk3.engine.core import Request
 from libk3.engine.sampler import Sampler
 from libk3.engine.session import open_session
 from libk3.model.state import State
 
-from .core_drive import run_core
 from .test_speculative import assert_draws_follow
 
 REPETITIVE = [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12, 13]
@@ -478,8 +477,8 @@ def test_lockstep_with_new_settings_equals_alone(tiny, width):
                             logits=True))
     alone = [generate(tiny.forward, tiny.new_state(), j.prompt_ids, j.settings,
                       keep_logits=True) for j in jobs]
-    done, _ = run_core(tiny.forward, lambda n: State(tiny.cfg, capacity=n), jobs, width,
-                       chunk=4)
+    done, _ = run_requests(tiny.forward, lambda n: State(tiny.cfg, capacity=n), jobs, width,
+                           chunk=4)
     for job, want in zip(jobs, alone):
         got = done[job.tag]
         assert got.generated_ids == want.generated_ids, job.tag

@@ -9,10 +9,9 @@ import json
 
 import pytest
 
-from libk3.engine.generate import GenSettings, generate
+from libk3.engine.generate import GenSettings, generate, run_requests
 from libk3.engine.core import Request
 
-from .core_drive import run_core
 from .scripts import k3, k3_here
 
 pytest.importorskip("llguidance")
@@ -141,14 +140,14 @@ def test_lockstep_failing_grammar_lane_leaves_alone_and_spares_its_neighbours(se
     bad = GenSettings(gen=20, grammar=_unchecked(tok, ENDLESS[name]))
     reqs = [Request("bad", tok.encode("give json"), bad)] + \
         [Request(i, p, s) for i, (p, s) in enumerate(zip(prompts, innocent))]
-    done, _ = run_core(sess.forward, lambda n: sess.new_state(), reqs, 4, tokenizer=tok,
-                       on_failed=lambda job, e: failed.__setitem__(job.tag, e),
-                       drafting=Drafting(PromptLookup(), 4) if drafted else None)
+    done, _ = run_requests(sess.forward, lambda n: sess.new_state(), reqs, 4, tokenizer=tok,
+                           on_failed=lambda job, e: failed.__setitem__(job.tag, e),
+                           drafting=Drafting(PromptLookup(), 4) if drafted else None)
     assert [done[i].generated_ids for i in range(3)] == alone
     assert list(failed) == ["bad"] and "grammar failed" in str(failed["bad"])
     with pytest.raises(Exception):            # control: without on_failed it is raised
-        run_core(sess.forward, lambda n: sess.new_state(),
-                 [Request("bad", tok.encode("give json"), bad)], 2, tokenizer=tok)
+        run_requests(sess.forward, lambda n: sess.new_state(),
+                     [Request("bad", tok.encode("give json"), bad)], 2, tokenizer=tok)
 
 
 def test_cli_endless_schema_is_one_line_exit_2(tiny_dir, tmp_path):

@@ -30,13 +30,14 @@ KEY = "test-key-k3"
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 
 
-def _start(model, log, *args) -> dict:
+def _start(model, log, *args, mode_first: bool = False) -> dict:
     """A live server (with an API key) started with ``args``: its base URL, port, log
-    and process, once it listens."""
+    and process, once it listens; ``mode_first``: as ``k3-run serve MODEL ADDRESS``."""
+    where = ["serve", str(model), "127.0.0.1:0"] if mode_first else \
+        [str(model), "--serve", "127.0.0.1:0"]
     with open(log, "w") as err:
-        proc = subprocess.Popen(["k3-run", str(model), "--serve", "127.0.0.1:0",
-                                 "--api-key", KEY, *map(str, args)], stderr=err,
-                                stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen(["k3-run", *where, "--api-key", KEY, *map(str, args)],
+                                stderr=err, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     port = None
     while port is None and time.monotonic() < deadline and proc.poll() is None:

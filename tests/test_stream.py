@@ -14,7 +14,8 @@ from libk3.io.checkpoint import Checkpoint
 from libk3.io.direct import FileSet, window_bytes
 from libk3.stream.experts import ExpertCache
 from libk3.budget import plan_trunk
-from libk3.stream.trunk import TrunkStreamer, runs_from_checkpoint
+from libk3.stream.trunk import runs_from_checkpoint
+from libk3.stream.trunk_modes import open_trunk
 
 
 @settings(max_examples=200, deadline=None)
@@ -76,7 +77,7 @@ def test_trunk_ring_binds_the_right_bytes_across_passes_and_aborts(tiny_dir, slo
         sizes = sorted((r.nbytes for r in runs), reverse=True)
         budget = sizes[0] if slots == 1 else sizes[0] + sizes[1]
         files = FileSet()
-        ts = TrunkStreamer(ckpt.config, runs, budget, files)
+        ts = open_trunk(ckpt.config, runs, budget, files)
         assert ts.n_slots == slots and not ts.pinned_plan
         want = {L: load_layer(ckpt, ckpt.config, L) for L in range(len(runs))}
         order = list(range(13)) * 2 + [0, 1, 2] + list(range(13)) + [5, 6] + list(range(13))
@@ -97,7 +98,7 @@ def test_floor_slot_reads_the_next_layer_ahead_and_counts_what_was_taken(tiny_di
     does not depend on when it closed)."""
     with Checkpoint.open(tiny_dir) as ckpt:
         runs = runs_from_checkpoint(ckpt)
-        ts = TrunkStreamer(ckpt.config, runs, max(r.nbytes for r in runs), FileSet())
+        ts = open_trunk(ckpt.config, runs, max(r.nbytes for r in runs), FileSet())
         assert ts.n_slots == 1
         want = {L: load_layer(ckpt, ckpt.config, L) for L in range(len(runs))}
         counted = 0
@@ -149,7 +150,7 @@ def test_floor_reads_the_next_layer_into_the_room_beside_the_layer_in_use(tiny_d
         wide.write_bytes(bytes(d) + ckpt.read_span(r.path, r.offset, r.nbytes).tobytes())
         runs[12] = LayerRun(12, wide, 0, r.nbytes + d,
                             {k: (sub + d, nb, dt, sh) for k, (sub, nb, dt, sh) in r.tensors.items()})
-        ts = TrunkStreamer(ckpt.config, runs, runs[12].nbytes, files)
+        ts = open_trunk(ckpt.config, runs, runs[12].nbytes, files)
         assert ts.n_slots == 1
         want = {L: load_layer(ckpt, ckpt.config, L) for L in range(len(runs))}
         beside = over = 0

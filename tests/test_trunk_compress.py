@@ -543,7 +543,8 @@ def test_streamer_decodes_a_compressed_pack_in_place_exactly(small_dir, small_ra
     from libk3.budget import ModelSizes, minimum_budget
     from libk3.io.direct import FileSet, window_bytes
     from libk3.pack.schema import open_pack
-    from libk3.stream.trunk import TrunkStreamer, runs_from_pack
+    from libk3.stream.trunk import runs_from_pack
+    from libk3.stream.trunk_modes import open_trunk
     from libk3.pack.codec import BLOCK_BYTES
 
     with Checkpoint.open(small_dir) as c:
@@ -552,9 +553,8 @@ def test_streamer_decodes_a_compressed_pack_in_place_exactly(small_dir, small_ra
         streams = []
         for pk_dir in (small_raw, small_kz):
             pk = open_pack(pk_dir, c)
-            streams.append(TrunkStreamer(c.config, runs_from_pack(pk_dir, pk.manifest,
-                                                                  pk.blocks),
-                                         budget, FileSet(use_direct=True)))
+            streams.append(open_trunk(c.config, runs_from_pack(pk_dir, pk.manifest, pk.blocks),
+                                      budget, FileSet(use_direct=True)))
         raw, kz = streams
         try:
             assert kz.n_slots == raw.n_slots and (kz.n_slots >= 2) == (share > 0)

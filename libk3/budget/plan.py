@@ -40,7 +40,7 @@ class TrunkPlan:
 
 def trunk_floor(layer_bytes) -> int:
     """The smallest trunk budget that runs: one ring slot for the largest layer (the
-    ring then reads a layer only once the last is released, ``libk3.stream.trunk``), or
+    ring then reads a layer only once the last is released, ``libk3.stream.trunk_modes``), or
     the whole trunk if smaller."""
     return min(max(layer_bytes, default=0), sum(layer_bytes))
 
@@ -75,7 +75,7 @@ def floor_problems(trunk_bytes: int, cache_bytes: int, layer_bytes, slot_bytes: 
 
 def plan_trunk(sizes, budget: int) -> TrunkPlan:
     """The trunk's split for a budget in bytes, ``sizes`` the layers' bytes: the one plan
-    ``libk3.stream.trunk.TrunkStreamer`` runs and the doctor and ``k3-trace size``
+    ``libk3.stream.trunk_modes.open_trunk`` runs and the doctor and ``k3-trace size``
     estimate from.
 
     Everything fits: all pinned, no ring. Otherwise a ring of 2 slots (sized for the two

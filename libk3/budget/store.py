@@ -55,6 +55,13 @@ class StoreShare:
         parts.append("disk tier: the prefix cache" if self.disk else "no disk tier")
         return "state store: " + "; ".join(parts)
 
+    def noted(self, budget, sequence: int):
+        """``budget`` with the store's ``line`` among its reasons, when the run has a
+        store (None, a resident run's: None)."""
+        if budget is None or not (self.states or self.beside or self.disk):
+            return budget
+        return dataclasses.replace(budget, reasons=budget.reasons + (self.line(sequence),))
+
 
 def store_share(*, serve: bool, batch: bool, disk: bool, share_prefixes: bool) -> StoreShare:
     """The store of a run: a server's RAM tier is ``--reuse-gb`` (counted beside the

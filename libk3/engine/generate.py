@@ -1,11 +1,13 @@
-"""One prompt through the engine core: ``generate`` (a one-prompt run, a chat turn, a batch
-line at width 1) and ``prefill`` (feeding ids into a state without generating: a
-prompt-only request).
+"""Prompts through the engine core: ``generate`` (a one-prompt run, a chat turn, a batch
+line at width 1), ``prefill`` (feeding ids into a state without generating: a
+prompt-only request) and ``run_requests`` (a list of requests at width N, to their end).
 
 Owns: driving an ``EngineCore`` of width 1 for one Request and handing its events to the
 caller's callbacks (tokens as they are sampled, prefill progress, the state once the
-prompt is in). Does not own: the loop, chunking, sampling, stop rules and admission from
-the state store (``core``), weights, printing, the CLI.
+prompt is in); driving a core over a fixed list of requests (a batch's shared prefixes,
+the benches' and tests' driver; a batch file and the server add requests as they come,
+``run.batch_sink``, ``serve.worker``). Does not own: the loop, chunking, sampling, stop
+rules and admission from the state store (``core``), weights, printing, the CLI.
 
 Every generated token is fed back (its logits row is produced), so the state after a
 call holds the whole conversation and a later turn continues without re-prefill, and
@@ -46,7 +48,8 @@ class Reuse(NamedTuple):
     keep_at: tuple = ()
 
 
-__all__ = ["Abandoned", "GenResult", "GenSettings", "Prompt", "Reuse", "generate", "prefill"]
+__all__ = ["Abandoned", "GenResult", "GenSettings", "Prompt", "Reuse", "generate", "prefill",
+           "run_requests"]
 
 
 def prefill(forward, state: State, ids, chunk: int, keep_logits: bool, progress=None):
@@ -119,6 +122,33 @@ def generate(forward, state: State | None, prompt_ids, settings: GenSettings, *,
                 if drafting is not None:
                     res.spec = drafting.stats.to_json()
                 return res
+
+
+def run_requests(forward, new_state, reqs, width: int, on_done=None, on_failed=None, **kw):
+    """Every Request of ``reqs`` through an EngineCore of ``width`` (keywords as there),
+    each added when a lane is free; ({tag: GenResult}, CoreStats). ``on_done(req, res)``
+    hears each as it finishes; a lane's failure goes to ``on_failed(req, e)``, else it is
+    raised."""
+    core = EngineCore(forward, new_state, width, **kw)
+    done = {}
+
+    def absorb(events):
+        for ev in events:
+            if ev.kind == "done":
+                done[ev.request.tag] = ev.data
+                if on_done is not None:
+                    on_done(ev.request, ev.data)
+            elif ev.kind == "failed":
+                if on_failed is None:
+                    raise ev.data
+                on_failed(ev.request, ev.data)
+    for req in reqs:
+        while core.full:
+            absorb(core.step())
+        core.add(req)
+    while core.busy:
+        absorb(core.step())
+    return done, core.stats
 
 
 def _fresh(forward, positions: int) -> State:

@@ -113,6 +113,12 @@ def _groups() -> dict:
         + group(k + "router", ("router_topk", (f32_2, f32_1, i64, nt.boolean, f64, i64_2,
                                                f32_2)))
         + group(k + "moe", ("combine_routed", (f32_3, f32_2, f32_2))))
+    # the image tower and projector beside the forward's matmuls and norms: prepared when
+    # a run may read images (an image may come at any turn of a chat or to the server)
+    vision = (group(k + "vit", ("split_heads", (f32_2, i64, f32_2, f32_2, nt.boolean, f32_3)),
+                    ("attention", (f32_3, f32_3, f32_3, f64, f32_2)))
+              + group(k + "activations", ("gelu_tanh", (f32_1, f32_1)),
+                      ("gelu_erf", (f32_1, f32_1))))
     # the DSpark draft (k3-run --draft): its own kernels; the rest are the forward's
     draft = forward + (
         group(k + "rope", ("rope_interleaved", (f32_3, i64_1, f64_1, f64, f32_3)))
@@ -158,13 +164,15 @@ def _groups() -> dict:
     timing += trunk_codec                         # k3-doctor times the trunk decoder too
     return {"forward": forward,                   # k3-run
             "draft": draft,                       # k3-run --draft
+            "vision": vision,                     # k3-run reading images, with a tower
             "expert-cache": online_policies + trunk_codec,   # k3-run, streamed
             "replay": replay,                     # k3-trace replay / size
             "probe": probe,                       # k3-doctor's threading-layer check
             "kernel-timing": timing}              # k3-doctor: BF16 and MXFP4 matmuls
 
 
-GROUPS = ("forward", "draft", "expert-cache", "replay", "probe", "kernel-timing")
+GROUPS = ("forward", "draft", "vision", "expert-cache", "replay", "probe",
+          "kernel-timing")
 
 
 def kernels(groups=GROUPS) -> list:

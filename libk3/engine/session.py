@@ -96,7 +96,8 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
         from ..pack.schema import open_pack
         from ..io.direct import FileSet
         from ..stream.experts import ExpertCache
-        from ..stream.trunk import TrunkStreamer, runs_from_checkpoint, runs_from_pack
+        from ..stream.trunk import runs_from_checkpoint, runs_from_pack
+        from ..stream.trunk_modes import open_trunk
         if trunk_bytes is None or cache_bytes is None:
             raise UsageError("a streamed run needs both a trunk and a cache budget "
                              "(--trunk-gb and --cache-gb, or --preset)")
@@ -122,7 +123,7 @@ def open_session(model_dir, *, ckpt=None, pack=None, trunk_bytes=None, cache_byt
                             io_threads=reads.io_threads,
                             policy=cache_policy, prefetch=ahead if any(
                                 not cfg.is_dense(L) for L in pinned) else 0)
-        trunk = TrunkStreamer(cfg, runs, trunk_bytes, files, verify_reads=reads.verify_reads)
+        trunk = open_trunk(cfg, runs, trunk_bytes, files, verify_reads=reads.verify_reads)
         weights = StreamedWeights(ckpt, trunk, cache, files)
     return Session(ckpt, tok, weights, Forward(cfg, weights, on_route=on_route), pack_source,
                    pack_identity)

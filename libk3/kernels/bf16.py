@@ -23,14 +23,15 @@ from numba import njit, prange
 
 from . import team
 
-from ._dot import dot16, dot16_x4, dot16_x4_t2, finish16, span_x4_t1, span_x4_t2
-from ._simd import vstore, vwiden
+from ._dot import (dot16, dot16_x4, dot16_x4_t2, finish16, span_x4_t1, span_x4_t2,
+                   span_x4_t3)
+from ._simd import prefetch, vstore, vwiden
 
 # Columns of a block of rows widened to float64 at once, then applied to every token of
-# the call; GROUPS four-row groups share each span of the tokens (bench/README.md
-# "Arithmetic").
+# the call; GROUPS four-row groups share each span of the tokens (their widened span,
+# 16 KB, stays in L1 beside three tokens' span; bench/README.md "Arithmetic").
 SPAN = 256
-GROUPS = 4
+GROUPS = 2
 # From this many tokens on, matmul widens each weight once for all of them.
 WIDEN_ONCE_FROM = 3
 
@@ -65,13 +66,14 @@ def matvec(W, x, y):
 @njit(cache=True, inline="always")
 def _rows_widened(W, X64, Xf, Y, g0, mg, Wb, acc):
     """Rows 4 * g0 .. 4 * (g0 + mg) - 1 (mg four-row groups) for every token: each SPAN of
-    these rows is widened to float64 once into Wb and applied to all tokens, two at a
-    time and every four-row group in turn (the tokens' SPAN stays in L1 across the
-    groups); lane vectors wait in acc between spans; then the reduction and the tail of
-    ``dot16`` per (token, row)."""
+    these rows is widened to float64 once into Wb and applied to all tokens, three at a
+    time (the last block two or one) and every four-row group in turn (the tokens' SPAN
+    stays in L1 across the groups); lane vectors wait in acc between spans, those of
+    token t0 + u of the block starting at t0, group m, row r at 64 * (t0 * mg + m * k + u)
+    + 16 * r (k: the block's tokens); then the reduction and the tail of ``dot16`` per
+    (token, row)."""
     T, I = Xf.shape
     n16 = I - I % 16
-    pairs = T // 2
     acc[:] = 0.0
     for k0 in range(0, n16, SPAN):
         n = min(SPAN, n16 - k0)
@@ -79,21 +81,25 @@ def _rows_widened(W, X64, Xf, Y, g0, mg, Wb, acc):
             row = W[4 * g0 + r]
             for i in range(0, n, 8):
                 vstore(Wb, r * SPAN + i, vwiden(row, k0 + i))
-        for p in range(pairs):
+            for i in range(0, SPAN, 64 // row.itemsize):   # next span's lines, ahead of use
+                prefetch(row, k0 + SPAN + i)
+        for t0 in range(0, T, 3):
+            k = min(3, T - t0)
             for m in range(mg):
-                span_x4_t2(Wb[4 * m * SPAN:], SPAN, X64, 2 * p * I + k0, (2 * p + 1) * I + k0,
-                           n, acc, 128 * (p * mg + m))
-        if T % 2:
-            for m in range(mg):
-                span_x4_t1(Wb[4 * m * SPAN:], SPAN, X64, (T - 1) * I + k0, n, acc,
-                           128 * pairs * mg + 64 * m)
+                wm = Wb[4 * m * SPAN:]
+                at = 64 * (t0 * mg + m * k)
+                if k == 3:
+                    span_x4_t3(wm, SPAN, X64, t0 * I + k0, (t0 + 1) * I + k0,
+                               (t0 + 2) * I + k0, n, acc, at)
+                elif k == 2:
+                    span_x4_t2(wm, SPAN, X64, t0 * I + k0, (t0 + 1) * I + k0, n, acc, at)
+                else:
+                    span_x4_t1(wm, SPAN, X64, t0 * I + k0, n, acc, at)
     for t in range(T):
+        t0 = t - t % 3
+        k = min(3, T - t0)
         for r in range(4 * mg):
-            m, rr = r // 4, r % 4
-            if t < 2 * pairs:
-                at = 128 * ((t // 2) * mg + m) + 16 * (4 * (t % 2) + rr)
-            else:
-                at = 128 * pairs * mg + 64 * m + 16 * rr
+            at = 64 * (t0 * mg + (r // 4) * k + t % 3) + 16 * (r % 4)
             o = 4 * g0 + r
             Y[t, o] = np.float32(finish16(acc, at, W[o], Xf[t], n16, I))
 
@@ -119,7 +125,7 @@ def matmul(W, X, Y):
         for b in prange((groups + GROUPS - 1) // GROUPS):
             mg = min(GROUPS, groups - GROUPS * b)
             _rows_widened(W, X64, X, Y, GROUPS * b, mg, np.empty(4 * GROUPS * SPAN),
-                          np.empty(64 * GROUPS * (T + 1)))
+                          np.empty(64 * GROUPS * T))
         first = groups                         # only the rows past the last group are left
     for g in prange(first, groups + 1):
         if g < groups:

@@ -22,9 +22,8 @@ from __future__ import annotations
 import time
 
 from ..budget import BATCH_SNAPSHOTS
-from ..engine.core import EngineCore
-from ..engine.generate import GenSettings
 from ..engine.core import Request
+from ..engine.generate import GenSettings, run_requests
 from ..store import StateStore
 
 
@@ -108,15 +107,11 @@ class PrefixStarts:
         t0 = time.perf_counter()
         stops = sorted({len(w) for w in self.wanted
                         if n < len(w) < shared and tuple(ids[:len(w)]) == w}) + [shared]
-        core = EngineCore(self.session.forward, lambda k: self.session.new_state(), 1,
-                          chunk=self.chunk, should_stop=self.should_stop,
-                          drafting=self.drafting, store=self.store)
-        core.add(Request(None, ids[:shared], GenSettings(gen=0, prefill_chunk=self.chunk),
-                         reuse=True, store_at=tuple(stops)))
-        while core.busy:
-            for ev in core.step():
-                if ev.kind == "failed":
-                    raise ev.data
+        run_requests(self.session.forward, lambda k: self.session.new_state(),
+                     [Request(None, ids[:shared], GenSettings(gen=0, prefill_chunk=self.chunk),
+                              reuse=True, store_at=tuple(stops))], 1,
+                     chunk=self.chunk, should_stop=self.should_stop, drafting=self.drafting,
+                     store=self.store)
         self.stats["prefixes_built"] += 1
         self.stats["prefix_tokens_built"] += shared - n
         self.stats["build_seconds"] += time.perf_counter() - t0

@@ -144,9 +144,7 @@ def resolve_run_budget(opts: RunOptions, ckpt, draft=None, stream: bool | None =
     chunk = (opts.prefill_chunk or PREFILL_CHUNK, None, "") if budget is None else \
         prefill_chunk(budget, sizes, PREFILL_CHUNK, opts.prefill_chunk)
     store = run_store(opts)
-    if budget is not None and (store.states or store.beside or store.disk):
-        budget = dataclasses.replace(budget, reasons=budget.reasons + (store.line(
-            sequence_bytes(sizes, load_rules().context_positions)),))
+    budget = store.noted(budget, sequence_bytes(sizes, load_rules().context_positions))
     if opts.batch_width is None:
         return budget, 1, (), bool(stream), chunk
     held = budget or Budget(sizes.trunk_bytes, sizes.cache_all_bytes, "resident", ())
@@ -195,7 +193,7 @@ class Run:
                               "this budget: its matrices are read from disk at each draft pass")
             from ..engine.precompile import Count, prepare
             groups = ([] if opts.resident else ["expert-cache"]) + \
-                ["draft" if opts.draft else "forward"]
+                self._kernel_groups(opts, ckpt)
             count = Count(groups, show=opts.progress)   # one counter over both calls
             # the expert cache builds its policy
             self.compile_seconds = (0.0 if opts.resident else
@@ -220,7 +218,7 @@ class Run:
         self.prompts = Prompts(opts.model, self.session.tokenizer, opts.template_limits)
         try:    # the forward's kernels load while the session's first reads (lm_head, the
             # ring's layers) are under way
-            self.compile_seconds += prepare(["draft" if opts.draft else "forward"],
+            self.compile_seconds += prepare(self._kernel_groups(opts, ckpt),
                                             show=opts.progress, count=count)
         except BaseException:
             self.close(failed=True)
@@ -234,6 +232,13 @@ class Run:
                 self.cfg, created_by=f"k3-run {__version__}",
                 meta={"model": str(opts.model), "pack": opts.pack,
                       "cache_policy": opts.cache_policy}))
+
+    @staticmethod
+    def _kernel_groups(opts: RunOptions, ckpt) -> list:
+        """The precompile groups this run calls: the forward's or the draft's, and the
+        image tower's when images may come and the checkpoint has one."""
+        vision = ["vision"] if opts.vision and ckpt.vision_config is not None else []
+        return ["draft" if opts.draft else "forward"] + vision
 
     def chunked(self, settings: GenSettings) -> GenSettings:
         """``settings`` with this run's prefill chunk (``resolve_run_budget``) and
@@ -295,8 +300,7 @@ class Run:
 
     @functools.cached_property
     def store(self):
-        """A one-prompt run's or batch's state store (``libk3.store``; a server's:
-        ``serve.turn_cache``): RAM as ``run_store`` gives it, disk the prefix cache."""
+        """A one-prompt run's or batch's state store (a server's: ``serve.turn_cache``)."""
         share = run_store(self.opts)
         if self.opts.serve or (self.prefix_cache is None and not share.ram_states):
             return None
@@ -418,14 +422,11 @@ class Run:
     def generate(self, prompt_ids, settings: GenSettings, *, on_token=None, keep_logits=False,
                  load_state=None, save_state=None, should_stop=None, state=None,
                  save_prefix=False, logprobs=None, images=()):
-        """One prompt, from ``state``, ``load_state``'s, the state store's longest prefix
-        of it (``store``; not when its logits are kept: those of the resumed positions
-        would be missing), or a new state. ``save_prefix``: keep the state the prompt
-        leaves in the store; ``logprobs`` as ``generate``'s. ``should_stop()``, if given,
-        is asked at every prefill chunk and token; when it answers True the prompt is
-        abandoned (Abandoned is raised, nothing saved). ``images``: ``forward.ImageRows``
-        at pads of the ids (the store resumes only text before the first:
-        formats/model/vision.md §8.3)."""
+        """One prompt, from ``state``, ``load_state``'s, the ``store``'s longest prefix of
+        it (not when its logits are kept), or a new state. ``save_prefix``: keep the state
+        the prompt leaves in the store; ``logprobs`` as ``generate``'s. ``should_stop()``
+        is asked at every prefill chunk and token: True abandons the prompt (Abandoned,
+        nothing saved). ``images``: ``forward.ImageRows`` at pads of the ids."""
         self.check_stop_strings(settings)
         settings = self.structured(self.until_end(settings))
         if state is None and load_state:
@@ -442,9 +443,8 @@ class Run:
             progress, on_token = _checked(progress, should_stop), _checked(on_token, should_stop)
         res = generate(self.session.forward, state, Prompt(list(prompt_ids), tuple(images)),
                        settings, tokenizer=self.session.tokenizer, keep_logits=keep_logits,
-                       hooks=Hooks(on_token, progress, fed.append),
-                       feed_last=bool(save_state), drafting=self.drafting, logprobs=logprobs,
-                       reuse=reuse)
+                       hooks=Hooks(on_token, progress, fed.append), feed_last=bool(save_state),
+                       drafting=self.drafting, logprobs=logprobs, reuse=reuse)
         if res.reused_tokens:
             res.prompt_ids = list(prompt_ids)
         if save_state:

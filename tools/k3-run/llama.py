@@ -5,7 +5,7 @@ Owns: the table of llama.cpp flags k3-run refuses, each with the reason a llama.
 needs (added as hidden options, so ``-ngl 99`` is refused by name instead of being read
 as ``-n gl``), and the --serve address built from --serve, --host and --port. Does not
 own: the aliases with the same meaning (each is a second name on its k3 option in
-``cli.py``, so ``--help`` lists it beside the k3 name; docs/run.md has the table).
+``options.py``, so ``--help`` lists it beside the k3 name; docs/run.md has the table).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ usage error naming the option.
 Owns: the order budget flags were given in, --system's @FILE, the UTF-8 check of text options, --stop, --logit-bias and
 --response-format parsing, and the checks of the last two against the model and the
 library before any work. Does not own: the rules themselves (``libk3.engine.settings``,
-``libk3.constrain.grammar``) or which options go together (``cli.RULES``).
+``libk3.constrain.grammar``) or which options go together (``modes.RULES``).
 """
 
 from __future__ import annotations

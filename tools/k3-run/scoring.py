@@ -2,7 +2,7 @@
 llama-perplexity prints them, the final estimate or the --json document.
 
 Owns: printing. Does not own: the windows, the figures or the logits file
-(``libk3.run.perplexity``), or opening the model (``cli``).
+(``libk3.run.perplexity``), or opening the model (``modes``).
 """
 
 from __future__ import annotations

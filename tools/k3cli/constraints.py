@@ -72,10 +72,13 @@ class Excludes:
         return None
 
 
-def check(ctx: click.Context, rules) -> None:
-    """UsageError for the first of ``rules`` that the command line breaks."""
+def check(ctx: click.Context, rules, given_too=()) -> None:
+    """UsageError for the first of ``rules`` that the command line breaks; ``given_too``:
+    names counted as given whatever the command line says (a mode's own name, for rules
+    that name it as an option)."""
     given = {p.name for p in ctx.command.params
              if ctx.get_parameter_source(p.name) == ParameterSource.COMMANDLINE}
+    given.update(given_too)
     flags = {p.name: next((o for o in p.opts if o.startswith("--")), p.opts[0])
              if isinstance(p, click.Option) else p.make_metavar(ctx).strip("[].")
              for p in ctx.command.params if p.opts}

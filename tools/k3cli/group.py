@@ -46,7 +46,8 @@ class OneLineErrors:
             ctx = getattr(e, "ctx", None)    # none for an option missing its argument
             if isinstance(e, click.NoSuchOption) and ctx is not None:
                 e.possibilities = close_options(e.option_name, ctx.command)
-            prog = ctx.command_path if ctx is not None else (prog_name or _program(self.name))
+            prog = (" ".join(ctx.command_path.split()) if ctx is not None    # a mode's
+                    else (prog_name or _program(self.name)))         # name may be blank
             text = " ".join(e.format_message().split())
             click.echo(f"{prog}: error: {text} (see {prog} --help)", err=True)
             sys.exit(e.exit_code)
