@@ -15,7 +15,7 @@ import time
 
 from ..engine.defaults import PREFILL_CHUNK
 from ..engine.generate import GenSettings
-from ..errors import UsageError
+from ..errors import K3Error, UsageError
 from . import batch as batchfile
 from .batch_sink import ABANDONED, NO_TIME, BatchSink
 from .prefixes import PrefixStarts, shared_lengths
@@ -73,7 +73,9 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     tok = run.session.tokenizer
     bound = batchfile.line_bound(run.context, tok.longest_rank_bytes if tok else None)
     lines = batchfile.read_lines(batch_path, bound)     # one at a time, each at most bound
-    accepted, given = _accepted_lines(run, lines, base, batch_path, warn, summary, done)
+    rows = {}                           # line -> the ImageRows of its image parts
+    accepted, given = _accepted_lines(run, lines, base, batch_path, warn, summary,
+                                      (done, rows))
     width = min(run.width, max(1, given))
     summary["width_reasons"] = list(run.width_reasons) + (
         [f"capped at {width} (the batch's lines)"] if width < run.width else [])
@@ -88,6 +90,9 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     shared = shared_lengths([ids for _, _, ids in accepted],
                             min(base.prefill_chunk, PREFILL_CHUNK)) \
         if run.opts.share_prefixes else [0] * len(accepted)
+    # a prefix is shared only before a line's first image: pads look alike, rows do not
+    shared = [min(s, rows[n][0].start) if rows.get(n) else s
+              for (n, _, _), s in zip(accepted, shared)]
     starts = PrefixStarts(run.session, base.prefill_chunk,
                           [(ids, s) for (_, _, ids), s in zip(accepted, shared)],
                           run.prefix_cache, run.drafting, sink.should_stop)
@@ -111,7 +116,8 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
         settings = tool_settings(run, job, prompt_ids, settings)
         outcome = sink.submit(lineno, job["id"], prompt_ids, settings, chat="messages" in job,
                               starts=lambda ids=prompt_ids, s=share: starts.start(ids, s),
-                              n=job.get("n") or 1, logprobs=batchfile.alternatives(job))
+                              n=job.get("n") or 1, logprobs=batchfile.alternatives(job),
+                              images=rows.get(lineno, ()))
         if outcome == NO_TIME:
             summary["remaining"] += 1          # a shorter prompt further on may still fit
             left_for_time = True
@@ -139,10 +145,13 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     return summary
 
 
-def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> tuple:
+def _accepted_lines(run, lines, base, batch_path, warn, summary, known) -> tuple:
     """(line number, job, prompt ids) of each line to run, and the count of lines that
-    are not blank: malformed lines (one over the line bound among them) are reported and
-    counted, ids already in the results counted as skipped."""
+    are not blank: malformed lines (one over the line bound among them, or with an image
+    k3 cannot read) are reported and counted, ids already in the results counted as
+    skipped. ``known``: (ids already done, the dict each line's image rows go to)."""
+    done, line_rows = known
+    images = _LineImages(run)
     context = run.context
     name = "the model's context" if run.opts.context_limit is None else \
         "--ctx-size's context"
@@ -157,12 +166,12 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> tuple:
                 raise batchfile.BatchLineError(
                     f"the line is {line.size:,} bytes, more than the {line.limit:,} a "
                     f"line that fits {name} of {context:,} tokens can take: it was not read")
-            job = batchfile.parse_line(line, run.cfg.vocab_size)
+            job = images.read(batchfile.parse_line(line, run.cfg.vocab_size))
             key = batchfile.id_key(job["id"])
             if key in seen:
                 raise batchfile.BatchLineError(f"duplicate id {job['id']!r}")
             seen.add(key)
-            prompt_ids = _line_ids(run, job, warn, context, name)
+            prompt_ids, rows = images.expanded(job, _line_ids(run, job, warn, context, name))
             why = batchfile.context_problem(len(prompt_ids), job.get("gen", base.gen), context,
                                             name)
             if why:
@@ -184,6 +193,8 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> tuple:
             summary["skipped"] += 1
             continue
         out.append((lineno, job, [int(i) for i in prompt_ids]))
+        if rows:
+            line_rows[lineno] = tuple(rows)
     return out, given
 
 
@@ -197,12 +208,49 @@ def _line_ids(run, job: dict, warn, context: int, name: str) -> list:
         if job.get("reasoning_effort") is not None:     # onto the template's switches
             job = {**job, "template_kwargs": run.chat(warn).reasoning_kwargs(
                 job["reasoning_effort"], job.get("tools"), job.get("template_kwargs"))}
-        return run.encode_messages(job, warn, limit=context)
+        return run.encode_messages(job, warn, limit=context)    # images: one pad each
     size = len(job["prompt"].encode("utf-8"))
     if size > context * run.prompts.tokenizer.longest_rank_bytes:
         raise batchfile.BatchLineError(f"the prompt is {size:,} bytes, more than {name} of "
                                        f"{context:,} tokens can hold")
     return run.encode(job["prompt"], limit=context)
+
+
+class _LineImages:
+    """The image parts of a batch's "messages" lines (``request.images``: data: URLs, or
+    paths under --image-dir): read when a line is accepted, each digest encoded once
+    (``images.Images``, made at the first image)."""
+
+    def __init__(self, run):
+        self.run, self.images = run, None
+        vcfg = run.session.ckpt.vision_config
+        self.media = vcfg.media if vcfg is not None and run.session.tokenizer else None
+
+    def read(self, job: dict) -> dict:
+        """``job`` with each user message holding images as one text, the images'
+        markup in it, and its images under "k3_images" (BatchLineError: one refused)."""
+        from ..request.images import ImageRefused, read_parts
+        if "messages" not in job:
+            return job
+        try:
+            messages, found = read_parts(job["messages"], self.media, self.run.opts.image_dir)
+        except ImageRefused as e:
+            raise batchfile.BatchLineError(str(e)) from None
+        return {**job, "messages": messages, "k3_images": found} if found else job
+
+    def expanded(self, job: dict, ids) -> tuple:
+        """(ids with each pad expanded, ImageRows) of a line read by ``read``."""
+        found = job.pop("k3_images", None)       # the bytes are not kept past here
+        if not found:
+            return ids, ()
+        from .images import Images
+        try:
+            if self.images is None:
+                self.images = Images(self.run.session, "an image part")
+            loaded = [self.images.load_data(im.data, im.name) for im in found]
+            return self.images.expand(list(ids), loaded, "the rendered conversation")
+        except K3Error as e:
+            raise batchfile.BatchLineError(e.one_line()) from None
 
 
 def tool_settings(run, job: dict, prompt_ids, settings: GenSettings) -> GenSettings:

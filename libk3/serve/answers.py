@@ -39,7 +39,7 @@ class Answers:
         # prefills the prompt once (``Worker``)
         jobs = [Job(list(ids), dataclasses.replace(settings, seed=(settings.seed + i) % 2 ** 64),
                     loop, preamble=preamble if i == 0 else 0, logprobs=req.logprobs,
-                    echo=req.echo) for i in range(req.n)]
+                    echo=req.echo, images=req.image_rows) for i in range(req.n)]
         jobs[0].followers = jobs[1:]
         readers = [reader] + [self._reader(req, settings) for _ in jobs[1:]]
         self.worker.submit(jobs[0])

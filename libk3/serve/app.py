@@ -32,17 +32,16 @@ import dataclasses
 import hmac
 import ipaddress
 import itertools
-import logging
 import os
 import signal
 import uuid
 
 from ..request.settings import settings_over
-from ..errors import UsageError
+from ..errors import K3Error, UsageError
 from ..text.encodable import text_problem
-from .protocol import ApiError, check_model, error_parts, refusal_of
+from .protocol import ApiError, check_model, client_line, error_parts, refusal_of
 from . import anthropic
-from .access import USAGE, Access, access_middleware
+from .access import USAGE, Access, access_middleware, http_logger
 from .answers import Answers
 from .reader import ReaderProcess, ReaderSpec
 from .worker import Worker
@@ -131,24 +130,6 @@ def _too_large() -> ApiError:
                     code="request_too_large")
 
 
-def _http_logger(log):
-    """aiohttp's server logger for ``log``: one line per record, the exception's type
-    and message but never its traceback (what the parser refused; a client gone while
-    its reply was written)."""
-
-    class OneLine(logging.Handler):
-        def emit(self, record):
-            text = record.getMessage()
-            exc = record.exc_info[1] if record.exc_info else None
-            if exc is not None:
-                text += f": {type(exc).__name__}: {exc}"
-            log("aiohttp: " + " ".join(text.split()))
-
-    logger = logging.Logger("k3.serve.aiohttp", logging.INFO)   # not registered globally
-    logger.addHandler(OneLine())
-    return logger
-
-
 class Server(Answers):
     """The routes over one ``Worker`` and the run it decodes with (the answers they write:
     ``answers.Answers``)."""
@@ -160,6 +141,7 @@ class Server(Answers):
         self.access = access or Access(log)
         self.ids = itertools.count(1)
         self.cpu = None               # the CPU thread's executor, while the app runs
+        self.images = None            # ``run.images.Images``, at the first image
         self.keepalive_seconds = KEEPALIVE_SECONDS
         self.body_seconds = BODY_SECONDS
 
@@ -371,11 +353,29 @@ class Server(Answers):
         CPU thread): (Request, prompt ids, settings, ReplyReader, shareable preamble)."""
         req, ids, preamble = self._read(route, chunks)
         ids = ids.tolist()
+        if req.images:
+            ids = self._image_rows(req, ids)
         settings = self._settings(req)
         if req.chat:
             settings = self.run.chat_settings(settings, self.log)
             settings = self._tool_grammar(req, ids, settings)
         return req, ids, settings, self._reader(req, settings), preamble
+
+    def _image_rows(self, req, ids) -> list:
+        """The prompt ids with each image's pad expanded, its rows in ``req.image_rows``
+        (each digest encoded once by this server: ``run.images.Images``); 400 for an image
+        the tower cannot take or a conversation whose pads are not its images'."""
+        from ..run.images import Images
+        try:
+            if self.images is None:
+                self.images = Images(self.run.session, "an image part")
+            loaded = [self.images.load_data(im.data, im.name) for im in req.images]
+            ids, rows = self.images.expand(ids, loaded, "the rendered conversation")
+        except K3Error as e:
+            raise ApiError(400, client_line(e), param="messages", code="invalid_image") \
+                from None
+        req.images, req.image_rows = [], tuple(rows)
+        return ids
 
     def _tool_grammar(self, req, ids, settings):
         """``settings`` with the grammar of the request's ``tool_choice``,
@@ -440,19 +440,20 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
         if reuse_ram_bytes or run.prefix_cache is not None else None
     model_name = model_name or os.path.basename(os.path.normpath(str(run.opts.model)))
     tok = run.session.tokenizer
+    vision = run.session.ckpt.vision_config if tok is not None else None
     reader = ReaderProcess(ReaderSpec(
         str(run.opts.model), tok is not None,
         None if tok is None or tok.cache is None else str(tok.cache), run.opts.template_limits,
         run.cfg.vocab_size, run.context, model_name,
         base_settings.prefill_chunk if turns is not None else 0,
-        run.ctx_size))
+        run.ctx_size, vision.media if vision is not None else None, run.opts.image_dir))
     worker = Worker(run, run.width, log, turns, chunk=base_settings.prefill_chunk)
     server = Server(run, worker, reader, base_settings, api_key=api_key, log=log,
                     model_name=model_name, access=Access(log, log_json))
 
     async def main():
         runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
-                               logger=_http_logger(log), max_line_size=PARSER_LINE_BYTES,
+                               logger=http_logger(log), max_line_size=PARSER_LINE_BYTES,
                                max_field_size=PARSER_LINE_BYTES)
         await runner.setup()
         site = web.TCPSite(runner, host, port)

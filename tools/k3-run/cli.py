@@ -370,7 +370,7 @@ def _run_options(ctx, a):
         template_limits=RenderLimits(a.template_timeout, a.template_max_bytes),
         prefix_cache=a.prefix_cache, prefix_cache_bytes=int(a.prefix_cache_gb * 1e9),
         share_prefixes=not a.no_prefix_sharing, serve=bool(a.serve_address),
-        vision=bool(a.image or a.chat),
+        vision=bool(a.image or a.chat or a.batch or a.serve_address), image_dir=a.image_dir,
         load_state=a.load_state, prefill_chunk=a.prefill_chunk, beside_bytes=beside,
         context_limit=a.ctx_size)
 

@@ -1,0 +1,280 @@
+"""Images from the server and from batch lines (docs/serve.md "Images", formats/batch.md):
+OpenAI image_url parts and Anthropic base64 blocks on a live ``k3-run --serve`` of
+fixtures/tiny give the ids of the chat's ``/image`` path for the same conversation; every
+refusal is a 400 naming the field; --image-dir lets paths inside it in and nothing
+outside; a batch line with an image part gives the server's ids, and a bad image skips
+its line only."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+import pytest
+
+pytest.importorskip("aiohttp")
+pytest.importorskip("PIL")
+
+from libk3.engine.generate import GenSettings  # noqa: E402
+from libk3.request import images as request_images  # noqa: E402
+from libk3.request.images import ImageRefused, read_parts  # noqa: E402
+from libk3.run.chat_session import Chat  # noqa: E402
+from libk3.run.runner import RunOptions, open_run  # noqa: E402
+from .scripts import k3  # noqa: E402
+from .test_image_preprocess import png_header  # noqa: E402
+from .test_image_prompt import _png  # noqa: E402
+from .test_serve import _post, _start, _stop  # noqa: E402
+
+TEXT = "what is this?"
+GEN = 4
+
+
+def _data_url(path, kind="image/png") -> str:
+    return f"data:{kind};base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def _openai(*parts, role="user") -> bytes:
+    return json.dumps({"model": "tiny", "max_tokens": GEN, "messages": [
+        {"role": role, "content": list(parts)}]}).encode()
+
+
+def _image_part(url, **extra) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, **extra}}
+
+
+TEXT_PART = {"type": "text", "text": TEXT}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Three PNGs of one size in an image directory (one in a subdirectory), one outside
+    it, and a symlink in it that points outside."""
+    root = tmp_path_factory.mktemp("images")
+    allowed = root / "allowed"
+    (allowed / "sub").mkdir(parents=True)
+    f = {"a": _png(allowed / "a.png", 1), "b": _png(allowed / "sub" / "b.png", 2),
+         "outside": _png(root / "outside.png", 3), "dir": allowed}
+    os.symlink(f["outside"], allowed / "escape.png")
+    return f
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_dir, files, tmp_path_factory):
+    """A live server with --image-dir and one without."""
+    d = tmp_path_factory.mktemp("serve-images")
+    with_dir = _start(tiny_dir, d / "with.log", "--gen", GEN, "--image-dir", files["dir"])
+    without = _start(tiny_dir, d / "without.log", "--gen", GEN)
+    yield {"dir": with_dir, "none": without}
+    _stop(with_dir)
+    _stop(without)
+
+
+@pytest.fixture(scope="module")
+def chat_ids(tiny_dir, files):
+    """image name -> (prompt ids, generated ids) of the chat's /image path: the image
+    attached, then TEXT as the message, greedy, GEN tokens."""
+    out = {}
+    with open_run(RunOptions(model=str(tiny_dir), progress=False, vision=True)) as run:
+        for name in ("a", "b"):
+            chat = Chat(run, GenSettings(gen=GEN))
+            chat.attach(files[name])
+            res = chat.turn(TEXT)
+            out[name] = (list(res.prompt_ids), list(res.generated_ids))
+    return out
+
+
+def _k3(status_body) -> tuple:
+    status, body = status_body
+    assert status == 200, body
+    return body["k3"]["prompt_ids"], body["k3"]["generated_ids"]
+
+
+def test_openai_image_url_gives_the_chat_image_commands_ids(servers, files, chat_ids):
+    """Catches an image part dropped or rendered as text (the ids would be the text's),
+    markup placed elsewhere than /image puts it, rows of another image, or the string
+    form of image_url read differently from the object form."""
+    srv = servers["none"]
+    for name in ("a", "b"):
+        got = _k3(_post(srv, "/v1/chat/completions",
+                        _openai(_image_part(_data_url(files[name])), TEXT_PART)))
+        assert got == chat_ids[name]
+    # the control: two images of one size, same ids in the prompt, told apart by rows
+    assert chat_ids["a"][0] == chat_ids["b"][0] and chat_ids["a"][1] != chat_ids["b"][1]
+    as_string = {"type": "image_url", "image_url": _data_url(files["a"])}
+    assert _k3(_post(srv, "/v1/chat/completions", _openai(as_string, TEXT_PART))) == \
+        chat_ids["a"]
+    auto = _image_part(_data_url(files["a"]), detail="auto")
+    assert _k3(_post(srv, "/v1/chat/completions", _openai(auto, TEXT_PART))) == chat_ids["a"]
+
+
+def test_second_image_never_resumes_the_first_images_state(servers, files, chat_ids):
+    """Catches the turn cache resuming a kept state past a pad: two images of one size
+    give the same ids, so a state holding a's rows would answer for b."""
+    srv = servers["dir"]
+    first = _post(srv, "/v1/chat/completions",
+                  _openai(_image_part(_data_url(files["a"])), TEXT_PART))
+    second = _post(srv, "/v1/chat/completions",
+                   _openai(_image_part(_data_url(files["b"])), TEXT_PART))
+    assert _k3(first) == chat_ids["a"] and _k3(second) == chat_ids["b"]
+    pad = chat_ids["b"][0].index(max(set(chat_ids["b"][0]), key=chat_ids["b"][0].count))
+    assert second[1]["k3"]["reused_tokens"] <= pad
+
+
+def test_anthropic_base64_image_gives_the_same_ids(servers, files, chat_ids):
+    """Catches an Anthropic image block converted otherwise than OpenAI's part."""
+    body = {"model": "tiny", "max_tokens": GEN, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": _data_url(files["a"]).split(",", 1)[1]}},
+        {"type": "text", "text": TEXT}]}]}
+    status, got = _post(servers["none"], "/v1/messages", json.dumps(body).encode())
+    assert status == 200, got
+    assert (got["k3"]["prompt_ids"], got["k3"]["generated_ids"]) == chat_ids["a"]
+
+
+def test_image_dir_reads_paths_inside_and_nothing_outside(servers, files, chat_ids):
+    """Catches a path read without --image-dir, a relative path not resolved against it,
+    and a ../ or symlink escape read."""
+    srv, inside = servers["dir"], files["dir"]
+    for url in ("a.png", str(inside / "a.png"), (inside / "a.png").as_uri()):
+        assert _k3(_post(srv, "/v1/chat/completions",
+                         _openai(_image_part(url), TEXT_PART))) == chat_ids["a"]
+    assert _k3(_post(srv, "/v1/chat/completions",
+                     _openai(_image_part("sub/b.png"), TEXT_PART))) == chat_ids["b"]
+    for url in ("../outside.png", str(files["outside"]), "escape.png", "sub/../../outside.png"):
+        status, body = _post(srv, "/v1/chat/completions", _openai(_image_part(url), TEXT_PART))
+        assert status == 400, (url, body)
+        assert body["error"]["message"].startswith('"messages"[0]["content"][0]: the path is '
+                                                   "outside the directory --image-dir names")
+    status, body = _post(servers["none"], "/v1/chat/completions",
+                         _openai(_image_part("a.png"), TEXT_PART))
+    assert status == 400 and "--image-dir" in body["error"]["message"]
+
+
+def _refusals(files, tmp_path):
+    """(case, body, path, words the message holds), each refused with a 400."""
+    png = files["a"].read_bytes()
+    jpeg = tmp_path / "x.jpg"
+    from PIL import Image
+    Image.open(files["a"]).convert("RGB").save(jpeg)
+    cut = "data:image/png;base64," + base64.b64encode(png[:200]).decode()
+    bomb = "data:image/png;base64," + base64.b64encode(png_header(7169, 7168)).decode()
+    at = '"messages"[0]["content"][0]'
+    one = _data_url(files["a"])
+    return [
+        ("http", _openai(_image_part("http://example.com/a.png"), TEXT_PART), at,
+         "fetches nothing"),
+        ("https", _openai(_image_part("https://example.com/a.png"), TEXT_PART), at,
+         "fetches nothing"),
+        ("bad base64", _openai(_image_part("data:image/png;base64,@@@@"), TEXT_PART), at,
+         "not valid base64"),
+        ("type mismatch", _openai(_image_part(_data_url(jpeg)), TEXT_PART), at,
+         "says image/png but the bytes are image/jpeg"),
+        ("not an image type", _openai(_image_part(_data_url(files["a"], "text/plain")),
+                                      TEXT_PART), at, "is not an image"),
+        ("not an image", _openai(_image_part("data:image/png;base64," +
+                                             base64.b64encode(b"hello").decode()), TEXT_PART),
+         at, "not an image k3 reads"),
+        ("truncated", _openai(_image_part(cut), TEXT_PART), at, "does not decode"),
+        ("bomb", _openai(_image_part(bomb), TEXT_PART), at, "larger than k3 decodes"),
+        ("detail", _openai(_image_part(one, detail="low"), TEXT_PART),
+         at + '["image_url"]["detail"]', "one size"),
+        ("too many", _openai(*[_image_part(one)] * 9, TEXT_PART), '"messages"[0]["content"][8]',
+         "more than 8 images"),
+        ("assistant", json.dumps({"model": "tiny", "max_tokens": 2, "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [_image_part(one)]},
+            {"role": "user", "content": "and?"}]}).encode(), '"messages"[1]["content"][0]',
+         "user message"),
+        ("audio", _openai({"type": "input_audio", "input_audio": {}}, TEXT_PART), at,
+         "not a text or image_url part"),
+        ("file url", _openai(_image_part(files["a"].as_uri()), TEXT_PART), at,
+         "--image-dir"),
+    ]
+
+
+def test_each_image_refusal_is_a_400_naming_the_field(servers, files, tmp_path):
+    """Catches an image refusal that is a 500, a traceback, a 422, or a message that does
+    not name the part; the control (the same image as a good data: URL) answers 200."""
+    srv = servers["none"]
+    assert _post(srv, "/v1/chat/completions",
+                 _openai(_image_part(_data_url(files["a"])), TEXT_PART))[0] == 200
+    for case, body, at, words in _refusals(files, tmp_path):
+        status, got = _post(srv, "/v1/chat/completions", body)
+        assert status == 400, (case, got)
+        message = got["error"]["message"]
+        assert message.startswith(at) and words in message, (case, message)
+        assert "\n" not in message and got["error"]["param"] == "messages"
+
+
+def test_anthropic_image_refusals_name_the_block(servers, files):
+    """Catches a url source fetched or ignored, and a refusal naming the converted
+    message rather than the client's block."""
+    good = {"type": "base64", "media_type": "image/png",
+            "data": _data_url(files["a"]).split(",", 1)[1]}
+    for source, words in (({"type": "url", "url": "https://example.com/a.png"},
+                           "fetches nothing"),
+                          ({**good, "data": "@@"}, "not valid base64"),
+                          ({**good, "media_type": "image/gif"}, "says image/gif")):
+        body = {"model": "tiny", "max_tokens": 2, "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": [{"type": "text", "text": "and"},
+                                         {"type": "image", "source": source}]}]}
+        status, got = _post(servers["none"], "/v1/messages", json.dumps(body).encode())
+        assert status == 400, got
+        assert got["type"] == "error"
+        message = got["error"]["message"]
+        assert message.startswith('"messages"[2]["content"][1]') and words in message, message
+
+
+def test_read_parts_limits_and_a_model_without_a_tower(tiny_dir, files, monkeypatch):
+    """Catches the byte limit not counted across a request's images, and an image sent
+    to a model without a vision tower reaching the tower (it must be refused first)."""
+    from libk3.vision_config import media_from_dict
+    media = media_from_dict(json.loads((tiny_dir / "preprocessor_config.json").read_text()))
+    part = _image_part(_data_url(files["a"]))
+    message = [{"role": "user", "content": [part, part, TEXT_PART]}]
+    with pytest.raises(ImageRefused, match="reads no images"):
+        read_parts(message, None)
+    out, found = read_parts(message, media)
+    assert len(found) == 2 and out[0]["content"].endswith(TEXT)
+    monkeypatch.setattr(request_images, "MAX_IMAGE_BYTES", len(files["a"].read_bytes()) + 1)
+    with pytest.raises(ImageRefused, match=r'\["content"\]\[1\]: the request.s images are over'):
+        read_parts(message, media)
+
+
+def test_batch_image_line_gives_the_servers_ids_and_a_bad_image_skips_its_line(
+        tiny_dir, files, chat_ids, tmp_path):
+    """Catches a batch line's image part read otherwise than the server's, a bad image
+    ending the batch (or its line running without it), and a path read without
+    --image-dir."""
+    lines = [
+        {"id": "data", "gen": GEN, "messages": [{"role": "user", "content": [
+            _image_part(_data_url(files["a"])), TEXT_PART]}]},
+        {"id": "bad", "gen": GEN, "messages": [{"role": "user", "content": [
+            _image_part("data:image/png;base64,@@"), TEXT_PART]}]},
+        {"id": "path", "gen": GEN, "messages": [{"role": "user", "content": [
+            _image_part("sub/b.png"), TEXT_PART]}]},
+        {"id": "text", "gen": GEN, "prompt": "hello"},
+    ]
+    batch = tmp_path / "b.jsonl"
+    batch.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out.jsonl"
+    p = k3(tiny_dir, "--batch", batch, "--out", out, "--image-dir", files["dir"], "--quiet")
+    assert p.returncode == 0, p.stderr
+    got = {r["id"]: (r["prompt_ids"], r["generated_ids"])
+           for r in map(json.loads, out.read_text().splitlines())}
+    assert got["data"] == chat_ids["a"] and got["path"] == chat_ids["b"]
+    assert set(got) == {"data", "path", "text"}
+    assert f'{batch}:2: skipped: "messages"[0]["content"][0]: the data is not valid base64' \
+        in p.stderr
+    out2 = tmp_path / "out2.jsonl"
+    p = k3(tiny_dir, "--batch", batch, "--out", out2, "--quiet")
+    assert p.returncode == 0 and f"{batch}:3: skipped:" in p.stderr and "--image-dir" in p.stderr
+    assert {json.loads(x)["id"] for x in out2.read_text().splitlines()} == {"data", "text"}
+
+
+def test_image_dir_goes_with_serve_or_batch(tiny_dir, files):
+    """Catches --image-dir accepted where nothing reads it."""
+    p = k3(tiny_dir, "-p", "hi", "--gen", 1, "--image-dir", files["dir"])
+    assert p.returncode == 2 and "--image-dir goes with --serve or --batch" in p.stderr
