@@ -20,6 +20,7 @@ from libk3.engine.generate import GenSettings  # noqa: E402
 from libk3.request import images as request_images  # noqa: E402
 from libk3.request.images import ImageRefused, read_parts  # noqa: E402
 from libk3.run.chat_session import Chat  # noqa: E402
+from libk3.run.images import Images  # noqa: E402
 from libk3.run.runner import RunOptions, open_run  # noqa: E402
 from .scripts import k3  # noqa: E402
 from .test_image_preprocess import png_header  # noqa: E402
@@ -108,17 +109,41 @@ def test_openai_image_url_gives_the_chat_image_commands_ids(servers, files, chat
     assert _k3(_post(srv, "/v1/chat/completions", _openai(auto, TEXT_PART))) == chat_ids["a"]
 
 
-def test_second_image_never_resumes_the_first_images_state(servers, files, chat_ids):
-    """Catches the turn cache resuming a kept state past a pad: two images of one size
-    give the same ids, so a state holding a's rows would answer for b."""
+def _alone(tiny_dir, prompt_ids, path) -> tuple:
+    """(generated ids, their logprobs) of ``prompt_ids`` (the image at ``path`` at its
+    pads) from a new state in this process: greedy, GEN tokens, the chat's stops."""
+    from libk3.engine.generate import Prompt, generate
+    from libk3.model.forward import ImageRows
+    with open_run(RunOptions(model=str(tiny_dir), progress=False, vision=True)) as run:
+        images = Images(run.session)
+        image = images.load(path)
+        rows = ImageRows(prompt_ids.index(images.pad), image.rows, image.digest)
+        res = generate(run.session.forward, run.session.new_state(),
+                       Prompt(list(prompt_ids), (rows,)),
+                       run.chat_settings(GenSettings(gen=GEN)), logprobs=1)
+        return res.generated_ids, [e.logprob for e in res.logprobs]
+
+
+def test_a_kept_state_is_never_resumed_past_an_image(servers, files, tiny_dir):
+    """Catches the turn cache keeping a state that holds image rows, or resuming one past
+    a pad: turn 2 with image a continues a conversation whose first ids equal turn 1's
+    with image b (same size), so b's kept state would be its longest prefix (the
+    log-probabilities show rows the greedy tokens may not)."""
     srv = servers["dir"]
-    first = _post(srv, "/v1/chat/completions",
-                  _openai(_image_part(_data_url(files["a"])), TEXT_PART))
-    second = _post(srv, "/v1/chat/completions",
-                   _openai(_image_part(_data_url(files["b"])), TEXT_PART))
-    assert _k3(first) == chat_ids["a"] and _k3(second) == chat_ids["b"]
-    pad = chat_ids["b"][0].index(max(set(chat_ids["b"][0]), key=chat_ids["b"][0].count))
-    assert second[1]["k3"]["reused_tokens"] <= pad
+    turn1 = [{"role": "user", "content": [_image_part(_data_url(files["b"])), TEXT_PART]}]
+    status, r1 = _post(srv, "/v1/chat/completions", json.dumps(
+        {"model": "tiny", "max_tokens": 2, "messages": turn1}).encode())
+    assert status == 200, r1
+    turn2 = [{"role": "user", "content": [_image_part(_data_url(files["a"])), TEXT_PART]},
+             r1["choices"][0]["message"], {"role": "user", "content": "and?"}]
+    status, r2 = _post(srv, "/v1/chat/completions", json.dumps(
+        {"model": "tiny", "max_tokens": GEN, "messages": turn2, "logprobs": True,
+         "top_logprobs": 1}).encode())
+    assert status == 200, r2
+    prompt = r2["k3"]["prompt_ids"]
+    assert prompt[:len(r1["k3"]["prompt_ids"])] == r1["k3"]["prompt_ids"]   # ids alike
+    served = [c["logprob"] for c in r2["choices"][0]["logprobs"]["content"]]
+    assert (r2["k3"]["generated_ids"], served) == _alone(tiny_dir, prompt, files["a"])
 
 
 def test_anthropic_base64_image_gives_the_same_ids(servers, files, chat_ids):
