@@ -270,9 +270,9 @@ def test_read_parts_limits_and_a_model_without_a_tower(tiny_dir, files, monkeypa
 
 def test_batch_image_line_gives_the_servers_ids_and_a_bad_image_skips_its_line(
         tiny_dir, files, chat_ids, tmp_path):
-    """Catches a batch line's image part read otherwise than the server's, a bad image
-    ending the batch (or its line running without it), and a path read without
-    --image-dir."""
+    """Catches a batch line's image part read otherwise than the server's, a prefix
+    shared past a pad (two images of one size give the same ids), a bad image ending the
+    batch (or its line running without it), and a path read without --image-dir."""
     lines = [
         {"id": "data", "gen": GEN, "messages": [{"role": "user", "content": [
             _image_part(_data_url(files["a"])), TEXT_PART]}]},
@@ -285,7 +285,9 @@ def test_batch_image_line_gives_the_servers_ids_and_a_bad_image_skips_its_line(
     batch = tmp_path / "b.jsonl"
     batch.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "out.jsonl"
-    p = k3(tiny_dir, "--batch", batch, "--out", out, "--image-dir", files["dir"], "--quiet")
+    # a small chunk makes the lines' common prefix (through their pads) worth sharing
+    p = k3(tiny_dir, "--batch", batch, "--out", out, "--image-dir", files["dir"], "--quiet",
+           "--prefill-chunk", 8)
     assert p.returncode == 0, p.stderr
     got = {r["id"]: (r["prompt_ids"], r["generated_ids"])
            for r in map(json.loads, out.read_text().splitlines())}
