@@ -4,7 +4,8 @@ Owns: the reader process (started with the server, given the model's tokenizer a
 template, started again when it dies or overruns ``READ_SECONDS``), the messages to it (a
 route's name and the body in the chunks it arrived in) and back (what the route needs,
 or the refusal as its status and error body), and the reading itself (``Reader``: JSON
-parsed and checked, a conversation rendered and tokenized, the context checked, the
+parsed and checked, a conversation's images read and checked (``request.images``), the
+conversation rendered and tokenized, the context checked, the
 preamble a later request can share found). Does not own: the checks (``protocol``,
 ``anthropic``, ``tokenize``), settings and grammars (the server's CPU thread), HTTP.
 
