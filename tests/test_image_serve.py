@@ -147,7 +147,8 @@ def test_a_kept_state_is_never_resumed_past_an_image(servers, files, tiny_dir):
 
 
 def test_anthropic_base64_image_gives_the_same_ids(servers, files, chat_ids):
-    """Catches an Anthropic image block converted otherwise than OpenAI's part."""
+    """Catches an Anthropic image block converted otherwise than OpenAI's part, and a
+    token count that counts an image as its one pad."""
     body = {"model": "tiny", "max_tokens": GEN, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": _data_url(files["a"]).split(",", 1)[1]}},
@@ -155,6 +156,9 @@ def test_anthropic_base64_image_gives_the_same_ids(servers, files, chat_ids):
     status, got = _post(servers["none"], "/v1/messages", json.dumps(body).encode())
     assert status == 200, got
     assert (got["k3"]["prompt_ids"], got["k3"]["generated_ids"]) == chat_ids["a"]
+    status, count = _post(servers["none"], "/v1/messages/count_tokens",
+                          json.dumps(body).encode())
+    assert status == 200 and count["input_tokens"] == len(chat_ids["a"][0])   # rows counted
 
 
 def test_image_dir_reads_paths_inside_and_nothing_outside(servers, files, chat_ids):
