@@ -219,6 +219,8 @@ def _refusals(files, tmp_path):
          "not a text or image_url part"),
         ("file url", _openai(_image_part(files["a"].as_uri()), TEXT_PART), at,
          "--image-dir"),
+        ("unknown key", _openai({**_image_part(one), "alt": "x"}, TEXT_PART), at,
+         "unknown key 'alt'"),
     ]
 
 
@@ -265,6 +267,8 @@ def test_read_parts_limits_and_a_model_without_a_tower(tiny_dir, files, monkeypa
     message = [{"role": "user", "content": [part, part, TEXT_PART]}]
     with pytest.raises(ImageRefused, match="reads no images"):
         read_parts(message, None)
+    with pytest.raises(ImageRefused, match=r'\["content"\]\[1\] is not a text or image_url'):
+        read_parts([{"role": "user", "content": [part, {"type": "file"}]}], media)
     out, found = read_parts(message, media)
     assert len(found) == 2 and out[0]["content"].endswith(TEXT)
     monkeypatch.setattr(request_images, "MAX_IMAGE_BYTES", len(files["a"].read_bytes()) + 1)

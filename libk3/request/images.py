@@ -80,10 +80,17 @@ def read_parts(messages, media, image_dir=None, names=None) -> tuple:
             continue
         text = []
         for j, part in enumerate(content):
+            at = f'"messages"[{i}]["content"][{j}]'
             if not is_image_part(part):
-                text.append(part.get("text", "") if isinstance(part, dict) else "")
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise ImageRefused(f"{at} is not a text or image_url part")
+                text.append(part["text"])
                 continue
-            where = names[len(images)] if names else f'"messages"[{i}]["content"][{j}]'
+            where = names[len(images)] if names else at
+            extra = sorted(set(part) - {"type", "image_url"})
+            if extra:
+                raise ImageRefused(f"{where}: unknown key {extra[0]!r}")
             if message.get("role") != "user":
                 raise ImageRefused(f"{where}: an image goes in a user message")
             if media is None:

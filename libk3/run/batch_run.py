@@ -73,9 +73,10 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     tok = run.session.tokenizer
     bound = batchfile.line_bound(run.context, tok.longest_rank_bytes if tok else None)
     lines = batchfile.read_lines(batch_path, bound)     # one at a time, each at most bound
-    rows = {}                           # line -> the ImageRows of its image parts
+    images = _LineImages(run)
+    rows = {}                           # line -> (its images, where each stands), if any
     accepted, given = _accepted_lines(run, lines, base, batch_path, warn, summary,
-                                      (done, rows))
+                                      (done, rows, images))
     width = min(run.width, max(1, given))
     summary["width_reasons"] = list(run.width_reasons) + (
         [f"capped at {width} (the batch's lines)"] if width < run.width else [])
@@ -91,7 +92,7 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
                             min(base.prefill_chunk, PREFILL_CHUNK)) \
         if run.opts.share_prefixes else [0] * len(accepted)
     # a prefix is shared only before a line's first image: pads look alike, rows do not
-    shared = [min(s, rows[n][0].start) if rows.get(n) else s
+    shared = [min(s, rows[n][1][0]) if n in rows else s
               for (n, _, _), s in zip(accepted, shared)]
     starts = PrefixStarts(run.session, base.prefill_chunk,
                           [(ids, s) for (_, _, ids), s in zip(accepted, shared)],
@@ -114,10 +115,17 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
             settings = run.chat_settings(settings, warn)
         settings = run.structured(settings)     # compiled (and checked) in _accepted_lines
         settings = tool_settings(run, job, prompt_ids, settings)
+        try:                            # the tower runs only for a line that runs
+            line_rows = images.rows(*rows.pop(lineno)) if lineno in rows else ()
+        except batchfile.BatchLineError as e:
+            warn(f"{batch_path}:{lineno}: skipped: {e}")
+            summary["malformed"] += 1
+            summary["errors"].append({"line": lineno, "error": str(e)})
+            continue
         outcome = sink.submit(lineno, job["id"], prompt_ids, settings, chat="messages" in job,
                               starts=lambda ids=prompt_ids, s=share: starts.start(ids, s),
                               n=job.get("n") or 1, logprobs=batchfile.alternatives(job),
-                              images=rows.get(lineno, ()))
+                              images=line_rows)
         if outcome == NO_TIME:
             summary["remaining"] += 1          # a shorter prompt further on may still fit
             left_for_time = True
@@ -149,9 +157,9 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, known) -> tuple
     """(line number, job, prompt ids) of each line to run, and the count of lines that
     are not blank: malformed lines (one over the line bound among them, or with an image
     k3 cannot read) are reported and counted, ids already in the results counted as
-    skipped. ``known``: (ids already done, the dict each line's image rows go to)."""
-    done, line_rows = known
-    images = _LineImages(run)
+    skipped. ``known``: (ids already done, the dict each line's images and their starts
+    go to, the batch's ``_LineImages``)."""
+    done, line_rows, images = known
     context = run.context
     name = "the model's context" if run.opts.context_limit is None else \
         "--ctx-size's context"
@@ -171,7 +179,7 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, known) -> tuple
             if key in seen:
                 raise batchfile.BatchLineError(f"duplicate id {job['id']!r}")
             seen.add(key)
-            prompt_ids, rows = images.expanded(job, _line_ids(run, job, warn, context, name))
+            prompt_ids, found = images.expanded(job, _line_ids(run, job, warn, context, name))
             why = batchfile.context_problem(len(prompt_ids), job.get("gen", base.gen), context,
                                             name)
             if why:
@@ -193,8 +201,8 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, known) -> tuple
             summary["skipped"] += 1
             continue
         out.append((lineno, job, [int(i) for i in prompt_ids]))
-        if rows:
-            line_rows[lineno] = tuple(rows)
+        if found:
+            line_rows[lineno] = found
     return out, given
 
 
@@ -218,8 +226,9 @@ def _line_ids(run, job: dict, warn, context: int, name: str) -> list:
 
 class _LineImages:
     """The image parts of a batch's "messages" lines (``request.images``: data: URLs, or
-    paths under --image-dir): read when a line is accepted, each digest encoded once
-    (``images.Images``, made at the first image)."""
+    paths under --image-dir): read and checked when a line is accepted, its pads expanded
+    by the size rule's row counts; the tower runs only for a line that runs (each digest
+    encoded once: ``images.Images``, made at the first image)."""
 
     def __init__(self, run):
         self.run, self.images = run, None
@@ -239,18 +248,37 @@ class _LineImages:
         return {**job, "messages": messages, "k3_images": found} if found else job
 
     def expanded(self, job: dict, ids) -> tuple:
-        """(ids with each pad expanded, ImageRows) of a line read by ``read``."""
-        found = job.pop("k3_images", None)       # the bytes are not kept past here
+        """(ids with each pad repeated as many times as its image has rows, (images,
+        their starts) or None) of a line read by ``read``."""
+        found = job.pop("k3_images", None)
         if not found:
-            return ids, ()
+            return ids, None
+        from ..media.markup import expand, pad_id
+        vcfg = self.run.session.ckpt.vision_config
+        try:
+            pad = pad_id(self.run.session.tokenizer, vcfg.media_placeholder_token_id)
+            ids, starts = expand(list(ids), pad, [im.rows for im in found],
+                                 "the rendered conversation")
+        except K3Error as e:
+            raise batchfile.BatchLineError(e.one_line()) from None
+        return ids, (tuple(found), tuple(starts))
+
+    def rows(self, found, starts) -> tuple:
+        """The ``forward.ImageRows`` of a line's images at their starts (BatchLineError:
+        one the tower cannot take)."""
+        from ..model.forward import ImageRows
         from .images import Images
         try:
             if self.images is None:
                 self.images = Images(self.run.session, "an image part")
             loaded = [self.images.load_data(im.data, im.name) for im in found]
-            return self.images.expand(list(ids), loaded, "the rendered conversation")
         except K3Error as e:
             raise batchfile.BatchLineError(e.one_line()) from None
+        for im, image in zip(found, loaded):
+            if image.rows.shape[0] != im.rows:        # the size rule and the tower disagree
+                raise batchfile.BatchLineError(f"{im.name}: the tower gave "
+                                               f"{image.rows.shape[0]} rows, not {im.rows}")
+        return tuple(ImageRows(s, im.rows, im.digest) for s, im in zip(starts, loaded))
 
 
 def tool_settings(run, job: dict, prompt_ids, settings: GenSettings) -> GenSettings:

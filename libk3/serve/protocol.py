@@ -146,7 +146,7 @@ def _check_parts(messages) -> None:
             continue
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "image_url" and set(part) == {"type", "image_url"}:
+            if kind == "image_url":
                 continue
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise ApiError(400, f'"messages"[{i}]["content"][{j}] is not a text or '
