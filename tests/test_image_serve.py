@@ -180,6 +180,27 @@ def test_image_dir_reads_paths_inside_and_nothing_outside(servers, files, chat_i
     assert status == 400 and "--image-dir" in body["error"]["message"]
 
 
+def test_a_model_without_a_tower_refuses_an_image_with_a_400(tiny_dir, files, tmp_path):
+    """Catches an image reaching a server whose checkpoint has no vision tower (a crash,
+    a 500, or the image dropped); control: a text request is answered."""
+    text_only = tmp_path / "text-only"
+    text_only.mkdir()
+    for f in os.listdir(tiny_dir):
+        if f != "config.json":
+            os.symlink(tiny_dir / f, text_only / f)
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    del cfg["vision_config"]
+    (text_only / "config.json").write_text(json.dumps(cfg))
+    srv = _start(text_only, tmp_path / "serve.log", "--gen", 1, "--served-model-name", "tiny")
+    try:
+        status, body = _post(srv, "/v1/chat/completions",
+                             _openai(_image_part(_data_url(files["a"])), TEXT_PART))
+        assert status == 400 and "reads no images" in body["error"]["message"], body
+        assert _post(srv, "/v1/chat/completions", _openai(TEXT_PART))[0] == 200
+    finally:
+        _stop(srv)
+
+
 def _refusals(files, tmp_path):
     """(case, body, path, words the message holds), each refused with a 400."""
     png = files["a"].read_bytes()

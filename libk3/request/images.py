@@ -95,7 +95,7 @@ def read_parts(messages, media, image_dir=None, names=None) -> tuple:
                 raise ImageRefused(f"{where}: an image goes in a user message")
             if media is None:
                 raise ImageRefused(f"{where}: this model reads no images (its checkpoint has "
-                                   "no vision tower)")
+                                   "no vision tower, or the run did not load it)")
             if len(images) == MAX_IMAGES:
                 raise ImageRefused(f"{where}: more than {MAX_IMAGES} images in one request")
             data = _bytes(part, where, image_dir, MAX_IMAGE_BYTES - total)

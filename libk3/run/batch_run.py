@@ -233,7 +233,8 @@ class _LineImages:
     def __init__(self, run):
         self.run, self.images = run, None
         vcfg = run.session.ckpt.vision_config
-        self.media = vcfg.media if vcfg is not None and run.session.tokenizer else None
+        self.media = vcfg.media if vcfg is not None and run.session.tokenizer and \
+            run.opts.vision else None
 
     def read(self, job: dict) -> dict:
         """``job`` with each user message holding images as one text, the images'

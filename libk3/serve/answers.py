@@ -2,10 +2,10 @@
 
 Owns: a request's jobs (one per choice, the others following the first's prefill) queued
 and cancelled when its answer ends or its client leaves, the usage the access log counts,
-each choice's reply reader, waiting for a job's tokens (``Answers._finished``: keep-alives while none come, a
-worker's failure turned into its ApiError), OpenAI's chat and completion answers (one JSON
-response, or server-sent events as the tokens come, with logprobs and echo) and
-Anthropic's Messages answers (one message, or its events). Does not own: routing,
+each choice's reply reader, waiting for a job's tokens (``Answers._finished``: keep-alives
+while none come, a worker's failure turned into its ApiError), OpenAI's chat and
+completion answers (one JSON response, or server-sent events as the tokens come, with
+logprobs and echo) and Anthropic's Messages answers (one message, or its events). Does not own: routing,
 middlewares or reading bodies (``app``), the shapes of one object or event (``protocol``,
 ``anthropic``), the queue and the engine thread (``worker``).
 

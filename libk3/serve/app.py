@@ -440,7 +440,7 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
         if reuse_ram_bytes or run.prefix_cache is not None else None
     model_name = model_name or os.path.basename(os.path.normpath(str(run.opts.model)))
     tok = run.session.tokenizer
-    vision = run.session.ckpt.vision_config if tok is not None else None
+    vision = run.session.ckpt.vision_config if tok is not None and run.opts.vision else None
     reader = ReaderProcess(ReaderSpec(
         str(run.opts.model), tok is not None,
         None if tok is None or tok.cache is None else str(tok.cache), run.opts.template_limits,
