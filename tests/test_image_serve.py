@@ -25,7 +25,7 @@ from libk3.run.runner import RunOptions, open_run  # noqa: E402
 from .scripts import k3  # noqa: E402
 from .test_image_preprocess import png_header  # noqa: E402
 from .test_image_prompt import _png  # noqa: E402
-from .test_serve import _post, _start, _stop  # noqa: E402
+from .test_serve import _client, _post, _start, _stop  # noqa: E402
 
 TEXT = "what is this?"
 GEN = 4
@@ -93,8 +93,9 @@ def _k3(status_body) -> tuple:
 
 def test_openai_image_url_gives_the_chat_image_commands_ids(servers, files, chat_ids):
     """Catches an image part dropped or rendered as text (the ids would be the text's),
-    markup placed elsewhere than /image puts it, rows of another image, or the string
-    form of image_url read differently from the object form."""
+    markup placed elsewhere than /image puts it, rows of another image, the string form
+    of image_url read differently from the object form, or a streamed answer that
+    differs from the whole one."""
     srv = servers["none"]
     for name in ("a", "b"):
         got = _k3(_post(srv, "/v1/chat/completions",
@@ -107,6 +108,14 @@ def test_openai_image_url_gives_the_chat_image_commands_ids(servers, files, chat
         chat_ids["a"]
     auto = _image_part(_data_url(files["a"]), detail="auto")
     assert _k3(_post(srv, "/v1/chat/completions", _openai(auto, TEXT_PART))) == chat_ids["a"]
+    # streamed through the official client: the same reply as the whole answer
+    messages = json.loads(_openai(_image_part(_data_url(files["a"])), TEXT_PART))["messages"]
+    whole = _client(srv).chat.completions.create(model="tiny", messages=messages,
+                                                 max_tokens=GEN)
+    chunks = _client(srv).chat.completions.create(model="tiny", messages=messages,
+                                                  max_tokens=GEN, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == (whole.choices[0].message.content or "")
 
 
 def _alone(tiny_dir, prompt_ids, path) -> tuple:
