@@ -133,6 +133,25 @@ def _alone(tiny_dir, prompt_ids, path) -> tuple:
         return res.generated_ids, [e.logprob for e in res.logprobs]
 
 
+def test_ollama_chat_reads_image_parts_and_refuses_its_images_field(servers, files,
+                                                                   chat_ids):
+    """Catches an image part on /api/chat fed as its pads without the image's rows (the
+    reply would be another), and Ollama's own ``images`` field ignored."""
+    messages = json.loads(_openai(_image_part(_data_url(files["a"])), TEXT_PART))["messages"]
+    status, got = _post(servers["none"], "/api/chat", json.dumps(
+        {"model": "tiny", "stream": False, "messages": messages,
+         "options": {"num_predict": GEN}}).encode())
+    assert status == 200, got
+    assert got["prompt_eval_count"] == len(chat_ids["a"][0]) and got["eval_count"] == GEN
+    status, alone = _post(servers["none"], "/v1/chat/completions", _openai(
+        _image_part(_data_url(files["a"])), TEXT_PART))
+    assert got["message"]["content"] == alone["choices"][0]["message"]["content"]
+    status, got = _post(servers["none"], "/api/chat", json.dumps(
+        {"model": "tiny", "stream": False, "messages": [
+            {"role": "user", "content": TEXT, "images": [_data_url(files["a"])]}]}).encode())
+    assert status == 400 and "images" in got["error"]["message"], got
+
+
 def test_a_kept_state_is_never_resumed_past_an_image(servers, files, tiny_dir):
     """Catches the turn cache keeping a state that holds image rows, or resuming one past
     a pad: turn 2 with image a continues a conversation whose first ids equal turn 1's
