@@ -285,6 +285,9 @@ def test_each_image_refusal_is_a_400_naming_the_field(servers, files, tmp_path):
         message = got["error"]["message"]
         assert message.startswith(at) and words in message, (case, message)
         assert "\n" not in message and got["error"]["param"] == "messages"
+    status, got = _post(srv, "/tokenize", json.dumps({"messages": json.loads(_openai(
+        _image_part(_data_url(files["a"])), TEXT_PART))["messages"]}).encode())
+    assert status == 400 and "does not read images" in got["error"]["message"], got
 
 
 def test_anthropic_image_refusals_name_the_block(servers, files):
