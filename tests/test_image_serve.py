@@ -198,6 +198,8 @@ def test_image_dir_reads_paths_inside_and_nothing_outside(servers, files, chat_i
                          _openai(_image_part(url), TEXT_PART))) == chat_ids["a"]
     assert _k3(_post(srv, "/v1/chat/completions",
                      _openai(_image_part("sub/b.png"), TEXT_PART))) == chat_ids["b"]
+    status, body = _post(srv, "/v1/chat/completions", _openai(_image_part("a\0.png"), TEXT_PART))
+    assert status == 400 and "NUL" in body["error"]["message"], body
     for url in ("../outside.png", str(files["outside"]), "escape.png", "sub/../../outside.png"):
         status, body = _post(srv, "/v1/chat/completions", _openai(_image_part(url), TEXT_PART))
         assert status == 400, (url, body)

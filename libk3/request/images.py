@@ -160,6 +160,8 @@ def _local(url: str, where: str, image_dir, room: int) -> bytes:
                            "--image-dir names (none was given): send a data: URL (base64)")
     path = urllib.parse.unquote(urllib.parse.urlsplit(url).path) \
         if url.lower().startswith("file:") else url
+    if "\0" in path:
+        raise ImageRefused(f"{where}: the path holds a NUL character")
     root = os.path.realpath(image_dir)
     real = os.path.realpath(os.path.join(root, path))
     if os.path.commonpath([root, real]) != root:
