@@ -71,15 +71,17 @@ class BatchSink:
                                clock=self.clock, drafting=run.drafting)
 
     def submit(self, lineno: int, job_id, prompt_ids, settings, chat: bool = False,
-               starts=None, n: int = 1, logprobs: int | None = None) -> str:
+               starts=None, n: int = 1, logprobs: int | None = None, images=()) -> str:
         """Run the prompt (width 1) or queue it for the next free slot; ``chat``: a
         "messages" line, whose result also carries the parsed reply; ``starts()``: the
         (state, n) it starts from, holding its first n ids (``prefixes.PrefixStarts``),
         asked once the prompt is let in; ``n`` choices, each token's log-probability and
-        ``logprobs`` alternatives (None: none). ABANDONED when the deadline passed
+        ``logprobs`` alternatives (None: none); ``images``: ``forward.ImageRows`` at the
+        prompt's pads (``starts`` never resumes past the first). ABANDONED when the deadline passed
         meanwhile: this prompt and every one in flight are dropped; NO_TIME when it would
         not finish before the deadline (nothing of it was run)."""
-        job = Request(lineno, prompt_ids, settings, logprobs=logprobs, n=n)  # tag: trace seq
+        job = Request(lineno, prompt_ids, settings, logprobs=logprobs, n=n,  # tag: trace seq
+                      images=tuple(images))
         self.n[lineno] = n
         started = False
         try:
@@ -91,7 +93,8 @@ class BatchSink:
                 started = True
                 try:
                     res = self.run.generate(prompt_ids[k:], settings, state=state,
-                                            should_stop=self.should_stop, logprobs=logprobs)
+                                            should_stop=self.should_stop, logprobs=logprobs,
+                                            images=_after(images, k))
                 except UsageError as e:     # its grammar gave up: this line alone fails
                     self._failed(job, e)
                     return STARTED
@@ -107,7 +110,8 @@ class BatchSink:
             if starts is not None:
                 state, k = starts()
                 self.reused[lineno] = k
-                job = Request(lineno, prompt_ids[k:], settings, state, logprobs=logprobs, n=n)
+                job = Request(lineno, prompt_ids[k:], settings, state, logprobs=logprobs, n=n,
+                              images=_after(images, k))
             try:
                 self.core.add(job)
             except UsageError as e:     # its own settings cannot start (a grammar)
@@ -289,3 +293,8 @@ def _bar(show: bool, total=None):
     generated tokens and the time left, on stderr (``progress.bar``)."""
     from .. import progress
     return progress.bar(unit="prompts", desc="batch", show=show, total=total, eta=True)
+
+
+def _after(images, k: int) -> tuple:
+    """``images`` with their starts counted after the first ``k`` prompt ids."""
+    return tuple(im._replace(start=im.start - k) for im in images)

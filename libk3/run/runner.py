@@ -46,6 +46,7 @@ class RunOptions:
     memory_override: int | None = None
     beside_bytes: int = 0                  # held beside the model by the front end (a server's)
     vision: bool = False                   # images are read: the tower is held beside the model
+    image_dir: str | None = None           # where a request's image paths may be read (--image-dir)
     verify_reads: str = "first"
     batch_width: int | str | None = None   # lockstep width (batch, serve): N, "auto"; None: 1
     progress: bool = True                  # progress on stderr (progress.bar); --quiet: none

@@ -53,16 +53,18 @@ class TurnCache:
     def _used(self) -> int:
         return sum(e[1] for e in self._entries.values())
 
-    def take(self, prompt_ids):
+    def take(self, prompt_ids, limit: int | None = None):
         """(state, n): a fresh copy of the kept state whose ids are the longest strict
-        prefix of ``prompt_ids`` and n its length; (None, 0) when none is."""
+        prefix of ``prompt_ids`` (at most ``limit`` of them: a prompt's first image) and n
+        its length; (None, 0) when none is."""
         self.stats["lookups"] += 1
         prompt = tuple(int(i) for i in prompt_ids)
+        most = len(prompt) - 1 if limit is None else min(len(prompt) - 1, limit)
         best = max((k for k in self._entries
-                    if len(k) < len(prompt) and prompt[:len(k)] == k), key=len, default=())
+                    if len(k) <= most and prompt[:len(k)] == k), key=len, default=())
         state, n = None, 0
-        if self.disk is not None and len(prompt) - 1 > len(best):
-            state, n = self.disk.lookup(prompt, limit=len(prompt) - 1, above=len(best))
+        if self.disk is not None and most > len(best):
+            state, n = self.disk.lookup(prompt, limit=most, above=len(best))
             if state is not None:
                 self.stats["disk_hits"] += 1
         if state is None and best:
@@ -76,9 +78,10 @@ class TurnCache:
 
     def offer(self, state) -> None:
         """Keep a copy of ``state`` (keyed by its ids) in RAM, spilling the least recently
-        used to disk as the budget requires."""
+        used to disk as the budget requires. A state holding an image's rows is not kept:
+        its ids (pads) do not tell one image from another (formats/model/vision.md §8.3)."""
         key = tuple(state.ids)
-        if not key:
+        if not key or state.media:
             return
         if key in self._entries:
             self._entries.move_to_end(key)
@@ -94,7 +97,9 @@ class TurnCache:
 
     def keep(self, state) -> None:
         """Keep ``state`` in RAM and at once on disk: a prefix worth surviving a restart
-        (a conversation's preamble)."""
+        (a conversation's preamble); not one holding an image's rows (``offer``)."""
+        if state.media:
+            return
         self.offer(state)
         key = tuple(state.ids)
         self._store(self._entries[key][0] if key in self._entries else state.copy())

@@ -47,6 +47,7 @@ class Job:
     preamble_at: int = 0
     logprobs: int | None = None   # alternatives per token to report (None: no logprobs)
     echo: bool = False            # also the prompt's logprobs (a completion's echo)
+    images: tuple = ()            # ``forward.ImageRows`` at the prompt's pads
     # TokenLogprob of each generated token, appended on the engine thread before the
     # token is sent (so the loop finds a token's entry once it has the token), and of
     # each prompt token after the first (with echo and logprobs)
@@ -149,7 +150,9 @@ class Worker:
         job.started = time.monotonic()
         # the prompt's logprobs need every prompt position fed here: no kept state
         resume = self.turns is not None and not (job.echo and job.logprobs is not None)
-        state, reused = self.turns.take(job.prompt_ids) if resume else (None, 0)
+        # a kept state is resumed only before the first image: pads look alike, rows do not
+        limit = job.images[0].start if job.images else None
+        state, reused = self.turns.take(job.prompt_ids, limit) if resume else (None, 0)
         job.reused = reused
         tag = next(self._tags)
         job.preamble_at = job.preamble - reused if self.turns and job.preamble > reused else 0
@@ -158,7 +161,8 @@ class Worker:
                 tag, job.prompt_ids[reused:], job.settings,
                 state if state is not None else self.run.session.new_state(),
                 (job.preamble_at,) if job.preamble_at else (), logprobs=job.logprobs,
-                echo=job.echo, n=1 + len(job.followers)))
+                echo=job.echo, n=1 + len(job.followers),
+                images=tuple(im._replace(start=im.start - reused) for im in job.images)))
         except Exception as e:            # a bad request must not stop the server
             self._failed(job, e)
             self._drop_followers(job, ("error", e))
