@@ -15,7 +15,7 @@ import time
 
 from ..engine.defaults import PREFILL_CHUNK
 from ..engine.generate import GenSettings
-from ..errors import UsageError
+from ..errors import K3Error, UsageError
 from . import batch as batchfile
 from .batch_sink import ABANDONED, NO_TIME, BatchSink
 from .prefixes import PrefixStarts, shared_lengths
@@ -73,7 +73,10 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     tok = run.session.tokenizer
     bound = batchfile.line_bound(run.context, tok.longest_rank_bytes if tok else None)
     lines = batchfile.read_lines(batch_path, bound)     # one at a time, each at most bound
-    accepted, given = _accepted_lines(run, lines, base, batch_path, warn, summary, done)
+    images = _LineImages(run)
+    rows = {}                           # line -> (its images, where each stands), if any
+    accepted, given = _accepted_lines(run, lines, base, batch_path, warn, summary,
+                                      (done, rows, images))
     width = min(run.width, max(1, given))
     summary["width_reasons"] = list(run.width_reasons) + (
         [f"capped at {width} (the batch's lines)"] if width < run.width else [])
@@ -87,6 +90,9 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     shared = shared_lengths([ids for _, _, ids in accepted],
                             min(base.prefill_chunk, PREFILL_CHUNK)) \
         if run.opts.share_prefixes else [0] * len(accepted)
+    # a prefix is shared only before a line's first image: pads look alike, rows do not
+    shared = [min(s, rows[n][1][0]) if n in rows else s
+              for (n, _, _), s in zip(accepted, shared)]
     starts = PrefixStarts(run.session, base.prefill_chunk,
                           [(ids, s) for (_, _, ids), s in zip(accepted, shared)],
                           run.store, run.drafting,
@@ -111,9 +117,17 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
             settings = run.chat_settings(settings, warn)
         settings = run.structured(settings)     # compiled (and checked) in _accepted_lines
         settings = tool_settings(run, job, prompt_ids, settings)
+        try:                            # the tower runs only for a line that runs
+            line_rows = images.rows(*rows.pop(lineno)) if lineno in rows else ()
+        except batchfile.BatchLineError as e:
+            warn(f"{batch_path}:{lineno}: skipped: {e}")
+            summary["malformed"] += 1
+            summary["errors"].append({"line": lineno, "error": str(e)})
+            continue
         outcome = sink.submit(lineno, job["id"], prompt_ids, settings, chat="messages" in job,
                               starts=lambda ids=prompt_ids, s=share: starts.prepare(ids, s),
-                              n=job.get("n") or 1, logprobs=batchfile.alternatives(job))
+                              n=job.get("n") or 1, logprobs=batchfile.alternatives(job),
+                              images=line_rows)
         if outcome == NO_TIME:
             summary["remaining"] += 1          # a shorter prompt further on may still fit
             left_for_time = True
@@ -143,10 +157,13 @@ def _run_batch_locked(run, batch_path, out_path, base, warn, limits, summary, sh
     return summary
 
 
-def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> tuple:
+def _accepted_lines(run, lines, base, batch_path, warn, summary, known) -> tuple:
     """(line number, job, prompt ids) of each line to run, and the count of lines that
-    are not blank: malformed lines (one over the line bound among them) are reported and
-    counted, ids already in the results counted as skipped."""
+    are not blank: malformed lines (one over the line bound among them, or with an image
+    k3 cannot read) are reported and counted, ids already in the results counted as
+    skipped. ``known``: (ids already done, the dict each line's images and their starts
+    go to, the batch's ``_LineImages``)."""
+    done, line_rows, images = known
     context = run.context
     name = "the model's context" if run.opts.context_limit is None else \
         "--ctx-size's context"
@@ -161,12 +178,12 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> tuple:
                 raise batchfile.BatchLineError(
                     f"the line is {line.size:,} bytes, more than the {line.limit:,} a "
                     f"line that fits {name} of {context:,} tokens can take: it was not read")
-            job = batchfile.parse_line(line, run.cfg.vocab_size)
+            job = images.read(batchfile.parse_line(line, run.cfg.vocab_size))
             key = batchfile.id_key(job["id"])
             if key in seen:
                 raise batchfile.BatchLineError(f"duplicate id {job['id']!r}")
             seen.add(key)
-            prompt_ids = _line_ids(run, job, warn, context, name)
+            prompt_ids, found = images.expanded(job, _line_ids(run, job, warn, context, name))
             why = batchfile.context_problem(len(prompt_ids), job.get("gen", base.gen), context,
                                             name)
             if why:
@@ -188,6 +205,8 @@ def _accepted_lines(run, lines, base, batch_path, warn, summary, done) -> tuple:
             summary["skipped"] += 1
             continue
         out.append((lineno, job, [int(i) for i in prompt_ids]))
+        if found:
+            line_rows[lineno] = found
     return out, given
 
 
@@ -201,12 +220,70 @@ def _line_ids(run, job: dict, warn, context: int, name: str) -> list:
         if job.get("reasoning_effort") is not None:     # onto the template's switches
             job = {**job, "template_kwargs": run.chat(warn).reasoning_kwargs(
                 job["reasoning_effort"], job.get("tools"), job.get("template_kwargs"))}
-        return run.encode_messages(job, warn, limit=context)
+        return run.encode_messages(job, warn, limit=context)    # images: one pad each
     size = len(job["prompt"].encode("utf-8"))
     if size > context * run.prompts.tokenizer.longest_rank_bytes:
         raise batchfile.BatchLineError(f"the prompt is {size:,} bytes, more than {name} of "
                                        f"{context:,} tokens can hold")
     return run.encode(job["prompt"], limit=context)
+
+
+class _LineImages:
+    """The image parts of a batch's "messages" lines (``request.images``: data: URLs, or
+    paths under --image-dir): read and checked when a line is accepted, its pads expanded
+    by the size rule's row counts; the tower runs only for a line that runs (each digest
+    encoded once: ``images.Images``, made at the first image)."""
+
+    def __init__(self, run):
+        self.run, self.images = run, None
+        vcfg = run.session.ckpt.vision_config
+        self.media = vcfg.media if vcfg is not None and run.session.tokenizer and \
+            run.opts.vision else None
+
+    def read(self, job: dict) -> dict:
+        """``job`` with each user message holding images as one text, the images'
+        markup in it, and its images under "k3_images" (BatchLineError: one refused)."""
+        from ..request.images import ImageRefused, read_parts
+        if "messages" not in job:
+            return job
+        try:
+            messages, found = read_parts(job["messages"], self.media, self.run.opts.image_dir)
+        except ImageRefused as e:
+            raise batchfile.BatchLineError(str(e)) from None
+        return {**job, "messages": messages, "k3_images": found} if found else job
+
+    def expanded(self, job: dict, ids) -> tuple:
+        """(ids with each pad repeated as many times as its image has rows, (images,
+        their starts) or None) of a line read by ``read``."""
+        found = job.pop("k3_images", None)
+        if not found:
+            return ids, None
+        from ..media.markup import expand, pad_id
+        vcfg = self.run.session.ckpt.vision_config
+        try:
+            pad = pad_id(self.run.session.tokenizer, vcfg.media_placeholder_token_id)
+            ids, starts = expand(list(ids), pad, [im.rows for im in found],
+                                 "the rendered conversation")
+        except K3Error as e:
+            raise batchfile.BatchLineError(e.one_line()) from None
+        return ids, (tuple(found), tuple(starts))
+
+    def rows(self, found, starts) -> tuple:
+        """The ``forward.ImageRows`` of a line's images at their starts (BatchLineError:
+        one the tower cannot take)."""
+        from ..model.forward import ImageRows
+        from .images import Images
+        try:
+            if self.images is None:
+                self.images = Images(self.run.session, "an image part")
+            loaded = [self.images.load_data(im.data, im.name) for im in found]
+        except K3Error as e:
+            raise batchfile.BatchLineError(e.one_line()) from None
+        for im, image in zip(found, loaded):
+            if image.rows.shape[0] != im.rows:        # the size rule and the tower disagree
+                raise batchfile.BatchLineError(f"{im.name}: the tower gave "
+                                               f"{image.rows.shape[0]} rows, not {im.rows}")
+        return tuple(ImageRows(s, im.rows, im.digest) for s, im in zip(starts, loaded))
 
 
 def tool_settings(run, job: dict, prompt_ids, settings: GenSettings) -> GenSettings:

@@ -72,17 +72,18 @@ class BatchSink:
                                clock=self.clock, drafting=run.drafting, store=store)
 
     def submit(self, lineno: int, job_id, prompt_ids, settings, chat: bool = False,
-               starts=None, n: int = 1, logprobs: int | None = None) -> str:
+               starts=None, n: int = 1, logprobs: int | None = None, images=()) -> str:
         """Run the prompt (width 1) or queue it for the next free slot, started from the
-        state store's longest prefix of it (the core's admission); ``chat``: a
-        "messages" line, whose result also carries the parsed reply; ``starts()`` puts the
-        prefix it shares in the store (``prefixes.PrefixStarts.prepare``), asked once the
-        prompt is let in; ``n`` choices, each token's log-probability and
-        ``logprobs`` alternatives (None: none). ABANDONED when the deadline passed
-        meanwhile: this prompt and every one in flight are dropped; NO_TIME when it would
-        not finish before the deadline (nothing of it was run)."""
+        state store's longest prefix of it (the core's admission, never past its first
+        image); ``chat``: a "messages" line, whose result also carries the parsed reply;
+        ``starts()`` puts the prefix it shares in the store
+        (``prefixes.PrefixStarts.prepare``), asked once the prompt is let in; ``n``
+        choices, each token's log-probability and ``logprobs`` alternatives (None: none);
+        ``images``: ``forward.ImageRows`` at the prompt's pads. ABANDONED when the
+        deadline passed meanwhile: this prompt and every one in flight are dropped;
+        NO_TIME when it would not finish before the deadline (nothing of it was run)."""
         job = Request(lineno, prompt_ids, settings, logprobs=logprobs, n=n,  # tag: trace seq
-                      reuse=True)
+                      images=tuple(images), reuse=True)
         self.n[lineno] = n
         started = False
         try:
@@ -94,7 +95,8 @@ class BatchSink:
                 started = True
                 try:
                     res = self.run.generate(prompt_ids, settings,
-                                            should_stop=self.should_stop, logprobs=logprobs)
+                                            should_stop=self.should_stop, logprobs=logprobs,
+                                            images=tuple(images))
                 except UsageError as e:     # its grammar gave up: this line alone fails
                     self._failed(job, e)
                     return STARTED

@@ -1,4 +1,5 @@
-"""A run's images (``k3-run --image``, the chat's ``/image``): from a file to the rows
+"""A run's images (``k3-run --image``, the chat's ``/image``, a batch line's or a server
+request's image parts): from a file's bytes to the rows
 that stand in the prompt and the ids around them (formats/model/vision.md §8), and the
 ``--vision-dump`` file (formats/model/vision.md §9).
 
@@ -73,16 +74,20 @@ class Images:
     def load(self, path) -> Image:
         """The image at ``path`` through preprocessing and the tower (FormatError naming
         the file: not an image, too big, truncated)."""
+        return self.load_data(read_image_file(path), str(path))
+
+    def load_data(self, data: bytes, name: str) -> Image:
+        """The image file's bytes ``data`` (``name``: the file or field they came from)
+        through preprocessing and the tower, or the earlier image of the same digest."""
         from ..media.preprocess import preprocess_image
-        data = read_image_file(path)
         digest = image_digest(data, self.vcfg.media)
         if digest in self._done:
-            return dataclasses.replace(self._done[digest], name=str(path), seconds=0.0)
+            return dataclasses.replace(self._done[digest], name=name, seconds=0.0)
         self.tower()                    # read before the clock starts: its reads are the run's
         t0 = time.perf_counter()
-        pixels = preprocess_image(data, self.vcfg.media, str(path))
+        pixels = preprocess_image(data, self.vcfg.media, name)
         encoded = self.tower().encode(pixels.patches, pixels.grid)
-        self._done[digest] = Image(str(path), tuple(pixels.plan.size), digest, pixels,
+        self._done[digest] = Image(name, tuple(pixels.plan.size), digest, pixels,
                                    encoded, time.perf_counter() - t0)
         return self._done[digest]
 

@@ -46,6 +46,7 @@ class RunOptions:
     memory_override: int | None = None
     beside_bytes: int = 0                  # held beside the model by the front end (a server's)
     vision: bool = False                   # images are read: the tower is held beside the model
+    image_dir: str | None = None           # where a request's image paths may be read (--image-dir)
     verify_reads: str = "first"
     batch_width: int | str | None = None   # lockstep width (batch, serve): N, "auto"; None: 1
     progress: bool = True                  # progress on stderr (progress.bar); --quiet: none
@@ -429,8 +430,7 @@ class Run:
         nothing saved). ``images``: ``forward.ImageRows`` at pads of the ids."""
         self.check_stop_strings(settings)
         settings = self.structured(self.until_end(settings))
-        if state is None and load_state:
-            state = _load_state(self, load_state)
+        state = _load_state(self, load_state) if state is None and load_state else state
         why = room_problem(0 if state is None else state.pos, len(prompt_ids), settings.gen,
                            self.context, self.context_name)
         if why:

@@ -7,7 +7,8 @@ object per line (``--log-format json``), and the figures ``/metrics`` exposes fr
 histograms of the time to first token, the time per output token and the request
 duration, and responses counted by status class. Does not own: HTTP (the server's
 middleware calls ``finished``), the engine's counters (``worker``), the exposition format
-(``metrics``) or where a line goes (the ``log`` callable).
+(``metrics``) or where a line goes (the ``log`` callable). Also aiohttp's own server
+log, as one line per record (``http_logger``).
 
 Why histograms with fixed buckets: a streamed token costs milliseconds with the model in
 RAM and seconds at the floor, so the buckets span both; Prometheus sums buckets across
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import logging
 import time
 
 # seconds; +Inf is implied
@@ -148,3 +150,21 @@ def access_middleware(access: Access, id_key: str, usage_key: str):
             access.finished(request.get(id_key, "-"), request.method, request.path, status,
                             started, request.get(usage_key))
     return middleware
+
+
+def http_logger(log):
+    """aiohttp's server logger for ``log``: one line per record, the exception's type
+    and message but never its traceback (what the parser refused; a client gone while
+    its reply was written)."""
+
+    class OneLine(logging.Handler):
+        def emit(self, record):
+            text = record.getMessage()
+            exc = record.exc_info[1] if record.exc_info else None
+            if exc is not None:
+                text += f": {type(exc).__name__}: {exc}"
+            log("aiohttp: " + " ".join(text.split()))
+
+    logger = logging.Logger("k3.serve.aiohttp", logging.INFO)   # not registered globally
+    logger.addHandler(OneLine())
+    return logger

@@ -1,10 +1,11 @@
 """Anthropic's Messages API (``POST /v1/messages``) over k3's chat path, without any HTTP.
 
 Owns: checking a Messages request body and converting it into the OpenAI-style chat
-``Request`` the template path renders (``messages``, ``tools``, the ``thinking`` switch),
-the response message (content blocks, ``stop_reason``, ``stop_sequence``, ``usage``),
-the stream's events (``message_start`` ... ``message_stop``, one content block per run
-of reasoning, text or a tool call) and Anthropic's error body. Does not own: routing,
+``Request`` the template path renders (``messages``, ``tools``, the ``thinking`` switch,
+image blocks as image parts: base64 sources only), the response message (content blocks,
+``stop_reason``, ``stop_sequence``, ``usage``), the stream's events (``message_start``
+... ``message_stop``, one content block per run of reasoning, text or a tool call) and
+Anthropic's error body. Does not own: routing,
 queueing and generation (``app``, ``worker``), rendering and parsing conversations
 (``libk3.text``), the stop rule (``libk3.engine.stops``), the OpenAI shapes (``protocol``).
 
@@ -38,7 +39,8 @@ GENERATION = {"max_tokens": "gen", "temperature": "temperature", "top_p": "top_p
 BLOCK_KEYS = {"text": {"type", "text", "cache_control", "citations"},
               "tool_use": {"type", "id", "name", "input", "cache_control"},
               "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
-              "thinking": {"type", "thinking", "signature"}}
+              "thinking": {"type", "thinking", "signature"},
+              "image": {"type", "source", "cache_control"}}
 TOOL_KEYS = {"name", "description", "input_schema", "cache_control", "type"}
 # What a tool call's input becomes when the model wrote arguments that are not a JSON
 # object (tool_use's input must be one): the arguments as written, under this key.
@@ -109,15 +111,30 @@ def _block(block, where: str) -> dict:
         _refuse(f"{where} must be a content block (an object with a \"type\")", "messages", 422)
     known = BLOCK_KEYS.get(block["type"])
     if known is None:
-        _refuse(f"{where}: a {block['type']!r} block is not implemented by k3 (text, tool_use, "
-                "tool_result and thinking are)", "messages")
+        _refuse(f"{where}: a {block['type']!r} block is not implemented by k3 (text, image, "
+                "tool_use, tool_result and thinking are)", "messages")
     _unknown_keys(block, known, where)
     return block
 
 
-def _user(content, where: str) -> list:
+def _image(block, where: str) -> dict:
+    """An image block as an OpenAI image part: base64 only (k3 fetches nothing); its
+    bytes are checked with the request's other images (``request.images``)."""
+    source = block.get("source")
+    if not isinstance(source, dict) or source.get("type") != "base64":
+        _refuse(f"{where}[\"source\"] must be an object with \"type\" \"base64\" (k3 "
+                "fetches nothing from the network: no \"url\" source)", "messages")
+    _unknown_keys(source, {"type", "media_type", "data"}, f"{where}[\"source\"]")
+    if not isinstance(source.get("media_type"), str) or not isinstance(source.get("data"), str):
+        _refuse(f"{where}[\"source\"] needs \"media_type\" and \"data\" strings", "messages")
+    return {"type": "image_url",
+            "image_url": {"url": f"data:{source['media_type']};base64,{source['data']}"}}
+
+
+def _user(content, where: str, names: list) -> list:
     """A user message's OpenAI messages: each tool_result a "tool" message, runs of
-    text blocks user messages (content parts), in the order given."""
+    text and image blocks user messages (content parts), in the order given; each
+    image's field appended to ``names``."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     if not isinstance(content, list) or not content:
@@ -127,13 +144,18 @@ def _user(content, where: str) -> list:
     for i, raw in enumerate(content):
         block = _block(raw, f"{where}[\"content\"][{i}]")
         if block["type"] == "text":
-            texts.extend(_text_blocks([block], f"{where}[\"content\"]", "messages"))
+            texts.extend(_parts(_text_blocks([block], f"{where}[\"content\"]", "messages"),
+                                None))
+            continue
+        if block["type"] == "image":
+            names.append(f"{where}[\"content\"][{i}]")
+            texts.append(_image(block, names[-1]))
             continue
         if block["type"] != "tool_result":
             _refuse(f"{where}[\"content\"][{i}]: a {block['type']!r} block belongs to an "
                     "assistant message", "messages", 422)
         if texts:
-            out.append({"role": "user", "content": _parts(texts, None)})
+            out.append({"role": "user", "content": texts})
             texts = []
         if not isinstance(block.get("tool_use_id"), str):
             _refuse(f"{where}[\"content\"][{i}][\"tool_use_id\"] must be a string",
@@ -149,7 +171,7 @@ def _user(content, where: str) -> list:
             tool["is_error"] = True          # for a template that reads it
         out.append(tool)
     if texts:
-        out.append({"role": "user", "content": _parts(texts, None)})
+        out.append({"role": "user", "content": texts})
     return out
 
 
@@ -196,8 +218,9 @@ def _arguments(tool_input: dict) -> str:
     return json.dumps(tool_input, ensure_ascii=False)
 
 
-def _messages(body: dict) -> list:
-    """The OpenAI-style messages of ``system`` and ``messages``."""
+def _messages(body: dict, names: list) -> list:
+    """The OpenAI-style messages of ``system`` and ``messages`` (each image's field
+    appended to ``names``)."""
     out = []
     system = body.get("system")
     if system is not None:
@@ -213,7 +236,7 @@ def _messages(body: dict) -> list:
                     "messages", 422)
         _unknown_keys(m, {"role", "content"}, where)
         if m["role"] == "user":
-            out.extend(_user(m.get("content"), where))
+            out.extend(_user(m.get("content"), where, names))
         else:
             out.append(_assistant(m.get("content"), where))
     return out
@@ -317,7 +340,9 @@ def check_request(body: dict) -> MessagesRequest:
         raise api_error(named(e, {k3: theirs for theirs, k3 in GENERATION.items()})) from None
     req.max_tokens, req.stop = gen.gen, gen.stop
     req.generation = {**{k: v for k, v in given.items() if k != "stop"}, "stop": gen.stop}
-    req.messages = _messages(body)
+    names = []
+    req.messages = _messages(body, names)
+    req.image_fields = names or None
     req.tools = _tools(body.get("tools"))
     vendor = request_vendor_key(None, req.tools)
     if vendor:

@@ -8,9 +8,10 @@ body as the chunks it arrives in and handing them to the request reader (``reade
 process of its own parses, renders and tokenizes, so the event loop keeps answering),
 the CPU thread that waits for it and compiles a request's settings and grammars,
 turning every refusal into an OpenAI-style error body (Anthropic's on /v1/messages)
-while the server keeps serving, and cancelling a job whose client disconnects. Does not
-own: the wire format's checks (``protocol``, ``anthropic``), reading bodies
-(``reader``), the queue and the engine thread (``worker``), templates or generation.
+while the server keeps serving. Does not own: the wire format's checks (``protocol``,
+``anthropic``), reading bodies (``reader``), the jobs of a request and the answers
+written from them (``answers``), the queue and the engine thread (``worker``), templates
+or generation.
 
 Every request gets an id (``x-request-id``), and every failure leaves the server as one
 OpenAI error body and, for a 5xx, one log line naming that id: no exception reaches
@@ -31,23 +32,19 @@ import dataclasses
 import hmac
 import ipaddress
 import itertools
-import json
-import logging
 import os
 import signal
-import time
 import uuid
 
 from ..request.settings import settings_over
 from ..errors import K3Error, UsageError
 from ..text.encodable import text_problem
-from .protocol import (ApiError, chat_logprobs, check_model, completion_logprobs, envelope,
-                       error_parts, finish_reason, refusal_of, sse, usage, client_line)
+from .protocol import ApiError, check_model, client_line, error_parts, refusal_of
 from . import anthropic
-from .access import USAGE, Access, Usage, access_middleware
+from .access import USAGE, Access, access_middleware, http_logger
+from .answers import Answers
 from .reader import ReaderProcess, ReaderSpec
-from ..engine.replies import ReplyReader
-from .worker import Job, Worker
+from .worker import Worker
 
 MAX_BODY_BYTES = 32 * 2 ** 20        # a larger request body is refused with 413
 # The request reader at its peak: the interpreter, the tokenizer and the template (about
@@ -133,26 +130,9 @@ def _too_large() -> ApiError:
                     code="request_too_large")
 
 
-def _http_logger(log):
-    """aiohttp's server logger for ``log``: one line per record, the exception's type
-    and message but never its traceback (what the parser refused; a client gone while
-    its reply was written)."""
-
-    class OneLine(logging.Handler):
-        def emit(self, record):
-            text = record.getMessage()
-            exc = record.exc_info[1] if record.exc_info else None
-            if exc is not None:
-                text += f": {type(exc).__name__}: {exc}"
-            log("aiohttp: " + " ".join(text.split()))
-
-    logger = logging.Logger("k3.serve.aiohttp", logging.INFO)   # not registered globally
-    logger.addHandler(OneLine())
-    return logger
-
-
-class Server:
-    """The routes over one ``Worker`` and the run it decodes with."""
+class Server(Answers):
+    """The routes over one ``Worker`` and the run it decodes with (the answers they write:
+    ``answers.Answers``)."""
 
     def __init__(self, run, worker: Worker, reader: ReaderProcess, base_settings, *,
                  model_name: str, api_key=None, log=None, access=None):
@@ -161,6 +141,7 @@ class Server:
         self.access = access or Access(log)
         self.ids = itertools.count(1)
         self.cpu = None               # the CPU thread's executor, while the app runs
+        self.images = None            # ``run.images.Images``, at the first image
         self.keepalive_seconds = KEEPALIVE_SECONDS
         self.body_seconds = BODY_SECONDS
 
@@ -372,11 +353,29 @@ class Server:
         CPU thread): (Request, prompt ids, settings, ReplyReader, shareable preamble)."""
         req, ids, preamble = self._read(route, chunks)
         ids = ids.tolist()
+        if req.images:
+            ids = self._image_rows(req, ids)
         settings = self._settings(req)
         if req.chat:
             settings = self.run.chat_settings(settings, self.log)
             settings = self._tool_grammar(req, ids, settings)
         return req, ids, settings, self._reader(req, settings), preamble
+
+    def _image_rows(self, req, ids) -> list:
+        """The prompt ids with each image's pad expanded, its rows in ``req.image_rows``
+        (each digest encoded once by this server: ``run.images.Images``); 400 for an image
+        the tower cannot take or a conversation whose pads are not its images'."""
+        from ..run.images import Images
+        try:
+            if self.images is None:
+                self.images = Images(self.run.session, "an image part")
+            loaded = [self.images.load_data(im.data, im.name) for im in req.images]
+            ids, rows = self.images.expand(ids, loaded, "the rendered conversation")
+        except K3Error as e:
+            raise ApiError(400, client_line(e), param="messages", code="invalid_image") \
+                from None
+        req.images, req.image_rows = [], tuple(rows)
+        return ids
 
     def _tool_grammar(self, req, ids, settings):
         """``settings`` with the grammar of the request's ``tool_choice``,
@@ -412,272 +411,6 @@ class Server:
         # a format is compiled once per schema text (on this CPU thread) and enforced
         return self.run.structured(self.run.until_end(settings_over(req.generation, self.base)))
 
-    async def _answer(self, request, req, ids, settings, reader, preamble):
-        loop = asyncio.get_running_loop()
-        # choice i draws with seed + i (mod 2^64); the others follow the first, which
-        # prefills the prompt once (``Worker``)
-        jobs = [Job(list(ids), dataclasses.replace(settings, seed=(settings.seed + i) % 2 ** 64),
-                    loop, preamble=preamble if i == 0 else 0, logprobs=req.logprobs,
-                    echo=req.echo) for i in range(req.n)]
-        jobs[0].followers = jobs[1:]
-        readers = [reader] + [self._reader(req, settings) for _ in jobs[1:]]
-        self.worker.submit(jobs[0])
-        rid = f"{'chatcmpl' if req.chat else 'cmpl'}-k3-{next(self.ids)}"
-        model = req.model or self.model_name
-        try:
-            if isinstance(req, anthropic.MessagesRequest):
-                rid = "msg_k3_" + rid.rpartition("-")[2]
-                answer = self._messages_stream if req.stream else self._messages_whole
-                return await answer(request, req, jobs[0], rid, model, reader)
-            if req.stream:
-                return await self._stream(request, req, jobs, rid, model, readers)
-            return await self._whole(req, jobs, rid, model, readers)
-        finally:
-            for job in jobs:
-                job.cancel()        # the client went away (or we are done): stop decoding
-            firsts = [j.first_token_at for j in jobs if j.first_token_at is not None]
-            lasts = [j.last_token_at for j in jobs if j.last_token_at is not None]
-            request[USAGE] = Usage(len(ids), sum(j.generated for j in jobs),
-                                   min(firsts, default=None), max(lasts, default=None))
-
-    def _reader(self, req, settings) -> ReplyReader:
-        """What turns a choice's ids into its message or text, as they come."""
-        chat = req.chat and self.run.chat().template is not None
-        ends = tuple(settings.stop_ids) + (settings.grammar.end_ids(settings.stop_ids)
-                                           if settings.grammar is not None else ())
-        return ReplyReader(self.run.session.tokenizer, chat, req.stop, ends)
-
-    async def _finished(self, job, generated, on_token=None, on_idle=None):
-        """Wait for the job's end, collecting its tokens; the GenResult. ``on_idle()`` is
-        awaited after each ``keepalive_seconds`` without an event."""
-        while True:
-            if on_idle is None:
-                item = await job.events.get()
-            else:
-                try:
-                    item = await asyncio.wait_for(job.events.get(), self.keepalive_seconds)
-                except asyncio.TimeoutError:
-                    await on_idle()
-                    continue
-            if isinstance(item, int):
-                job.last_token_at = loop_time = time.monotonic()
-                if job.first_token_at is None:
-                    job.first_token_at = loop_time
-                generated.append(item)
-                if on_token is not None:
-                    await on_token()
-                continue
-            kind, value = item
-            if kind == "done":
-                return value
-            if kind == "cancelled":
-                raise ApiError(503, "the server is shutting down", kind="server_error")
-            if isinstance(value, UsageError):
-                raise ApiError(422, client_line(value), code="invalid_value")
-            raise ApiError(500, client_line(value) if isinstance(value, K3Error)
-                           else f"generation failed: {value!r}", kind="server_error")
-
-    async def _whole(self, req, jobs, rid, model, readers):
-        from aiohttp import web
-        results = await asyncio.gather(*(self._finished(job, []) for job in jobs))
-        return web.json_response(text=await self._off_loop(
-            self._whole_text, req, jobs, results, rid, model, readers))
-
-    def _whole_text(self, req, jobs, results, rid, model, readers) -> str:
-        """The JSON of a finished request's response (on the CPU thread: it decodes the
-        whole replies and writes every prompt id)."""
-        first = results[0]
-        k3 = {"prompt_ids": first.prompt_ids, "generated_ids": first.generated_ids,
-              "reused_tokens": jobs[0].reused}
-        if len(jobs) > 1:
-            k3["choices"] = [{"generated_ids": r.generated_ids, "reused_tokens": j.reused}
-                             for j, r in zip(jobs, results)]
-        use = usage(len(first.prompt_ids), sum(len(r.generated_ids) for r in results))
-        tok = self.run.session.tokenizer
-        choices = []
-        for i, (job, res, reader) in enumerate(zip(jobs, results, readers)):
-            if req.chat:
-                reply = reader.read(res.generated_ids, final=True)
-                choices.append({
-                    "index": i, "message": reply.message(),
-                    "logprobs": None if req.logprobs is None else
-                    chat_logprobs(tok, job.token_logprobs),
-                    "finish_reason": finish_reason(res.stop_reason, bool(reply.tool_calls))})
-            else:
-                head = self._echoed(req, res.prompt_ids)
-                choices.append({
-                    "index": i, "text": head + reader.text(res.generated_ids),
-                    "logprobs": None if req.logprobs is None else
-                    self._completion_logprobs(req, job, res.generated_ids),
-                    "finish_reason": finish_reason(res.stop_reason, False)})
-        kind = "chat.completion" if req.chat else "text_completion"
-        return json.dumps(envelope(kind, rid, model, choices, {"usage": use, "k3": k3}))
-
-    def _echo_chunk(self, req, job, sent, chunk) -> bytes:
-        """A streamed completion's first chunk under echo: the prompt, and its logprobs
-        when asked (the prompt is all fed before the first token is sampled)."""
-        head = self._echoed(req, job.prompt_ids)
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs = completion_logprobs(self.run.session.tokenizer, job.prompt_ids,
-                                           [None] + job.prompt_logprobs)
-        sent["chars"] = len(head)
-        return chunk(text=head, logprobs=logprobs)
-
-    def _echoed(self, req, prompt_ids) -> str:
-        """A completion's text before its reply: the prompt under ``echo`` (the text sent,
-        or its ids decoded), else nothing."""
-        if not req.echo:
-            return ""
-        return req.prompt if req.prompt is not None else \
-            self.run.session.tokenizer.decode(prompt_ids)
-
-    def _completion_logprobs(self, req, job, generated, start: int = 0, offset: int = 0,
-                             prompt: bool = True):
-        """A completion's ``logprobs`` for generated tokens from ``start`` (after the
-        prompt's, under echo with ``prompt``), their text offsets counting from
-        ``offset``."""
-        tok = self.run.session.tokenizer
-        ids, entries = list(generated[start:]), job.token_logprobs[start:len(generated)]
-        if req.echo and prompt:
-            ids = list(job.prompt_ids) + ids
-            entries = [None] + job.prompt_logprobs + entries
-        return completion_logprobs(tok, ids, entries, offset)
-
-    async def _stream(self, request, req, jobs, rid, model, readers):
-        from aiohttp import web
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        kind = "chat.completion.chunk" if req.chat else "text_completion"
-        try:
-            results = await asyncio.gather(*(
-                self._stream_choice(resp, req, i, job, reader, kind, rid, model)
-                for i, (job, reader) in enumerate(zip(jobs, readers))))
-            if req.include_usage:
-                await resp.write(sse(envelope(kind, rid, model, [], {
-                    "usage": usage(len(results[0].prompt_ids),
-                                   sum(len(r.generated_ids) for r in results))})))
-        except ConnectionError:             # the client left: nobody to tell
-            raise
-        except Exception as e:              # noqa: BLE001 (the headers are sent: an event)
-            await resp.write(sse(self._stream_failure(request, e)[1]))
-        await resp.write(sse("[DONE]"))
-        await resp.write_eof()
-        return resp
-
-    async def _stream_choice(self, resp, req, index, job, reader, kind, rid, model):
-        """Choice ``index``'s chunks, written as its tokens come (beside the other
-        choices'); its GenResult."""
-        generated = []
-        # tokens whose logprobs went out, and characters of text sent (a completion's
-        # text_offset counts from the echoed prompt)
-        sent = {"tokens": 0, "chars": 0}
-
-        def chunk(delta=None, finish=None, text=None, logprobs=None):
-            c = {"index": index, "logprobs": logprobs, "finish_reason": finish}
-            if req.chat:
-                c["delta"] = delta or {}
-            else:
-                c["text"] = text or ""
-            return sse(envelope(kind, rid, model, [c]))
-
-        def new_logprobs(final):
-            """The logprobs of the tokens generated since the last chunk (None: not asked,
-            or none new)."""
-            start, end = sent["tokens"], len(generated)
-            if req.logprobs is None or (end == start and not final):
-                return None
-            sent["tokens"] = end
-            if req.chat:
-                return chat_logprobs(self.run.session.tokenizer, job.token_logprobs[start:end])
-            return self._completion_logprobs(req, job, generated[:end], start, sent["chars"],
-                                             prompt=False)
-
-        def new_chunk(final):
-            """The chunk of what the reply gained since the last one, or None."""
-            if req.chat:
-                delta = reader.delta(generated, final)
-                return chunk(delta=delta, logprobs=new_logprobs(final)) if delta else None
-            text = reader.text_delta(generated, final)
-            if not text:
-                return None
-            logprobs = new_logprobs(final)
-            sent["chars"] += len(text)
-            return chunk(text=text, logprobs=logprobs)
-
-        async def send_new(final=False):
-            if req.echo and not sent.get("echoed"):   # the prompt is in: its logprobs too
-                sent["echoed"] = True
-                await resp.write(await self._off_loop(self._echo_chunk, req, job, sent, chunk))
-            # on the CPU thread: each delta decodes the whole reply so far
-            data = await self._off_loop(new_chunk, final)
-            if data:
-                await resp.write(data)
-
-        if req.chat:
-            await resp.write(chunk(delta={"role": "assistant", "content": ""}))
-        async def keep_alive():
-            await resp.write(b": keep-alive\n\n")   # an SSE comment: clients skip it
-
-        res = await self._finished(job, generated, send_new, keep_alive)
-        await send_new(final=True)
-        await resp.write(chunk(finish=finish_reason(res.stop_reason, reader.sent_calls > 0)))
-        return res
-
-    # ---- Anthropic's Messages API: one job, the shapes ``anthropic``'s ----
-    async def _messages_whole(self, request, req, job, rid, model, reader):
-        from aiohttp import web
-        res = await self._finished(job, [])
-        return web.json_response(text=await self._off_loop(
-            self._message_text, req, job, res, rid, model, reader))
-
-    def _message_text(self, req, job, res, rid, model, reader) -> str:
-        """The JSON of a finished Messages response (on the CPU thread)."""
-        reply = reader.read(res.generated_ids, final=True)
-        reason = anthropic.stop_reason(res, bool(reply.tool_calls), self.run.session.tokenizer,
-                                       req.stop)
-        k3 = {"prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids,
-              "reused_tokens": job.reused}
-        return json.dumps(anthropic.message(rid, model, reply, reason, anthropic.usage(
-            len(res.prompt_ids), len(res.generated_ids)), k3))
-
-    async def _messages_stream(self, request, req, job, rid, model, reader):
-        """Anthropic's events as the tokens come; a ping after message_start and after
-        each ``keepalive_seconds`` without a token; a failure once the headers are out
-        is an ``error`` event."""
-        from aiohttp import web
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        generated, blocks = [], anthropic.Blocks()
-
-        async def send_new(final=False):
-            # on the CPU thread: each delta decodes the whole reply so far
-            data = await self._off_loop(lambda: blocks.events(reader.delta(generated, final)))
-            if data:
-                await resp.write(data)
-
-        async def ping():
-            await resp.write(anthropic.PING)
-
-        try:
-            await resp.write(anthropic.start_event(rid, model, len(job.prompt_ids)) +
-                             anthropic.PING)
-            res = await self._finished(job, generated, send_new, ping)
-            await send_new(final=True)
-            reason = await self._off_loop(anthropic.stop_reason, res, reader.sent_calls > 0,
-                                          self.run.session.tokenizer, req.stop)
-            await resp.write(blocks.close() +
-                             anthropic.end_events(reason, len(res.generated_ids)))
-        except ConnectionError:             # the client left: nobody to tell
-            raise
-        except Exception as e:              # noqa: BLE001 (the headers are sent: an event)
-            await resp.write(anthropic.error_event(anthropic.error_body(
-                *self._stream_failure(request, e))))
-        await resp.write_eof()
-        return resp
-
 
 def beside_bytes(reuse_ram_bytes: int) -> int:
     """What a server holds beside the model, counted in its budget's admission
@@ -707,19 +440,20 @@ def serve(run, address: str, base_settings, *, api_key=None, log=print,
         if reuse_ram_bytes or run.prefix_cache is not None else None
     model_name = model_name or os.path.basename(os.path.normpath(str(run.opts.model)))
     tok = run.session.tokenizer
+    vision = run.session.ckpt.vision_config if tok is not None and run.opts.vision else None
     reader = ReaderProcess(ReaderSpec(
         str(run.opts.model), tok is not None,
         None if tok is None or tok.cache is None else str(tok.cache), run.opts.template_limits,
         run.cfg.vocab_size, run.context, model_name,
         base_settings.prefill_chunk if turns is not None else 0,
-        run.ctx_size))
+        run.ctx_size, vision.media if vision is not None else None, run.opts.image_dir))
     worker = Worker(run, run.width, log, turns, chunk=base_settings.prefill_chunk)
     server = Server(run, worker, reader, base_settings, api_key=api_key, log=log,
                     model_name=model_name, access=Access(log, log_json))
 
     async def main():
         runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
-                               logger=_http_logger(log), max_line_size=PARSER_LINE_BYTES,
+                               logger=http_logger(log), max_line_size=PARSER_LINE_BYTES,
                                max_field_size=PARSER_LINE_BYTES)
         await runner.setup()
         site = web.TCPSite(runner, host, port)

@@ -99,7 +99,8 @@ def _ollama_common(doc: dict, served: str) -> dict:
             _refuse(field)
     if doc.get("images") or any(m.get("images") for m in doc.get("messages") or []
                                 if isinstance(m, dict)):
-        _refuse("images", "are not supported: k3 serves a text model")
+        _refuse("images", "are not read on Ollama's routes: send each image as an image_url "
+                "part (a data: URL) to /v1/chat/completions")
     out = {"model": served_name(doc.get("model"), served), "stream": doc.get("stream", True)}
     options = doc.get("options") or {}
     if not isinstance(options, dict):

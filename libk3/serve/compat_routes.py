@@ -116,7 +116,8 @@ class Routes:
         stream = bool(doc.get("stream"))
         body = [json.dumps(doc).encode()]
         req, ids, settings, reader, preamble = await s._off_loop(s._prepared, route, body)
-        job = Job(list(ids), settings, asyncio.get_running_loop(), preamble=preamble)
+        job = Job(list(ids), settings, asyncio.get_running_loop(), preamble=preamble,
+                  images=req.image_rows)
         s.worker.submit(job)
         model = s.model_name
         started = time.monotonic()

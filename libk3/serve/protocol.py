@@ -81,6 +81,9 @@ class Request:
     response_format: dict | None = None   # structured output (OpenAI's shape), enforced
     tool_choice: object = "auto"          # "none", "auto", "required" or a named function
     parallel_tool_calls: bool = True      # False: at most one call (enforced with a grammar)
+    image_fields: list | None = None      # each image part's field, when not OpenAI's own
+    images: list = dataclasses.field(default_factory=list)    # request.images.ImageInput
+    image_rows: tuple = ()                # forward.ImageRows at the prompt's pads
 
 
 def refusal_of(e: Exception):
@@ -133,8 +136,9 @@ def parse_body(raw: bytes) -> dict:
 
 
 def _check_parts(messages) -> None:
-    """400 for a content part k3 cannot read: only text parts (``{"type": "text", "text":
-    STRING}``) pass; an image, audio or file part would reach the template and be
+    """400 for a content part k3 cannot read: text parts (``{"type": "text", "text":
+    STRING}``) and image parts (``{"type": "image_url", "image_url": ...}``, read by
+    ``request.images``) pass; an audio or file part would reach the template and be
     dropped or rendered as a placeholder, answering a question the client did not ask."""
     for i, message in enumerate(messages):
         content = message.get("content")
@@ -142,10 +146,13 @@ def _check_parts(messages) -> None:
             continue
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                continue
             if kind != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f'"messages"[{i}]["content"][{j}] is not a text part '
-                                    f'(type {str(kind)[:40]!r}): k3 reads text only',
-                               param="messages", code="unsupported_content")
+                raise ApiError(400, f'"messages"[{i}]["content"][{j}] is not a text or '
+                                    f'image_url part (type {str(kind)[:40]!r}): k3 reads '
+                                    'text and images', param="messages",
+                               code="unsupported_content")
 
 
 def _field(body, name, check, expected):

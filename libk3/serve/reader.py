@@ -4,7 +4,8 @@ Owns: the reader process (started with the server, given the model's tokenizer a
 template, started again when it dies or overruns ``READ_SECONDS``), the messages to it (a
 route's name and the body in the chunks it arrived in) and back (what the route needs,
 or the refusal as its status and error body), and the reading itself (``Reader``: JSON
-parsed and checked, a conversation rendered and tokenized, the context checked, the
+parsed and checked, a conversation's images read and checked (``request.images``), the
+conversation rendered and tokenized, the context checked, the
 preamble a later request can share found). Does not own: the checks (``protocol``,
 ``anthropic``, ``tokenize``), settings and grammars (the server's CPU thread), HTTP.
 
@@ -35,6 +36,7 @@ from ..errors import K3Error
 from ..text.chat_template import RenderLimits
 from ..text.prompts import Prompts
 from . import anthropic, tokenize
+from ..request.images import ImageRefused, read_parts
 from .protocol import ApiError, check_model, check_request, parse_body, refusal_of
 
 # A reading that takes longer is a reader gone wrong (a rendering is stopped far sooner,
@@ -63,6 +65,8 @@ class ReaderSpec:
     model_name: str              # the served model's name (a request may name only it)
     min_preamble: int            # preambles shorter are not shared; 0: none is
     ctx_size: int | None         # --ctx-size when it set ``context`` (refusals name it)
+    media: object = None         # the checkpoint's MediaProcConfig (None: no vision tower)
+    image_dir: str | None = None  # where image paths may be read (--image-dir; None: nowhere)
 
 
 class Reader:
@@ -96,7 +100,8 @@ class Reader:
         body = parse_body(raw)
         if body.get("max_tokens") is None:       # not part of a count's body
             body["max_tokens"] = 1
-        return len(self._rendered(anthropic.check_request(body))[1])
+        req, ids, _ = self._rendered(anthropic.check_request(body))
+        return len(ids) + sum(im.rows - 1 for im in req.images)
 
     def completion(self, raw: bytes) -> tuple:
         """(Request, prompt ids, 0) of a completion body."""
@@ -121,7 +126,15 @@ class Reader:
 
     # ---- the parts ----
     def _rendered(self, req) -> tuple:
+        """(Request, prompt ids, shareable preamble) of a chat request: its images read
+        (``req.images``; each image one pad in the ids, not expanded), its conversation
+        rendered and tokenized, the context checked with the images' rows."""
         check_model(req.model, self.spec.model_name)
+        try:
+            req.messages, req.images = read_parts(req.messages, self.spec.media,
+                                                  self.spec.image_dir, req.image_fields)
+        except ImageRefused as e:
+            raise ApiError(400, str(e), param="messages", code="invalid_image") from None
         chat = self.prompts.chat(self.warn)
         if req.reasoning_effort is not None:
             req.template_kwargs = chat.reasoning_kwargs(req.reasoning_effort, req.tools,
@@ -129,15 +142,16 @@ class Reader:
         ids = self.prompts.encode_messages({"messages": req.messages, "tools": req.tools,
                                             "template_kwargs": req.template_kwargs},
                                            self.warn, limit=self.spec.context)
-        self._check_context(req, ids)
-        preamble = self._preamble(req, ids)
+        self._check_context(req, ids, sum(im.rows - 1 for im in req.images))
+        # a state holding an image's rows is never kept (formats/model/vision.md §8.3)
+        preamble = 0 if req.images else self._preamble(req, ids)
         req.messages = None          # rendered: the server needs only the ids
         return req, np.asarray(ids, np.int32), preamble
 
-    def _check_context(self, req, ids) -> None:
-        """413 for a prompt over the context (``ids`` may stop short past it): the
-        model's, or the one --ctx-size set."""
-        if len(ids) > self.spec.context:
+    def _check_context(self, req, ids, rows: int = 0) -> None:
+        """413 for a prompt over the context (``ids`` may stop short past it; ``rows``:
+        the images' rows beyond their pads): the model's, or the one --ctx-size set."""
+        if len(ids) + rows > self.spec.context:
             name = "the model's context" if self.spec.ctx_size is None else \
                 "the context set by --ctx-size"
             raise ApiError(413, f"the prompt is over {name} of {self.spec.context} tokens",

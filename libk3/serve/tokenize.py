@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ..engine.settings import token_ids_problem
 from ..text.chat_request import conversation_problem
+from ..request.images import is_image_part
 from .protocol import ApiError
 
 TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens"}
@@ -44,8 +45,14 @@ def tokenize(prompts, body: dict) -> list:
         if not isinstance(gen_prompt, bool):
             raise ApiError(422, "'add_generation_prompt' must be a boolean",
                            param="add_generation_prompt", code="invalid_type")
-        chat = prompts.chat()
         messages, tools = body["messages"], body.get("tools")
+        for i, m in enumerate(messages):       # pads without rows would be other ids
+            parts = m.get("content") if isinstance(m.get("content"), list) else []
+            if any(map(is_image_part, parts)):
+                raise ApiError(400, f'"messages"[{i}]: /tokenize does not read images (the '
+                                    "prompt's ids: a chat request's k3.prompt_ids)",
+                               param="messages", code="unsupported_content")
+        chat = prompts.chat()
         kwargs = body.get("chat_template_kwargs")
         if gen_prompt or chat.template is None:
             return prompts.encode_messages({"messages": messages, "tools": tools,

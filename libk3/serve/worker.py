@@ -45,6 +45,7 @@ class Job:
     preamble: int = 0             # prompt tokens worth keeping on their own (0: none)
     logprobs: int | None = None   # alternatives per token to report (None: no logprobs)
     echo: bool = False            # also the prompt's logprobs (a completion's echo)
+    images: tuple = ()            # ``forward.ImageRows`` at the prompt's pads
     # TokenLogprob of each generated token, appended on the engine thread before the
     # token is sent (so the loop finds a token's entry once it has the token), and of
     # each prompt token after the first (with echo and logprobs)
@@ -148,7 +149,8 @@ class Worker:
         tag = next(self._tags)
         kept = self.turns is not None       # the core resumes, offers and keeps its states
         req = Request(tag, list(job.prompt_ids), job.settings, logprobs=job.logprobs,
-                      echo=job.echo, n=1 + len(job.followers), reuse=kept, offer=kept,
+                      echo=job.echo, n=1 + len(job.followers), images=tuple(job.images),
+                      reuse=kept, offer=kept,
                       store_at=(job.preamble,) if kept and job.preamble else ())
         try:
             self.core.add(req)

@@ -1,7 +1,7 @@
-"""k3-run's image options (formats/model/vision.md §8-§9): ``--image`` and ``--vision-dump``,
-which options they go with, and a prompt's images read and put at its pads.
+"""k3-run's image options (formats/model/vision.md §8-§9): ``--image``, ``--vision-dump`` and
+``--image-dir``, which options they go with, and a prompt's images read and put at its pads.
 
-Owns: the two options' declarations and rules, and turning raw prompt mode's text ids and
+Owns: the three options' declarations and rules, and turning raw prompt mode's text ids and
 image files into the expanded ids and rows the run generates from. Does not own: reading
 or encoding images (``libk3.run.images``) or the run (``libk3.run.runner``).
 """
@@ -19,13 +19,21 @@ RULES = (
     constraints.GoesWith(("vision_dump",), ("image",), "--vision-dump goes with --image"),
     constraints.Excludes("chat", ("vision_dump",), "--vision-dump goes with a prompt "
                          "(-p, -f or --ids)"),
+    constraints.GoesWith(("image_dir",), ("serve_address", "batch"),
+                         "--image-dir goes with --serve or --batch (the directory their "
+                         "requests' image paths are read from)"),
     constraints.Excludes("image", ("save_state",), "--image excludes --save-state: a state "
                          "file cannot name the image it holds (formats/model/vision.md §8.3)"),
 )
 
 
 def image_options(f):
-    """The two options, on the command ``f``."""
+    """The three options, on the command ``f``."""
+    f = click.option("--image-dir", type=click.Path(exists=True, file_okay=False),
+                     help="With --serve or --batch: image parts may name files in this "
+                          "directory (a path relative to it, or inside it; symlinks resolved, "
+                          "nothing outside it read). Without it only data: URLs are read "
+                          "(docs/serve.md \"Images\").")(f)
     f = click.option("--vision-dump", type=click.Path(dir_okay=False),
                      help="With --image: write each image's pixels, grid, tower rows, "
                           "projected rows and the ids around it as .npz "

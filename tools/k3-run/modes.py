@@ -222,7 +222,8 @@ def batch(ctx, **options):
     started = time.monotonic()
     a = _start(ctx, options, RULES, "batch")
     fmt = params.check_response_format(a.response_format)
-    opts = _run_options(ctx, a, vision=bool(a.image), share_prefixes=not a.no_prefix_sharing,
+    opts = _run_options(ctx, a, vision=True, image_dir=a.image_dir,
+                        share_prefixes=not a.no_prefix_sharing,
                         batch_width="auto" if a.batch_width is None else a.batch_width,
                         **_drafting(a), **_prefix(a), **_limits(a))
     settings = _settings(a, fmt)
@@ -304,7 +305,7 @@ def serve(ctx, **options):
     address = serve_address(a.serve_address or "", a.host, a.port)
     from libk3.serve.app import beside_bytes, check_address
     check_address(address, a.api_key)                   # before the model is opened
-    opts = _run_options(ctx, a, vision=bool(a.image), serve=True,
+    opts = _run_options(ctx, a, vision=True, image_dir=a.image_dir, serve=True,
                         batch_width="auto" if a.batch_width is None else a.batch_width,
                         beside_bytes=beside_bytes(int(a.reuse_gb * 1e9)),
                         **_drafting(a), **_prefix(a), **_limits(a))
