@@ -33,6 +33,20 @@ def _png(path, seed: int, size=(40, 30)):
     return path
 
 
+def text_only_model(tiny_dir, tmp_path):
+    """The bundled model without its vision tower: its files linked, ``vision_config``
+    left out of config.json."""
+    text_only = tmp_path / "text-only"
+    text_only.mkdir()
+    for f in os.listdir(tiny_dir):
+        if f != "config.json":
+            os.symlink(tiny_dir / f, text_only / f)
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    del cfg["vision_config"]
+    (text_only / "config.json").write_text(json.dumps(cfg))
+    return text_only
+
+
 @pytest.fixture(scope="module")
 def pngs(tmp_path_factory):
     d = tmp_path_factory.mktemp("images")
@@ -170,14 +184,7 @@ def test_refusals_are_one_line(tiny_dir, tmp_path):
     cut.write_bytes(_png(tmp_path / "whole.png", 4).read_bytes()[:200])
     p = k3(tiny_dir, "--image", cut, "-p", "hi", "--gen", 1)
     assert p.returncode == 3 and str(cut) in p.stderr and "Traceback" not in p.stderr
-    text_only = tmp_path / "text-only"
-    text_only.mkdir()
-    for f in os.listdir(tiny_dir):
-        if f != "config.json":
-            os.symlink(tiny_dir / f, text_only / f)
-    cfg = json.loads((tiny_dir / "config.json").read_text())
-    del cfg["vision_config"]
-    (text_only / "config.json").write_text(json.dumps(cfg))
+    text_only = text_only_model(tiny_dir, tmp_path)
     p = k3(text_only, "--image", _png(tmp_path / "ok.png", 5), "-p", "hi", "--gen", 1)
     assert p.returncode == 2 and "vision tower" in p.stderr and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1

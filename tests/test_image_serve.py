@@ -24,7 +24,7 @@ from libk3.run.images import Images  # noqa: E402
 from libk3.run.runner import RunOptions, open_run  # noqa: E402
 from .scripts import k3  # noqa: E402
 from .test_image_preprocess import png_header  # noqa: E402
-from .test_image_prompt import _png  # noqa: E402
+from .test_image_prompt import _png, text_only_model  # noqa: E402
 from .test_serve import _client, _post, _start, _stop  # noqa: E402
 
 TEXT = "what is this?"
@@ -213,14 +213,7 @@ def test_image_dir_reads_paths_inside_and_nothing_outside(servers, files, chat_i
 def test_a_model_without_a_tower_refuses_an_image_with_a_400(tiny_dir, files, tmp_path):
     """Catches an image reaching a server whose checkpoint has no vision tower (a crash,
     a 500, or the image dropped); control: a text request is answered."""
-    text_only = tmp_path / "text-only"
-    text_only.mkdir()
-    for f in os.listdir(tiny_dir):
-        if f != "config.json":
-            os.symlink(tiny_dir / f, text_only / f)
-    cfg = json.loads((tiny_dir / "config.json").read_text())
-    del cfg["vision_config"]
-    (text_only / "config.json").write_text(json.dumps(cfg))
+    text_only = text_only_model(tiny_dir, tmp_path)
     srv = _start(text_only, tmp_path / "serve.log", "--gen", 1, "--served-model-name", "tiny")
     try:
         status, body = _post(srv, "/v1/chat/completions",

@@ -11,27 +11,15 @@ import sys
 import numpy as np
 import pytest
 
-from libk3.engine.generate import GenSettings, Reuse, generate, prefill
+from libk3.engine.generate import GenSettings, Reuse, generate
 from libk3.engine.prefix_cache import PrefixCache, list_entries
-from libk3.engine.session import open_session
 from libk3.io.checkpoint import Checkpoint
 from libk3.run.runner import RunOptions, resolve_run_budget
 from libk3.store import StateStore
 from .scripts import k3, k3_here
+from .test_prefix_cache import PROMPT, _fed, session  # noqa: F401 (a fixture)
 
-PROMPT = [5, 17, 300, 42, 7, 99, 128, 3, 250, 11, 64, 200, 9, 31, 8, 77, 41, 2, 19, 23]
 OTHER = [400, 401, 402, 403, 404, 405]
-
-
-@pytest.fixture(scope="module")
-def session(tiny_dir):
-    return open_session(tiny_dir)
-
-
-def _fed(session, ids):
-    st = session.new_state()
-    prefill(session.forward, st, list(ids), 8, keep_logits=False)
-    return st
 
 
 def _disk(session, d):
