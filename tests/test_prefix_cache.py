@@ -200,12 +200,16 @@ def test_prefix_starts_builds_each_prefix_once_nested_ones_on_the_way(session, t
     c = PROMPT + [5]
     plan = [(a, 16), (b, 8), (c, 16)]
     starts = PrefixStarts(session, 8, plan, _cache(session, tmp_path))
-    st, n = starts.start(a, 16)
-    assert n == 16 and st.ids == a[:16] and st is not starts.held
+
+    def start(ids, shared):             # what a lane's admission takes once prepared
+        starts.prepare(ids, shared)
+        return starts.store.take(ids)
+    st, n = start(a, 16)
+    assert n == 16 and st.ids == a[:16] and st is not starts.store.held()
     st.ids.append(0)                                      # a lane's use of its copy
-    st2, n2 = starts.start(c, 16)
+    st2, n2 = start(c, 16)
     assert n2 == 16 and st2.ids == c[:16]
     assert starts.stats["prefixes_built"] == 1
-    st3, n3 = starts.start(b, 8)                          # nested, kept on disk on the way
+    st3, n3 = start(b, 8)                                 # nested, kept on disk on the way
     assert n3 == 8 and starts.stats["prefixes_built"] == 1
     assert sorted(e.tokens for e in list_entries(tmp_path)) == [8, 16]

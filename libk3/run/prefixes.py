@@ -56,9 +56,9 @@ class PrefixStarts:
     """The shared prefixes of a batch run. ``plan``: the (ids, shared length) of every
     prompt the run may start (``shared_lengths``); ``cache``: the run's StateStore, or
     a PrefixCache (or None) for a store of its own holding one state in RAM. ``stats``:
-    prefixes built and their tokens, prompts started from a kept prefix and the prompt
-    tokens not prefilled (``start``; a batch run counts its finished lines), seconds
-    spent building and reading."""
+    prefixes built and their tokens, seconds spent building and reading (the prompts
+    resumed from them are counted by the core's admission: a batch run counts its
+    finished lines)."""
 
     def __init__(self, session, chunk: int, plan, cache=None, drafting=None,
                  should_stop=None):
@@ -70,13 +70,8 @@ class PrefixStarts:
         # every shared prefix of the run, by length: a prefix built on the way to a longer
         # one is kept (on disk) when another prompt needs it
         self.wanted = {tuple(ids[:s]) for ids, s in plan if s}
-        self.stats = {"prefixes_built": 0, "prefix_tokens_built": 0, "prompts_resumed": 0,
-                      "tokens_reused": 0, "build_seconds": 0.0, "load_seconds": 0.0}
-
-    @property
-    def held(self):
-        """The state the store holds in RAM (used last)."""
-        return self.store.held()
+        self.stats = {"prefixes_built": 0, "prefix_tokens_built": 0, "build_seconds": 0.0,
+                      "load_seconds": 0.0}
 
     def prepare(self, ids, shared: int) -> None:
         """Make sure the store holds the first ``shared`` ids of ``ids`` (or a longer
@@ -90,16 +85,6 @@ class PrefixStarts:
         self.stats["load_seconds"] += time.perf_counter() - t0
         if shared > n:
             self._build(ids, shared, n)
-
-    def start(self, ids, shared: int):
-        """(state, n): ``prepare``, then a fresh copy of the state holding the first n ids
-        of ``ids`` as a lane's admission takes it (n = 0: a new state)."""
-        self.prepare(ids, shared)
-        state, n = self.store.take(ids)
-        if n:
-            self.stats["prompts_resumed"] += 1
-            self.stats["tokens_reused"] += n
-        return (state if state is not None else self.session.new_state()), n
 
     def _build(self, ids, shared: int, n: int) -> None:
         """Prefill ids[:shared] as a prompt-only request resumed from the store's ``n``
