@@ -1,8 +1,8 @@
 """The one fixed-order float64 dot product behind every k3 matrix-vector product.
 
-Owns: ``dot16`` (one row), ``dot16_x4`` (four rows sharing the activation loads) and
-``dot16_x4_t2`` (four rows times two tokens sharing the weight loads: prefill), the
-span steps of the widen-once product (``span_x4_t3``/``_t2``/``_t1``: four rows times three,
+Owns: ``dot16`` (one row), ``dot16_x4`` (four rows sharing the activation loads), the
+even/odd forms for BF16 weights against float64 activations regrouped by ``split16``
+(``dot16_eo``, ``dot16_rows12`` for one token, ``dot16_rows6_t2`` for two), the span steps of the widen-once product (``span_x4_t3``/``_t2``/``_t1``: four rows times three,
 two or one tokens over a column span of weights widened once), the
 summation order of formats/model/numerics.md section 2. It follows the order the public C engine
 documents (model.md §7.2; "remainder added sequentially" read as: after the reduction),
@@ -21,15 +21,18 @@ row's result never depends on the thread count or on which rows share a ``dot16_
 Every product is exact in f64 (BF16 x f32: 8 + 24 significant bits; f32 x f32: 48), so the
 only roundings are the additions listed above. ``dot16_x4`` performs, for each of its
 rows, exactly the operations ``dot16`` performs; it exists to keep eight independent
-vector chains in flight, and ``dot16_x4_t2`` to load and widen each weight chunk once for
-two tokens (both measured in bench/README.md, "Arithmetic").
+vector chains in flight (both measured in bench/README.md, "Arithmetic"). The even/odd forms hold
+a_0, a_2, .., a_14 in one vector and a_1, .., a_15 in the other: each a_l still gets its
+elements in increasing i, and the reduction names the same a_l (``_reduce_eo``); they
+widen two BF16 weights per 32-bit word without a zero-extension, and twelve rows in
+flight keep twelve weight streams open (bench/README.md, "Arithmetic").
 """
 
 from __future__ import annotations
 
 from numba import njit
 
-from ._simd import vfma, vlane, vload, vstore, vzero, widen_f64
+from ._simd import vfma, vfma_even, vfma_odd, vlane, vload, vstore, vzero, widen_f64
 
 
 @njit(cache=True, inline="always")
@@ -95,57 +98,6 @@ def dot16_x4(w0, w1, w2, w3, x):
             _tail(_reduce16(l1, h1), w1, x, n16, n),
             _tail(_reduce16(l2, h2), w2, x, n16, n),
             _tail(_reduce16(l3, h3), w3, x, n16, n))
-
-
-@njit(cache=True, inline="always")
-def dot16_x4_t2(w0, w1, w2, w3, xa, xb):
-    """dot16_x4(w0..w3, xa) + dot16_x4(w0..w3, xb) (one flat 8-tuple) bit for bit, in one pass: each
-    weight chunk is loaded and widened once for both tokens (prefill, speculative
-    verify). Every (row, token) pair keeps its own two accumulators, updated in the
-    order ``dot16`` uses."""
-    n = w0.shape[0]
-    n16 = n - n % 16
-    l0a = vzero()
-    h0a = vzero()
-    l1a = vzero()
-    h1a = vzero()
-    l2a = vzero()
-    h2a = vzero()
-    l3a = vzero()
-    h3a = vzero()
-    l0b = vzero()
-    h0b = vzero()
-    l1b = vzero()
-    h1b = vzero()
-    l2b = vzero()
-    h2b = vzero()
-    l3b = vzero()
-    h3b = vzero()
-    for i in range(0, n16, 16):
-        l0a = vfma(l0a, w0, i, xa, i)
-        h0a = vfma(h0a, w0, i + 8, xa, i + 8)
-        l0b = vfma(l0b, w0, i, xb, i)
-        h0b = vfma(h0b, w0, i + 8, xb, i + 8)
-        l1a = vfma(l1a, w1, i, xa, i)
-        h1a = vfma(h1a, w1, i + 8, xa, i + 8)
-        l1b = vfma(l1b, w1, i, xb, i)
-        h1b = vfma(h1b, w1, i + 8, xb, i + 8)
-        l2a = vfma(l2a, w2, i, xa, i)
-        h2a = vfma(h2a, w2, i + 8, xa, i + 8)
-        l2b = vfma(l2b, w2, i, xb, i)
-        h2b = vfma(h2b, w2, i + 8, xb, i + 8)
-        l3a = vfma(l3a, w3, i, xa, i)
-        h3a = vfma(h3a, w3, i + 8, xa, i + 8)
-        l3b = vfma(l3b, w3, i, xb, i)
-        h3b = vfma(h3b, w3, i + 8, xb, i + 8)
-    return (_tail(_reduce16(l0a, h0a), w0, xa, n16, n),
-            _tail(_reduce16(l1a, h1a), w1, xa, n16, n),
-            _tail(_reduce16(l2a, h2a), w2, xa, n16, n),
-            _tail(_reduce16(l3a, h3a), w3, xa, n16, n),
-            _tail(_reduce16(l0b, h0b), w0, xb, n16, n),
-            _tail(_reduce16(l1b, h1b), w1, xb, n16, n),
-            _tail(_reduce16(l2b, h2b), w2, xb, n16, n),
-            _tail(_reduce16(l3b, h3b), w3, xb, n16, n))
 
 
 @njit(cache=True, inline="always")
@@ -324,3 +276,98 @@ def finish16(acc, at, w, x, n16, n):
     """The sum ``dot16`` returns, from lane vectors kept at acc[at:][:16] after columns
     0..n16-1: the fixed reduction, then the tail n16..n-1 one by one."""
     return _tail(_reduce16(vload(acc, at), vload(acc, at + 8)), w, x, n16, n)
+
+
+@njit(cache=True)
+def split16(x, xs):
+    """xs[i + k] = x[i + 2k] and xs[i + 8 + k] = x[i + 2k + 1] (k = 0..7) as float64 for
+    every whole 16-column chunk at i: the activations of the even/odd products, made once
+    per token and call. Columns past the last whole chunk are left alone (the tail uses x)."""
+    n16 = x.shape[0] - x.shape[0] % 16
+    for i in range(0, n16, 16):
+        for k in range(8):
+            xs[i + k] = x[i + 2 * k]
+            xs[i + 8 + k] = x[i + 2 * k + 1]
+
+
+@njit(cache=True, inline="always")
+def _reduce_eo(e, o):
+    """``_reduce16`` for lane vectors held even/odd: lane k of e is a_(2k), of o a_(2k+1)."""
+    b0 = (vlane(e, 0) + vlane(e, 2)) + (vlane(e, 4) + vlane(e, 6))
+    b1 = (vlane(o, 0) + vlane(o, 2)) + (vlane(o, 4) + vlane(o, 6))
+    b2 = (vlane(e, 1) + vlane(e, 3)) + (vlane(e, 5) + vlane(e, 7))
+    b3 = (vlane(o, 1) + vlane(o, 3)) + (vlane(o, 5) + vlane(o, 7))
+    return (b0 + b1) + (b2 + b3)
+
+
+@njit(cache=True, inline="always")
+def _eo_x2(e0, o0, e1, o1, w0, w1, xs, i):
+    """One 16-column chunk at i of two rows' even/odd lane vectors."""
+    return (vfma_even(e0, w0, i, xs, i), vfma_odd(o0, w0, i, xs, i + 8),
+            vfma_even(e1, w1, i, xs, i), vfma_odd(o1, w1, i, xs, i + 8))
+
+
+@njit(cache=True, inline="always")
+def dot16_eo(w, xs, x):
+    """``dot16(w, x)`` bit for bit, from xs = ``split16(x)`` (w: uint16 BF16 bits or
+    float32)."""
+    n = w.shape[0]
+    n16 = n - n % 16
+    e = vzero()
+    o = vzero()
+    for i in range(0, n16, 16):
+        e = vfma_even(e, w, i, xs, i)
+        o = vfma_odd(o, w, i, xs, i + 8)
+    return _tail(_reduce_eo(e, o), w, x, n16, n)
+
+
+@njit(cache=True, inline="always")
+def dot16_rows12(W, r, xs, x):
+    """(dot16(W[r], x), .., dot16(W[r + 11], x)) bit for bit, in one pass over xs =
+    ``split16(x)``: twelve rows' 24 lane vectors stay in registers."""
+    n = W.shape[1]
+    n16 = n - n % 16
+    w0, w1, w2, w3 = W[r], W[r + 1], W[r + 2], W[r + 3]
+    w4, w5, w6, w7 = W[r + 4], W[r + 5], W[r + 6], W[r + 7]
+    w8, w9, w10, w11 = W[r + 8], W[r + 9], W[r + 10], W[r + 11]
+    e0 = o0 = e1 = o1 = e2 = o2 = e3 = o3 = vzero()
+    e4 = o4 = e5 = o5 = e6 = o6 = e7 = o7 = vzero()
+    e8 = o8 = e9 = o9 = e10 = o10 = e11 = o11 = vzero()
+    for i in range(0, n16, 16):
+        e0, o0, e1, o1 = _eo_x2(e0, o0, e1, o1, w0, w1, xs, i)
+        e2, o2, e3, o3 = _eo_x2(e2, o2, e3, o3, w2, w3, xs, i)
+        e4, o4, e5, o5 = _eo_x2(e4, o4, e5, o5, w4, w5, xs, i)
+        e6, o6, e7, o7 = _eo_x2(e6, o6, e7, o7, w6, w7, xs, i)
+        e8, o8, e9, o9 = _eo_x2(e8, o8, e9, o9, w8, w9, xs, i)
+        e10, o10, e11, o11 = _eo_x2(e10, o10, e11, o11, w10, w11, xs, i)
+    return (_tail(_reduce_eo(e0, o0), w0, x, n16, n), _tail(_reduce_eo(e1, o1), w1, x, n16, n),
+            _tail(_reduce_eo(e2, o2), w2, x, n16, n), _tail(_reduce_eo(e3, o3), w3, x, n16, n),
+            _tail(_reduce_eo(e4, o4), w4, x, n16, n), _tail(_reduce_eo(e5, o5), w5, x, n16, n),
+            _tail(_reduce_eo(e6, o6), w6, x, n16, n), _tail(_reduce_eo(e7, o7), w7, x, n16, n),
+            _tail(_reduce_eo(e8, o8), w8, x, n16, n), _tail(_reduce_eo(e9, o9), w9, x, n16, n),
+            _tail(_reduce_eo(e10, o10), w10, x, n16, n),
+            _tail(_reduce_eo(e11, o11), w11, x, n16, n))
+
+
+@njit(cache=True, inline="always")
+def dot16_rows6_t2(W, r, xsa, xa, xsb, xb):
+    """dot16 of rows W[r] .. W[r + 5] with token a, then with token b (a 12-tuple) bit for
+    bit, each weight chunk loaded once for both tokens (xsa, xsb: ``split16`` of xa, xb)."""
+    n = W.shape[1]
+    n16 = n - n % 16
+    w0, w1, w2, w3, w4, w5 = W[r], W[r + 1], W[r + 2], W[r + 3], W[r + 4], W[r + 5]
+    e0 = o0 = e1 = o1 = e2 = o2 = e3 = o3 = e4 = o4 = e5 = o5 = vzero()
+    f0 = p0 = f1 = p1 = f2 = p2 = f3 = p3 = f4 = p4 = f5 = p5 = vzero()
+    for i in range(0, n16, 16):
+        e0, o0, e1, o1 = _eo_x2(e0, o0, e1, o1, w0, w1, xsa, i)
+        f0, p0, f1, p1 = _eo_x2(f0, p0, f1, p1, w0, w1, xsb, i)
+        e2, o2, e3, o3 = _eo_x2(e2, o2, e3, o3, w2, w3, xsa, i)
+        f2, p2, f3, p3 = _eo_x2(f2, p2, f3, p3, w2, w3, xsb, i)
+        e4, o4, e5, o5 = _eo_x2(e4, o4, e5, o5, w4, w5, xsa, i)
+        f4, p4, f5, p5 = _eo_x2(f4, p4, f5, p5, w4, w5, xsb, i)
+    return (_tail(_reduce_eo(e0, o0), w0, xa, n16, n), _tail(_reduce_eo(e1, o1), w1, xa, n16, n),
+            _tail(_reduce_eo(e2, o2), w2, xa, n16, n), _tail(_reduce_eo(e3, o3), w3, xa, n16, n),
+            _tail(_reduce_eo(e4, o4), w4, xa, n16, n), _tail(_reduce_eo(e5, o5), w5, xa, n16, n),
+            _tail(_reduce_eo(f0, p0), w0, xb, n16, n), _tail(_reduce_eo(f1, p1), w1, xb, n16, n),
+            _tail(_reduce_eo(f2, p2), w2, xb, n16, n), _tail(_reduce_eo(f3, p3), w3, xb, n16, n),
+            _tail(_reduce_eo(f4, p4), w4, xb, n16, n), _tail(_reduce_eo(f5, p5), w5, xb, n16, n))

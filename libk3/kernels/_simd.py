@@ -3,7 +3,8 @@
 Owns: the one numba-side BF16 widening (bits << 16, the same rule as
 ``libk3.io.dtypes.bf16_to_f32``; scalar ``widen_f32`` / ``widen_f64``, vector inside
 ``vfma``) and an 8-lane float64 vector type ``f64x8`` with ``vzero``, ``vlane``,
-``vfma``, ``vload``, ``vstore`` and ``vwiden``, and a cache ``prefetch`` hint, from which
+``vfma``, ``vfma_even``/``vfma_odd``, ``vload``, ``vstore`` and ``vwiden``, and a cache
+``prefetch`` hint, from which
 the fixed-order dot products of ``_dot.py`` are built.
 Does not own: any model math, any summation order (``_dot.py`` fixes that).
 
@@ -159,6 +160,59 @@ def vfma(typingctx, acc, w, i, x, j):
         return builder.call(fma, [wd, xd, vacc])
 
     return sig, codegen
+
+
+def _widen_half(context, builder, aryty, ary, index_type, index, odd):
+    """Elements i, i+2, .., i+14 (odd: i+1, .., i+15) of a uint16 BF16 or float32 array as
+    <8 x double>, exactly. BF16: the 16 elements are read as eight 32-bit words, whose low
+    half (the even element, little-endian) widens by << 16 and whose high half (the odd
+    one) by clearing the low 16 bits: no zero-extension shuffle per element."""
+    a = context.make_array(aryty)(context, builder, ary)
+    ptr = builder.gep(a.data, [context.cast(builder, index, index_type, types.intp)])
+    if aryty.dtype == types.uint16:
+        i32 = ir.VectorType(ir.IntType(32), 8)
+        words = builder.load(builder.bitcast(ptr, i32.as_pointer()), align=2)
+        if odd:
+            bits = builder.and_(words, ir.Constant(i32, [-65536] * 8))
+        else:
+            bits = builder.shl(words, ir.Constant(i32, [16] * 8))
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(_F32, 8)), _V)
+    v16 = builder.load(builder.bitcast(ptr, ir.VectorType(_F32, 16).as_pointer()), align=4)
+    half = builder.shuffle_vector(v16, ir.Constant(ir.VectorType(_F32, 16), None),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), 8),
+                                              [2 * k + int(odd) for k in range(8)]))
+    return builder.fpext(half, _V)
+
+
+def _vfma_half(odd, name, doc):
+    def typer(typingctx, acc, w, i, x, j):
+        if not (acc == f64x8 and isinstance(w, types.Array) and w.ndim == 1
+                and w.layout == "C" and w.dtype in (types.uint16, types.float32)
+                and _is_operand_array(x) and isinstance(i, types.Integer)
+                and isinstance(j, types.Integer)):
+            return None
+        sig = f64x8(acc, w, i, x, j)
+
+        def codegen(context, builder, signature, args):
+            vacc, vw, vi, vx, vj = args
+            _, tw, ti, tx, tj = signature.args
+            wd = _widen_half(context, builder, tw, vw, ti, vi, odd)
+            xd = _widen_vector(builder, _load8(context, builder, tx, vx, tj, vj), tx.dtype)
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V, [_V, _V, _V]), "llvm.fma.v8f64")
+            return builder.call(fma, [wd, xd, vacc])
+
+        return sig, codegen
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+vfma_even = _vfma_half(False, "vfma_even", """acc[l] + widen(w[i + 2l]) * f64(x[j + l]) for
+l = 0..7: the even elements of the 16 at w[i] (uint16 BF16 bits or float32) against eight
+consecutive x (float64 holding widened values, or float32); one rounding per lane, as
+``vfma``. Unchecked bounds.""")
+vfma_odd = _vfma_half(True, "vfma_odd", """``vfma_even`` for the odd elements w[i + 2l + 1].""")
 
 
 @intrinsic

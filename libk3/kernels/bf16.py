@@ -11,8 +11,7 @@ eight at a time inside the dot product; no float32 copy of W exists at any point
 weights (small matrices, conformance vectors, test oracles): the dtype of W selects the
 widening at compile time.
 
-Threads split output rows only, in groups of four rows (``dot16_x4``), and each row's
-arithmetic is identical whichever group and thread it lands in: outputs are bit-identical
+Threads split output rows only, in groups of rows, and each row's arithmetic is identical whichever group and thread it lands in: outputs are bit-identical
 at any thread count, and ``matmul`` row t equals ``matvec`` of token t bit for bit.
 """
 
@@ -23,8 +22,8 @@ from numba import njit, prange
 
 from . import team
 
-from ._dot import (dot16, dot16_x4, dot16_x4_t2, finish16, span_x4_t1, span_x4_t2,
-                   span_x4_t3)
+from ._dot import (dot16, dot16_eo, dot16_rows12, dot16_rows6_t2, finish16, span_x4_t1,
+                   span_x4_t2, span_x4_t3, split16)
 from ._simd import prefetch, vstore, vwiden
 
 # Columns of a block of rows widened to float64 at once, then applied to every token of
@@ -34,9 +33,14 @@ SPAN = 256
 GROUPS = 2
 # From this many tokens on, matmul widens each weight once for all of them.
 WIDEN_ONCE_FROM = 3
+# Below that, rows per task: one token's 12 rows (two tokens' 6) keep 24 lane vectors in
+# registers and as many weight streams open as the memory system rewards
+# (bench/README.md "Arithmetic").
+ROWS_T1 = 12
+ROWS_T2 = 6
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True)
 def matvec(W, x, y):
     """y[o] = f32( sum_i widen(W[o, i]) * x[i] ), f64 sums in the dot16 order.
 
@@ -47,20 +51,33 @@ def matvec(W, x, y):
     O, I = W.shape
     if x.shape[0] != I or y.shape[0] != O:
         raise ValueError("matvec: W is [O, I], x must be [I] and y [O]")
-    groups = O // 4
-    nt = team.narrow(W.nbytes)
-    for g in prange(groups + 1):
-        if g < groups:
-            o = 4 * g
-            a, b, c, d = dot16_x4(W[o], W[o + 1], W[o + 2], W[o + 3], x)
-            y[o] = np.float32(a)
-            y[o + 1] = np.float32(b)
-            y[o + 2] = np.float32(c)
-            y[o + 3] = np.float32(d)
+    matmul(W, x.reshape(1, I), y.reshape(1, O))
+
+
+@njit(cache=True, inline="always")
+def _few_tokens(W, X, Y):
+    """Y = W X for one or two tokens: ROWS_T1 (ROWS_T2) rows per task in the even/odd
+    form, the last O mod that many rows one at a time."""
+    O, I = W.shape
+    T = X.shape[0]
+    XS = np.empty((T, I))
+    for t in range(T):
+        split16(X[t], XS[t])
+    rows = ROWS_T1 if T == 1 else ROWS_T2
+    tasks = O // rows
+    for g in prange(tasks + 1):
+        if g < tasks:
+            o = rows * g
+            if T == 1:
+                s = dot16_rows12(W, o, XS[0], X[0])
+            else:
+                s = dot16_rows6_t2(W, o, XS[0], X[0], XS[1], X[1])
+            for k in range(len(s)):
+                Y[k // rows, o + k % rows] = np.float32(s[k])
         else:
-            for o in range(4 * groups, O):
-                y[o] = np.float32(dot16(W[o], x))
-    team.widen(nt)
+            for o in range(rows * tasks, O):
+                for t in range(T):
+                    Y[t, o] = np.float32(dot16_eo(W[o], XS[t], X[t]))
 
 
 @njit(cache=True, inline="always")
@@ -109,47 +126,27 @@ def matmul(W, X, Y):
     """Y[t, o] = matvec(W, X[t])[o] for every token t, bit for bit.
 
     W: [O, I] uint16 BF16 bits or float32. X: [T, I] float32. Y: [T, O] float32, written.
-    Each group of four weight rows is read from memory once for all T tokens; from
-    WIDEN_ONCE_FROM tokens on it is also widened once (a SPAN of columns at a time), not
-    once per pair of tokens. Must not become: a blocked GEMM that splits the I-axis sum
-    differently from ``matvec`` (prefill and decode would then disagree)."""
+    Each weight row is read from memory once for all T tokens; from WIDEN_ONCE_FROM
+    tokens on it is also widened once (a SPAN of columns at a time) for all of them. Must
+    not become: a blocked GEMM that splits the I-axis sum differently from ``matvec``
+    (prefill and decode would then disagree)."""
     O, I = W.shape
     T = X.shape[0]
     if X.shape[1] != I or Y.shape[0] != T or Y.shape[1] != O:
         raise ValueError("matmul: W is [O, I], X must be [T, I] and Y [T, O]")
-    groups = O // 4
     nt = team.narrow(W.nbytes * T)
-    first = 0                                  # the first four-row group the pair path takes
-    if T >= WIDEN_ONCE_FROM:
+    if T == 0:
+        pass
+    elif T < WIDEN_ONCE_FROM:
+        _few_tokens(W, X, Y)
+    else:
+        groups = O // 4
         X64 = X.astype(np.float64).reshape(-1)
         for b in prange((groups + GROUPS - 1) // GROUPS):
             mg = min(GROUPS, groups - GROUPS * b)
             _rows_widened(W, X64, X, Y, GROUPS * b, mg, np.empty(4 * GROUPS * SPAN),
                           np.empty(64 * GROUPS * T))
-        first = groups                         # only the rows past the last group are left
-    for g in prange(first, groups + 1):
-        if g < groups:
-            o = 4 * g
-            for t in range(0, T - 1, 2):
-                a0, a1, a2, a3, b0, b1, b2, b3 = dot16_x4_t2(W[o], W[o + 1], W[o + 2],
-                                                             W[o + 3], X[t], X[t + 1])
-                Y[t, o] = np.float32(a0)
-                Y[t, o + 1] = np.float32(a1)
-                Y[t, o + 2] = np.float32(a2)
-                Y[t, o + 3] = np.float32(a3)
-                Y[t + 1, o] = np.float32(b0)
-                Y[t + 1, o + 1] = np.float32(b1)
-                Y[t + 1, o + 2] = np.float32(b2)
-                Y[t + 1, o + 3] = np.float32(b3)
-            if T % 2:
-                t = T - 1
-                a, b, c, d = dot16_x4(W[o], W[o + 1], W[o + 2], W[o + 3], X[t])
-                Y[t, o] = np.float32(a)
-                Y[t, o + 1] = np.float32(b)
-                Y[t, o + 2] = np.float32(c)
-                Y[t, o + 3] = np.float32(d)
-        else:
-            for o in range(4 * groups, O):
-                for t in range(T):
-                    Y[t, o] = np.float32(dot16(W[o], X[t]))
+        for o in range(4 * groups, O):         # the rows past the last four-row group
+            for t in range(T):
+                Y[t, o] = np.float32(dot16(W[o], X[t]))
     team.widen(nt)
