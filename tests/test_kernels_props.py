@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from libk3.io import mxfp4 as io_mxfp4
 from libk3.io.dtypes import bf16_to_f32
 from libk3.kernels import activations, attnres, bf16, kda, mla, moe, mxfp4, norms, router
+from libk3.kernels import _mxfp4_tile as _tile
 from libk3.kernels._simd import widen_f32
 
 PROPS = settings(max_examples=25, deadline=None)
@@ -311,6 +312,53 @@ def test_kernels_mxfp4_vector_decode_equals_scalar_path_in_float64(seed, R, G):
     assert np.array_equal(want.view(np.uint64)[~same_nan], got.view(np.uint64)[~same_nan])
     assert np.array_equal(np.isnan(want), np.isnan(got))
     assert mxfp4._row_pair is mxfp4._row_dot2_vec        # matvec/matmul use the vector path
+
+
+def _decoder(decode):
+    """A numba function writing the four vectors ``decode`` makes of a 16-byte group."""
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def decode_group(typingctx, packed, out):
+        sig = types.void(packed, out)
+
+        def codegen(context, builder, signature, args):
+            p = context.make_array(signature.args[0])(context, builder, args[0]).data
+            o = context.make_array(signature.args[1])(context, builder, args[1]).data
+            vec = ir.VectorType(ir.DoubleType(), 8).as_pointer()
+            for c, v in enumerate(decode(builder, p)):
+                builder.store(v, builder.bitcast(builder.gep(o, [ir.Constant(ir.IntType(64), 8 * c)]),
+                                                 vec), align=8)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @numba.njit
+    def run(packed, out):
+        for g in range(packed.shape[0]):
+            decode_group(packed[g], out[g])
+
+    return run
+
+
+@pytest.mark.skipif(not _tile.HAVE_AVX512F, reason="the permute decode needs AVX-512F")
+def test_kernels_mxfp4_permute_decode_equals_byte_shuffle_decode():
+    """Catches a table decode (the path AVX-512 machines run) that differs from the
+    byte-shuffle decode other x86-64 machines run, or from 2 * E2M1: every byte value at
+    every one of the 16 positions of a group, bit for bit."""
+    groups = np.stack([np.roll(np.arange(256, dtype=np.uint8), k)[:16 * 16].reshape(16, 16)
+                       for k in range(16)]).reshape(-1, 16)
+    groups = np.concatenate([groups, np.arange(256, dtype=np.uint8).reshape(16, 16).T.copy()])
+    want = np.empty((groups.shape[0], 32))
+    got = np.empty((groups.shape[0], 32))
+    _decoder(_tile._decode_pshufb)(groups, want)
+    _decoder(_tile._decode_permute)(groups, got)
+    assert np.array_equal(want.view(np.uint64), got.view(np.uint64))
+    codes = np.empty((groups.shape[0], 32), np.uint8)
+    codes[:, 0::2], codes[:, 1::2] = groups & 15, groups >> 4
+    assert np.array_equal(want, 2 * io_mxfp4.E2M1[codes].astype(np.float64) + 0.0)
 
 # ----------------------------------------------------------------------------- norms
 
