@@ -1,7 +1,8 @@
 """The MXFP4 group decode and the tile steps every MXFP4 kernel is built from.
 
 Owns: the vector decode of one 32-weight group (16 packed bytes -> four f64x8 vectors of
-doubled E2M1 values, through the SSSE3 byte shuffle), ``group_sum_x2`` (one row, one
+doubled E2M1 values: a float64 table permute on AVX-512 machines, the SSSE3 byte shuffle
+on other x86-64, the same values), ``group_sum_x2`` (one row, one
 token: the decode's one-token use); the tile steps ``tile_8x1`` (eight lanes), ``tile_4x4``
 and ``tile_8x2`` (sixteen: two vectors of eight): RT rows x TT tokens of one group, each
 decoded row applied to every token of the tile; and for eight tokens at a time

@@ -6,13 +6,15 @@ summation order (``_dot.dot16``, formats/model/numerics.md section 2), MXFP4 exp
 (``mxfp4.py``), any choice of which weights to multiply.
 
 Weights stay BF16 in memory as raw uint16 bit patterns and are widened (bits << 16)
-eight at a time inside the dot product; no float32 copy of W exists at any point
+inside the dot product (for one and two tokens two weights per 32-bit word, the even/odd
+form of ``_dot``); no float32 copy of W exists at any point
 (model.md §7.1: the always-active set would double). The same compiled code accepts float32
 weights (small matrices, conformance vectors, test oracles): the dtype of W selects the
 widening at compile time.
 
-Threads split output rows only, in groups of rows, and each row's arithmetic is identical whichever group and thread it lands in: outputs are bit-identical
-at any thread count, and ``matmul`` row t equals ``matvec`` of token t bit for bit.
+Threads split output rows only, in groups of rows, and each row's arithmetic is identical
+whichever group and thread it lands in: outputs are bit-identical at any thread count,
+and ``matmul`` row t equals ``matvec`` of token t bit for bit.
 """
 
 from __future__ import annotations
