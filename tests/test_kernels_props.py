@@ -158,10 +158,9 @@ def test_kernels_dense_matvec_order_shows_under_cancellation(seed, O, I):
 @given(seeds, st.integers(1, 41), st.integers(1, 700), st.integers(1, 9))
 def test_kernels_dense_matmul_equals_matvec_per_token(seed, O, I, T):
     """Catches a prefill (block) path whose per-token arithmetic differs from decode, for
-    BF16 bits and f32 weights: token pairs, an odd last token, and from three tokens the
-    widen-once path (lane vectors lost or mixed between column spans, a (token, row)
-    finished from another's vectors, a last partial block of rows); rows past one block,
-    columns past several spans with a tail, cancelling activations."""
+    BF16 bits and f32 weights: blocks of four tokens, a pair, a last token (a (token, row)
+    finished from another's vectors, tokens or rows of a block swapped), rows past the last
+    twelve-row task, columns with a tail, cancelling activations."""
     rng = np.random.default_rng(seed)
     X = (_cancelling(rng, T * I).reshape(T, I) if I > 1
          else rng.standard_normal((T, I))).astype(np.float32)
