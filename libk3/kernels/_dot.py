@@ -3,7 +3,9 @@
 Owns: ``dot16`` (one row), ``dot16_x4`` (four rows sharing the activation loads), the
 even/odd forms for BF16 weights against float64 activations regrouped by ``split16``
 (``dot16_eo``; ``dot16_rows12``: twelve rows, one token; ``dot16_rows6_t2``: six rows,
-two tokens; ``dot16_rows3_t4``: three rows, four tokens), the summation order of
+two tokens; ``dot16_rows3_t4``: three rows, four tokens), the span steps of the
+widen-once product (``span_x4_t3``/``_t2``/``_t1``: four rows times three, two or one
+tokens over a column span of weights widened once, ``finish16``), the summation order of
 formats/model/numerics.md section 2. It follows the order the public C engine documents (model.md §7.2; "remainder added sequentially" read as: after the reduction),
 so k3's BF16/F32 matvecs should match it bit for bit (not checked: no C engine output is
 available here):
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from ._simd import vfma, vfma_even, vfma_odd, vlane, vzero, widen_f64
+from ._simd import vfma, vfma_even, vfma_odd, vlane, vload, vstore, vzero, widen_f64
 
 
 @njit(cache=True, inline="always")
@@ -227,3 +229,181 @@ def _eo_t2(ea, oa, eb, ob, w, xsa, xsb, i):
     """One 16-column chunk at i of one row's even/odd lane vectors for two tokens."""
     return (vfma_even(ea, w, i, xsa, i), vfma_odd(oa, w, i, xsa, i + 8),
             vfma_even(eb, w, i, xsb, i), vfma_odd(ob, w, i, xsb, i + 8))
+
+
+@njit(cache=True, inline="always")
+def span_x4_t2(Wb, kb, X, xa, xb, n, acc, at):
+    """Continue the 16 lane vectors of four rows x two tokens over n columns (n % 16 == 0):
+    row r's weights are Wb[r * kb :][:n] (float64, widened once for every token), token
+    a's activations X[xa:][:n], token b's X[xb:][:n]; the vectors of (token u, row r) are
+    acc[at + 16 * (4u + r):][:16] before and after. Every lane gets the additions
+    ``dot16`` gives it, in the same order: cutting a row into column spans only moves its
+    vectors through memory between spans."""
+    r1, r2, r3 = kb, 2 * kb, 3 * kb
+    l0a = vload(acc, at)
+    h0a = vload(acc, at + 8)
+    l1a = vload(acc, at + 16)
+    h1a = vload(acc, at + 24)
+    l2a = vload(acc, at + 32)
+    h2a = vload(acc, at + 40)
+    l3a = vload(acc, at + 48)
+    h3a = vload(acc, at + 56)
+    l0b = vload(acc, at + 64)
+    h0b = vload(acc, at + 72)
+    l1b = vload(acc, at + 80)
+    h1b = vload(acc, at + 88)
+    l2b = vload(acc, at + 96)
+    h2b = vload(acc, at + 104)
+    l3b = vload(acc, at + 112)
+    h3b = vload(acc, at + 120)
+    for i in range(0, n, 16):
+        l0a = vfma(l0a, Wb, i, X, xa + i)
+        h0a = vfma(h0a, Wb, i + 8, X, xa + i + 8)
+        l0b = vfma(l0b, Wb, i, X, xb + i)
+        h0b = vfma(h0b, Wb, i + 8, X, xb + i + 8)
+        l1a = vfma(l1a, Wb, r1 + i, X, xa + i)
+        h1a = vfma(h1a, Wb, r1 + i + 8, X, xa + i + 8)
+        l1b = vfma(l1b, Wb, r1 + i, X, xb + i)
+        h1b = vfma(h1b, Wb, r1 + i + 8, X, xb + i + 8)
+        l2a = vfma(l2a, Wb, r2 + i, X, xa + i)
+        h2a = vfma(h2a, Wb, r2 + i + 8, X, xa + i + 8)
+        l2b = vfma(l2b, Wb, r2 + i, X, xb + i)
+        h2b = vfma(h2b, Wb, r2 + i + 8, X, xb + i + 8)
+        l3a = vfma(l3a, Wb, r3 + i, X, xa + i)
+        h3a = vfma(h3a, Wb, r3 + i + 8, X, xa + i + 8)
+        l3b = vfma(l3b, Wb, r3 + i, X, xb + i)
+        h3b = vfma(h3b, Wb, r3 + i + 8, X, xb + i + 8)
+    vstore(acc, at, l0a)
+    vstore(acc, at + 8, h0a)
+    vstore(acc, at + 16, l1a)
+    vstore(acc, at + 24, h1a)
+    vstore(acc, at + 32, l2a)
+    vstore(acc, at + 40, h2a)
+    vstore(acc, at + 48, l3a)
+    vstore(acc, at + 56, h3a)
+    vstore(acc, at + 64, l0b)
+    vstore(acc, at + 72, h0b)
+    vstore(acc, at + 80, l1b)
+    vstore(acc, at + 88, h1b)
+    vstore(acc, at + 96, l2b)
+    vstore(acc, at + 104, h2b)
+    vstore(acc, at + 112, l3b)
+    vstore(acc, at + 120, h3b)
+
+
+@njit(cache=True, inline="always")
+def span_x4_t3(Wb, kb, X, xa, xb, xc, n, acc, at):
+    """``span_x4_t2`` for three tokens a, b, c: the vectors of (token u, row r) are
+    acc[at + 16 * (4u + r):][:16]; each widened weight load serves three tokens."""
+    r1, r2, r3 = kb, 2 * kb, 3 * kb
+    l0a = vload(acc, at)
+    h0a = vload(acc, at + 8)
+    l1a = vload(acc, at + 16)
+    h1a = vload(acc, at + 24)
+    l2a = vload(acc, at + 32)
+    h2a = vload(acc, at + 40)
+    l3a = vload(acc, at + 48)
+    h3a = vload(acc, at + 56)
+    l0b = vload(acc, at + 64)
+    h0b = vload(acc, at + 72)
+    l1b = vload(acc, at + 80)
+    h1b = vload(acc, at + 88)
+    l2b = vload(acc, at + 96)
+    h2b = vload(acc, at + 104)
+    l3b = vload(acc, at + 112)
+    h3b = vload(acc, at + 120)
+    l0c = vload(acc, at + 128)
+    h0c = vload(acc, at + 136)
+    l1c = vload(acc, at + 144)
+    h1c = vload(acc, at + 152)
+    l2c = vload(acc, at + 160)
+    h2c = vload(acc, at + 168)
+    l3c = vload(acc, at + 176)
+    h3c = vload(acc, at + 184)
+    for i in range(0, n, 16):
+        l0a = vfma(l0a, Wb, i, X, xa + i)
+        h0a = vfma(h0a, Wb, i + 8, X, xa + i + 8)
+        l0b = vfma(l0b, Wb, i, X, xb + i)
+        h0b = vfma(h0b, Wb, i + 8, X, xb + i + 8)
+        l0c = vfma(l0c, Wb, i, X, xc + i)
+        h0c = vfma(h0c, Wb, i + 8, X, xc + i + 8)
+        l1a = vfma(l1a, Wb, r1 + i, X, xa + i)
+        h1a = vfma(h1a, Wb, r1 + i + 8, X, xa + i + 8)
+        l1b = vfma(l1b, Wb, r1 + i, X, xb + i)
+        h1b = vfma(h1b, Wb, r1 + i + 8, X, xb + i + 8)
+        l1c = vfma(l1c, Wb, r1 + i, X, xc + i)
+        h1c = vfma(h1c, Wb, r1 + i + 8, X, xc + i + 8)
+        l2a = vfma(l2a, Wb, r2 + i, X, xa + i)
+        h2a = vfma(h2a, Wb, r2 + i + 8, X, xa + i + 8)
+        l2b = vfma(l2b, Wb, r2 + i, X, xb + i)
+        h2b = vfma(h2b, Wb, r2 + i + 8, X, xb + i + 8)
+        l2c = vfma(l2c, Wb, r2 + i, X, xc + i)
+        h2c = vfma(h2c, Wb, r2 + i + 8, X, xc + i + 8)
+        l3a = vfma(l3a, Wb, r3 + i, X, xa + i)
+        h3a = vfma(h3a, Wb, r3 + i + 8, X, xa + i + 8)
+        l3b = vfma(l3b, Wb, r3 + i, X, xb + i)
+        h3b = vfma(h3b, Wb, r3 + i + 8, X, xb + i + 8)
+        l3c = vfma(l3c, Wb, r3 + i, X, xc + i)
+        h3c = vfma(h3c, Wb, r3 + i + 8, X, xc + i + 8)
+    vstore(acc, at, l0a)
+    vstore(acc, at + 8, h0a)
+    vstore(acc, at + 16, l1a)
+    vstore(acc, at + 24, h1a)
+    vstore(acc, at + 32, l2a)
+    vstore(acc, at + 40, h2a)
+    vstore(acc, at + 48, l3a)
+    vstore(acc, at + 56, h3a)
+    vstore(acc, at + 64, l0b)
+    vstore(acc, at + 72, h0b)
+    vstore(acc, at + 80, l1b)
+    vstore(acc, at + 88, h1b)
+    vstore(acc, at + 96, l2b)
+    vstore(acc, at + 104, h2b)
+    vstore(acc, at + 112, l3b)
+    vstore(acc, at + 120, h3b)
+    vstore(acc, at + 128, l0c)
+    vstore(acc, at + 136, h0c)
+    vstore(acc, at + 144, l1c)
+    vstore(acc, at + 152, h1c)
+    vstore(acc, at + 160, l2c)
+    vstore(acc, at + 168, h2c)
+    vstore(acc, at + 176, l3c)
+    vstore(acc, at + 184, h3c)
+
+
+@njit(cache=True, inline="always")
+def span_x4_t1(Wb, kb, X, xa, n, acc, at):
+    """``span_x4_t2`` for one token (an odd token count's last)."""
+    r1, r2, r3 = kb, 2 * kb, 3 * kb
+    l0 = vload(acc, at)
+    h0 = vload(acc, at + 8)
+    l1 = vload(acc, at + 16)
+    h1 = vload(acc, at + 24)
+    l2 = vload(acc, at + 32)
+    h2 = vload(acc, at + 40)
+    l3 = vload(acc, at + 48)
+    h3 = vload(acc, at + 56)
+    for i in range(0, n, 16):
+        l0 = vfma(l0, Wb, i, X, xa + i)
+        h0 = vfma(h0, Wb, i + 8, X, xa + i + 8)
+        l1 = vfma(l1, Wb, r1 + i, X, xa + i)
+        h1 = vfma(h1, Wb, r1 + i + 8, X, xa + i + 8)
+        l2 = vfma(l2, Wb, r2 + i, X, xa + i)
+        h2 = vfma(h2, Wb, r2 + i + 8, X, xa + i + 8)
+        l3 = vfma(l3, Wb, r3 + i, X, xa + i)
+        h3 = vfma(h3, Wb, r3 + i + 8, X, xa + i + 8)
+    vstore(acc, at, l0)
+    vstore(acc, at + 8, h0)
+    vstore(acc, at + 16, l1)
+    vstore(acc, at + 24, h1)
+    vstore(acc, at + 32, l2)
+    vstore(acc, at + 40, h2)
+    vstore(acc, at + 48, l3)
+    vstore(acc, at + 56, h3)
+
+
+@njit(cache=True, inline="always")
+def finish16(acc, at, w, x, n16, n):
+    """The sum ``dot16`` returns, from lane vectors kept at acc[at:][:16] after columns
+    0..n16-1: the fixed reduction, then the tail n16..n-1 one by one."""
+    return _tail(_reduce16(vload(acc, at), vload(acc, at + 8)), w, x, n16, n)

@@ -3,7 +3,8 @@
 Owns: the one numba-side BF16 widening (bits << 16, the same rule as
 ``libk3.io.dtypes.bf16_to_f32``; scalar ``widen_f32`` / ``widen_f64``, vector inside
 ``vfma``) and an 8-lane float64 vector type ``f64x8`` with ``vzero``, ``vlane``,
-``vfma``, ``vfma_even``/``vfma_odd``, ``vload`` and ``vstore``, from which
+``vfma``, ``vfma_even``/``vfma_odd``, ``vload``, ``vstore`` and ``vwiden``, and a cache
+``prefetch`` hint, from which
 the fixed-order dot products of ``_dot.py`` are built.
 Does not own: any model math, any summation order (``_dot.py`` fixes that).
 
@@ -242,6 +243,47 @@ def vstore(typingctx, a, i, v):
         arr = context.make_array(aryty)(context, builder, args[0])
         ptr = builder.gep(arr.data, [context.cast(builder, args[1], ity, types.intp)])
         builder.store(args[2], builder.bitcast(ptr, _V.as_pointer()), align=8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def vwiden(typingctx, w, i):
+    """w[i : i + 8] (uint16 BF16 bits or float32, 1-D C-contiguous) widened exactly to an
+    f64x8 (unchecked bounds): a weight block widened once for many tokens."""
+    if not (_is_operand_array(w) and isinstance(i, types.Integer)):
+        return None
+    sig = f64x8(w, i)
+
+    def codegen(context, builder, signature, args):
+        tw, ti = signature.args
+        return _widen_vector(builder, _load8(context, builder, tw, args[0], ti, args[1]),
+                             tw.dtype)
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch(typingctx, a, i):
+    """Hint the cache line holding a[i] into the cache (no effect on any value; an address
+    past the array's end is allowed: a prefetch never faults)."""
+    if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
+            and isinstance(i, types.Integer)):
+        return None
+    sig = types.void(a, i)
+
+    def codegen(context, builder, signature, args):
+        aryty, ity = signature.args
+        arr = context.make_array(aryty)(context, builder, args[0])
+        ptr = builder.gep(arr.data, [context.cast(builder, args[1], ity, types.intp)])
+        i8p = ir.IntType(8).as_pointer()
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p] + [ir.IntType(32)] * 3),
+            "llvm.prefetch.p0i8")
+        i32 = ir.IntType(32)
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                          ir.Constant(i32, 1)])
         return context.get_dummy_value()
 
     return sig, codegen
