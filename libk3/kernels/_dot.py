@@ -6,8 +6,9 @@ even/odd forms for BF16 weights against float64 activations regrouped by ``split
 two tokens; ``dot16_rows3_t4``: three rows, four tokens), the span steps of the
 widen-once product (``span_x4_t3``/``_t2``/``_t1``: four rows times three, two or one
 tokens over a column span of weights widened once, ``finish16``), the summation order of
-formats/model/numerics.md section 2. It follows the order the public C engine documents (model.md §7.2; "remainder added sequentially" read as: after the reduction),
-so k3's BF16/F32 matvecs should match it bit for bit (not checked: no C engine output is
+formats/model/numerics.md section 2. It follows the order the public C engine documents
+(model.md §7.2; "remainder added sequentially" read as: after the reduction), so k3's
+BF16/F32 matvecs should match it bit for bit (not checked: no C engine output is
 available here):
 
 * 16 f64 partial sums a_0..a_15 start at +0.0; element i < 16*floor(n/16) is added to
@@ -124,10 +125,11 @@ def _reduce_eo(e, o):
 
 
 @njit(cache=True, inline="always")
-def _eo_x2(e0, o0, e1, o1, w0, w1, xs, i):
-    """One 16-column chunk at i of two rows' even/odd lane vectors."""
-    return (vfma_even(e0, w0, i, xs, i), vfma_odd(o0, w0, i, xs, i + 8),
-            vfma_even(e1, w1, i, xs, i), vfma_odd(o1, w1, i, xs, i + 8))
+def _eo_pair(e0, o0, w0, xs0, e1, o1, w1, xs1, i):
+    """One 16-column chunk at i of two (row, token) pairs' even/odd lane vectors: row w0
+    against token xs0, row w1 against token xs1 (two rows of one token, or one row of two)."""
+    return (vfma_even(e0, w0, i, xs0, i), vfma_odd(o0, w0, i, xs0, i + 8),
+            vfma_even(e1, w1, i, xs1, i), vfma_odd(o1, w1, i, xs1, i + 8))
 
 
 @njit(cache=True, inline="always")
@@ -157,12 +159,12 @@ def dot16_rows12(W, r, xs, x):
     e4 = o4 = e5 = o5 = e6 = o6 = e7 = o7 = vzero()
     e8 = o8 = e9 = o9 = e10 = o10 = e11 = o11 = vzero()
     for i in range(0, n16, 16):
-        e0, o0, e1, o1 = _eo_x2(e0, o0, e1, o1, w0, w1, xs, i)
-        e2, o2, e3, o3 = _eo_x2(e2, o2, e3, o3, w2, w3, xs, i)
-        e4, o4, e5, o5 = _eo_x2(e4, o4, e5, o5, w4, w5, xs, i)
-        e6, o6, e7, o7 = _eo_x2(e6, o6, e7, o7, w6, w7, xs, i)
-        e8, o8, e9, o9 = _eo_x2(e8, o8, e9, o9, w8, w9, xs, i)
-        e10, o10, e11, o11 = _eo_x2(e10, o10, e11, o11, w10, w11, xs, i)
+        e0, o0, e1, o1 = _eo_pair(e0, o0, w0, xs, e1, o1, w1, xs, i)
+        e2, o2, e3, o3 = _eo_pair(e2, o2, w2, xs, e3, o3, w3, xs, i)
+        e4, o4, e5, o5 = _eo_pair(e4, o4, w4, xs, e5, o5, w5, xs, i)
+        e6, o6, e7, o7 = _eo_pair(e6, o6, w6, xs, e7, o7, w7, xs, i)
+        e8, o8, e9, o9 = _eo_pair(e8, o8, w8, xs, e9, o9, w9, xs, i)
+        e10, o10, e11, o11 = _eo_pair(e10, o10, w10, xs, e11, o11, w11, xs, i)
     return (_tail(_reduce_eo(e0, o0), w0, x, n16, n), _tail(_reduce_eo(e1, o1), w1, x, n16, n),
             _tail(_reduce_eo(e2, o2), w2, x, n16, n), _tail(_reduce_eo(e3, o3), w3, x, n16, n),
             _tail(_reduce_eo(e4, o4), w4, x, n16, n), _tail(_reduce_eo(e5, o5), w5, x, n16, n),
@@ -182,12 +184,12 @@ def dot16_rows6_t2(W, r, xsa, xa, xsb, xb):
     e0 = o0 = e1 = o1 = e2 = o2 = e3 = o3 = e4 = o4 = e5 = o5 = vzero()
     f0 = p0 = f1 = p1 = f2 = p2 = f3 = p3 = f4 = p4 = f5 = p5 = vzero()
     for i in range(0, n16, 16):
-        e0, o0, e1, o1 = _eo_x2(e0, o0, e1, o1, w0, w1, xsa, i)
-        f0, p0, f1, p1 = _eo_x2(f0, p0, f1, p1, w0, w1, xsb, i)
-        e2, o2, e3, o3 = _eo_x2(e2, o2, e3, o3, w2, w3, xsa, i)
-        f2, p2, f3, p3 = _eo_x2(f2, p2, f3, p3, w2, w3, xsb, i)
-        e4, o4, e5, o5 = _eo_x2(e4, o4, e5, o5, w4, w5, xsa, i)
-        f4, p4, f5, p5 = _eo_x2(f4, p4, f5, p5, w4, w5, xsb, i)
+        e0, o0, e1, o1 = _eo_pair(e0, o0, w0, xsa, e1, o1, w1, xsa, i)
+        f0, p0, f1, p1 = _eo_pair(f0, p0, w0, xsb, f1, p1, w1, xsb, i)
+        e2, o2, e3, o3 = _eo_pair(e2, o2, w2, xsa, e3, o3, w3, xsa, i)
+        f2, p2, f3, p3 = _eo_pair(f2, p2, w2, xsb, f3, p3, w3, xsb, i)
+        e4, o4, e5, o5 = _eo_pair(e4, o4, w4, xsa, e5, o5, w5, xsa, i)
+        f4, p4, f5, p5 = _eo_pair(f4, p4, w4, xsb, f5, p5, w5, xsb, i)
     return (_tail(_reduce_eo(e0, o0), w0, xa, n16, n), _tail(_reduce_eo(e1, o1), w1, xa, n16, n),
             _tail(_reduce_eo(e2, o2), w2, xa, n16, n), _tail(_reduce_eo(e3, o3), w3, xa, n16, n),
             _tail(_reduce_eo(e4, o4), w4, xa, n16, n), _tail(_reduce_eo(e5, o5), w5, xa, n16, n),
@@ -209,12 +211,12 @@ def dot16_rows3_t4(W, r, XS, X, t):
     e1a = o1a = e1b = o1b = e1c = o1c = e1d = o1d = vzero()
     e2a = o2a = e2b = o2b = e2c = o2c = e2d = o2d = vzero()
     for i in range(0, n16, 16):
-        e0a, o0a, e0b, o0b = _eo_t2(e0a, o0a, e0b, o0b, w0, xa, xb, i)
-        e0c, o0c, e0d, o0d = _eo_t2(e0c, o0c, e0d, o0d, w0, xc, xd, i)
-        e1a, o1a, e1b, o1b = _eo_t2(e1a, o1a, e1b, o1b, w1, xa, xb, i)
-        e1c, o1c, e1d, o1d = _eo_t2(e1c, o1c, e1d, o1d, w1, xc, xd, i)
-        e2a, o2a, e2b, o2b = _eo_t2(e2a, o2a, e2b, o2b, w2, xa, xb, i)
-        e2c, o2c, e2d, o2d = _eo_t2(e2c, o2c, e2d, o2d, w2, xc, xd, i)
+        e0a, o0a, e0b, o0b = _eo_pair(e0a, o0a, w0, xa, e0b, o0b, w0, xb, i)
+        e0c, o0c, e0d, o0d = _eo_pair(e0c, o0c, w0, xc, e0d, o0d, w0, xd, i)
+        e1a, o1a, e1b, o1b = _eo_pair(e1a, o1a, w1, xa, e1b, o1b, w1, xb, i)
+        e1c, o1c, e1d, o1d = _eo_pair(e1c, o1c, w1, xc, e1d, o1d, w1, xd, i)
+        e2a, o2a, e2b, o2b = _eo_pair(e2a, o2a, w2, xa, e2b, o2b, w2, xb, i)
+        e2c, o2c, e2d, o2d = _eo_pair(e2c, o2c, w2, xc, e2d, o2d, w2, xd, i)
     Xa, Xb, Xc, Xd = X[t], X[t + 1], X[t + 2], X[t + 3]
     return (_tail(_reduce_eo(e0a, o0a), w0, Xa, n16, n), _tail(_reduce_eo(e0b, o0b), w0, Xb, n16, n),
             _tail(_reduce_eo(e0c, o0c), w0, Xc, n16, n), _tail(_reduce_eo(e0d, o0d), w0, Xd, n16, n),
@@ -222,13 +224,6 @@ def dot16_rows3_t4(W, r, XS, X, t):
             _tail(_reduce_eo(e1c, o1c), w1, Xc, n16, n), _tail(_reduce_eo(e1d, o1d), w1, Xd, n16, n),
             _tail(_reduce_eo(e2a, o2a), w2, Xa, n16, n), _tail(_reduce_eo(e2b, o2b), w2, Xb, n16, n),
             _tail(_reduce_eo(e2c, o2c), w2, Xc, n16, n), _tail(_reduce_eo(e2d, o2d), w2, Xd, n16, n))
-
-
-@njit(cache=True, inline="always")
-def _eo_t2(ea, oa, eb, ob, w, xsa, xsb, i):
-    """One 16-column chunk at i of one row's even/odd lane vectors for two tokens."""
-    return (vfma_even(ea, w, i, xsa, i), vfma_odd(oa, w, i, xsa, i + 8),
-            vfma_even(eb, w, i, xsb, i), vfma_odd(ob, w, i, xsb, i + 8))
 
 
 @njit(cache=True, inline="always")

@@ -2,8 +2,8 @@
 
 Owns: the vector decode of one 32-weight group (16 packed bytes -> four f64x8 vectors of
 doubled E2M1 values: a float64 table permute on AVX-512 machines, the SSSE3 byte shuffle
-on other x86-64, the same values), ``group_sum_x2`` (one row, one
-token: the decode's one-token use); the tile steps ``tile_8x1`` (eight lanes), ``tile_4x4``
+on other x86-64, the same values), ``group_sum_x2`` (one row, one token: the decode's
+one-token use); the tile steps ``tile_8x1`` (eight lanes), ``tile_4x4``
 and ``tile_8x2`` (sixteen: two vectors of eight): RT rows x TT tokens of one group, each
 decoded row applied to every token of the tile; and for eight tokens at a time
 ``decode_to`` (a group decoded once into memory) with ``lanes_pair`` (two rows, the eight
@@ -43,27 +43,19 @@ E2M1_X2_INT8 = [int(v * 2) for v in E2M1]
 assert all(2 * E2M1[i] == E2M1_X2_INT8[i] for i in range(16))
 
 
-def _host_has_pshufb() -> bool:
-    """The vector decode needs the SSSE3 byte shuffle (every x86-64 CPU since ~2006);
-    elsewhere the scalar table path runs, with the same results."""
+def _host_has(feature: str) -> bool:
+    """Whether this CPU has ``feature`` (LLVM's name), False where the query is unsupported."""
     try:
-        return bool(_llvm_binding.get_host_cpu_features().get("ssse3"))
+        return bool(_llvm_binding.get_host_cpu_features().get(feature))
     except Exception:                       # feature query unsupported on this platform
         return False
 
 
-HAVE_PSHUFB = _host_has_pshufb()
-
-
-def _host_has_avx512f() -> bool:
-    """The table decode needs AVX-512F's two-table permute (vpermi2pd)."""
-    try:
-        return bool(_llvm_binding.get_host_cpu_features().get("avx512f"))
-    except Exception:                       # feature query unsupported on this platform
-        return False
-
-
-HAVE_AVX512F = _host_has_avx512f()
+# The vector decode needs the SSSE3 byte shuffle (every x86-64 CPU since ~2006); elsewhere
+# the scalar table path runs, with the same results.
+HAVE_PSHUFB = _host_has("ssse3")
+# The table decode needs AVX-512F's two-table permute (vpermi2pd).
+HAVE_AVX512F = _host_has("avx512f")
 
 _I8x16 = ir.VectorType(ir.IntType(8), 16)
 _I64 = ir.IntType(64)

@@ -4,8 +4,7 @@ Owns: the one numba-side BF16 widening (bits << 16, the same rule as
 ``libk3.io.dtypes.bf16_to_f32``; scalar ``widen_f32`` / ``widen_f64``, vector inside
 ``vfma``) and an 8-lane float64 vector type ``f64x8`` with ``vzero``, ``vlane``,
 ``vfma``, ``vfma_even``/``vfma_odd``, ``vload``, ``vstore`` and ``vwiden``, and a cache
-``prefetch`` hint, from which
-the fixed-order dot products of ``_dot.py`` are built.
+``prefetch`` hint, from which the fixed-order dot products of ``_dot.py`` are built.
 Does not own: any model math, any summation order (``_dot.py`` fixes that).
 
 WHY a vector type at all. Numba disables LLVM's SLP vectoriser and never lets the loop

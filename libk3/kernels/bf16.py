@@ -59,19 +59,6 @@ def matvec(W, x, y):
 
 
 @njit(cache=True)
-def _aligned_rows(T, I):
-    """An uninitialised float64 [T, I'] array starting on a 64-byte line, I' = I rounded up
-    to 8 plus 8: every row's 8-lane loads stay within one cache line, and the rows of
-    successive tokens are one line apart modulo 4 KB (at K3's widths I * 8 bytes is a
-    multiple of 4 KB, so the four tokens' loads of a chunk would otherwise fall in one L1
-    set; bench/README.md "Arithmetic")."""
-    width = (I + 7) // 8 * 8 + 8
-    buf = np.empty(T * width + 8)
-    skip = (-buf.ctypes.data) % 64 // 8
-    return buf[skip:skip + T * width].reshape(T, width)
-
-
-@njit(cache=True)
 def _task(W, XS, X, Y, o):
     """Rows o .. o + ROWS - 1 for every token: blocks of four tokens over four groups of
     three rows, then a pair over two groups of six, then a last token over all twelve."""
@@ -143,9 +130,9 @@ def matmul(W, X, Y):
     W: [O, I] uint16 BF16 bits or float32. X: [T, I] float32. Y: [T, O] float32, written.
     Each weight row is read from memory once for all T tokens; below WIDEN_ONCE_FROM
     tokens each 16-column chunk is widened once per four tokens, in registers, from there
-    on once for all tokens, into memory (a SPAN at a time). Must not become: a blocked GEMM that
-    splits the I-axis sum differently from ``matvec`` (prefill and decode would then
-    disagree)."""
+    on once for all tokens, into memory (a SPAN at a time). Must not become: a blocked
+    GEMM that splits the I-axis sum differently from ``matvec`` (prefill and decode would
+    then disagree)."""
     O, I = W.shape
     T = X.shape[0]
     if X.shape[1] != I or Y.shape[0] != T or Y.shape[1] != O:
@@ -162,7 +149,7 @@ def matmul(W, X, Y):
             for t in range(T):
                 Y[t, o] = np.float32(dot16(W[o], X[t]))
     else:
-        XS = _aligned_rows(T, I)
+        XS = np.empty((T, I))                  # each token's activations as split16 makes them
         for t in range(T):
             split16(X[t], XS[t])
         tasks = O // ROWS

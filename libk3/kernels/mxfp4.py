@@ -24,11 +24,11 @@ WHY a vector decode: the scalar table decode (a byte -> (low, high) pair, eight 
 as scalars) is bound by loads, and decoding a whole group at once (on AVX-512 a 16-entry
 float64 table permute per eight nibbles; elsewhere 16 bytes -> nibbles -> one 16-entry
 int8 byte shuffle per nibble half -> f64 lanes; then four fused multiply-adds into the
-eight lanes of section 3) is faster with the same sums (bench/README.md, "Arithmetic"). The table
-holds 2 * E2M1 (all integers) and the group sum is scaled by 2^(s - 128): doubling is
-exact in f64 for any f32 activation, so every rounding lands on the same real number as
-the scalar path's. The scalar ``_row_dot2`` stays as the path for CPUs without SSSE3 and as the test oracle of
-the vector one.
+eight lanes of section 3) is faster with the same sums (bench/README.md, "Arithmetic").
+The table holds 2 * E2M1 (all integers) and the group sum is scaled by 2^(s - 128):
+doubling is exact in f64 for any f32 activation, so every rounding lands on the same real
+number as the scalar path's. The scalar ``_row_dot2`` stays as the path for CPUs without
+SSSE3 and as the test oracle of the vector one.
 """
 
 from __future__ import annotations
